@@ -1,0 +1,122 @@
+"""``DPTrainingArguments``: ``transformers.TrainingArguments`` plus the DP flags.
+
+Every HF flag keeps its meaning. Added flags (all parsed by ``HfArgumentParser``):
+
+* ``--optim`` additionally accepts the DP optimizer names from :mod:`hf_dp.optim` (``dp_sgd``,
+  ``dp_sgd_l2``, ``dp_adam``, ``dp_adambc``, ``dp_adamw``, ``dp_adamw_bc``, ``dp_macadam``). HF's own
+  names are refused unless ``--disable_dp`` is given: a run is never silently non-private.
+* ``--epsilon`` (target ε) or ``--noise_multiplier`` (σ), exactly one; ``--delta`` (1e-5; must be
+  below 1/N, checked by the trainer once N is known); ``--per_sample_max_grad_norm`` (C);
+  ``--accountant`` (``prv`` | ``rdp``); ``--trainable`` (``last_block`` | ``head`` | ``all`` |
+  ``lora`` | ``bias``); ``--bc_gamma`` (γ' of the BC variants); ``--macadam_h1/--macadam_h2``;
+  ``--secure_rng``; ``--dp_seed``; ``--disable_dp``.
+
+Batch semantics: expected logical batch B = per_device_train_batch_size × gradient_accumulation_steps
+× world_size; the physical batch is about per_device_train_batch_size (memory), fluctuating with
+Poisson sampling. Extra rule hyper-parameters (e.g. ``momentum`` of ``dp_sgd``) go through HF's
+``--optim_args "momentum=0.9"``.
+
+Two HF defaults change for DP runs, both because they would compute non-private quantities:
+``max_grad_norm`` is set to 0 (HF would clip — and log the norm of — the *non-private* summed
+gradient; DP clipping is per example with C) and ``fp16`` is refused (dynamic loss scaling skips
+steps based on private gradients; use bf16 or fp32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from hf_dp.models import TRAINABLE_MODES
+from hf_dp.optim.registry import is_dp_optimizer, optimizer_names
+from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon
+
+
+@dataclass
+class DPTrainingArguments(TrainingArguments):
+    epsilon: float | None = field(
+        default=None, metadata={"help": "Target epsilon; sigma is calibrated so the planned run spends at most this."}
+    )
+    noise_multiplier: float | None = field(
+        default=None, metadata={"help": "Noise multiplier sigma (instead of --epsilon); epsilon is then reported."}
+    )
+    delta: float = field(default=1e-5, metadata={"help": "Target delta; must be < 1/N."})
+    per_sample_max_grad_norm: float = field(
+        default=0.1, metadata={"help": "Per-example clipping norm C (L2, over all trainable parameters)."}
+    )
+    accountant: str = field(default="prv", metadata={"help": "Privacy accountant: prv (tight) or rdp.", "choices": list(ACCOUNTANTS)})
+    trainable: str = field(
+        default="last_block",
+        metadata={"help": "Which parameters train: last_block (+pooler+head), head, all, lora, bias.", "choices": list(TRAINABLE_MODES)},
+    )
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank (with --trainable lora)."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (with --trainable lora)."})
+    bc_gamma: float | None = field(default=None, metadata={"help": "gamma' floor of dp_adambc / dp_adamw_bc (default 1e-8)."})
+    macadam_h1: float = field(default=1e-12, metadata={"help": "DP-MacAdam lower clamp h1 of the variance estimate."})
+    macadam_h2: float = field(default=1.0, metadata={"help": "DP-MacAdam upper clamp h2 of the variance estimate."})
+    secure_rng: bool = field(
+        default=False, metadata={"help": "Opacus secure-mode noise (robust to floating-point attacks); seeds from OS entropy."}
+    )
+    dp_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seed of Poisson sampling and noise. Default: OS entropy (unpredictable). A known seed lets "
+            "anyone who knows it recompute batches and noise: use it for reproducible research only."
+        },
+    )
+    disable_dp: bool = field(default=False, metadata={"help": "Train non-privately (baseline); requires an HF --optim."})
+
+    def __post_init__(self):
+        name = str(getattr(self.optim, "value", self.optim))
+        dp_name = name if is_dp_optimizer(name) else None
+        if dp_name is not None:
+            if self.disable_dp:
+                raise ValueError(
+                    f"--optim {dp_name} is a DP optimizer but --disable_dp was given; for a non-private baseline "
+                    "use an HF optimizer such as adamw_torch"
+                )
+            self.optim = "adamw_torch"  # placeholder so TrainingArguments validates; restored below
+        elif not self.disable_dp:
+            raise ValueError(
+                f"--optim {name} is not a DP optimizer: choose one of {', '.join(optimizer_names())}, "
+                "or pass --disable_dp explicitly for a non-private baseline"
+            )
+        if dp_name is not None:
+            if self.fp16:
+                raise ValueError(
+                    "--fp16 is not supported with DP: dynamic loss scaling skips steps depending on private "
+                    "gradients; use --bf16 or fp32"
+                )
+            self.max_grad_norm = 0.0
+        super().__post_init__()
+        if dp_name is not None:
+            self.optim = dp_name
+            self._validate_dp()
+
+    @property
+    def dp_enabled(self) -> bool:
+        return not self.disable_dp
+
+    def _validate_dp(self) -> None:
+        if (self.epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("give exactly one of --epsilon (target) and --noise_multiplier (sigma)")
+        if self.epsilon is not None:
+            check_epsilon(self.epsilon)
+        if self.noise_multiplier is not None:
+            s = self.noise_multiplier
+            if not isinstance(s, (int, float)) or math.isnan(s) or math.isinf(s) or s <= 0:
+                raise ValueError(f"--noise_multiplier must be a finite number > 0 (sigma = 0 is not private), got {s!r}")
+        check_delta(self.delta)
+        c = self.per_sample_max_grad_norm
+        if not isinstance(c, (int, float)) or math.isnan(c) or math.isinf(c) or c <= 0:
+            raise ValueError(f"--per_sample_max_grad_norm (C) must be a finite number > 0, got {c!r}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"--accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
+        if self.trainable not in TRAINABLE_MODES:
+            raise ValueError(f"--trainable must be one of {TRAINABLE_MODES}, got {self.trainable!r}")
+        if self.bc_gamma is not None and not self.bc_gamma > 0:
+            raise ValueError(f"--bc_gamma must be > 0, got {self.bc_gamma}")
+        if self.max_steps is not None and self.max_steps == 0:
+            raise ValueError("--max_steps 0 trains nothing")

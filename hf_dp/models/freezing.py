@@ -1,0 +1,338 @@
+"""Choosing which parameters of a Hugging Face classifier are trained.
+
+``apply_trainable(model, trainable)`` freezes a ``*ForSequenceClassification``
+model and re-enables gradients for one of the modes in :data:`TRAINABLE_MODES`:
+
+``last_block`` (default)
+    The last transformer block, plus every parameter-holding module that is
+    first *called* after the last block starts (pooler, GPT-2's ``ln_f``, the
+    classification head).  This is the setting of the DP-AdamW paper.
+``head``
+    Only the classification head, i.e. every parameter that is not a
+    parameter of ``model.base_model`` (e.g. BERT's ``classifier``,
+    DistilBERT's ``pre_classifier`` + ``classifier``, DeBERTa's ``pooler`` +
+    ``classifier``, GPT-2's ``score``).
+``all``
+    Every parameter.
+``bias``
+    BitFit: every parameter registered under the name ``bias`` (linear,
+    layer-norm, ... biases) plus the whole head (as in ``head``).
+``lora``
+    PEFT LoRA with ``task_type=SEQ_CLS``.  Unless a config says otherwise, the
+    target modules come from PEFT's own per-architecture default mapping
+    (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``); for model types
+    missing there, hf_dp supplies the query/value projections for DistilBERT,
+    ALBERT and MPNet and falls back to PEFT's ``"all-linear"`` otherwise.  The
+    head modules (as in ``head``) are trained in full through PEFT's
+    ``modules_to_save``.  The returned model is the ``PeftModel``.
+
+How ``last_block`` works (architecture-generic, no attribute names):
+
+1. *Blocks*: among all ``nn.ModuleList`` inside ``model.base_model`` whose
+   children all share one class, take the one with the most parameters (ties:
+   the outermost one).  The last block is its last element.
+2. *Execution order*: run one tiny dummy forward (``1 x 8`` token ids, under
+   ``torch.no_grad()``, in eval mode; training mode is restored afterwards)
+   with forward pre-hooks that record the order in which modules are called
+   for the first time.
+3. Trainable = every parameter of the last block + the direct parameters of
+   every module whose *first* call starts after the last block's first call
+   started.
+
+Step 3 picks the pooler, final layer norms and the head, and leaves out
+everything computed before the blocks even if it is defined inside the encoder
+(DeBERTa's ``rel_embeddings`` and ``encoder.LayerNorm``, MPNet's
+``relative_attention_bias``, ELECTRA's ``embeddings_project``, ALBERT's
+``embedding_hidden_mapping_in``).  Parameters that are read directly instead
+of through a module call are attributed to the module whose forward reads them.
+
+ALBERT shares one layer group across all depths; its ModuleList of blocks is
+``albert.encoder.albert_layer_groups`` (one group by default), so its "last
+block" is the (last) shared group, which is applied at every depth.  Training
+it therefore changes every layer of the network, not just the top one.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+TRAINABLE_MODES: tuple[str, ...] = ("last_block", "head", "all", "bias", "lora")
+
+__all__ = ["TRAINABLE_MODES", "TrainableInfo", "apply_trainable", "find_blocks", "head_parameter_names"]
+
+
+@dataclass
+class TrainableInfo:
+    """What :func:`apply_trainable` selected.
+
+    Attributes:
+        mode: the trainable mode that was applied.
+        trainable_names: names (as in ``model.named_parameters()`` of the
+            returned model) of the parameters with ``requires_grad=True``.
+        num_trainable: number of trainable scalar parameters.
+        num_total: number of scalar parameters of the returned model (shared
+            parameters counted once; for ``lora`` this includes the adapters and
+            PEFT's trainable copies of the head).
+        last_block: for ``last_block``, the qualified name of the block module
+            that was unfrozen, else ``None``.
+    """
+
+    mode: str
+    trainable_names: list[str] = field(default_factory=list)
+    num_trainable: int = 0
+    num_total: int = 0
+    last_block: str | None = None
+
+    @property
+    def fraction(self) -> float:
+        return self.num_trainable / self.num_total if self.num_total else 0.0
+
+    def summary(self) -> str:
+        """One line, e.g. ``trainable 1,234 / 5,678 params (21.7%) [last_block]``."""
+        return (
+            f"trainable {self.num_trainable:,} / {self.num_total:,} params "
+            f"({100.0 * self.fraction:.1f}%) [{self.mode}]"
+        )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) else model
+
+
+def head_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the parameters of ``model`` that are not parameters of ``model.base_model``."""
+    base = _base_model(model)
+    base_ids = {id(p) for p in base.parameters()}
+    return [n for n, p in model.named_parameters() if id(p) not in base_ids]
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """Return ``(qualified_name, module_list)`` of the transformer blocks of ``model``.
+
+    The blocks are the ``nn.ModuleList`` inside ``model.base_model`` with the
+    largest parameter count among those whose children all have one class
+    (ties go to the outermost list).  The name is relative to ``model``.
+    """
+    base = _base_model(model)
+    base_prefix = next((n for n, m in model.named_modules() if m is base), "")
+    best: tuple[str, nn.ModuleList] | None = None
+    best_size = 0
+    for name, module in base.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = _num_params(module)
+        if size > best_size:  # strict: on ties keep the outer list (pre-order)
+            best, best_size = (name, module), size
+    if best is None:
+        raise ValueError(
+            f"Could not find the transformer blocks of {type(model).__name__}: no nn.ModuleList "
+            "of same-class modules with parameters inside model.base_model; use --trainable all, "
+            "head, bias or lora instead of last_block."
+        )
+    name = ".".join(x for x in (base_prefix, best[0]) if x)
+    return name, best[1]
+
+
+def _dummy_inputs(model: nn.Module) -> dict:
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    config = getattr(model, "config", None)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab <= 0:
+        dummy = getattr(model, "dummy_inputs", None)
+        if isinstance(dummy, dict):
+            return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in dummy.items()}
+        raise ValueError(f"Cannot build dummy inputs for {type(model).__name__} (no config.vocab_size).")
+    pad = getattr(config, "pad_token_id", None)
+    ids = [(i + 1) % vocab for i in range(16)]
+    ids = [i for i in ids if i != pad][:8]
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def _first_call_order(model: nn.Module) -> dict[int, int]:
+    """Map ``id(module)`` -> index of its first call during one dummy forward."""
+    order: dict[int, int] = {}
+
+    def pre_hook(module, _args):
+        order.setdefault(id(module), len(order))
+
+    handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(**_dummy_inputs(model))
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return order
+
+
+def _select_last_block(model: nn.Module) -> tuple[set[int], str]:
+    block_list_name, blocks = find_blocks(model)
+    last = blocks[-1]
+    last_name = f"{block_list_name}.{len(blocks) - 1}"
+    order = _first_call_order(model)
+    if id(last) not in order:
+        raise ValueError(
+            f"The last block {last_name} of {type(model).__name__} was not called during a dummy "
+            "forward pass; cannot determine what comes after it. Use another --trainable mode."
+        )
+    start = order[id(last)]
+    selected = {id(p) for p in last.parameters()}
+    for module in model.modules():
+        if order.get(id(module), -1) > start:
+            selected.update(id(p) for p in module.parameters(recurse=False))
+    return selected, last_name
+
+
+# Query/value projections for architectures that PEFT's default mapping
+# (peft.utils.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING) does not cover;
+# same q/v convention as PEFT's entries for BERT-like models.
+_EXTRA_LORA_TARGETS = {
+    "distilbert": ["q_lin", "v_lin"],
+    "albert": ["query", "value"],
+    "mpnet": ["q", "v"],
+}
+
+
+def _default_lora_targets(model: nn.Module):
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in mapping:
+        return None  # let PEFT fill in its own default
+    if model_type in _EXTRA_LORA_TARGETS:
+        return list(_EXTRA_LORA_TARGETS[model_type])
+    return "all-linear"
+
+
+def _apply_lora(model: nn.Module, lora_config) -> nn.Module:
+    try:
+        from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("--trainable lora needs the `peft` package") from e
+
+    if isinstance(model, PeftModel):
+        raise ValueError("apply_trainable(..., 'lora') expects a plain transformers model, got a PeftModel.")
+    if lora_config is None:
+        lora_config = {}
+    if isinstance(lora_config, dict):
+        kwargs = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, **lora_config}
+        kwargs["task_type"] = TaskType.SEQ_CLS
+        lora_config = LoraConfig(**kwargs)
+    else:
+        lora_config = copy.deepcopy(lora_config)
+    if getattr(lora_config, "target_modules", None) is None and not getattr(lora_config, "target_parameters", None):
+        lora_config.target_modules = _default_lora_targets(model)
+    if getattr(lora_config, "modules_to_save", None) is None:
+        # Top-level modules outside base_model that hold parameters = the head.
+        base = _base_model(model)
+        head = [
+            name
+            for name, child in model.named_children()
+            if child is not base and any(True for _ in child.parameters())
+        ]
+        lora_config.modules_to_save = head or None
+    for p in model.parameters():
+        p.requires_grad_(False)
+    try:
+        return get_peft_model(model, lora_config)
+    except ValueError as e:
+        raise ValueError(
+            f"PEFT could not build LoRA for {type(model).__name__} "
+            f"(model_type={getattr(getattr(model, 'config', None), 'model_type', None)!r}): {e} "
+            "Pass lora_config with explicit target_modules."
+        ) from e
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def apply_trainable(
+    model: nn.Module, trainable: str = "last_block", lora_config=None
+) -> tuple[nn.Module, TrainableInfo]:
+    """Freeze ``model`` except for the parameters selected by ``trainable``.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (typically ``*ForSequenceClassification``).
+            Modified in place (``requires_grad`` flags; for ``lora`` PEFT also
+            injects adapter layers into it).
+        trainable: one of :data:`TRAINABLE_MODES` (see the module docstring).
+        lora_config: only for ``lora``: a ``peft.LoraConfig`` (used as is, except
+            that ``modules_to_save`` defaults to the head modules when unset), a
+            dict of ``LoraConfig`` keyword arguments (defaults ``r=8,
+            lora_alpha=16, lora_dropout=0.0``; ``task_type`` is forced to
+            ``SEQ_CLS``) or ``None`` (all defaults).
+
+    Returns:
+        ``(model, info)``: the model to train (the ``PeftModel`` for ``lora``,
+        else the same object) and a :class:`TrainableInfo`.
+
+    Raises:
+        ValueError: unknown mode, ``lora_config`` given for another mode, the
+            blocks cannot be found, or the mode selects no parameter (for the
+            non-LoRA modes this is raised before any flag is changed).
+    """
+    if trainable not in TRAINABLE_MODES:
+        raise ValueError(
+            f"Unknown trainable mode {trainable!r}; expected one of {', '.join(TRAINABLE_MODES)}."
+        )
+    if lora_config is not None and trainable != "lora":
+        raise ValueError(f"lora_config is only used with trainable='lora', not {trainable!r}.")
+
+    last_block_name = None
+    if trainable == "lora":
+        model = _apply_lora(model, lora_config)
+    else:
+        if trainable == "all":
+            selected = {id(p) for p in model.parameters()}
+        elif trainable == "head":
+            head = set(head_parameter_names(model))
+            selected = {id(p) for n, p in model.named_parameters() if n in head}
+        elif trainable == "bias":
+            head = set(head_parameter_names(model))
+            selected = {id(p) for n, p in model.named_parameters() if n in head}
+            for module in model.modules():
+                bias = module._parameters.get("bias")
+                if isinstance(bias, nn.Parameter):
+                    selected.add(id(bias))
+        else:  # last_block
+            selected, last_block_name = _select_last_block(model)
+        if not selected:
+            raise ValueError(
+                f"trainable={trainable!r} selects no parameter of {type(model).__name__}; "
+                "choose another mode (e.g. last_block or all)."
+            )
+        for p in model.parameters():
+            p.requires_grad_(id(p) in selected)
+
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if not names:  # only reachable for a LoRA config that trains nothing
+        raise ValueError(f"trainable={trainable!r} selects no parameter of {type(model).__name__}.")
+    info = TrainableInfo(
+        mode=trainable,
+        trainable_names=names,
+        num_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        num_total=sum(p.numel() for p in model.parameters()),
+        last_block=last_block_name,
+    )
+    return model, info

@@ -1,0 +1,177 @@
+"""The update-rule half of a DP optimizer, built as a chain of small transforms (optax style).
+
+A DP optimizer in hf_dp has two halves:
+
+* the **privatizer** (:class:`hf_dp.privacy.PrivateOptimizer`, an Opacus ``DPOptimizer``): per-sample
+  clipping to C, one sum over the logical batch, ``N(0, σ²C²)`` added once, division by the
+  *expected* logical batch size B. It leaves the privatized gradient g̃_t in ``p.grad``;
+* the **update rule** (:class:`DPUpdateRule`, a ``torch.optim.Optimizer``): turns g̃_t into a
+  parameter update. It only ever reads g̃_t, public hyper-parameters and the public noise scale,
+  so by post-processing it adds no privacy cost.
+
+An update rule is a chain of :class:`Transform` pieces applied to the list of per-parameter
+updates (vectorised with ``torch._foreach_*``), followed by ``θ ← θ − η·u``. The learning rate
+η is read from ``param_groups`` every step, so HF/torch LR schedulers work. All state lives in
+``self.state`` and round-trips through ``state_dict``.
+
+Two optional hooks let a rule change what happens to per-sample gradients *before* clipping
+(``to_clip_space``) and map the noisy average back (``from_clip_space``); the privatizer calls
+them. Rules using them must state their sensitivity in their docstring.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+
+def _check_lr(lr) -> None:
+    if not isinstance(lr, (int, float)) and not torch.is_tensor(lr):
+        raise ValueError(f"lr must be a number, got {lr!r}")
+    if float(lr) < 0 or math.isnan(float(lr)):
+        raise ValueError(f"lr must be >= 0, got {lr}")
+
+
+def check_betas(betas) -> tuple[float, float]:
+    try:
+        b1, b2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}") from None
+    for name, b in (("betas[0]", b1), ("betas[1]", b2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {b}")
+    return b1, b2
+
+
+def check_positive(name: str, value) -> float:
+    if not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return float(value)
+
+
+def check_nonnegative(name: str, value) -> float:
+    if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return float(value)
+
+
+class StepContext:
+    """What one ``step()`` of one param group hands from transform to transform."""
+
+    def __init__(self, rule: "DPUpdateRule", group: dict, params: list[Tensor], states: list[dict]):
+        self.rule = rule
+        self.group = group
+        self.params = params
+        self.states = states
+        self.extras: dict = {}
+
+
+class Transform:
+    """One piece of an update rule: maps the list of updates to a new list (never in place on p.grad)."""
+
+    def init_state(self, p: Tensor, state: dict) -> None:  # pragma: no cover - default no state
+        pass
+
+    def __call__(self, updates: list[Tensor], ctx: StepContext) -> list[Tensor]:
+        raise NotImplementedError
+
+
+class DPUpdateRule(torch.optim.Optimizer):
+    """Base class: ``step()`` applies ``self.chain(group)`` to g̃ = ``p.grad`` then θ ← θ − η·u.
+
+    Subclasses define ``chain(group) -> Sequence[Transform]`` and validate their hyper-parameters
+    in ``__init__``. The privatizer attaches itself with :meth:`attach_privatizer` so that rules
+    needing the noise scale (the BC variants, MacAdam) read the very σ, C and B used for noise.
+    """
+
+    #: name in the registry (set by :func:`hf_dp.optim.registry.register`)
+    registry_name: str = ""
+
+    def __init__(self, params, defaults: dict):
+        _check_lr(defaults.get("lr", 0.0))
+        if "weight_decay" in defaults:
+            check_nonnegative("weight_decay", defaults["weight_decay"])
+        super().__init__(params, defaults)  # every group goes through add_param_group → check_group
+        self._noise_source: Callable[[], float] | None = None
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        # per-group overrides (e.g. {"params": ..., "betas": ...}) are validated like the defaults
+        self.check_group(self.param_groups[-1])
+
+    def check_group(self, group: dict) -> None:
+        """Validate one param group's hyper-parameters (raises ``ValueError`` naming the bad one)."""
+        _check_lr(group["lr"])
+        check_nonnegative("weight_decay", group.get("weight_decay", 0.0))
+
+    # ----- link to the privatizer -------------------------------------------------------------
+    def attach_privatizer(self, privatizer) -> None:
+        """Called by the privatizer: Φ and friends come from its σ, C (clip space) and B."""
+        self._noise_source = lambda: privatizer.noise_std_of_mean
+
+    def noise_std_of_mean(self) -> float:
+        """σ·C/B: the standard deviation of the noise in each coordinate of g̃ (one source of truth)."""
+        if self._noise_source is None:
+            raise RuntimeError(
+                f"{type(self).__name__} needs the noise scale σC/B: build it with hf_dp.optim.make_optimizer "
+                "or wrap it in hf_dp.privacy.PrivateOptimizer"
+            )
+        return float(self._noise_source())
+
+    # ----- per-sample hooks (identity by default) ---------------------------------------------
+    #: norm that per-sample vectors are clipped to in clip space, as a multiple of the user's C
+    #: (None: the user's C itself). MacAdam clips unit-norm vectors and returns 1.0 via ``clip_norm``.
+    def clip_norm(self, max_grad_norm: float) -> float:
+        return max_grad_norm
+
+    def to_clip_space(self, params: Sequence[Tensor], grad_samples: list[Tensor]) -> list[Tensor]:
+        return grad_samples
+
+    def from_clip_space(self, params: Sequence[Tensor]) -> None:
+        """Map the noisy mean in clip space (in ``p.grad``) back to a gradient, in place."""
+        return None
+
+    # ----- the update ----------------------------------------------------------------------------
+    def chain(self, group: dict) -> Sequence[Transform]:
+        raise NotImplementedError
+
+    def _init_state(self, p: Tensor, state: dict, transforms: Sequence[Transform]) -> None:
+        state["step"] = 0
+        for t in transforms:
+            t.init_state(p, state)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            transforms = self.chain(group)
+            states = []
+            for p in params:
+                st = self.state[p]
+                if len(st) == 0:
+                    self._init_state(p, st, transforms)
+                st["step"] += 1
+                states.append(st)
+            ctx = StepContext(self, group, params, states)
+            updates = [p.grad for p in params]
+            for t in transforms:
+                updates = t(updates, ctx)
+            torch._foreach_add_(params, updates, alpha=-float(group["lr"]))
+            self.after_group_step(ctx)
+        self.after_step()
+        return loss
+
+    def after_group_step(self, ctx: StepContext) -> None:
+        """Hook for rules that keep extra statistics (e.g. the BC clamp rate)."""
+
+    def after_step(self) -> None:
+        """Hook run once after all groups (e.g. MacAdam's global clipping-bound refresh)."""

@@ -1,0 +1,19 @@
+from .dp_adam import _AdamFamily
+from .registry import register
+from .transforms import DecoupledWeightDecay
+
+
+@register("dp_adamw", source="seed 000, Algorithm 1", summary="DP-AdamW, decoupled weight decay")
+class DPAdamW(_AdamFamily):
+    r"""DP-AdamW (seed 000, Algorithm 1), exactly as written there:
+
+    m_t = β1 m_{t−1} + (1−β1)g̃_t;  v_t = β2 v_{t−1} + (1−β2)g̃_t²;  m̂_t = m_t/(1−β1^t);  v̂_t = v_t/(1−β2^t);
+    θ_t = θ_{t−1} − η_t ( m̂_t/√(v̂_t + ε0) + λθ_{t−1} ).
+
+    Choices where the paper is open: ε0 (= ``eps``) is *inside* the square root, as in the
+    paper's line 10 (``torch.optim.AdamW`` puts it outside; the two coincide for ε0 = 0); the decay
+    uses θ_{t−1} and is multiplied by η_t (so it follows the LR schedule; torch AdamW does the same).
+    """
+
+    denominator = "eps_inside"
+    decay = DecoupledWeightDecay

@@ -1,0 +1,148 @@
+import torch
+
+from .base import check_positive
+from .dp_adam import _AdamFamily
+from .registry import register
+from .transforms import DecoupledWeightDecay
+
+
+@register(
+    "dp_macadam",
+    source="seed 001 (Tasnim, Sankar, Kosut)",
+    summary="DP-MacAdam: adaptive per-coordinate clipping reusing Adam's moments",
+)
+class DPMacAdam(_AdamFamily):
+    r"""DP-MacAdam (seed 001): per-example gradients are centred by m̂_{t−1}, scaled per coordinate
+    by b_{t−1}, clipped to unit norm, averaged and noised; the same moments drive Adam.
+
+    w_i = (g_i − m̂_{t−1}) / b_{t−1};  w̄_i = w_i / max(1, ‖w_i‖₂);
+    w̃_t = (1/B)(Σ_i w̄_i + N(0, σ²I));  g̃_t = b_{t−1} ⊙ w̃_t + m̂_{t−1};
+    m_t, v_t, m̂_t, v̂_t as in Adam on g̃_t;  θ_t = θ_{t−1} − η m̂_t/(√v̂_t + γ)   (γ = ``eps``);
+    u_t = (g̃_t − m̂_t)²;  s_t = β1 s_{t−1} + (1−β1)u_t;  κ_t = 2(β1 − β1^t)/(1+β1);
+    ŝ_t = clamp(s_t/κ_t − b_{t−1}²σ²/B², h1, h2);  b_t = ŝ_t^{1/4} (Σ_j ŝ_{t,j}^{1/2})^{1/2}.
+    All norms and the sum over j run over every trainable coordinate jointly.
+
+    Sensitivity: m̂_{t−1} and b_{t−1} are computed from earlier privatized gradients only (public
+    by post-processing), so the map g_i ↦ w̄_i uses no other private data, and ‖w̄_i‖ ≤ 1: each
+    example changes Σ_i w̄_i by at most 1 in L2, and the noise N(0, σ²I) on that sum is the Gaussian
+    mechanism with sensitivity 1 and multiplier σ — the same (q, σ, steps) accounting as DP-SGD.
+    The user's clip norm C enters only through the initial bound b_0.
+
+    Choices where the paper is open (documented and tested):
+    * b_0 = C·1 (every coordinate) and m̂_0 = 0, so step 1 is exactly DP-SGD clipping at C;
+    * at t = 1, κ_1 = 0, so the bound is not refreshed (b_1 = b_0); s is updated from t = 1 on;
+    * noise is divided by the expected batch B (Opacus semantics), and Φ-like correction uses it;
+    * h1 = 1e-12, h2 = 1.0 by default (``h1``, ``h2``; the paper leaves them to the user);
+    * optional decoupled ``weight_decay`` (default 0, not in the paper) as in DP-AdamW.
+    """
+
+    denominator = "eps_outside"
+    decay = DecoupledWeightDecay
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, h1=1e-12, h2=1.0, initial_bound=None):
+        check_positive("h1", h1)
+        check_positive("h2", h2)
+        if h1 > h2:
+            raise ValueError(f"h1 must be <= h2, got h1={h1}, h2={h2}")
+        # b_0 = C: None means "the C of the privatizer this rule gets attached to" (1.0 standalone)
+        self._initial_bound_explicit = initial_bound is not None
+        if initial_bound is not None:
+            check_positive("initial_bound (C)", initial_bound)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, h1=h1, h2=h2)
+        self.initial_bound = float(initial_bound) if initial_bound is not None else 1.0
+
+    def check_group(self, group):
+        super().check_group(group)
+        h1 = check_positive("h1", group["h1"])
+        h2 = check_positive("h2", group["h2"])
+        if h1 > h2:
+            raise ValueError(f"h1 must be <= h2, got h1={h1}, h2={h2}")
+
+    @staticmethod
+    def privatizer_kwargs(max_grad_norm, hyperparameters):
+        # clip space is the unit ball; the user's C becomes the initial per-coordinate bound b_0
+        hyperparameters.setdefault("initial_bound", max_grad_norm)
+        return {"clip_norm": 1.0}
+
+    def clip_norm(self, max_grad_norm):
+        """Per-sample vectors are clipped to the unit ball in clip space, whatever the user's C."""
+        return 1.0
+
+    def attach_privatizer(self, privatizer):
+        super().attach_privatizer(privatizer)
+        if not self._initial_bound_explicit:
+            # wrapped directly in PrivateOptimizer (not via make_optimizer): b_0 = the user's C
+            self.initial_bound = float(privatizer.user_max_grad_norm)
+
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _center_and_bound(self, p):
+        """(m̂_{t−1}, b_{t−1}) for parameter p (0 and b_0 before the first step)."""
+        st = self.state[p]
+        if "bound" not in st:
+            return None, None
+        b1 = self._group_of(p)["betas"][0]
+        t = st["step"]
+        m_hat = st["exp_avg"] / (1.0 - b1**t) if t > 0 else None
+        return m_hat, st["bound"]
+
+    def _group_of(self, p):
+        for g in self.param_groups:
+            if any(q is p for q in g["params"]):
+                return g
+        raise KeyError("parameter not in optimizer")
+
+    def to_clip_space(self, params, grad_samples):
+        out = []
+        for p, gs in zip(params, grad_samples):
+            m_hat, bound = self._center_and_bound(p)
+            if bound is None:
+                out.append(gs / self.initial_bound)
+            else:
+                out.append((gs - m_hat.unsqueeze(0)) / bound.unsqueeze(0) if m_hat is not None else gs / bound.unsqueeze(0))
+        return out
+
+    def from_clip_space(self, params):
+        for p in params:
+            if p.grad is None:
+                continue
+            m_hat, bound = self._center_and_bound(p)
+            if bound is None:
+                p.grad.mul_(self.initial_bound)
+            else:
+                p.grad.mul_(bound)
+                if m_hat is not None:
+                    p.grad.add_(m_hat)
+
+    def _init_state(self, p, state, transforms):
+        super()._init_state(p, state, transforms)
+        state["s"] = torch.zeros_like(p)
+        state["bound"] = torch.full_like(p, self.initial_bound)
+
+    @torch.no_grad()
+    def after_step(self):
+        """Refresh s_t and b_t from g̃_t (``p.grad``) and m̂_t, jointly over all coordinates."""
+        params = [p for p in self._params() if p.grad is not None and "s" in self.state[p]]
+        if not params:
+            return
+        sigma_over_b = self.noise_std_of_mean()  # σ·1/B in clip space
+        s_hats = []
+        for p in params:
+            st = self.state[p]
+            g = self._group_of(p)
+            b1 = g["betas"][0]
+            t = st["step"]
+            m_hat = st["exp_avg"] / (1.0 - b1**t)
+            u = (p.grad - m_hat).square_()
+            st["s"].mul_(b1).add_(u, alpha=1.0 - b1)
+            if t < 2:
+                continue  # κ_1 = 0: keep b_1 = b_0
+            kappa = 2.0 * (b1 - b1**t) / (1.0 + b1)
+            s_hat = (st["s"] / kappa).sub_(st["bound"].square() * sigma_over_b**2).clamp_(g["h1"], g["h2"])
+            s_hats.append((st, s_hat))
+        if not s_hats:
+            return
+        total = torch.stack([s.sqrt().sum() for _, s in s_hats]).sum().sqrt()
+        for st, s_hat in s_hats:
+            st["bound"] = s_hat.sqrt_().sqrt_().mul_(total)

@@ -1,0 +1,276 @@
+"""The privatizer: Opacus ``DPOptimizer`` semantics around an hf_dp update rule.
+
+For one logical batch (possibly several physical micro-batches, possibly several processes):
+
+1. after each backward pass, :meth:`PrivateOptimizer.accumulate` takes the per-sample gradients
+   Opacus' grad sampler left in ``p.grad_sample``, undoes any constant loss scale, lets the rule map
+   them to its clip space (identity for most rules), clips each example's whole gradient (all
+   parameters jointly) to norm ≤ C with Opacus' own ``clip_and_accumulate``, adds them to
+   ``p.summed_grad`` and frees ``p.grad_sample``;
+2. :meth:`step` adds ``N(0, σ²C²)`` to the sum **once** — on rank 0 only when several processes
+   train, after which the noisy sums are all-reduced, so the noise enters exactly once — divides by
+   the *expected* logical batch size B, maps back from clip space, records the step in the
+   :class:`~hf_dp.privacy.accounting.PrivacyLedger`, and runs the update rule. After ``step()``
+   ``p.grad`` holds the privatized gradient g̃_t the rule used.
+
+Randomness: the noise comes from a dedicated ``torch.Generator`` seeded from ``noise_seed`` or,
+when it is ``None`` (the default), from OS entropy, so that nobody who knows the training seed can
+predict the noise. ``secure_mode=True`` additionally uses Opacus' floating-point-attack-resistant
+noise. The generator state is saved in ``state_dict`` so that a resumed run continues the stream.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+import torch.distributed as dist
+from opacus.optimizers import DPOptimizer
+
+from hf_dp.optim.base import DPUpdateRule, check_nonnegative, check_positive
+
+from .accounting import PrivacyLedger
+
+
+class PrivacyBudgetExceeded(RuntimeError):
+    """Raised instead of taking a step that would push ε past the target."""
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class PrivateOptimizer(DPOptimizer):
+    """A DP optimizer: Opacus privatization + an hf_dp :class:`~hf_dp.optim.base.DPUpdateRule`.
+
+    Args:
+        rule: the update rule (holds the param groups and state).
+        noise_multiplier: σ ≥ 0.
+        max_grad_norm: the user's clip norm C > 0.
+        expected_batch_size: B = expected *logical* batch size (q·N) over all processes.
+        clip_norm: norm per-sample vectors are clipped to in the rule's clip space (default C;
+            MacAdam clips unit vectors). The noise std on the sum is σ·clip_norm.
+        noise_seed: seed of the noise generator (``None``: OS entropy).
+        secure_mode: Opacus' secure noise (sums of Gaussians; resists floating-point attacks).
+        ledger: a :class:`PrivacyLedger` that records one step per noisy step (optional).
+        max_epsilon: refuse (raise :class:`PrivacyBudgetExceeded`) to take a step after which the
+            ledger's ε would exceed this.
+    """
+
+    def __init__(
+        self,
+        rule: DPUpdateRule,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: float,
+        clip_norm: float | None = None,
+        noise_seed: int | None = None,
+        secure_mode: bool = False,
+        ledger: PrivacyLedger | None = None,
+        max_epsilon: float | None = None,
+    ):
+        if not isinstance(rule, DPUpdateRule):
+            raise TypeError(f"rule must be an hf_dp DPUpdateRule, got {type(rule).__name__}")
+        check_nonnegative("noise_multiplier (sigma)", noise_multiplier)
+        check_positive("max_grad_norm (C)", max_grad_norm)
+        check_positive("expected_batch_size (B)", expected_batch_size)
+        self.user_max_grad_norm = float(max_grad_norm)
+        super().__init__(
+            rule,
+            noise_multiplier=float(noise_multiplier),
+            max_grad_norm=float(clip_norm if clip_norm is not None else rule.clip_norm(max_grad_norm)),
+            expected_batch_size=expected_batch_size,
+            loss_reduction="sum",
+            generator=None,
+            secure_mode=secure_mode,
+        )
+        self.rule = rule
+        self.ledger = ledger
+        self.max_epsilon = max_epsilon
+        self.noise_seed = noise_seed if noise_seed is not None else secrets.randbits(63)
+        self._generator_state: list[int] | None = None
+        self.sampler = None  # a PoissonBatchSampler whose state travels with the optimizer's
+        self.steps_taken = 0
+        #: steps known to fit in ``max_epsilon`` (see ``_would_exceed_budget``)
+        self.budget_steps: int | None = None
+        rule.attach_privatizer(self)
+
+    # ----- the noise scale, one source of truth ---------------------------------------------------
+    @property
+    def noise_std_of_mean(self) -> float:
+        """σ·C/B (C in clip space): the noise std of each coordinate of the privatized mean."""
+        return self.noise_multiplier * self.max_grad_norm / float(self.expected_batch_size)
+
+    def _noise_generator(self, device) -> torch.Generator:
+        gen = self.generator
+        if gen is None or gen.device != torch.device(device):
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.noise_seed)
+            if self._generator_state is not None:
+                gen.set_state(torch.tensor(self._generator_state, dtype=torch.uint8))
+                self._generator_state = None
+            self.generator = gen
+        return gen
+
+    # ----- per micro-batch ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def accumulate(self, loss_scale: float = 1.0) -> int:
+        """Clip and sum the per-sample gradients of the last backward pass(es); free them.
+
+        ``loss_scale``: the constant the per-example losses were multiplied by before backward
+        (e.g. 1/accumulation steps); per-sample gradients are divided by it first so that clipping
+        sees each example's true gradient. Returns the number of rows processed.
+        """
+        params = self.params
+        if not params or all(getattr(p, "grad_sample", None) is None for p in params):
+            return 0
+        missing = [i for i, p in enumerate(params) if getattr(p, "grad_sample", None) is None]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameter(s) received no per-sample gradient in backward; "
+                "every trainable parameter must be used in the forward pass through a layer Opacus supports"
+            )
+        flat = [self._get_flat_grad_sample(p) for p in params]
+        if loss_scale != 1.0:
+            if not loss_scale > 0:
+                raise ValueError(f"loss_scale must be > 0, got {loss_scale}")
+            flat = [g / loss_scale for g in flat]
+        flat = self.rule.to_clip_space(params, flat)
+        for p, g in zip(params, flat):
+            p.grad_sample = g
+        rows = flat[0].shape[0]
+        super().clip_and_accumulate()
+        for p in params:
+            p.grad_sample = None
+        return rows
+
+    # Opacus' pre_step calls clip_and_accumulate on pending grad samples; we route it through accumulate
+    def clip_and_accumulate(self):
+        self.accumulate()
+
+    def scale_grad(self):
+        for p in self.params:
+            p.grad /= float(self.expected_batch_size)
+
+    # ----- per logical batch --------------------------------------------------------------------------
+    def _within_budget(self, steps: int) -> bool:
+        return self.ledger.epsilon_after(steps) <= self.max_epsilon * (1 + 1e-9)
+
+    def _would_exceed_budget(self) -> bool:
+        """True if the next step would push ε past ``max_epsilon``.
+
+        ε is monotone in the step count, so the largest affordable count is found once (by
+        bisection, a few accountant calls) and cached in ``budget_steps``; the trainer pre-sets it to
+        the planned steps it calibrated σ for (already verified to be within budget).
+        """
+        if self.ledger is None or self.max_epsilon is None:
+            return False
+        nxt = self.ledger.steps + 1
+        if self.budget_steps is not None and nxt <= self.budget_steps:
+            return False
+        if not self._within_budget(nxt):
+            return True
+        lo, hi = nxt, 2 * nxt
+        while self._within_budget(hi):
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._within_budget(mid) else (lo, mid)
+        self.budget_steps = lo
+        return False
+
+    @torch.no_grad()
+    def privatize(self) -> None:
+        """Noise (once), reduce across ranks, scale by 1/B, map back to gradient space, record the step."""
+        if self._would_exceed_budget():
+            raise PrivacyBudgetExceeded(
+                f"step {self.ledger.steps + 1} would spend more than the target epsilon={self.max_epsilon}; "
+                "training must stop here"
+            )
+        self.accumulate()  # anything left over from a backward pass that was not accumulated yet
+        params = self.params
+        rank, world = _world()
+        for p in params:
+            if p.summed_grad is None:  # an empty logical batch still gets its noise
+                p.summed_grad = torch.zeros_like(p)
+        if rank == 0:
+            self._noise_generator(params[0].device)
+            super().add_noise()  # p.grad = summed_grad + N(0, σ²C²), from self.generator
+        else:
+            for p in params:
+                p.grad = p.summed_grad.view_as(p).clone()
+        if world > 1:
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+        self.scale_grad()
+        self.rule.from_clip_space(params)
+        for p in params:
+            p.summed_grad = None
+        if self.ledger is not None:
+            self.ledger.record_step()
+        self.steps_taken += 1
+
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        if not self.params:
+            return self.rule.step()
+        self.privatize()
+        if self.step_hook:
+            self.step_hook(self)
+        return self.rule.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            p.grad_sample = None
+        self.rule.zero_grad(set_to_none)
+
+    # ----- state ----------------------------------------------------------------------------------------
+    def state_dict(self):
+        gen_state = None
+        if self.generator is not None:
+            gen_state = self.generator.get_state().tolist()
+        elif self._generator_state is not None:
+            gen_state = list(self._generator_state)
+        return {
+            "rule": self.rule.state_dict(),
+            "hf_dp": {
+                "noise_seed": int(self.noise_seed),
+                "noise_generator_state": gen_state,
+                "steps_taken": self.steps_taken,
+                "ledger": self.ledger.state_dict() if self.ledger is not None else None,
+                "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            },
+        }
+
+    def load_state_dict(self, state_dict) -> None:
+        if "rule" not in state_dict or "hf_dp" not in state_dict:
+            raise ValueError("not an hf_dp optimizer state (expected keys 'rule' and 'hf_dp')")
+        extra = state_dict["hf_dp"]
+        if self.ledger is not None:
+            if extra.get("ledger") is None:
+                raise ValueError("the checkpoint has no privacy ledger; refusing to resume with epsilon reset to 0")
+            self.ledger.load_state_dict(extra["ledger"])
+        self.rule.load_state_dict(state_dict["rule"])
+        self.noise_seed = int(extra["noise_seed"])
+        self.generator = None
+        self._generator_state = extra.get("noise_generator_state")
+        self.steps_taken = int(extra.get("steps_taken", 0))
+        if self.sampler is not None and extra.get("sampler") is not None:
+            self.sampler.load_state_dict(extra["sampler"])
+
+    def __repr__(self):
+        return (
+            f"PrivateOptimizer({type(self.rule).__name__}, sigma={self.noise_multiplier}, "
+            f"C={self.user_max_grad_norm}, B={self.expected_batch_size})"
+        )

@@ -1,0 +1,393 @@
+"""``DPTrainer``: private fine-tuning through ``transformers.Trainer``.
+
+What it changes, and nothing else (each override calls ``super()``):
+
+* ``__init__``: freezes by ``--trainable`` (before any wrapping), validates the privacy settings
+  against the dataset (δ < 1/N, B ≤ N, the budget reachable), calibrates σ for the planned steps,
+  builds the Poisson sampler and the ε ledger, and attaches Opacus' per-sample-gradient hooks to the
+  plain model (the model itself is never wrapped, so saving and evaluation are HF's own).
+* ``get_train_dataloader``: the same dataset and collator HF builds, drawn by
+  :class:`~hf_dp.privacy.PoissonBatchSampler` (rate q, the accountant's q), one logical batch split
+  into ``gradient_accumulation_steps`` micro-batches per rank.
+* ``create_optimizer``: HF builds the param groups (decay / no-decay) and the registered update rule;
+  it is wrapped in :class:`~hf_dp.privacy.PrivateOptimizer` (clip, noise once, ÷B, ledger).
+* ``compute_loss`` / ``training_step``: **the loss-scaling contract** — ``compute_loss`` returns
+  Σ_i ℓ_i / (B / world_size), and a hook on Σ_i ℓ_i measures the factor that every later scaling
+  (the Trainer's gradient-accumulation division, Accelerate, mixed precision) applied before the
+  backward pass; per-sample gradients are divided by exactly that factor before clipping, so each
+  example's clipped vector is clip_C(∇ℓ_i) whatever the Trainer does to the loss. ``num_items_in_batch``
+  is ignored. The returned loss is per rank, a mean over the expected logical batch.
+* ``log``: adds ``epsilon`` (spent so far) and drops HF's ``grad_norm`` (the norm of the
+  *non-private* gradient). The logged training loss is **not** private (it is computed from the
+  private batch); eval metrics are computed on the eval set.
+* ``save_model`` / ``create_model_card``: a plain ``PreTrainedModel`` (LoRA merged), the tokenizer,
+  ``privacy.json`` and a model card stating the guarantee.
+
+Checkpoints: the optimizer state saved by HF carries the update rule state, the ledger (ε history)
+and the sampler/noise RNG state; resuming continues ε and refuses changed privacy settings.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from packaging import version
+from torch.utils.data import DataLoader
+from transformers import Trainer
+
+from hf_dp import __version__
+from hf_dp.arguments import DPTrainingArguments
+from hf_dp.models import apply_trainable, assert_grad_samples_complete, attach_grad_sampler, unwrap_for_save
+from hf_dp.optim.registry import get_entry
+from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
+from hf_dp.privacy.privatizer import PrivateOptimizer
+from hf_dp.privacy.sampler import PoissonBatchSampler
+
+_MIN_TRANSFORMERS = "5.0.0"
+_EMPTY_KEY = "_hf_dp_empty_batch"
+
+
+def _check_transformers_version() -> None:
+    v = version.parse(transformers.__version__)
+    if v < version.parse(_MIN_TRANSFORMERS) or v.major >= 6:
+        raise RuntimeError(
+            f"hf_dp {__version__} supports transformers >=5.0,<6; found {transformers.__version__}. "
+            "Install a supported version: pip install 'transformers>=5,<6'"
+        )
+
+
+class _PoissonDataLoader(DataLoader):
+    """A DataLoader whose epoch reaches the Poisson sampler (HF calls ``set_epoch`` each epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+class _EmptySafeCollator:
+    """Poisson batches can be empty. An empty micro-batch becomes one placeholder row (the first
+    example) whose loss is multiplied by 0, so every rank still runs forward/backward (DDP stays in
+    step) while the row contributes exactly zero gradient."""
+
+    def __init__(self, collate_fn, dataset):
+        self.collate_fn = collate_fn
+        self.dataset = dataset
+
+    def __call__(self, features):
+        if len(features) == 0:
+            batch = self.collate_fn([self.dataset[0]])
+            batch[_EMPTY_KEY] = True
+            return batch
+        return self.collate_fn(features)
+
+
+def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
+    """Per-example loss with the problem type ``*ForSequenceClassification`` would use."""
+    num_labels = logits.shape[-1]
+    problem = getattr(config, "problem_type", None)
+    if problem is None:
+        if num_labels == 1:
+            problem = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem = "single_label_classification"
+        else:
+            problem = "multi_label_classification"
+    if problem == "regression":
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1), reduction="none")
+    if problem == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, num_labels).float(), labels.view(-1), reduction="none")
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").sum(-1)
+
+
+class DPTrainer(Trainer):
+    """``transformers.Trainer`` with differential privacy (see the module docstring).
+
+    Use exactly like ``Trainer`` with :class:`~hf_dp.arguments.DPTrainingArguments`. After training:
+    ``get_epsilon()`` (ε spent), ``privacy_report()`` (all numbers of the guarantee).
+    """
+
+    def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, **kwargs):
+        _check_transformers_version()
+        if not isinstance(args, DPTrainingArguments):
+            raise TypeError("DPTrainer needs args=DPTrainingArguments(...)")
+        self.trainable_info = None
+        self.privacy_spec: PrivacySpec | None = None
+        if args.dp_enabled:
+            if model is None:
+                raise ValueError("DPTrainer needs a model (model_init is not supported with DP)")
+            if kwargs.get("optimizers", (None, None))[0] is not None or kwargs.get("optimizer_cls_and_kwargs"):
+                raise ValueError("DPTrainer builds its own DP optimizer from --optim; do not pass optimizers=")
+            lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
+            model, self.trainable_info = apply_trainable(model, args.trainable, lora_config)
+        super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        if args.dp_enabled:
+            self.loss_is_scaled_for_ga = True  # our compute_loss returns a per-logical-batch quantity
+            self._setup_privacy()
+
+    # ------------------------------------------------------------------------------------------------
+    # set-up
+    # ------------------------------------------------------------------------------------------------
+    def _setup_privacy(self) -> None:
+        args = self.args
+        if self.train_dataset is None:
+            raise ValueError("DP training needs a train_dataset (its size N defines q and delta < 1/N)")
+        try:
+            n = len(self.train_dataset)
+        except TypeError:
+            raise ValueError("DP training needs a sized train_dataset (an IterableDataset cannot be Poisson-sampled)") from None
+        if n == 0:
+            raise ValueError("the training dataset is empty")
+        world = max(1, args.world_size)
+        b = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+        if b > n:
+            raise ValueError(
+                f"the expected logical batch B = per_device_train_batch_size × gradient_accumulation_steps × world_size "
+                f"= {b} is larger than the dataset (N = {n}); Poisson sampling needs q = B/N ≤ 1"
+            )
+        check_delta(args.delta, n)
+        q = b / n
+        steps_per_epoch = PoissonBatchSampler.steps_for_epoch(q)
+        planned = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+        if planned <= 0:
+            raise ValueError("the run plans no training step (check --num_train_epochs / --max_steps)")
+        if args.epsilon is not None:
+            sigma = calibrate_noise_multiplier(args.epsilon, args.delta, q, planned, args.accountant)
+        else:
+            sigma = float(args.noise_multiplier)
+        self.privacy_spec = PrivacySpec(
+            noise_multiplier=sigma,
+            max_grad_norm=float(args.per_sample_max_grad_norm),
+            sample_rate=q,
+            expected_batch_size=float(b),
+            dataset_size=n,
+            delta=float(args.delta),
+            accountant=args.accountant,
+            target_epsilon=args.epsilon,
+            planned_steps=planned,
+        )
+        self.ledger = PrivacyLedger(self.privacy_spec)
+        self.planned_epsilon = compute_epsilon(sigma, q, planned, args.delta, args.accountant)
+        seed = args.dp_seed if (args.dp_seed is not None and not args.secure_rng) else None
+        self._dp_sampler = PoissonBatchSampler(
+            n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=seed,
+            rank=args.process_index, world_size=world,
+        )
+        self._dp_noise_seed = seed
+        self._dp_optimizer: PrivateOptimizer | None = None
+        self._loss_scale: float | None = None
+        self._checked_grad_samples = False
+        self.grad_sampler = attach_grad_sampler(self.model)
+
+    # ------------------------------------------------------------------------------------------------
+    # data
+    # ------------------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        base = super().get_train_dataloader()  # HF's column removal, collator, worker settings
+        if not self.args.dp_enabled:
+            return base
+        dataset = base.dataset
+        return _PoissonDataLoader(
+            dataset,
+            batch_sampler=self._dp_sampler,
+            collate_fn=_EmptySafeCollator(base.collate_fn, dataset),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    # ------------------------------------------------------------------------------------------------
+    # optimizer
+    # ------------------------------------------------------------------------------------------------
+    def _rule_kwargs(self, rule_cls) -> dict:
+        args = self.args
+        accepted = inspect.signature(rule_cls.__init__).parameters
+        kw: dict[str, Any] = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
+        candidates = {
+            "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_epsilon,
+            "gamma": args.bc_gamma,
+            "h1": args.macadam_h1,
+            "h2": args.macadam_h2,
+        }
+        kw.update({k: v for k, v in candidates.items() if k in accepted and v is not None})
+        if args.optim_args:
+            for item in args.optim_args.replace(" ", "").split(","):
+                if not item:
+                    continue
+                key, _, value = item.partition("=")
+                if key not in accepted or key == "params":
+                    raise ValueError(f"--optim_args: {args.optim} has no hyper-parameter {key!r}")
+                kw[key] = float(value)
+        return {k: v for k, v in kw.items() if k in accepted}
+
+    def create_optimizer(self, model=None):
+        if not self.args.dp_enabled:
+            return super().create_optimizer(model)
+        if self.optimizer is None:
+            rule_cls = get_entry(self.args.optim).rule_cls
+            kwargs = self._rule_kwargs(rule_cls)
+            extra = {}
+            if hasattr(rule_cls, "privatizer_kwargs"):
+                extra = rule_cls.privatizer_kwargs(max_grad_norm=self.privacy_spec.max_grad_norm, hyperparameters=kwargs)
+            self.optimizer_cls_and_kwargs = (rule_cls, kwargs)
+            super().create_optimizer(model)  # HF's decay / no-decay param groups, instantiates the rule
+            spec = self.privacy_spec
+            self.optimizer = PrivateOptimizer(
+                self.optimizer,
+                noise_multiplier=spec.noise_multiplier,
+                max_grad_norm=spec.max_grad_norm,
+                expected_batch_size=spec.expected_batch_size,
+                noise_seed=self._dp_noise_seed,
+                secure_mode=self.args.secure_rng,
+                ledger=self.ledger,
+                max_epsilon=spec.target_epsilon,
+                **extra,
+            )
+            self.optimizer.sampler = self._dp_sampler
+            if spec.target_epsilon is not None:
+                self.optimizer.budget_steps = spec.planned_steps  # calibrate_noise_multiplier verified ε(planned) ≤ target
+            self._dp_optimizer = self.optimizer
+        return self.optimizer
+
+    # ------------------------------------------------------------------------------------------------
+    # the step
+    # ------------------------------------------------------------------------------------------------
+    def _capture_loss_scale(self, grad: torch.Tensor) -> None:
+        self._loss_scale = float(grad.detach().float().reshape(-1)[0])
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self.args.dp_enabled or not model.training:
+            inputs.pop(_EMPTY_KEY, None)
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        empty = bool(inputs.pop(_EMPTY_KEY, False))
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        losses = per_example_loss(outputs.logits, labels, self.model.config)
+        total = losses.sum() * 0.0 if empty else losses.sum()
+        if total.requires_grad:
+            total.register_hook(self._capture_loss_scale)
+        self._rows_in_batch = labels.shape[0]
+        loss = total / (self.privacy_spec.expected_batch_size / max(1, self.args.world_size))
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.args.dp_enabled:
+            if not self._checked_grad_samples:
+                assert_grad_samples_complete(self.model, self._rows_in_batch)
+                self._checked_grad_samples = True
+            if self._loss_scale is None:
+                raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
+            self._dp_optimizer.accumulate(loss_scale=self._loss_scale)
+            self._loss_scale = None
+        return loss
+
+    # ------------------------------------------------------------------------------------------------
+    # privacy reporting
+    # ------------------------------------------------------------------------------------------------
+    def get_epsilon(self) -> float:
+        """ε spent so far at δ (0 before training; ``inf`` for a non-private run)."""
+        if not self.args.dp_enabled:
+            return math.inf
+        return self.ledger.get_epsilon()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.args.dp_enabled:
+            logs.pop("grad_norm", None)  # norm of the non-private gradient: never logged
+            logs["epsilon"] = self.get_epsilon()
+            rule = getattr(self._dp_optimizer, "rule", None)
+            if getattr(rule, "last_clamp_rate", None) is not None:
+                logs["bc_clamp_rate"] = rule.last_clamp_rate
+        super().log(logs, start_time)
+
+    def privacy_report(self) -> dict:
+        """All numbers of the guarantee, as written to ``privacy.json`` and the model card."""
+        if not self.args.dp_enabled:
+            return {"hf_dp_version": __version__, "differential_privacy": False}
+        spec = self.privacy_spec
+        steps = self.ledger.steps
+        rule = self._dp_optimizer.rule if self._dp_optimizer is not None else None
+        hyper = {}
+        if rule is not None:
+            g = rule.param_groups[0]
+            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params" and isinstance(v, (int, float, tuple))}
+            hyper["weight_decay"] = self.args.weight_decay
+            hyper["lr"] = self.args.learning_rate
+            hyper["lr_scheduler_type"] = str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type))
+        info = self.trainable_info
+        return {
+            "hf_dp_version": __version__,
+            "differential_privacy": True,
+            "epsilon": self.get_epsilon(),
+            "delta": spec.delta,
+            "target_epsilon": spec.target_epsilon,
+            "accountant": spec.accountant,
+            "noise_multiplier": spec.noise_multiplier,
+            "max_grad_norm": spec.max_grad_norm,
+            "sample_rate": spec.sample_rate,
+            "expected_batch_size": spec.expected_batch_size,
+            "dataset_size": spec.dataset_size,
+            "steps": steps,
+            "planned_steps": spec.planned_steps,
+            "epochs": steps * spec.sample_rate,
+            "sampling": "poisson",
+            "unit_of_privacy": "one training example (add/remove adjacency)",
+            "secure_rng": bool(self.args.secure_rng),
+            "optimizer": {"name": str(self.args.optim), "hyperparameters": hyper},
+            "trainable": {
+                "mode": info.mode if info else self.args.trainable,
+                "trainable_params": info.num_trainable if info else None,
+                "total_params": info.num_total if info else None,
+                "names": list(info.trainable_names) if info else None,
+            },
+        }
+
+    # ------------------------------------------------------------------------------------------------
+    # saving
+    # ------------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        output_dir = output_dir or self.args.output_dir
+        is_checkpoint = os.path.basename(os.path.normpath(output_dir)).startswith("checkpoint-")
+        if self.args.dp_enabled and self.trainable_info is not None and self.trainable_info.mode == "lora" and not is_checkpoint:
+            if self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
+                unwrap_for_save(self.model).save_pretrained(output_dir)
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        else:
+            super().save_model(output_dir, _internal_call=_internal_call)
+        if self.args.dp_enabled and self.args.should_save:
+            self._write_privacy_files(output_dir)
+
+    def _write_privacy_files(self, output_dir: str, eval_results: dict | None = None) -> None:
+        from hf_dp.hub import write_privacy_artifacts
+
+        eval_results = eval_results if eval_results is not None else self._latest_eval_metrics()
+        write_privacy_artifacts(
+            output_dir,
+            self.privacy_report(),
+            base_model=getattr(self.model.config, "_name_or_path", None) or None,
+            task_name=getattr(self, "task_name", None),
+            dataset_name=getattr(self, "dataset_name", None),
+            eval_results=eval_results,
+            model_name=os.path.basename(os.path.normpath(self.args.output_dir)),
+        )
+
+    def _latest_eval_metrics(self) -> dict:
+        for entry in reversed(self.state.log_history):
+            metrics = {k: v for k, v in entry.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+            if metrics:
+                return metrics
+        return {}
+
+    def create_model_card(self, *args, **kwargs):
+        if not self.args.dp_enabled:
+            return super().create_model_card(*args, **kwargs)
+        if self.is_world_process_zero():
+            self._write_privacy_files(self.args.output_dir)
