@@ -61,6 +61,7 @@ class DPMacAdam(_AdamFamily):
     @staticmethod
     def privatizer_kwargs(max_grad_norm, hyperparameters):
         # clip space is the unit ball; the user's C becomes the initial per-coordinate bound b_0
+        check_positive("max_grad_norm (C)", max_grad_norm)  # name the user's argument, not b_0
         hyperparameters.setdefault("initial_bound", max_grad_norm)
         return {"clip_norm": 1.0}
 

@@ -1,0 +1,72 @@
+"""Optimizer step cost: each DP update rule vs torch.optim.AdamW(foreach=True) on the same parameters.
+
+Measures only the update (``rule.step()`` on a fixed privatized gradient in ``p.grad``), i.e. what the
+optimizer adds on top of the privatizer; interleaved repetitions, median and spread, one process.
+The parameters are the trainable set of the paper's configuration on all-MiniLM-L6-v2 (last block +
+pooler + head: the shapes, random values), so no model download is needed.
+
+    python benchmarks/optimizer_step.py [--reps 30] [--inner 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hf_dp.optim import DP_OPTIMIZERS, make_optimizer
+
+
+def minilm_last_block_shapes(hidden=384, inter=1536, labels=2):
+    block = [(hidden, hidden), (hidden,)] * 4 + [(hidden,), (hidden,)]  # q,k,v,o (+bias), LN
+    block += [(inter, hidden), (inter,), (hidden, inter), (hidden,), (hidden,), (hidden,)]
+    return block + [(hidden, hidden), (hidden,), (labels, hidden), (labels,)]
+
+
+def build(name, shapes):
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+    if name == "torch_adamw":
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=True)
+        step = opt.step
+    else:
+        opt = make_optimizer(name, params, noise_multiplier=1.0, max_grad_norm=0.1, expected_batch_size=256, lr=1e-3, weight_decay=0.01 if name != "dp_sgd_l2" else 0.0, noise_seed=0)
+        step = opt.rule.step
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    return step
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--inner", type=int, default=20)
+    a = ap.parse_args()
+    shapes = minilm_last_block_shapes()
+    names = ["torch_adamw", *DP_OPTIMIZERS]
+    steps = {n: build(n, shapes) for n in names}
+    for n in names:  # warm-up
+        for _ in range(3):
+            steps[n]()
+    times = {n: [] for n in names}
+    for _ in range(a.reps):
+        for n in names:  # interleaved
+            t0 = time.perf_counter()
+            for _ in range(a.inner):
+                steps[n]()
+            times[n].append((time.perf_counter() - t0) / a.inner)
+    base = statistics.median(times["torch_adamw"])
+    nparams = sum(torch.Size(s).numel() for s in shapes)
+    print(f"# optimizer step cost, {nparams:,} params (MiniLM last block + pooler + head), torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print("| optimizer | median ms/step | IQR ms | ratio vs torch AdamW(foreach) |")
+    print("| --- | --- | --- | --- |")
+    for n in names:
+        ts = sorted(times[n])
+        q1, q3 = ts[len(ts) // 4], ts[(3 * len(ts)) // 4]
+        med = statistics.median(ts)
+        print(f"| {n} | {med * 1e3:.3f} | {(q3 - q1) * 1e3:.3f} | {med / base:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()

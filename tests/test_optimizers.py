@@ -1,0 +1,495 @@
+"""hf_dp's DP update rules against step-by-step references written from the papers
+(tests/reference_optimizers.py), against torch.optim in the non-private limit, seed 002's 1-D
+example, checkpoint round trips and hyper-parameter validation."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import numpy as np
+import opacus
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import reference_optimizers as ref
+from hf_dp.optim import make_optimizer, optimizer_names
+
+DT = torch.float64
+ALL = ["dp_sgd", "dp_sgd_l2", "dp_adam", "dp_adambc", "dp_adamw", "dp_adamw_bc", "dp_macadam"]
+
+
+def test_registry_lists_every_optimizer():
+    assert set(optimizer_names()) == set(ALL)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+def mlp(seed=0, dtype=DT):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(dtype)
+
+
+def grouped(model, wds=(0.05, 0.0, 0.02, 0.0)):
+    """One param group per tensor (matrices and biases) with different weight decay."""
+    ps = list(model.parameters())
+    return [{"params": [p], "weight_decay": wd} for p, wd in zip(ps, wds)]
+
+
+def flat_params(groups):
+    return [p for g in groups for p in g["params"]]
+
+
+def lam_vector(groups):
+    return np.concatenate([np.full(p.numel(), g["weight_decay"]) for g in groups for p in g["params"]])
+
+
+def schedule(k):  # LR multiplier used with LambdaLR; changes every step
+    return 1.0 / (1.0 + 0.3 * k) * (1.5 if k % 3 == 0 else 1.0)
+
+
+def batch(gen, n, d_in=5, n_cls=3, dtype=DT):
+    x = torch.randn(n, d_in, generator=gen, dtype=dtype)
+    y = torch.randint(0, n_cls, (n,), generator=gen)
+    return x, y
+
+
+def sum_ce(out, y):
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+# ------------------------------------------------------------------------------------------------
+# rules that only read g̃: identical random g̃ sequences into opt.rule.step() via p.grad
+# ------------------------------------------------------------------------------------------------
+SIGMA, CLIP, BATCH = 1.2, 0.5, 10.0
+PHI = (SIGMA * CLIP / BATCH) ** 2  # 0.0036
+
+
+def _rule_case(name, groups, momentum):
+    theta0 = ref.flat(flat_params(groups))
+    lam = lam_vector(groups)
+    betas = (0.85, 0.99)
+    if name == "dp_sgd":
+        return dict(lr=0.1, momentum=momentum), ref.RefDPSGD(theta0, lam, momentum=momentum)
+    if name == "dp_adam":
+        return dict(lr=0.01, betas=betas, eps=1e-6), ref.RefDPAdam(theta0, lam, betas=betas, eps=1e-6)
+    if name == "dp_adambc":
+        return dict(lr=0.01, betas=betas, gamma=1e-4), ref.RefDPAdamBC(theta0, lam, PHI, 1e-4, betas=betas)
+    if name == "dp_adamw":
+        return dict(lr=0.01, betas=betas, eps=1e-6), ref.RefDPAdamW(theta0, lam, betas=betas, eps0=1e-6)
+    if name == "dp_adamw_bc":
+        return dict(lr=0.01, betas=betas, gamma=1e-4), ref.RefDPAdamWBC(theta0, lam, PHI, 1e-4, betas=betas)
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize(
+    "name,momentum",
+    [("dp_sgd", 0.0), ("dp_sgd", 0.9), ("dp_adam", 0.0), ("dp_adambc", 0.0), ("dp_adamw", 0.0), ("dp_adamw_bc", 0.0)],
+)
+def test_rule_matches_paper_reference(name, momentum):
+    model = mlp()
+    groups = grouped(model)
+    params = flat_params(groups)
+    hyper, reference = _rule_case(name, groups, momentum)
+    opt = make_optimizer(
+        name, groups, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=BATCH, noise_seed=1, **hyper
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.rule, schedule)
+    lr0 = hyper["lr"]
+    rng = np.random.default_rng(7)
+    n = reference.theta.size
+    clamp_rates = []
+    for k in range(25):
+        # g̃ of the size DP gives: signal + N(0, (σC/B)²); some coordinates below Φ, some above
+        g = rng.normal(0.0, 1.0, n) * math.sqrt(PHI) + rng.normal(0.0, 0.08, n)
+        for p, gp in zip(params, ref.unflat(g, params)):
+            p.grad = gp
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr0 * schedule(k))
+        opt.rule.step()
+        sched.step()
+        expected = reference.step(g, lr0 * schedule(k))
+        np.testing.assert_allclose(ref.flat(params), expected, rtol=1e-10, atol=1e-12)
+        # p.grad still holds g̃ after the step
+        np.testing.assert_array_equal(ref.flat([p.grad for p in params]), g)
+        if hasattr(reference, "clamp_rate"):
+            assert opt.rule.last_clamp_rate == pytest.approx(reference.clamp_rate, abs=1e-12)
+            clamp_rates.append(reference.clamp_rate)
+    if clamp_rates:  # the sequence exercises both branches of max(v̂ − Φ, γ)
+        assert 0.0 < np.mean(clamp_rates) < 1.0
+
+
+def test_bc_uses_phi_from_the_privatizer():
+    """Φ in DP-AdamBC / DP-AdamW-BC is (σC/B)² of the privatizer; a different Φ would not match."""
+    for name, R in (("dp_adambc", ref.RefDPAdamBC), ("dp_adamw_bc", ref.RefDPAdamWBC)):
+        model = mlp()
+        groups = grouped(model, wds=(0.0, 0.0, 0.0, 0.0))
+        params = flat_params(groups)
+        opt = make_optimizer(name, groups, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=BATCH, lr=0.01, gamma=1e-4)
+        assert opt.rule.noise_std_of_mean() ** 2 == pytest.approx(PHI, rel=1e-15)
+        theta0 = ref.flat(params)
+        good = R(theta0, 0.0, PHI, 1e-4)
+        wrong = R(theta0, 0.0, PHI * 2, 1e-4)
+        g = np.random.default_rng(0).normal(0, 0.08, theta0.size)
+        for p, gp in zip(params, ref.unflat(g, params)):
+            p.grad = gp
+        opt.rule.step()
+        np.testing.assert_allclose(ref.flat(params), good.step(g, 0.01), rtol=1e-12)
+        assert not np.allclose(ref.flat(params), wrong.step(g, 0.01), rtol=1e-6)
+
+
+def test_adam_bias_correction_uses_each_parameters_own_step():
+    """A parameter that missed a step (p.grad None) keeps its own t in 1 − β^t."""
+    a = nn.Parameter(torch.ones(3, dtype=DT))
+    b = nn.Parameter(torch.ones(2, dtype=DT))
+    opt = make_optimizer("dp_adam", [a, b], noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=1, lr=0.1)
+    ra = ref.RefDPAdam(ref.flat([a]), 0.0)
+    rb = ref.RefDPAdam(ref.flat([b]), 0.0)
+    rng = np.random.default_rng(3)
+    for k in range(5):
+        ga = rng.normal(size=3)
+        a.grad = torch.from_numpy(ga)
+        ra.step(ga, 0.1)
+        if k >= 2:
+            gb = rng.normal(size=2)
+            b.grad = torch.from_numpy(gb)
+            rb.step(gb, 0.1)
+        else:
+            b.grad = None
+        opt.rule.step()
+        np.testing.assert_allclose(ref.flat([a]), ra.theta, rtol=1e-12)
+        np.testing.assert_allclose(ref.flat([b]), rb.theta, rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# rules with their own per-sample processing: full privatizer vs paper reference with noise replay
+# ------------------------------------------------------------------------------------------------
+BATCH_SIZES = [6, 4, 9, 0, 6, 7, 3, 6, 5, 8, 6, 6, 2, 10, 6, 5, 6, 7, 6, 4, 6, 6]  # realised sizes; B = 6
+
+
+def _run_full(name, sigma, hyper, make_reference, momentum=None, steps=len(BATCH_SIZES), C=0.3, B=6.0, seed=11):
+    model = mlp()
+    gsm = opacus.GradSampleModule(model, loss_reduction="sum")
+    groups = grouped(model)
+    params = flat_params(groups)
+    opt = make_optimizer(name, groups, noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=B, noise_seed=seed, **hyper)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ref_model = mlp(seed=99)
+    ref_params = [p for p in ref_model.parameters()]  # same order as `params` (one group per tensor)
+    reference = make_reference(ref.flat(params), lam_vector(groups), C, B)
+    noise = ref.NoiseReplay(seed, [p.shape for p in params])
+    noise_std = sigma * (1.0 if name == "dp_macadam" else C)  # std on the SUM in clip space
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for k in range(steps):
+        x, y = batch(gen, BATCH_SIZES[k % len(BATCH_SIZES)])
+        # reference: per-sample gradients by an autograd loop at the reference's θ
+        with torch.no_grad():
+            for rp, v in zip(ref_params, ref.unflat(reference.theta, ref_params)):
+                rp.copy_(v)
+        ps = ref.per_sample_grads(ref_model, ref_params, sum_ce, x, y)
+        z = noise.draw(noise_std)
+        reference.step(ps, z, hyper["lr"] * schedule(k))
+        # implementation
+        if len(x):
+            sum_ce(gsm(x), y).backward()
+            opt.accumulate()
+        opt.step()
+        sched.step()
+        out.append((ref.flat(params), reference.theta.copy(), ref.flat([p.grad for p in params]), reference.last_g.copy()))
+        opt.zero_grad()
+    return opt, out
+
+
+@pytest.mark.parametrize("sigma,momentum", [(0.0, 0.0), (0.8, 0.5)])
+def test_dp_sgd_l2_full_pipeline_matches_seed002(sigma, momentum):
+    _, traj = _run_full(
+        "dp_sgd_l2",
+        sigma,
+        dict(lr=0.2, momentum=momentum),
+        lambda th, lam, C, B: ref.RefDPSGDL2(th, lam, C, B, momentum=momentum),
+    )
+    for theta, theta_ref, g, g_ref in traj:
+        # Opacus clips with C/(‖g‖+1e-6) instead of min(1, C/‖g‖): ~1e-6 relative
+        np.testing.assert_allclose(g, g_ref, rtol=2e-5, atol=1e-7)
+        np.testing.assert_allclose(theta, theta_ref, rtol=2e-5, atol=1e-7)
+
+
+def test_dp_sgd_l2_differs_from_decay_after_noising():
+    _, traj = _run_full("dp_sgd_l2", 0.0, dict(lr=0.2), lambda th, lam, C, B: ref.RefDPSGDL2(th, lam, C, B), steps=5)
+    _, traj0 = _run_full("dp_sgd_l2", 0.0, dict(lr=0.2), lambda th, lam, C, B: ref.RefDPSGDL2(th, 0 * lam, C, B), steps=5)
+    assert not np.allclose(traj[-1][0], traj0[-1][1], rtol=1e-4)  # λ is really used inside the clip
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.8])
+def test_dp_macadam_full_pipeline_matches_seed001(sigma):
+    hyper = dict(lr=0.01, betas=(0.8, 0.95), eps=1e-8)
+    opt, traj = _run_full(
+        "dp_macadam",
+        sigma,
+        hyper,
+        lambda th, lam, C, B: ref.RefDPMacAdam(th, lam, b0=C, sigma=sigma, B=B, betas=(0.8, 0.95), gamma=1e-8, h1=1e-12, h2=1.0),
+    )
+    for theta, theta_ref, g, g_ref in traj:
+        np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(theta, theta_ref, rtol=1e-5, atol=1e-8)
+    # the bound really adapted (h1 < ŝ < h2 somewhere) and differs from b_0 = C
+    bounds = np.concatenate([opt.rule.state[p]["bound"].reshape(-1).numpy() for p in opt.params])
+    assert not np.allclose(bounds, 0.3)
+
+
+def test_dp_macadam_documented_choices():
+    """b_0 = C (so step 1 is DP-SGD clipping at C, centred at m̂_0 = 0), no refresh at t = 1
+    (κ_1 = 0 ⇒ b_1 = b_0), s updated from t = 1 (s_1 = (1−β1)(g̃_1 − m̂_1)² = 0), h1/h2 defaults."""
+    C, B, sigma = 0.3, 6.0, 0.0
+    model = mlp()
+    gsm = opacus.GradSampleModule(model, loss_reduction="sum")
+    params = list(model.parameters())
+    opt = make_optimizer("dp_macadam", params, noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=B, lr=0.01)
+    assert opt.param_groups[0]["h1"] == 1e-12 and opt.param_groups[0]["h2"] == 1.0
+    assert opt.rule.initial_bound == C
+    x, y = batch(torch.Generator().manual_seed(0), 6)
+    m0 = mlp()
+    ps = ref.per_sample_grads(m0, list(m0.parameters()), sum_ce, x, y)
+    sum_ce(gsm(x), y).backward()
+    opt.accumulate()
+    opt.step()
+    g1 = ref.flat([p.grad for p in params])
+    np.testing.assert_allclose(g1, ref.privatize(ps, C, np.zeros(g1.size), B), rtol=1e-5, atol=1e-9)
+    for p in params:
+        st = opt.rule.state[p]
+        assert torch.equal(st["bound"], torch.full_like(p, C))  # b_1 = b_0 = C
+        assert float(st["s"].abs().max()) < 1e-20  # s_1 ≈ 0 (updated, from u_1 = 0)
+    opt.zero_grad()
+    x, y = batch(torch.Generator().manual_seed(1), 6)
+    sum_ce(gsm(x), y).backward()
+    opt.accumulate()
+    opt.step()
+    assert not torch.equal(opt.rule.state[params[0]]["bound"], torch.full_like(params[0], C))  # refreshed at t = 2
+
+
+# ------------------------------------------------------------------------------------------------
+# non-private limit: σ = 0, C huge, loss = sum of per-example losses, B = batch size ⇒ g̃ = mean gradient
+# ------------------------------------------------------------------------------------------------
+def _hf_groups(model, wd):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _nonprivate_pair(name, torch_cls, hyper, torch_hyper, steps=12, n=16, record=False):
+    m_dp, m_t = mlp(), mlp()
+    gsm = opacus.GradSampleModule(m_dp, loss_reduction="sum")
+    opt = make_optimizer(name, _hf_groups(m_dp, hyper["weight_decay"]), noise_multiplier=0.0, max_grad_norm=1e9, expected_batch_size=n, **{k: v for k, v in hyper.items() if k != "weight_decay"})
+    topt = torch_cls(_hf_groups(m_t, hyper["weight_decay"]), **torch_hyper)
+    s1 = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    s2 = torch.optim.lr_scheduler.LambdaLR(topt, schedule)
+    gen = torch.Generator().manual_seed(3)
+    hist = []
+    for k in range(steps):
+        x, y = batch(gen, n)
+        sum_ce(gsm(x), y).backward()
+        opt.accumulate()
+        before = ref.flat(opt.params)
+        opt.step()
+        F.cross_entropy(m_t(x), y, reduction="mean").backward()
+        topt.step()
+        s1.step()
+        s2.step()
+        hist.append((before, ref.flat(opt.params), ref.flat(flat_params(topt.param_groups)), ref.flat([p.grad for p in opt.params])))
+        opt.zero_grad()
+        topt.zero_grad()
+    return opt, hist
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_nonprivate_dp_sgd_is_torch_sgd(momentum):
+    _, hist = _nonprivate_pair("dp_sgd", torch.optim.SGD, dict(lr=0.3, momentum=momentum, weight_decay=0.01), dict(lr=0.3, momentum=momentum))
+    for _, a, b, _ in hist:
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_nonprivate_dp_adam_is_torch_adam():
+    _, hist = _nonprivate_pair("dp_adam", torch.optim.Adam, dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05), dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8))
+    for _, a, b, _ in hist:
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_nonprivate_dp_adamw_is_torch_adamw_when_eps_is_zero():
+    _, hist = _nonprivate_pair("dp_adamw", torch.optim.AdamW, dict(lr=0.02, betas=(0.9, 0.99), eps=0.0, weight_decay=0.1), dict(lr=0.02, betas=(0.9, 0.99), eps=0.0))
+    for _, a, b, _ in hist:
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_nonprivate_dp_adamw_eps_inside_sqrt_differs_from_torch_adamw_as_the_reference_says():
+    eps, lr, betas, wd = 1e-2, 0.02, (0.9, 0.99), 0.1
+    opt, hist = _nonprivate_pair("dp_adamw", torch.optim.AdamW, dict(lr=lr, betas=betas, eps=eps, weight_decay=wd), dict(lr=lr, betas=betas, eps=eps))
+    lam = np.concatenate([np.full(p.numel(), g["weight_decay"]) for g in opt.param_groups for p in g["params"]])
+    # step 1: both start at θ_0 with the same g̃ (the mean gradient); their difference is exactly
+    # η(m̂/(√v̂+ε) − m̂/√(v̂+ε)) with m̂ = g, v̂ = g² (seed 000 line 10 vs Loshchilov & Hutter)
+    theta0, theta1, theta1_torch, g = hist[0]
+    lr1 = lr * schedule(0)
+    inside = ref.RefDPAdamW(theta0, lam, betas=betas, eps0=eps).step(g, lr1)
+    np.testing.assert_allclose(theta1, inside, rtol=1e-12)
+    outside = theta0 - lr1 * (g / (np.abs(g) + eps) + lam * theta0)
+    np.testing.assert_allclose(theta1_torch, outside, rtol=1e-12)
+    np.testing.assert_allclose(theta1 - theta1_torch, inside - outside, rtol=1e-8, atol=1e-15)
+    assert np.max(np.abs(theta1 - theta1_torch)) > 1e-4
+    # and over the whole run the implementation follows the eps-inside reference on its own g̃
+    r = ref.RefDPAdamW(hist[0][0], lam, betas=betas, eps0=eps)
+    for k, (_, theta, _, g) in enumerate(hist):
+        np.testing.assert_allclose(theta, r.step(g, lr * schedule(k)), rtol=1e-10, atol=1e-13)
+
+
+# ------------------------------------------------------------------------------------------------
+# seed 002's 1-D example
+# ------------------------------------------------------------------------------------------------
+def _one_d(name, steps=300):
+    model = nn.Linear(1, 1, bias=False).to(DT)
+    with torch.no_grad():
+        model.weight.zero_()
+    gsm = opacus.GradSampleModule(model, loss_reduction="sum")
+    opt = make_optimizer(name, model.parameters(), noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4, lr=0.1, weight_decay=0.5)
+    x = torch.ones(4, 1, dtype=DT)
+    for _ in range(steps):
+        loss = (0.5 * (gsm(x) - 3.8) ** 2).sum()  # L(θ) = (θ − θ*)²/2 per example
+        loss.backward()
+        opt.accumulate()
+        opt.step()
+        opt.zero_grad()
+    return float(model.weight)
+
+
+def test_seed002_one_d_example():
+    R, lam, theta_star = 1.0, 0.5, 3.8
+    assert _one_d("dp_sgd") == pytest.approx(R / lam, abs=1e-4)  # decay after noising: R/λ = 2
+    assert _one_d("dp_sgd_l2") == pytest.approx(theta_star / (1 + lam), abs=1e-4)  # ≈ 2.533
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint round trip
+# ------------------------------------------------------------------------------------------------
+HYPER = {
+    "dp_sgd": dict(lr=0.1, momentum=0.9),
+    "dp_sgd_l2": dict(lr=0.1, momentum=0.5),
+    "dp_adam": dict(lr=0.01),
+    "dp_adambc": dict(lr=0.01, gamma=1e-6),
+    "dp_adamw": dict(lr=0.01),
+    "dp_adamw_bc": dict(lr=0.01, gamma=1e-6),
+    "dp_macadam": dict(lr=0.01),
+}
+
+
+def _train(gsm, opt, gen, steps):
+    for _ in range(steps):
+        x, y = batch(gen, 6)
+        sum_ce(gsm(x), y).backward()
+        opt.accumulate()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_checkpoint_round_trip_is_bit_identical(name):
+    def build(seed):
+        model = mlp()
+        gsm = opacus.GradSampleModule(model, loss_reduction="sum")
+        opt = make_optimizer(name, grouped(model), noise_multiplier=0.7, max_grad_norm=0.4, expected_batch_size=6, noise_seed=seed, **HYPER[name])
+        return model, gsm, opt
+
+    model, gsm, opt = build(123)
+    _train(gsm, opt, torch.Generator().manual_seed(0), 4)
+    # torch.optim's load_state_dict keeps the loaded tensors (no copy), so an in-process round trip
+    # must not share them with the optimizer that keeps training: deep-copy, as a checkpoint would
+    sd_mem = copy.deepcopy(opt.state_dict())
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    sd_file = torch.load(buf, weights_only=True)
+    resumed = []
+    for sd in (sd_mem, sd_file):
+        model2, gsm2, opt2 = build(999)  # a different seed: the checkpoint must override it
+        model2.load_state_dict(model.state_dict())
+        opt2.load_state_dict(sd)
+        resumed.append((model2, gsm2, opt2))
+    _train(gsm, opt, torch.Generator().manual_seed(1), 3)
+    for model2, gsm2, opt2 in resumed:
+        _train(gsm2, opt2, torch.Generator().manual_seed(1), 3)
+        for p, q in zip(model.parameters(), model2.parameters()):
+            assert torch.equal(p, q)
+        for p, q in zip(opt.params, opt2.params):
+            s1, s2 = opt.rule.state[p], opt2.rule.state[q]
+            assert s1.keys() == s2.keys()
+            for k in s1:
+                if torch.is_tensor(s1[k]):
+                    assert torch.equal(s1[k], s2[k]), k
+                else:
+                    assert s1[k] == s2[k], k
+        if name == "dp_macadam":
+            assert {"s", "bound"} <= set(opt2.rule.state[opt2.params[0]])
+        assert opt2.steps_taken == opt.steps_taken == 7
+        assert torch.equal(opt2.generator.get_state(), opt.generator.get_state())
+
+
+# ------------------------------------------------------------------------------------------------
+# hyper-parameter validation
+# ------------------------------------------------------------------------------------------------
+def _mk(name, **kw):
+    p = nn.Parameter(torch.zeros(2))
+    priv = {k: kw.pop(k) for k in ("noise_multiplier", "max_grad_norm", "expected_batch_size") if k in kw}
+    priv = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "expected_batch_size": 4, **priv}
+    return make_optimizer(name, [p], **priv, **kw)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_bad_common_hyperparameters(name):
+    with pytest.raises(ValueError, match="lr"):
+        _mk(name, lr=-1e-3)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        _mk(name, max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        _mk(name, max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        _mk(name, noise_multiplier=-0.1)
+    with pytest.raises(ValueError, match="weight_decay"):
+        _mk(name, weight_decay=-0.1)
+    with pytest.raises(ValueError, match="lr"):  # per-group values are validated too
+        make_optimizer(name, [{"params": [nn.Parameter(torch.zeros(2))], "lr": -1.0}], noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+
+
+@pytest.mark.parametrize("name", ["dp_adam", "dp_adambc", "dp_adamw", "dp_adamw_bc", "dp_macadam"])
+@pytest.mark.parametrize("betas", [(1.0, 0.999), (0.9, 1.0), (-0.1, 0.9), (0.9, 1.5)])
+def test_bad_betas(name, betas):
+    with pytest.raises(ValueError, match=r"betas"):
+        _mk(name, betas=betas)
+    with pytest.raises(ValueError, match=r"betas"):
+        make_optimizer(name, [{"params": [nn.Parameter(torch.zeros(2))], "betas": betas}], noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+
+
+@pytest.mark.parametrize("name", ["dp_adambc", "dp_adamw_bc"])
+@pytest.mark.parametrize("gamma", [0.0, -1e-8])
+def test_bad_gamma(name, gamma):
+    with pytest.raises(ValueError, match="gamma"):
+        _mk(name, gamma=gamma)
+    with pytest.raises(ValueError, match="gamma"):
+        make_optimizer(name, [{"params": [nn.Parameter(torch.zeros(2))], "gamma": gamma}], noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+
+
+def test_other_bad_hyperparameters():
+    with pytest.raises(ValueError, match="unknown DP optimizer"):
+        _mk("dp_lion")
+    with pytest.raises(ValueError, match="h1"):
+        _mk("dp_macadam", h1=1e-2, h2=1e-3)
+    with pytest.raises(ValueError, match="h1"):
+        make_optimizer("dp_macadam", [{"params": [nn.Parameter(torch.zeros(2))], "h1": 2.0}], noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+    with pytest.raises(ValueError, match="momentum"):
+        _mk("dp_sgd", momentum=1.0)
+    with pytest.raises(ValueError, match="momentum"):
+        _mk("dp_sgd", momentum=-0.5)
+    with pytest.raises(ValueError, match="eps"):
+        _mk("dp_adam", eps=-1e-8)
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        _mk("dp_sgd", expected_batch_size=0)
