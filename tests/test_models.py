@@ -250,7 +250,9 @@ def _check_per_sample_equal(model, config):
         params = dict(model.named_parameters())
         for name, ref in reference.items():
             gs = params[name].grad_sample
-            torch.testing.assert_close(gs, ref, atol=1e-5 * scale, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+            # per-parameter tolerance: a global one hid DeBERTa's mis-attributed (tiny) query/key gradients
+            atol = max(1e-4 * ref.abs().max().item(), 1e-7 * scale)
+            torch.testing.assert_close(gs, ref, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     # detached: no Opacus state left
     assert not any(hasattr(p, "grad_sample") for p in model.parameters())
     assert not hasattr(model, "autograd_grad_sample_hooks")
@@ -258,6 +260,8 @@ def _check_per_sample_equal(model, config):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_per_sample_grads_last_block(arch):
+    if arch == "deberta-v2":
+        pytest.skip("refused: see test_deberta_last_block_query_key_on_shared_relative_embeddings_is_refused")
     model, _ = apply_trainable(_model(arch), "last_block")
     _check_per_sample_equal(model, _config(arch))
 
@@ -316,14 +320,29 @@ def test_model_is_not_wrapped_and_detach_removes_everything():
 @pytest.mark.parametrize("arch,param", [("deberta-v2", "deberta.encoder.rel_embeddings.weight"),
                                         ("mpnet", "mpnet.encoder.relative_attention_bias.weight")])
 def test_all_mode_with_unsupported_relative_position_params_raises(arch, param):
+    """Relative-position parameters are applied to inputs shared by the whole batch: refused in the
+    forward pass (before any per-example gradient could be mis-attributed), naming the layer."""
     model, _ = apply_trainable(_model(arch), "all")
     model.train()
     ids, mask, labels = _batch(model.config)
+    layer = param.rsplit(".", 1)[0]
     with attach_grad_sampler(model):
-        F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels, reduction="sum").backward()
-        with pytest.raises(ValueError, match=re.escape(param)) as exc:
+        with pytest.raises(ValueError, match="shared by the whole batch") as exc:
+            F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels, reduction="sum").backward()
             assert_grad_samples_complete(model, ids.shape[0])
-        assert "--trainable last_block" in str(exc.value)
+        assert "trainable layer" in str(exc.value)
+
+
+def test_deberta_last_block_query_key_on_shared_relative_embeddings_is_refused():
+    """DeBERTa-v2 projects the batch-shared relative-position embeddings with the last block's own
+    query/key layers and repeats them over the batch: the gradient of those layers mixes examples, so
+    per-example gradients (Opacus hooks silently put the shared part on one row) must be refused."""
+    model, _ = apply_trainable(_model("deberta-v2"), "last_block")
+    model.train()
+    ids, mask, labels = _batch(model.config)
+    with attach_grad_sampler(model):
+        with pytest.raises(ValueError, match=r"attention\.self\.(query|key)_proj .*shared by the whole batch"):
+            model(input_ids=ids, attention_mask=mask)
 
 
 def test_assert_before_backward_reports_missing_grads():

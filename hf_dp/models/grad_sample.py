@@ -179,6 +179,92 @@ def _strip_opacus_state(model: nn.Module) -> None:
                 del m.__dict__[attr]
 
 
+def install_batch_hooks(model: nn.Module, holder) -> list:
+    """Hooks shared by every per-sample-gradient engine (Opacus hooks, ghost clipping).
+
+    1. record the batch size of each forward call in ``holder.batch_size`` (from ``input_ids`` /
+       ``inputs_embeds``);
+    2. expand batch-1 (broadcast) inputs of trainable ``nn.Embedding`` layers — HF passes buffers such
+       as ``position_ids`` of shape ``[1, L]`` — to ``[B, L]`` (contiguous), which leaves the output
+       unchanged after broadcasting but gives every example its own rows;
+    3. make frozen BatchNorm layers refuse to run in training mode (batch statistics mix examples).
+
+    Returns the hook handles.
+    """
+    from transformers import PreTrainedModel
+
+    handles: list = []
+    handle = holder
+
+    # 1. batch size recorder on the model and any PreTrainedModel inside it.
+    def record_batch_size(_module, args, kwargs):
+        bs = _batch_size_from_call(args, kwargs)
+        if bs is not None:
+            handle.batch_size = bs
+
+    depth = [0]  # > 0 while the model's own forward runs (not Opacus' per-example functorch replays)
+
+    def enter(_module, _args):
+        depth[0] += 1
+
+    def leave(_module, _args, _out):
+        depth[0] -= 1
+
+    tops = [model] + [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]
+    for m in tops:
+        handles.append(m.register_forward_pre_hook(record_batch_size, with_kwargs=True))
+    handles.append(model.register_forward_pre_hook(enter))
+    handles.append(model.register_forward_hook(leave, always_call=True))
+
+    # 2. expand batch-1 (broadcast) inputs of trainable embeddings.
+    def expand_broadcast_input(_module, args):
+        bs = handle.batch_size
+        if not args or bs is None or bs <= 1:
+            return None
+        x = args[0]
+        if torch.is_tensor(x) and x.dim() >= 1 and x.shape[0] == 1:
+            return (x.expand(bs, *x.shape[1:]).contiguous(),) + tuple(args[1:])
+        return None
+
+    # 3. frozen BatchNorm must run in eval mode.
+    def forbid_train_mode(module, _args):
+        if module.training:
+            raise RuntimeError(
+                f"{type(module).__name__} runs in training mode under DP training: it normalizes with "
+                "batch statistics, which mixes examples. Put it in eval mode (module.eval()) or replace it."
+            )
+
+    # 4. a trainable layer applied to an input shared by the whole batch (e.g. DeBERTa's relative-position
+    #    embeddings projected by the attention's query/key layers, then repeated over the batch): its
+    #    gradient mixes all examples and cannot be split per example — neither Opacus' hooks nor ghost
+    #    clipping can bound each example's contribution, so refuse rather than mis-attribute it.
+    def forbid_shared_input(module, args, _name=None):
+        bs = handle.batch_size
+        if depth[0] <= 0 or not module.training or not torch.is_grad_enabled() or bs is None or not args:
+            return None
+        x = args[0]
+        if torch.is_tensor(x) and x.dim() >= 2 and x.shape[0] != bs:
+            raise ValueError(
+                f"trainable layer {_name} ({type(module).__name__}) is applied to an input with batch dimension "
+                f"{x.shape[0]} while the batch has {bs} examples (an input shared by the whole batch): its "
+                "per-example gradients cannot be separated, so each example's contribution could not be bounded. "
+                "Freeze it (e.g. --trainable head or a LoRA/target choice that avoids it)."
+            )
+        return None
+
+    import functools
+
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) and m.weight.requires_grad:
+            handles.append(m.register_forward_pre_hook(expand_broadcast_input))
+        elif isinstance(m, _BatchNorm):
+            handles.append(m.register_forward_pre_hook(forbid_train_mode))
+        if any(p.requires_grad for p in m.parameters(recurse=False)):
+            handles.append(m.register_forward_pre_hook(functools.partial(forbid_shared_input, _name=name)))
+
+    return handles
+
+
 def attach_grad_sampler(model: nn.Module) -> GradSamplerHandle:
     """Register Opacus per-sample-gradient hooks on ``model`` (in place) and return a handle.
 
@@ -201,39 +287,7 @@ def attach_grad_sampler(model: nn.Module) -> GradSamplerHandle:
     handles: list = []
     handle = GradSamplerHandle(model, None, handles)
 
-    # 1. batch size recorder on the model and any PreTrainedModel inside it.
-    def record_batch_size(_module, args, kwargs):
-        bs = _batch_size_from_call(args, kwargs)
-        if bs is not None:
-            handle.batch_size = bs
-
-    tops = [model] + [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]
-    for m in tops:
-        handles.append(m.register_forward_pre_hook(record_batch_size, with_kwargs=True))
-
-    # 2. expand batch-1 (broadcast) inputs of trainable embeddings.
-    def expand_broadcast_input(_module, args):
-        bs = handle.batch_size
-        if not args or bs is None or bs <= 1:
-            return None
-        x = args[0]
-        if torch.is_tensor(x) and x.dim() >= 1 and x.shape[0] == 1:
-            return (x.expand(bs, *x.shape[1:]).contiguous(),) + tuple(args[1:])
-        return None
-
-    # 3. frozen BatchNorm must run in eval mode.
-    def forbid_train_mode(module, _args):
-        if module.training:
-            raise RuntimeError(
-                f"{type(module).__name__} runs in training mode under DP training: it normalizes with "
-                "batch statistics, which mixes examples. Put it in eval mode (module.eval()) or replace it."
-            )
-
-    for m in model.modules():
-        if isinstance(m, nn.Embedding) and m.weight.requires_grad:
-            handles.append(m.register_forward_pre_hook(expand_broadcast_input))
-        elif isinstance(m, _BatchNorm):
-            handles.append(m.register_forward_pre_hook(forbid_train_mode))
+    handles.extend(install_batch_hooks(model, handle))
 
     try:
         gsm = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)

@@ -127,6 +127,11 @@ class DPUpdateRule(torch.optim.Optimizer):
     def clip_norm(self, max_grad_norm: float) -> float:
         return max_grad_norm
 
+    @classmethod
+    def has_per_sample_transform(cls) -> bool:
+        """True if this rule changes per-example gradients before clipping (ghost clipping cannot apply)."""
+        return cls.to_clip_space is not DPUpdateRule.to_clip_space or cls.clip_norm is not DPUpdateRule.clip_norm
+
     def to_clip_space(self, params: Sequence[Tensor], grad_samples: list[Tensor]) -> list[Tensor]:
         return grad_samples
 

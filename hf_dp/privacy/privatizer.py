@@ -147,6 +147,22 @@ class PrivateOptimizer(DPOptimizer):
             p.grad_sample = None
         return rows
 
+    @torch.no_grad()
+    def add_clipped_sum(self, clipped: dict) -> None:
+        """Add an already clipped per-example sum {param: Σ_i c_i ∇ℓ_i} (from ghost clipping) to the
+        logical batch. Only for rules without a per-sample transform (clip space = gradient space)."""
+        if self.rule.has_per_sample_transform():
+            raise ValueError(
+                f"{type(self.rule).__name__} transforms per-example gradients before clipping; "
+                "ghost clipping cannot apply to it (use the Opacus hooks)"
+            )
+        for p in self.params:
+            g = clipped.get(p)
+            if g is None:
+                raise ValueError("ghost clipping returned no clipped sum for a trainable parameter")
+            g = g.view_as(p)
+            p.summed_grad = g if p.summed_grad is None else p.summed_grad + g
+
     # Opacus' pre_step calls clip_and_accumulate on pending grad samples; we route it through accumulate
     def clip_and_accumulate(self):
         self.accumulate()

@@ -1,0 +1,275 @@
+"""Ghost clipping in one backward pass ("book-keeping"): per-example clipped gradient sums without
+materialising per-example gradients.
+
+Opacus' hooks materialise every example's gradient (``[B, *p.shape]`` per parameter) and Opacus'
+own ghost mode needs a *second* backward pass with the clip factors as loss weights. Here one
+backward pass captures, for every trainable layer, its input activations ``a`` and output gradients
+``g``; then
+
+* per-example squared norms come from ``a`` and ``g`` directly ("ghost norms"): for a linear layer
+  ‖Σ_t g_tᵀa_t‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s), computed as ⟨a aᵀ, g gᵀ⟩ when the sequence is short
+  (T < d_in·d_out/(d_in+d_out)) and by materialising per-example gradients in chunks otherwise;
+* with the clip factors c_i = min(1, C/(‖∇ℓ_i‖ + 1e-6)) (Opacus' formula), the clipped sum of a linear
+  weight is one matmul (c·g)ᵀa — the same cost as an ordinary weight gradient, which the custom
+  autograd function below does *not* compute during backward (it only propagates input gradients).
+
+So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
+Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients).
+
+Supported trainable layers: ``nn.Linear``, transformers' ``Conv1D`` (GPT-2), ``nn.LayerNorm``,
+``nn.Embedding`` (incl. broadcast position ids, see :func:`install_batch_hooks`). A layer called
+several times in one forward (ALBERT's shared block) is handled by concatenating its calls along
+the token axis. Where it cannot apply — any other trainable layer type, parameters shared between
+modules, update rules that transform per-example gradients before clipping (``dp_sgd_l2``,
+``dp_macadam``) — :class:`GhostClipper` raises ``ValueError`` and the Opacus hooks must be used.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .grad_sample import install_batch_hooks
+
+try:  # GPT-2 style transposed linear
+    from transformers.pytorch_utils import Conv1D
+except Exception:  # pragma: no cover
+    Conv1D = ()
+
+
+class _GhostLinear(torch.autograd.Function):
+    """y = x Wᵀ + b (or x W + b for Conv1D); backward returns only dL/dx and records (x, dL/dy)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, record, transposed):
+        ctx.save_for_backward(x, weight)
+        ctx.record = record
+        ctx.transposed = transposed
+        if transposed:
+            out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight) if bias is not None else x.reshape(-1, x.shape[-1]) @ weight
+            return out.view(*x.shape[:-1], weight.shape[-1])
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        ctx.record.append((x, grad_out))
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out @ weight.t() if ctx.transposed else grad_out @ weight
+        return grad_x, None, None, None, None
+
+
+def _as_3d(t: torch.Tensor) -> torch.Tensor:
+    """[B, ..., d] -> [B, T, d] (T = product of the middle dims, 1 for a 2-D input)."""
+    if t.dim() == 2:
+        return t.unsqueeze(1)
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+class _Layer:
+    def __init__(self, module: nn.Module, kind: str):
+        self.module = module
+        self.kind = kind  # "linear", "conv1d", "layernorm", "embedding"
+        self.records: list = []  # (input, grad_output) per call, appended during backward
+
+    def params(self):
+        return [p for p in self.module.parameters(recurse=False) if p.requires_grad]
+
+
+class GhostClipper:
+    """Attach to a model whose trainable parameters all live in supported layers.
+
+    Usage per micro-batch: forward, ``loss.backward()``, then ``clipped_sum(max_grad_norm, loss_scale)``
+    returns ``{param: Σ_i c_i ∇_param ℓ_i}`` and clears the records. ``per_example_norms(loss_scale)``
+    gives ‖∇ℓ_i‖ (for tests and diagnostics).
+    """
+
+    @staticmethod
+    def check_supported(model: nn.Module) -> list[tuple[nn.Module, str]]:
+        """The (module, kind) pairs to instrument; ``ValueError`` if ghost clipping cannot apply."""
+        layers = []
+        owner: dict[int, str] = {}
+        for name, m in model.named_modules():
+            own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            for p in own:
+                if id(p) in owner:
+                    raise ValueError(f"ghost clipping cannot handle parameters shared between modules ({owner[id(p)]} and {name})")
+                owner[id(p)] = name
+            if isinstance(m, nn.Linear):
+                kind = "linear"
+            elif Conv1D and isinstance(m, Conv1D):
+                kind = "conv1d"
+            elif isinstance(m, nn.LayerNorm):
+                kind = "layernorm"
+            elif isinstance(m, nn.Embedding):
+                if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+                    raise ValueError(f"ghost clipping does not support the embedding options of {name}")
+                kind = "embedding"
+            else:
+                raise ValueError(
+                    f"ghost clipping does not support trainable layer {name} ({type(m).__name__}); "
+                    "use --clipping hooks (Opacus per-sample gradients)"
+                )
+            layers.append((m, kind))
+        if not layers:
+            raise ValueError("the model has no trainable parameter")
+        all_trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        if set(owner) != all_trainable:  # pragma: no cover - defensive
+            raise ValueError("some trainable parameters are not covered by ghost clipping")
+        return layers
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.batch_size: int | None = None
+        self._handles: list = []
+        self._patched: list[tuple[nn.Module, object]] = []
+        self.layers = [_Layer(m, kind) for m, kind in self.check_supported(model)]
+        self._handles.extend(install_batch_hooks(model, self))
+        for layer in self.layers:
+            self._instrument(layer)
+
+    # ----- instrumentation -----------------------------------------------------------------------------
+    def _instrument(self, layer: _Layer) -> None:
+        m = layer.module
+        if layer.kind in ("linear", "conv1d"):
+            transposed = layer.kind == "conv1d"
+
+            def forward(x, _m=m, _rec=layer.records, _tr=transposed):
+                if not (_m.training and torch.is_grad_enabled()):
+                    return type(_m).forward(_m, x)
+                return _GhostLinear.apply(x, _m.weight, _m.bias, _rec, _tr)
+
+            self._patched.append((m, m.__dict__.get("forward")))
+            m.forward = forward
+        else:
+
+            def fwd_hook(module, args, out, _rec=layer.records):
+                if not (module.training and torch.is_grad_enabled()) or not out.requires_grad:
+                    return
+                x = args[0].detach()
+                out.register_hook(lambda g, _x=x: _rec.append((_x, g)))
+
+            self._handles.append(m.register_forward_hook(fwd_hook))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for m, old in self._patched:
+            if old is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = old
+        self._patched = []
+        self.clear()
+
+    def clear(self) -> None:
+        for layer in self.layers:
+            layer.records.clear()
+
+    # ----- per-layer pieces ------------------------------------------------------------------------------
+    @staticmethod
+    def _cat(records, scale):
+        xs = [_as_3d(x) if x.dim() > 1 else x.unsqueeze(-1) for x, _ in records]
+        gs = [_as_3d(g.float() / scale) for _, g in records]
+        if len(records) == 1:
+            return xs[0], gs[0]
+        return torch.cat(xs, dim=1), torch.cat(gs, dim=1)
+
+    def _layer_terms(self, layer: _Layer, scale: float):
+        """(per-example squared norm [B], function c -> {param: clipped sum})."""
+        m = layer.module
+        if not layer.records:
+            raise ValueError(f"layer {type(m).__name__} recorded no backward pass; is every trainable layer used in the forward?")
+        if layer.kind in ("linear", "conv1d"):
+            a, g = self._cat(layer.records, scale)
+            a = a.float()
+            B, T, d_in = a.shape
+            d_out = g.shape[-1]
+            sq = torch.zeros(B, device=g.device)
+            if m.weight.requires_grad:
+                if T * T * (d_in + d_out) <= T * d_in * d_out:
+                    sq = sq + (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+                else:
+                    chunk = max(1, int(2**26 // (d_in * d_out)))
+                    parts = [torch.einsum("bto,bti->boi", g[i : i + chunk], a[i : i + chunk]).flatten(1).pow(2).sum(1) for i in range(0, B, chunk)]
+                    sq = sq + torch.cat(parts)
+            gsum = None
+            if m.bias is not None and m.bias.requires_grad:
+                gsum = g.sum(1)
+                sq = sq + gsum.pow(2).sum(1)
+
+            def clipped(c, a=a, g=g, gsum=gsum):
+                out = {}
+                cg = (g * c.view(-1, 1, 1)).reshape(-1, d_out)
+                if m.weight.requires_grad:
+                    w = cg.t() @ a.reshape(-1, d_in)  # [d_out, d_in]
+                    out[m.weight] = (w.t() if layer.kind == "conv1d" else w).to(m.weight.dtype)
+                if gsum is not None:
+                    out[m.bias] = (gsum * c.view(-1, 1)).sum(0).to(m.bias.dtype)
+                return out
+
+            return sq, clipped
+        if layer.kind == "layernorm":
+            x, g = self._cat(layer.records, scale)
+            xhat = F.layer_norm(x.float(), m.normalized_shape, eps=m.eps)
+            sq = torch.zeros(g.shape[0], device=g.device)
+            gw = gb = None
+            if m.weight is not None and m.weight.requires_grad:
+                gw = (g * xhat).sum(1)
+                sq = sq + gw.pow(2).sum(1)
+            if m.bias is not None and m.bias.requires_grad:
+                gb = g.sum(1)
+                sq = sq + gb.pow(2).sum(1)
+
+            def clipped(c, gw=gw, gb=gb):
+                out = {}
+                if gw is not None:
+                    out[m.weight] = (gw * c.view(-1, 1)).sum(0).to(m.weight.dtype)
+                if gb is not None:
+                    out[m.bias] = (gb * c.view(-1, 1)).sum(0).to(m.bias.dtype)
+                return out
+
+            return sq, clipped
+        # embedding: per-example gradient rows are sums of g over equal token ids
+        ids = torch.cat([x.reshape(x.shape[0], -1) for x, _ in layer.records], dim=1)
+        g = torch.cat([_as_3d(gr.float() / scale) for _, gr in layer.records], dim=1)
+        if m.padding_idx is not None:
+            g = g * (ids != m.padding_idx).unsqueeze(-1)
+        same = ids.unsqueeze(2) == ids.unsqueeze(1)
+        sq = (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
+
+        def clipped(c, ids=ids, g=g):
+            w = torch.zeros(m.weight.shape, device=g.device, dtype=torch.float32)
+            w.index_add_(0, ids.reshape(-1), (g * c.view(-1, 1, 1)).reshape(-1, g.shape[-1]))
+            return {m.weight: w.to(m.weight.dtype)}
+
+        return sq, clipped
+
+    # ----- public -----------------------------------------------------------------------------------------
+    def _collect(self, loss_scale: float):
+        terms = [self._layer_terms(layer, loss_scale) for layer in self.layers]
+        sq = terms[0][0]
+        for t in terms[1:]:
+            sq = sq + t[0]
+        return sq, terms
+
+    @torch.no_grad()
+    def per_example_norms(self, loss_scale: float = 1.0) -> torch.Tensor:
+        return self._collect(loss_scale)[0].clamp_min(0).sqrt()
+
+    @torch.no_grad()
+    def clipped_sum(self, max_grad_norm: float, loss_scale: float = 1.0) -> dict:
+        """{param: Σ_i min(1, C/(‖∇ℓ_i‖+1e-6)) ∇_param ℓ_i}; clears the records."""
+        sq, terms = self._collect(loss_scale)
+        norms = sq.clamp_min(0).sqrt()
+        c = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        out: dict = {}
+        for _, fn in terms:
+            out.update(fn(c))
+        self.clear()
+        return out

@@ -1,0 +1,120 @@
+"""Ghost clipping (one backward pass) gives exactly Opacus' clipped per-example sum."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_dp.models import apply_trainable
+from hf_dp.models.ghost_clipping import GhostClipper
+from tests.test_models import ARCHS, _batch, _config, _model, _per_example_grads
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _reference_clipped(model, ids, mask, labels, clip):
+    """Σ_i min(1, C/(‖g_i‖+1e-6)) g_i from a loop of one backward per example (no Opacus)."""
+    per = _per_example_grads(model, ids, mask, labels)
+    norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in per.values()]).sum(0).sqrt()
+    c = (clip / (norms + 1e-6)).clamp(max=1.0)
+    return {n: torch.einsum("i,i...->...", c, g) for n, g in per.items()}, norms
+
+
+def _ghost(model, ids, mask, labels, clip, loss_scale):
+    gc = GhostClipper(model)
+    try:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        (F.cross_entropy(logits, labels, reduction="sum") * loss_scale).backward()
+        norms = gc.per_example_norms(loss_scale)
+        out = gc.clipped_sum(clip, loss_scale=loss_scale)
+    finally:
+        gc.detach()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: g for p, g in out.items()}, norms
+
+
+def _check(arch, mode):
+    config = _config(arch)
+    model, _ = apply_trainable(_model(arch), mode)
+    model.train()
+    ids, mask, labels = _batch(config, batch_size=5, seq_len=7)
+    ref_model = copy.deepcopy(model)
+    _, norms_ref = _reference_clipped(ref_model, ids, mask, labels, 1e9)
+    clip = float(norms_ref.median())  # about half the examples are clipped
+    ref, _ = _reference_clipped(ref_model, ids, mask, labels, clip)
+    got, norms = _ghost(model, ids, mask, labels, clip, loss_scale=0.25)
+    torch.testing.assert_close(norms, norms_ref, rtol=1e-4, atol=1e-6)
+    scale = max(r.abs().max().item() for r in ref.values())
+    assert set(got) == set(ref)
+    for name, r in ref.items():
+        atol = max(1e-4 * r.abs().max().item(), 1e-7 * scale)
+        torch.testing.assert_close(got[name], r, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    # the custom linear did not compute the (non-private) weight gradients during backward
+    lin = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.requires_grad]
+    assert lin and all(m.weight.grad is None for m in lin)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "deberta-v2"])
+def test_ghost_equals_per_example_loop_last_block(arch):
+    _check(arch, "last_block")
+
+
+def test_ghost_refuses_layers_applied_to_batch_shared_inputs():
+    config = _config("deberta-v2")
+    model, _ = apply_trainable(_model("deberta-v2"), "last_block")
+    model.train()
+    ids, mask, _ = _batch(config)
+    gc = GhostClipper(model)
+    with pytest.raises(ValueError, match="shared by the whole batch"):
+        model(input_ids=ids, attention_mask=mask)
+    gc.detach()
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_ghost_equals_per_example_loop_all_params_incl_embeddings(arch):
+    _check(arch, "all")
+
+
+def test_detach_restores_plain_forward():
+    config = _config("bert")
+    model, _ = apply_trainable(_model("bert"), "last_block")
+    ids, mask, _ = _batch(config)
+    model.eval()
+    before = model(input_ids=ids, attention_mask=mask).logits
+    gc = GhostClipper(model)
+    assert model(input_ids=ids, attention_mask=mask).logits.equal(before)  # eval path is the normal forward
+    gc.detach()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert model(input_ids=ids, attention_mask=mask).logits.equal(before)
+
+
+def test_unsupported_layer_is_refused():
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 2, 3), torch.nn.Flatten(), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="ghost clipping does not support trainable layer"):
+        GhostClipper(model)
+
+
+def test_shared_parameter_is_refused():
+    a = torch.nn.Linear(3, 3)
+    b = torch.nn.Linear(3, 3)
+    b.weight = a.weight
+    with pytest.raises(ValueError, match="shared between modules"):
+        GhostClipper(torch.nn.Sequential(a, b))
+
+
+def test_ghost_refused_for_rules_that_transform_per_example_gradients():
+    from hf_dp.optim import make_optimizer
+
+    lin = torch.nn.Linear(3, 2)
+    opt = make_optimizer("dp_sgd_l2", lin.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, weight_decay=0.1)
+    with pytest.raises(ValueError, match="ghost clipping cannot apply"):
+        opt.add_clipped_sum({p: torch.zeros_like(p) for p in lin.parameters()})
