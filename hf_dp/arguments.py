@@ -66,6 +66,14 @@ class DPTrainingArguments(TrainingArguments):
             "anyone who knows it recompute batches and noise: use it for reproducible research only."
         },
     )
+    clipping: str = field(
+        default="auto",
+        metadata={
+            "help": "Per-example clipping engine: ghost (one-backward ghost clipping, hf_dp.models.ghost_clipping), "
+            "hooks (Opacus per-sample gradients), auto (ghost where it applies, else hooks).",
+            "choices": ["auto", "ghost", "hooks"],
+        },
+    )
     disable_dp: bool = field(default=False, metadata={"help": "Train non-privately (baseline); requires an HF --optim."})
 
     def __post_init__(self):
@@ -116,6 +124,8 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"--accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
         if self.trainable not in TRAINABLE_MODES:
             raise ValueError(f"--trainable must be one of {TRAINABLE_MODES}, got {self.trainable!r}")
+        if self.clipping not in ("auto", "ghost", "hooks"):
+            raise ValueError(f"--clipping must be one of auto, ghost, hooks; got {self.clipping!r}")
         if self.bc_gamma is not None and not self.bc_gamma > 0:
             raise ValueError(f"--bc_gamma must be > 0, got {self.bc_gamma}")
         if self.max_steps is not None and self.max_steps == 0:

@@ -25,6 +25,10 @@ What it changes, and nothing else (each override calls ``super()``):
 
 Checkpoints: the optimizer state saved by HF carries the update rule state, the ledger (ε history)
 and the sampler/noise RNG state; resuming continues ε and refuses changed privacy settings.
+``_save_checkpoint`` writes the completion marker ``hf_dp_checkpoint.json`` after HF's files and
+before old checkpoints are rotated; ``train(resume_from_checkpoint=True|path)`` only resumes from a
+complete checkpoint, and ε never drops below what an interrupted run already reported
+(see :mod:`hf_dp.checkpointing`).
 """
 
 from __future__ import annotations
@@ -41,10 +45,13 @@ import transformers
 from packaging import version
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_dp import __version__
 from hf_dp.arguments import DPTrainingArguments
+from hf_dp import checkpointing
 from hf_dp.models import apply_trainable, assert_grad_samples_complete, attach_grad_sampler, unwrap_for_save
+from hf_dp.models.ghost_clipping import GhostClipper
 from hf_dp.optim.registry import get_entry
 from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
 from hf_dp.privacy.privatizer import PrivateOptimizer
@@ -143,6 +150,7 @@ class DPTrainer(Trainer):
             raise ValueError("DP training needs a sized train_dataset (an IterableDataset cannot be Poisson-sampled)") from None
         if n == 0:
             raise ValueError("the training dataset is empty")
+        self._check_label_column()
         world = max(1, args.world_size)
         b = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
         if b > n:
@@ -182,7 +190,43 @@ class DPTrainer(Trainer):
         self._dp_optimizer: PrivateOptimizer | None = None
         self._loss_scale: float | None = None
         self._checked_grad_samples = False
-        self.grad_sampler = attach_grad_sampler(self.model)
+        self.grad_sampler = self.ghost_clipper = None
+        self.clipping = self._choose_clipping(world)
+        if self.clipping == "ghost":
+            self.ghost_clipper = GhostClipper(self.model)
+        else:
+            self.grad_sampler = attach_grad_sampler(self.model)
+
+    def _choose_clipping(self, world: int) -> str:
+        """``ghost`` (one backward pass, hf_dp.models.ghost_clipping) where it applies, else Opacus hooks."""
+        mode = self.args.clipping
+        if mode == "hooks":
+            return "hooks"
+        reasons = []
+        if get_entry(self.args.optim).rule_cls.has_per_sample_transform():
+            reasons.append(f"{self.args.optim} transforms per-example gradients before clipping")
+        if world > 1:
+            reasons.append("several processes (DDP expects every parameter's gradient from backward)")
+        if not reasons:
+            try:
+                GhostClipper.check_supported(self.model)
+            except ValueError as e:
+                reasons.append(str(e))
+        if reasons and mode == "ghost":
+            raise ValueError("--clipping ghost cannot apply: " + "; ".join(reasons) + " (use --clipping hooks)")
+        return "hooks" if reasons else "ghost"
+
+    def _check_label_column(self) -> None:
+        """compute_loss needs per-example labels: refuse up front a train set without a label column."""
+        columns = getattr(self.train_dataset, "column_names", None)
+        if columns is None:
+            first = self.train_dataset[0]
+            columns = list(first.keys()) if hasattr(first, "keys") else None
+        if columns is not None and not {"labels", "label", "label_ids"} & set(columns):
+            raise ValueError(
+                f"the train dataset has no label column ('labels' or 'label'; it has {sorted(columns)}): "
+                "DP training computes each example's loss from its label"
+            )
 
     # ------------------------------------------------------------------------------------------------
     # data
@@ -278,12 +322,16 @@ class DPTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.args.dp_enabled:
-            if not self._checked_grad_samples:
-                assert_grad_samples_complete(self.model, self._rows_in_batch)
-                self._checked_grad_samples = True
             if self._loss_scale is None:
                 raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
-            self._dp_optimizer.accumulate(loss_scale=self._loss_scale)
+            if self.ghost_clipper is not None:
+                clipped = self.ghost_clipper.clipped_sum(self._dp_optimizer.max_grad_norm, loss_scale=self._loss_scale)
+                self._dp_optimizer.add_clipped_sum(clipped)
+            else:
+                if not self._checked_grad_samples:
+                    assert_grad_samples_complete(self.model, self._rows_in_batch)
+                    self._checked_grad_samples = True
+                self._dp_optimizer.accumulate(loss_scale=self._loss_scale)
             self._loss_scale = None
         return loss
 
@@ -294,11 +342,22 @@ class DPTrainer(Trainer):
         """ε spent so far at δ (0 before training; ``inf`` for a non-private run)."""
         if not self.args.dp_enabled:
             return math.inf
-        return self.ledger.get_epsilon()
+        eps = self.ledger.get_epsilon()
+        floor = getattr(self, "_spent_floor", None)  # an interrupted run got further than our checkpoint
+        if floor is not None and floor[0] > self.ledger.steps:
+            eps = max(eps, floor[1])
+        return eps
+
+    def _record_spent(self) -> None:
+        if self.args.dp_enabled and self.args.should_save and self.ledger.steps > 0:
+            floor = getattr(self, "_spent_floor", None)
+            steps = max(self.ledger.steps, floor[0] if floor else 0)
+            checkpointing.write_spent(self.args.output_dir, steps, self.get_epsilon(), self.privacy_spec.as_dict())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.args.dp_enabled:
             logs.pop("grad_norm", None)  # norm of the non-private gradient: never logged
+            self._record_spent()  # persisted before it is reported (see hf_dp.checkpointing)
             logs["epsilon"] = self.get_epsilon()
             rule = getattr(self._dp_optimizer, "rule", None)
             if getattr(rule, "last_clamp_rate", None) is not None:
@@ -350,6 +409,60 @@ class DPTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------
     # saving
     # ------------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        # only complete checkpoints (with hf_dp's marker) are resumed from; see hf_dp.checkpointing
+        resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        self.resumed_from = resume_from_checkpoint
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.args.dp_enabled:
+            marker = checkpointing.read_marker(checkpoint) or {}
+            steps, expected = self.ledger.steps, (self.state.global_step, marker.get("ledger_steps", self.state.global_step))
+            if steps != expected[0] or steps != expected[1]:
+                raise ValueError(
+                    f"refusing to resume from {checkpoint}: its privacy ledger records {steps} noisy steps but the "
+                    f"checkpoint is at global step {expected[0]} (marker: {expected[1]}); was optimizer.pt saved "
+                    "(save_only_model must be False)?"
+                )
+            self.resumed_ledger_steps = steps
+            spent = checkpointing.read_spent(self.args.output_dir)
+            if spent and spent.get("privacy_spec") == self.privacy_spec.as_dict() and spent["steps"] > steps:
+                # the interrupted run took (and reported) more steps than this checkpoint holds: the
+                # steps are replayed with the same batches and noise, but ε never goes below what was reported
+                self._spent_floor = (int(spent["steps"]), float(spent["epsilon"]))
+
+    def _save_checkpoint(self, model, trial):
+        # HF writes checkpoint-N in place, then rotates old checkpoints; we defer the rotation until the
+        # completion marker is on disk, so a complete checkpoint exists at every instant.
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._record_spent()
+        if self.args.should_save and os.path.isdir(folder):
+            checkpointing.remove_marker(folder)
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.world_size > 1:
+            self.accelerator.wait_for_everyone()  # every rank's files (rng_state_i.pth) are written
+        if self.args.should_save:
+            checkpointing.write_marker(folder, self._checkpoint_info())
+            rotate_checkpoints(
+                output_dir=self._get_output_dir(trial=trial),
+                save_total_limit=limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def _checkpoint_info(self) -> dict:
+        info = {"hf_dp_version": __version__, "global_step": self.state.global_step, "differential_privacy": self.args.dp_enabled}
+        if self.args.dp_enabled:
+            info.update(ledger_steps=self.ledger.steps, epsilon=self.get_epsilon(), privacy_spec=self.privacy_spec.as_dict())
+        return info
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         output_dir = output_dir or self.args.output_dir
         is_checkpoint = os.path.basename(os.path.normpath(output_dir)).startswith("checkpoint-")

@@ -1,0 +1,234 @@
+"""Crash-safe checkpoints: a completion marker, and resuming only from complete checkpoints.
+
+``transformers.Trainer._save_checkpoint`` (5.x) writes straight into ``checkpoint-N/`` — model,
+``optimizer.pt`` (which carries our privacy ledger), scheduler, RNG state, ``trainer_state.json``
+last — with no atomic rename, and ``get_last_checkpoint`` returns the highest-numbered folder even
+if the process was killed half-way through writing it. Resuming from such a folder could load a
+new model with an old (or missing) ledger, i.e. under-report ε, or crash.
+
+hf_dp therefore writes a **completion marker** ``hf_dp_checkpoint.json`` into the folder after HF
+has written everything and *before* older checkpoints are rotated away (so at every instant at
+least one complete checkpoint exists). The marker is written atomically (temp file, fsync,
+``os.replace``, fsync of the folder) and records the global step, the ledger's step count and ε,
+the :class:`~hf_dp.privacy.accounting.PrivacySpec`, and the size and SHA-256 of every file of the
+checkpoint. A checkpoint is *complete* iff its marker exists, parses, and every listed file is
+present with that size (and hash, when verified deeply).
+
+``DPTrainer.train(resume_from_checkpoint=True)`` resumes from the newest complete checkpoint
+(:func:`find_last_complete_checkpoint`; incomplete ones are skipped with a warning);
+``resume_from_checkpoint="path"`` refuses a folder without a valid marker
+(:func:`verify_marker` raises :class:`IncompleteCheckpointError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MARKER_NAME = "hf_dp_checkpoint.json"
+MARKER_FORMAT = 1
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_HASH_CHUNK = 1 << 20
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint folder without a valid completion marker (e.g. the process died while writing it)."""
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _list_files(folder: str) -> list[str]:
+    out = []
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), folder)
+            if rel == MARKER_NAME or name.startswith(".hf_dp_tmp"):
+                continue
+            out.append(rel.replace(os.sep, "/"))
+    return sorted(out)
+
+
+def remove_marker(folder: str) -> None:
+    """Delete a stale marker before a checkpoint folder is (re)written."""
+    path = os.path.join(folder, MARKER_NAME)
+    if os.path.exists(path):
+        os.remove(path)
+        _fsync_dir(folder)
+
+
+def write_marker(folder: str, info: dict[str, Any] | None = None, hash_files: bool = True) -> dict:
+    """Atomically write the completion marker of ``folder`` (call it after every file is written).
+
+    ``info`` (global step, ε, ledger steps, privacy spec, …) is stored as is. Every other file in
+    the folder is listed with its size and (``hash_files``) SHA-256; each is fsync'ed first so the
+    marker never describes data that is not on disk.
+    """
+    files = {}
+    for rel in _list_files(folder):
+        path = os.path.join(folder, rel)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        entry: dict[str, Any] = {"size": os.path.getsize(path)}
+        if hash_files:
+            entry["sha256"] = _sha256(path)
+        files[rel] = entry
+    for root, _dirs, _files in os.walk(folder):
+        _fsync_dir(root)
+    marker = {"format": MARKER_FORMAT, "complete": True, **(info or {}), "files": files}
+    fd, tmp = tempfile.mkstemp(prefix=".hf_dp_tmp", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(marker, f, indent=2, sort_keys=True, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(folder, MARKER_NAME))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(folder)
+    return marker
+
+
+def read_marker(folder: str) -> dict | None:
+    """The parsed marker of ``folder``, or ``None`` if it is missing or unreadable."""
+    try:
+        with open(os.path.join(folder, MARKER_NAME)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def checkpoint_problem(folder: str, deep: bool = True) -> str | None:
+    """Why ``folder`` is not a complete hf_dp checkpoint (``None`` if it is)."""
+    if not os.path.isdir(folder):
+        return "it is not a directory"
+    marker = read_marker(folder)
+    if marker is None:
+        if os.path.exists(os.path.join(folder, MARKER_NAME)):
+            return f"its {MARKER_NAME} is unreadable"
+        return f"it has no {MARKER_NAME} completion marker (the run was interrupted while writing it, or it was not written by hf_dp)"
+    if marker.get("format") != MARKER_FORMAT or not marker.get("complete") or not isinstance(marker.get("files"), dict):
+        return f"its {MARKER_NAME} is not a valid marker (format {marker.get('format')!r})"
+    for rel, entry in marker["files"].items():
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            return f"{rel} listed in the marker is missing"
+        if os.path.getsize(path) != entry.get("size"):
+            return f"{rel} has {os.path.getsize(path)} bytes, the marker recorded {entry.get('size')}"
+        if deep and "sha256" in entry and _sha256(path) != entry["sha256"]:
+            return f"{rel} does not match the SHA-256 recorded in the marker"
+    return None
+
+
+def verify_marker(folder: str, deep: bool = True) -> dict:
+    """The marker of a complete checkpoint; raises :class:`IncompleteCheckpointError` otherwise."""
+    problem = checkpoint_problem(folder, deep=deep)
+    if problem is not None:
+        raise IncompleteCheckpointError(
+            f"refusing to resume from {folder}: it is not a complete hf_dp checkpoint ({problem}); "
+            "resume from an earlier checkpoint, or pass resume_from_checkpoint=True to pick the newest complete one"
+        )
+    return read_marker(folder)
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """``checkpoint-N`` folders of ``output_dir``, newest (highest N) first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = _CHECKPOINT_RE.match(name)
+        if m and os.path.isdir(os.path.join(output_dir, name)):
+            found.append((int(m.group(1)), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def find_last_complete_checkpoint(output_dir: str, deep: bool = True) -> str | None:
+    """The newest ``checkpoint-N`` with a valid marker; incomplete newer ones are skipped with a warning."""
+    for path in list_checkpoints(output_dir):
+        problem = checkpoint_problem(path, deep=deep)
+        if problem is None:
+            return path
+        logger.warning("hf_dp: ignoring incomplete checkpoint %s: %s", path, problem)
+    return None
+
+
+def resolve_resume_checkpoint(resume_from_checkpoint, output_dir: str):
+    """Map ``Trainer.train``'s ``resume_from_checkpoint`` to a complete checkpoint folder (or ``None``).
+
+    ``True``: the newest complete checkpoint in ``output_dir`` (error if there is none);
+    a path: verified, :class:`IncompleteCheckpointError` if it has no valid marker.
+    """
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True:
+        path = find_last_complete_checkpoint(output_dir)
+        if path is None:
+            existing = list_checkpoints(output_dir)
+            detail = f" ({len(existing)} incomplete checkpoint folder(s) ignored)" if existing else ""
+            raise ValueError(f"No complete hf_dp checkpoint found in output directory ({output_dir}){detail}")
+        return path
+    path = os.fspath(resume_from_checkpoint)
+    verify_marker(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# ε already spent by an interrupted run
+# ---------------------------------------------------------------------------------------------------
+SPENT_NAME = "hf_dp_epsilon_spent.json"
+
+
+def write_spent(output_dir: str, steps: int, epsilon: float, spec: dict) -> None:
+    """Record (atomically) that the run in ``output_dir`` has taken ``steps`` noisy steps (ε spent).
+
+    Written before any ε is logged and before a checkpoint is written, so that a run resumed from an
+    older checkpoint never reports less ε than the interrupted run already reported or wrote to disk.
+    """
+    os.makedirs(output_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".hf_dp_tmp", suffix=".json", dir=output_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"steps": int(steps), "epsilon": float(epsilon), "privacy_spec": spec}, f, sort_keys=True, default=str)
+        os.replace(tmp, os.path.join(output_dir, SPENT_NAME))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_spent(output_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(output_dir, SPENT_NAME)) as f:
+            spent = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return spent if isinstance(spent, dict) and "steps" in spent and "epsilon" in spent else None

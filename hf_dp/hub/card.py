@@ -1,0 +1,232 @@
+"""Model card (README.md) and privacy.json for models trained with hf_dp.
+
+The card is rendered from a Jinja2 template shipped in the top-level ``model_cards/`` folder of the source tree,
+installed as the sub-package ``hf_dp.model_cards`` (setuptools ``package-dir``) and read with
+:mod:`importlib.resources`, so a regular (non-editable) install finds it too.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TEMPLATE_PACKAGE = "hf_dp.model_cards"
+TEMPLATE_NAME = "model_card.md.j2"
+
+# eval keys that are bookkeeping, not results
+_NOT_RESULTS = {"epoch", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_samples"}
+_METRIC_TITLES = {
+    "accuracy": "Accuracy", "f1": "F1", "matthews_correlation": "Matthews Correlation", "pearson": "Pearson",
+    "spearmanr": "Spearman Correlation", "mse": "MSE", "combined_score": "Combined Score", "loss": "Loss",
+}
+_GLUE_TASKS = {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"}
+
+
+def template_source(name: str = TEMPLATE_NAME) -> tuple[str, str]:
+    """``(template text, where it was found)``: the installed package data, else the source checkout."""
+    try:
+        resource = importlib.resources.files(TEMPLATE_PACKAGE).joinpath(name)
+        if resource.is_file():
+            return resource.read_text(encoding="utf-8"), f"{TEMPLATE_PACKAGE}/{name}"
+    except ModuleNotFoundError:
+        pass
+    # running from a source checkout where hf_dp.model_cards is not mapped: <repo>/model_cards/<name>
+    path = Path(__file__).resolve().parents[2] / "model_cards" / name
+    if path.is_file():
+        return path.read_text(encoding="utf-8"), str(path)
+    raise FileNotFoundError(
+        f"hf_dp model card template {name!r} not found in package {TEMPLATE_PACKAGE!r} or at {path}; "
+        "the installation is missing its package data"
+    )
+
+
+def _num(x: Any) -> str:
+    if x is None:
+        return "not recorded"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if math.isinf(x) or math.isnan(x):
+            return str(x)
+        if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e6):
+            return f"{x:.4g}"
+        return f"{x:.6g}"
+    return str(x)
+
+
+def _pct(a: Any, b: Any) -> str:
+    try:
+        return f"{100.0 * float(a) / float(b):.2f}%"
+    except (TypeError, ValueError, ZeroDivisionError):
+        return "?"
+
+
+def _is_dp(report: dict) -> bool:
+    if report.get("disable_dp") or report.get("differential_privacy") is False:
+        return False
+    eps = report.get("epsilon")
+    return isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps)
+
+
+def _metric_items(eval_results: dict | None) -> list[tuple[str, Any]]:
+    """``[(metric, value)]`` for numeric eval results, without the ``eval_`` prefix or bookkeeping keys."""
+    items = []
+    for key, value in (eval_results or {}).items():
+        if key in _NOT_RESULTS or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        items.append((key[len("eval_"):] if key.startswith("eval_") else key, value))
+    return items
+
+
+def _dataset_fields(task_name: str | None, dataset_name: str | None) -> tuple[str | None, str | None, str]:
+    """(hub dataset id for the card metadata, config, human description)."""
+    task = task_name.lower().replace("-", "") if task_name else None
+    if dataset_name is None and task in _GLUE_TASKS:
+        dataset_name = "nyu-mll/glue"
+    config = task if task in _GLUE_TASKS and dataset_name in ("nyu-mll/glue", "glue") else None
+    if dataset_name and config:
+        desc = f"GLUE {config.upper()} (`{dataset_name}`, config `{config}`), training split"
+    elif dataset_name:
+        desc = f"`{dataset_name}`"
+    else:
+        desc = "not recorded"
+    return dataset_name, config, desc
+
+
+def build_front_matter(
+    report: dict,
+    *,
+    base_model: str | None,
+    task_name: str | None,
+    dataset_name: str | None,
+    eval_results: dict | None,
+    license: str,
+    model_name: str,
+    eval_split: str = "validation",
+) -> dict:
+    """The YAML metadata block of the card (Hub model-card conventions + a ``differential_privacy`` section)."""
+    ds_id, ds_config, _ = _dataset_fields(task_name, dataset_name)
+    meta: dict[str, Any] = {"license": license, "library_name": "transformers"}
+    if base_model:
+        meta["base_model"] = base_model
+    opt_name = _optimizer_name(report)
+    tags = ["differential-privacy", "hf_dp"] + ([opt_name] if opt_name != "unknown" else [])
+    tags += ["text-classification"] + ([ds_config] if ds_config else []) + (["glue"] if ds_config else [])
+    meta["tags"] = tags
+    if ds_id:
+        meta["datasets"] = [ds_id]
+    meta["pipeline_tag"] = "text-classification"
+    if _is_dp(report):
+        meta["differential_privacy"] = {
+            k: report[k]
+            for k in ("epsilon", "delta", "target_epsilon", "accountant", "unit_of_privacy", "sampling", "sample_rate",
+                      "noise_multiplier", "max_grad_norm", "expected_batch_size", "steps", "epochs")
+            if k in report
+        }
+    metrics = [
+        {"type": name, "value": value, "name": _METRIC_TITLES.get(name, name)}
+        for name, value in _metric_items(eval_results)
+        if name != "loss"
+    ]
+    if metrics:
+        dataset: dict[str, Any] = {"name": f"GLUE {ds_config.upper()}" if ds_config else (ds_id or "unknown")}
+        if ds_id:
+            dataset["type"] = ds_id
+        if ds_config:
+            dataset["config"] = ds_config
+        dataset["split"] = eval_split
+        meta["model-index"] = [{
+            "name": model_name,
+            "results": [{
+                "task": {"type": "text-classification", "name": "Text Classification"},
+                "dataset": dataset,
+                "metrics": metrics,
+            }],
+        }]
+    return meta
+
+
+def _optimizer_name(report: dict) -> str:
+    opt = report.get("optimizer") or {}
+    return opt.get("name", "unknown") if isinstance(opt, dict) else str(opt)
+
+
+def render_model_card(
+    report: dict,
+    *,
+    base_model: str | None = None,
+    task_name: str | None = None,
+    dataset_name: str | None = None,
+    eval_results: dict | None = None,
+    license: str = "apache-2.0",
+    model_name: str | None = None,
+    eval_split: str = "validation",
+    data_description: str | None = None,
+) -> str:
+    """Render the README.md model card for a privacy report produced by ``DPTrainer.privacy_report()``."""
+    import jinja2
+
+    model_name = model_name or (
+        f"{base_model.rstrip('/').split('/')[-1]}-dp-{task_name}" if base_model and task_name else "hf_dp-model"
+    )
+    front = build_front_matter(
+        report, base_model=base_model, task_name=task_name, dataset_name=dataset_name, eval_results=eval_results,
+        license=license, model_name=model_name, eval_split=eval_split,
+    )
+    _, _, dataset_desc = _dataset_fields(task_name, dataset_name)
+    if data_description:
+        dataset_desc = data_description
+    opt = report.get("optimizer") or {}
+    hps = (opt.get("hyperparameters") or {}) if isinstance(opt, dict) else {}
+    optimizer_rows = [(k, ", ".join(_num(x) for x in v) if isinstance(v, (list, tuple)) else _num(v)) for k, v in hps.items()]
+    eval_rows = [(k, _num(v)) for k, v in _metric_items(eval_results)]
+
+    text, _ = template_source()
+    env = jinja2.Environment(
+        undefined=jinja2.ChainableUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+        autoescape=False,
+    )
+    template = env.from_string(text)
+    return template.render(
+        front_matter=yaml.safe_dump(front, sort_keys=False, allow_unicode=True),
+        r=report, title=model_name, base_model=base_model, task_name=task_name, dataset_desc=dataset_desc,
+        eval_rows=eval_rows, eval_split=eval_split, optimizer_name=_optimizer_name(report),
+        optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=_is_dp(report), num=_num, pct=_pct,
+    )
+
+
+def parse_front_matter(card: str) -> dict:
+    """The YAML metadata of a rendered card (between the leading ``---`` lines)."""
+    if not card.startswith("---\n"):
+        raise ValueError("model card does not start with YAML front matter")
+    end = card.index("\n---\n", 4)
+    return yaml.safe_load(card[4:end])
+
+
+def write_privacy_artifacts(output_dir: str | os.PathLike, report: dict, **card_kwargs) -> dict[str, str]:
+    """Write ``privacy.json`` (the report, plus eval results under ``"eval"``) and ``README.md`` (the card).
+
+    ``card_kwargs`` are passed to :func:`render_model_card` (base_model, task_name, dataset_name, eval_results,
+    license, model_name). Returns the paths written.
+    """
+    os.makedirs(output_dir, exist_ok=True)
+    payload = dict(report)
+    eval_results = card_kwargs.get("eval_results")
+    if eval_results is not None:
+        payload["eval"] = dict(eval_results)
+    privacy_path = os.path.join(output_dir, "privacy.json")
+    with open(privacy_path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2, sort_keys=False)
+        f.write("\n")
+    card_path = os.path.join(output_dir, "README.md")
+    with open(card_path, "w", encoding="utf-8") as f:
+        f.write(render_model_card(report, **card_kwargs))
+    return {"privacy.json": privacy_path, "README.md": card_path}

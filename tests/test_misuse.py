@@ -1,0 +1,174 @@
+"""Every row of docs/misuse.md: the misuse fails before any training step, with the documented
+exception type and message (one sentence).
+
+Each case builds DPTrainingArguments, then DPTrainer, then calls ``train()``; the exception may come
+from any of the three, but no optimizer step may have happened (a callback counts them) and the
+model's parameters must be untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+N = 64
+
+
+def _cfg():
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=32, max_position_embeddings=32, num_labels=2)
+
+
+def bert():
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(_cfg())
+
+
+def bert_with_batchnorm():
+    model = bert()
+    model.classifier = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 2))
+    return model
+
+
+def bert_without_head():
+    from transformers import BertModel
+
+    torch.manual_seed(0)
+    return BertModel(_cfg())
+
+
+def dataset(n=N, labels=True):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 50, (n, 8), generator=g)
+    cols = {"input_ids": ids.tolist(), "attention_mask": [[1] * 8] * n}
+    if labels:
+        cols["labels"] = (ids[:, 0] > 27).long().tolist() if n else []
+    return Dataset.from_dict(cols)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(N):
+            yield {"input_ids": [5 + i % 40] * 8, "attention_mask": [1] * 8, "labels": i % 2}
+
+
+BASE = dict(optim="dp_adamw", noise_multiplier=1.0, per_sample_max_grad_norm=1.0, delta=1e-3,
+            per_device_train_batch_size=8, max_steps=4, report_to=[], use_cpu=True, disable_tqdm=True,
+            save_strategy="no", dp_seed=0, trainable="all")
+
+# id: (args overrides, train dataset factory, model factory, extra DPTrainer kwargs, exception, message regex)
+# keep in sync with docs/misuse.md (test_doc_table_lists_every_case checks the ids)
+CASES = {
+    "epsilon-zero": ({"epsilon": 0.0, "noise_multiplier": None}, dataset, bert, {},
+                     ValueError, r"^epsilon must be a finite number > 0, got 0\.0$"),
+    "epsilon-negative": ({"epsilon": -1.0, "noise_multiplier": None}, dataset, bert, {},
+                         ValueError, r"^epsilon must be a finite number > 0, got -1\.0$"),
+    "epsilon-nan": ({"epsilon": math.nan, "noise_multiplier": None}, dataset, bert, {},
+                    ValueError, r"^epsilon must be a finite number > 0, got nan$"),
+    "delta-zero": ({"delta": 0.0}, dataset, bert, {},
+                   ValueError, r"^delta must be a number in \(0, 1\), got 0\.0$"),
+    "delta-at-least-1/N": ({"delta": 1 / N}, dataset, bert, {},
+                           ValueError, r"^delta=0\.015625 is not below 1/N = 1/64 = 0\.0156: such a delta allows a mechanism that publishes a whole training example"),
+    "clip-norm-zero": ({"per_sample_max_grad_norm": 0.0}, dataset, bert, {},
+                       ValueError, r"^--per_sample_max_grad_norm \(C\) must be a finite number > 0, got 0\.0$"),
+    "sigma-negative": ({"noise_multiplier": -0.5}, dataset, bert, {},
+                       ValueError, r"^--noise_multiplier must be a finite number > 0 \(sigma = 0 is not private\), got -0\.5$"),
+    "sigma-zero": ({"noise_multiplier": 0.0}, dataset, bert, {},
+                   ValueError, r"^--noise_multiplier must be a finite number > 0 \(sigma = 0 is not private\), got 0\.0$"),
+    "epsilon-and-sigma": ({"epsilon": 3.0, "noise_multiplier": 1.0}, dataset, bert, {},
+                          ValueError, r"^give exactly one of --epsilon \(target\) and --noise_multiplier \(sigma\)$"),
+    "neither-epsilon-nor-sigma": ({"noise_multiplier": None}, dataset, bert, {},
+                                  ValueError, r"^give exactly one of --epsilon \(target\) and --noise_multiplier \(sigma\)$"),
+    "batch-larger-than-dataset": ({"per_device_train_batch_size": 128}, dataset, bert, {},
+                                  ValueError, r"^the expected logical batch B = .* = 128 is larger than the dataset \(N = 64\); Poisson sampling needs q = B/N ≤ 1$"),
+    "accumulation-makes-batch-larger-than-dataset": ({"gradient_accumulation_steps": 16}, dataset, bert, {},
+                                                     ValueError, r"^the expected logical batch B = .* = 128 is larger than the dataset \(N = 64\)"),
+    "accumulation-with-iterable-dataset": ({"gradient_accumulation_steps": 2}, Stream, bert, {},
+                                           ValueError, r"^DP training needs a sized train_dataset \(an IterableDataset cannot be Poisson-sampled\)$"),
+    "empty-dataset": ({}, lambda: dataset(0), bert, {},
+                      ValueError, r"^the training dataset is empty$"),
+    "no-train-dataset": ({}, lambda: None, bert, {},
+                         ValueError, r"^DP training needs a train_dataset \(its size N defines q and delta < 1/N\)$"),
+    "missing-label-column": ({}, lambda: dataset(labels=False), bert, {},
+                             ValueError, r"^the train dataset has no label column \('labels' or 'label'; it has \['attention_mask', 'input_ids'\]\): DP training computes each example's loss from its label$"),
+    "budget-unreachable": ({"epsilon": 1e-6, "noise_multiplier": None, "max_steps": 1000}, dataset, bert, {},
+                           ValueError, r"^cannot reach epsilon=1e-06 at delta=0\.001 with q=0\.125 over 1000 steps: The privacy budget is too low\.$"),
+    "max-steps-zero": ({"max_steps": 0}, dataset, bert, {},
+                       ValueError, r"^--max_steps 0 trains nothing$"),
+    "fp16": ({"fp16": True}, dataset, bert, {},
+             ValueError, r"^--fp16 is not supported with DP: dynamic loss scaling skips steps depending on private gradients; use --bf16 or fp32$"),
+    "trainable-batchnorm": ({}, dataset, bert_with_batchnorm, {},
+                            ValueError, r"^Cannot compute per-sample gradients for this model: classifier\.0 \(BatchNorm1d\) is trainable, but BatchNorm mixes the examples of a batch, so per-example gradients \(and DP\) are undefined; freeze it or replace it by GroupNorm/LayerNorm\.$"),
+    "trainable-selects-nothing": ({"trainable": "head"}, dataset, bert_without_head, {},
+                                  ValueError, r"^trainable='head' selects no parameter of BertModel; choose another mode \(e\.g\. last_block or all\)\.$"),
+    "unknown-optimizer": ({"optim": "dp_adagrad"}, dataset, bert, {},
+                          ValueError, r"^--optim dp_adagrad is not a DP optimizer: choose one of dp_.*, or pass --disable_dp explicitly for a non-private baseline$"),
+    "hf-optimizer-without-disable-dp": ({"optim": "adamw_torch"}, dataset, bert, {},
+                                        ValueError, r"^--optim adamw_torch is not a DP optimizer: choose one of dp_.*, or pass --disable_dp explicitly"),
+    "dp-optimizer-with-disable-dp": ({"disable_dp": True}, dataset, bert, {},
+                                     ValueError, r"^--optim dp_adamw is a DP optimizer but --disable_dp was given; for a non-private baseline use an HF optimizer such as adamw_torch$"),
+    "own-optimizer-passed": ({}, dataset, bert, {"optimizers": "sgd"},
+                             ValueError, r"^DPTrainer builds its own DP optimizer from --optim; do not pass optimizers=$"),
+    "model-init": ({}, dataset, lambda: None, {"model_init": bert},
+                   ValueError, r"^DPTrainer needs a model \(model_init is not supported with DP\)$"),
+    "unknown-trainable-mode": ({"trainable": "decoder"}, dataset, bert, {},
+                               ValueError, r"^--trainable must be one of \('last_block', 'head', 'all', 'bias', 'lora'\), got 'decoder'$"),
+    "unknown-accountant": ({"accountant": "gdp"}, dataset, bert, {},
+                           ValueError, r"^--accountant must be one of \('prv', 'rdp'\), got 'gdp'$"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_misuse_fails_before_training(case, tmp_path):
+    from transformers import TrainerCallback
+
+    from hf_dp import DPTrainer, DPTrainingArguments
+
+    overrides, make_data, make_model, trainer_kw, exc, pattern = CASES[case]
+
+    class CountSteps(TrainerCallback):
+        steps = 0
+
+        def on_step_begin(self, args, state, control, **kw):
+            CountSteps.steps += 1
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            CountSteps.steps += 1
+
+    model = make_model()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()} if model is not None else {}
+    trainer_kw = dict(trainer_kw)
+    if trainer_kw.get("optimizers") == "sgd":
+        trainer_kw["optimizers"] = (torch.optim.SGD(model.parameters(), lr=0.1), None)
+    kw = {**BASE, "output_dir": str(tmp_path), **overrides}
+    with pytest.raises(exc) as info:
+        args = DPTrainingArguments(**kw)
+        trainer = DPTrainer(model=model, args=args, train_dataset=make_data(), callbacks=[CountSteps()], **trainer_kw)
+        trainer.train()
+    message = str(info.value)
+    assert info.match(pattern), message
+    assert "\n" not in message
+    assert CountSteps.steps == 0
+    if model is not None:
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), "a parameter changed"
+
+
+def test_doc_table_lists_every_case():
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "misuse.md").read_text()
+    missing = [case for case in CASES if f"`{case}`" not in doc]
+    assert not missing, f"docs/misuse.md does not document {missing}"
+    assert len(CASES) >= 15
