@@ -36,6 +36,14 @@ from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon
 
 @dataclass
 class DPTrainingArguments(TrainingArguments):
+    # redefined so that HfArgumentParser accepts the DP names (TrainingArguments restricts --optim to HF's enum)
+    optim: str = field(
+        default="dp_adamw",
+        metadata={
+            "help": "DP optimizer: " + ", ".join(optimizer_names()) + ". HF optimizer names (adamw_torch, ...) "
+            "only together with --disable_dp."
+        },
+    )
     epsilon: float | None = field(
         default=None, metadata={"help": "Target epsilon; sigma is calibrated so the planned run spends at most this."}
     )

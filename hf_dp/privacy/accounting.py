@@ -13,6 +13,7 @@ probability ``q``; the sum of its clipped gradient (norm ≤ C) over the batch r
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ def make_accountant(name: str = "prv"):
     return create_accountant(mechanism=_check_accountant(name))
 
 
+@functools.lru_cache(maxsize=4096)
 def compute_epsilon(
     noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv"
 ) -> float:
@@ -73,6 +75,7 @@ def compute_epsilon(
     return float(acc.get_epsilon(delta=delta))
 
 
+@functools.lru_cache(maxsize=256)
 def calibrate_noise_multiplier(
     target_epsilon: float,
     delta: float,

