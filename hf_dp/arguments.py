@@ -82,6 +82,16 @@ class DPTrainingArguments(TrainingArguments):
             "choices": ["auto", "ghost", "hooks"],
         },
     )
+    cache_frozen_features: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the frozen prefix (everything below the last block) once per example and train the suffix "
+            "from that cache (needs --trainable last_block/head). Privacy is unchanged; the frozen prefix runs in eval "
+            "mode (no dropout)."
+        },
+    )
+    cache_frozen_features_dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16 storage of the cache."})
+    cache_frozen_features_dir: str | None = field(default=None, metadata={"help": "Keep the cache in a memmap file in this folder."})
     disable_dp: bool = field(default=False, metadata={"help": "Train non-privately (baseline); requires an HF --optim."})
 
     def __post_init__(self):

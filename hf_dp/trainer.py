@@ -33,6 +33,7 @@ complete checkpoint, and ε never drops below what an interrupted run already re
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -52,6 +53,7 @@ from hf_dp.arguments import DPTrainingArguments
 from hf_dp import checkpointing
 from hf_dp.models import apply_trainable, assert_grad_samples_complete, attach_grad_sampler, unwrap_for_save
 from hf_dp.models.ghost_clipping import GhostClipper
+from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, CachedFeatures, CachedFeaturesCollator, build_prefix_cache, suffix_forward
 from hf_dp.optim.registry import get_entry
 from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
 from hf_dp.privacy.privatizer import PrivateOptimizer
@@ -133,9 +135,54 @@ class DPTrainer(Trainer):
             lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
             model, self.trainable_info = apply_trainable(model, args.trainable, lora_config)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        self._prefix_cache = False
         if args.dp_enabled:
             self.loss_is_scaled_for_ga = True  # our compute_loss returns a per-logical-batch quantity
+            if args.cache_frozen_features:
+                self._enable_prefix_cache()
             self._setup_privacy()
+
+    # ------------------------------------------------------------------------------------------------
+    # frozen-prefix caching (--cache_frozen_features): see hf_dp.models.prefix_cache
+    # ------------------------------------------------------------------------------------------------
+    def _enable_prefix_cache(self) -> None:
+        info = self.trainable_info
+        if info is None or info.mode not in ("last_block", "head"):
+            raise ValueError("--cache_frozen_features needs --trainable last_block (or head): the cached prefix must be frozen")
+        self._prefix_cache = True
+        self._raw_collator = self.data_collator  # HF's resolved collator (tokenizer padding)
+        self.train_dataset = self._cache_dataset(self.train_dataset)  # same N: q and δ unchanged
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self._cache_dataset(v) for k, v in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._cache_dataset(self.eval_dataset)
+        self.data_collator = CachedFeaturesCollator()
+        self._set_signature_columns_if_needed()  # else HF's column removal drops the cached key
+        if CACHED_HIDDEN_KEY not in self._signature_columns:
+            self._signature_columns.append(CACHED_HIDDEN_KEY)
+
+    def _cache_dataset(self, dataset):
+        if dataset is None or isinstance(dataset, CachedFeatures):
+            return dataset
+        return build_prefix_cache(
+            self.model, dataset, self._raw_collator, batch_size=self.args.per_device_eval_batch_size,
+            dtype=getattr(torch, self.args.cache_frozen_features_dtype), cache_dir=self.args.cache_frozen_features_dir,
+        )
+
+    def _suffix_ctx(self):
+        return suffix_forward(self.model) if self._prefix_cache else contextlib.nullcontext()
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        if self._prefix_cache and eval_dataset is not None and not isinstance(eval_dataset, (str, dict)):
+            eval_dataset = self._cache_dataset(eval_dataset)
+        with self._suffix_ctx():
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
+        if self._prefix_cache:
+            test_dataset = self._cache_dataset(test_dataset)
+        with self._suffix_ctx():
+            return super().predict(test_dataset, ignore_keys, metric_key_prefix)
 
     # ------------------------------------------------------------------------------------------------
     # set-up
@@ -397,6 +444,8 @@ class DPTrainer(Trainer):
             "sampling": "poisson",
             "unit_of_privacy": "one training example (add/remove adjacency)",
             "secure_rng": bool(self.args.secure_rng),
+            "clipping": getattr(self, "clipping", None),
+            "cache_frozen_features": bool(self._prefix_cache),
             "optimizer": {"name": str(self.args.optim), "hyperparameters": hyper},
             "trainable": {
                 "mode": info.mode if info else self.args.trainable,
@@ -413,7 +462,8 @@ class DPTrainer(Trainer):
         # only complete checkpoints (with hf_dp's marker) are resumed from; see hf_dp.checkpointing
         resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         self.resumed_from = resume_from_checkpoint
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        with self._suffix_ctx():
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

