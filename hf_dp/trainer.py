@@ -132,14 +132,16 @@ class DPTrainer(Trainer):
                 raise ValueError("DPTrainer needs a model (model_init is not supported with DP)")
             if kwargs.get("optimizers", (None, None))[0] is not None or kwargs.get("optimizer_cls_and_kwargs"):
                 raise ValueError("DPTrainer builds its own DP optimizer from --optim; do not pass optimizers=")
+        if model is not None:
+            # --trainable applies to non-private baselines too, so that they train the same parameters
             lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
             model, self.trainable_info = apply_trainable(model, args.trainable, lora_config)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self._prefix_cache = False
+        if args.cache_frozen_features:
+            self._enable_prefix_cache()
         if args.dp_enabled:
             self.loss_is_scaled_for_ga = True  # our compute_loss returns a per-logical-batch quantity
-            if args.cache_frozen_features:
-                self._enable_prefix_cache()
             self._setup_privacy()
 
     # ------------------------------------------------------------------------------------------------
@@ -227,7 +229,14 @@ class DPTrainer(Trainer):
             planned_steps=planned,
         )
         self.ledger = PrivacyLedger(self.privacy_spec)
-        self.planned_epsilon = compute_epsilon(sigma, q, planned, args.delta, args.accountant)
+        try:
+            self.planned_epsilon = compute_epsilon(sigma, q, planned, args.delta, args.accountant)
+        except (MemoryError, OverflowError, ValueError, RuntimeError) as e:
+            raise ValueError(
+                f"the {args.accountant} accountant cannot evaluate sigma={sigma:g} with q={q:.4g} over {planned} steps "
+                f"({type(e).__name__}); such a small noise multiplier gives no meaningful guarantee — raise "
+                "--noise_multiplier (or use --accountant rdp)"
+            ) from e
         seed = args.dp_seed if (args.dp_seed is not None and not args.secure_rng) else None
         self._dp_sampler = PoissonBatchSampler(
             n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=seed,

@@ -1,0 +1,154 @@
+"""Shared tiny builders for the trainer tests (no Hub access: random configs, synthetic data).
+
+* :func:`make_tokenizer` — a ``BertTokenizerFast`` over a 60-entry WordPiece vocab written to disk.
+* :func:`make_model` — a tiny random ``BertForSequenceClassification`` (vocab 60, hidden 16, 2 layers).
+* :func:`make_pair_dataset` — a *learnable* synthetic sentence-pair task with variable lengths
+  (2–6 words per sentence): label 1 pairs are written with words w0…w4, label 0 pairs with w5…w9
+  (each word comes from the other label's pool with probability ``noise``).
+* :func:`dp_args` — ``DPTrainingArguments`` with quiet, fast, CPU-only defaults.
+* :class:`StepCounter` — a callback that counts optimizer steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast, DataCollatorWithPadding, TrainerCallback
+
+from hf_dp import DPTrainingArguments
+
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+VOCAB_SIZE = 60
+WORDS = [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIAL))]  # 55 words
+
+
+def tiny_config(**overrides) -> BertConfig:
+    kw = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        # BERT's default 0.02 leaves this 16-wide net on a plateau: with only the last block trainable
+        # the task is learned only after a late phase transition that 16 linearly-decayed steps never
+        # reach. 0.3 gives informative random features, so a DP run learns from the first steps.
+        initializer_range=0.3,
+        attention_probs_dropout_prob=0.0,
+    )
+    kw.update(overrides)
+    return BertConfig(**kw)
+
+
+def make_model(seed: int = 0, **overrides) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(tiny_config(**overrides))
+
+
+def make_tokenizer(directory) -> BertTokenizerFast:
+    directory = str(directory)
+    os.makedirs(directory, exist_ok=True)
+    tokens = SPECIAL + WORDS
+    with open(os.path.join(directory, "vocab.txt"), "w") as f:  # the classic WordPiece vocab file
+        f.write("\n".join(tokens) + "\n")
+    # transformers 5's BertTokenizerFast takes the vocabulary itself (``vocab=``), not ``vocab_file=``
+    return BertTokenizerFast(vocab={t: i for i, t in enumerate(tokens)}, do_lower_case=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_texts(n: int, seed: int, noise: float, pool: int) -> tuple:
+    rng = random.Random(seed)
+    pools = (WORDS[pool : 2 * pool], WORDS[:pool])  # label 0 words, label 1 words
+    rows = []
+    for i in range(n):
+        label = rng.randint(0, 1)
+
+        def sentence():
+            out = []
+            for _ in range(rng.randint(2, 6)):
+                own = rng.random() >= noise
+                out.append(rng.choice(pools[label if own else 1 - label]))
+            return " ".join(out)
+
+        rows.append((sentence(), sentence(), label))
+    return tuple(rows)
+
+
+def make_pair_dataset(tokenizer, n: int = 256, seed: int = 0, noise: float = 0.1, pool: int = 5):
+    """A ``datasets.Dataset`` with input_ids / token_type_ids / attention_mask / labels (unpadded)."""
+    from datasets import Dataset
+
+    rows = _pair_texts(n, seed, noise, pool)
+    enc = tokenizer([a for a, _, _ in rows], [b for _, b, _ in rows])
+    return Dataset.from_dict(
+        {
+            "input_ids": enc["input_ids"],
+            "token_type_ids": enc["token_type_ids"],
+            "attention_mask": enc["attention_mask"],
+            "labels": [y for _, _, y in rows],
+        }
+    )
+
+
+def make_collator(tokenizer) -> DataCollatorWithPadding:
+    return DataCollatorWithPadding(tokenizer)
+
+
+def dp_args(output_dir, **overrides) -> DPTrainingArguments:
+    kw = dict(
+        output_dir=str(output_dir),
+        optim="dp_adamw",
+        epsilon=8.0,
+        delta=1e-5,
+        per_sample_max_grad_norm=1.0,
+        learning_rate=5e-3,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=1,
+        num_train_epochs=2,
+        logging_steps=4,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dp_seed=1,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    kw.update(overrides)
+    return DPTrainingArguments(**kw)
+
+
+def mean_loss(model, dataset, collator, batch_size: int = 128) -> float:
+    """Mean cross-entropy of ``model`` on ``dataset`` (eval mode, no grad)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(dataset), batch_size):
+            rows = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
+            batch = collator(rows)
+            labels = batch.pop("labels")
+            logits = model(**batch).logits
+            total += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+            count += len(rows)
+    model.train(was_training)
+    return total / count
+
+
+class StepCounter(TrainerCallback):
+    """Counts optimizer steps (``on_optimizer_step``)."""
+
+    def __init__(self):
+        self.optimizer_steps = 0
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.optimizer_steps += 1
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
