@@ -230,7 +230,10 @@ def _tiny_tokenizer(tmp_path: Path):
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words + list("abcdefghijklmnopqrstuvwxyz0123456789?.,\"'")
     vf = tmp_path / "vocab.txt"
     vf.write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    return BertTokenizer(vocab_file=str(vf), do_lower_case=True, model_max_length=512)
+    # transformers 5 ignores vocab_file= (every word would be [UNK]); pass the vocabulary itself
+    tok = BertTokenizer(vocab=str(vf), do_lower_case=True, model_max_length=512)
+    assert tok.convert_tokens_to_ids("thing") != tok.unk_token_id
+    return tok
 
 
 def test_preprocess_like_run_glue(tmp_path):

@@ -50,7 +50,8 @@ def tiny_bert(tmp_path_factory):
     chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"()-")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words + chars + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz"]
     (d / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    tok = BertTokenizer(vocab_file=str(d / "vocab.txt"), do_lower_case=True, model_max_length=128)
+    tok = BertTokenizer(vocab=str(d / "vocab.txt"), do_lower_case=True, model_max_length=128)  # not vocab_file= (ignored in transformers 5)
+    assert tok.convert_tokens_to_ids("movie") != tok.unk_token_id
     tok.save_pretrained(str(d))
     config = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=128, num_labels=2)
