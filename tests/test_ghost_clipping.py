@@ -14,11 +14,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:Use
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(single_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _reference_clipped(model, ids, mask, labels, clip):

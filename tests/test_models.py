@@ -34,12 +34,8 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models: one intra-op thread is faster and avoids oversubscribing the CI cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(single_thread):
     yield
-    torch.set_num_threads(n)
 
 
 NUM_LABELS = 3

@@ -24,15 +24,10 @@ class CoupledWeightDecay(Transform):
         return torch._foreach_add(updates, ctx.params, alpha=wd)
 
 
-class DecoupledWeightDecay(Transform):
+class DecoupledWeightDecay(CoupledWeightDecay):
     """u ← u + λ·θ_{t−1}, applied *after* the adaptive direction, so that the step is
-    θ_t = θ_{t−1} − η_t(Δ_t + λθ_{t−1}) (seed 000, Alg. 1/2 line 10)."""
-
-    def __call__(self, updates, ctx):
-        wd = float(ctx.group.get("weight_decay", 0.0))
-        if wd == 0.0:
-            return updates
-        return torch._foreach_add(updates, ctx.params, alpha=wd)
+    θ_t = θ_{t−1} − η_t(Δ_t + λθ_{t−1}) (seed 000, Alg. 1/2 line 10). The same operation as
+    :class:`CoupledWeightDecay`; what makes it decoupled is its place at the end of the chain."""
 
 
 class HeavyBall(Transform):
