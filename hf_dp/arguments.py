@@ -142,6 +142,11 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"--accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
         if self.trainable not in TRAINABLE_MODES:
             raise ValueError(f"--trainable must be one of {TRAINABLE_MODES}, got {self.trainable!r}")
+        if str(self.include_num_input_tokens_seen) not in ("no", "False", "None"):
+            raise ValueError(
+                "--include_num_input_tokens_seen logs how many tokens the Poisson-sampled batches held, which reveals "
+                "batch sizes computed from private data outside the DP mechanism; it is not allowed with DP"
+            )
         if self.clipping not in ("auto", "ghost", "hooks"):
             raise ValueError(f"--clipping must be one of auto, ghost, hooks; got {self.clipping!r}")
         if self.bc_gamma is not None and not self.bc_gamma > 0:

@@ -106,6 +106,8 @@ CASES = {
                            ValueError, r"^cannot reach epsilon=1e-06 at delta=0\.001 with q=0\.125 over 1000 steps: The privacy budget is too low\.$"),
     "max-steps-zero": ({"max_steps": 0}, dataset, bert, {},
                        ValueError, r"^--max_steps 0 trains nothing$"),
+    "tokens_seen": ({"include_num_input_tokens_seen": True}, dataset, bert, {},
+                    ValueError, r"^--include_num_input_tokens_seen logs how many tokens the Poisson-sampled batches held, .*not allowed with DP$"),
     "fp16": ({"fp16": True}, dataset, bert, {},
              ValueError, r"^--fp16 is not supported with DP: dynamic loss scaling skips steps depending on private gradients; use --bf16 or fp32$"),
     "trainable-batchnorm": ({}, dataset, bert_with_batchnorm, {},
