@@ -32,6 +32,8 @@ def build(name, shapes):
         step = opt.step
     else:
         opt = make_optimizer(name, params, noise_multiplier=1.0, max_grad_norm=0.1, expected_batch_size=256, lr=1e-3, weight_decay=0.01 if name != "dp_sgd_l2" else 0.0, noise_seed=0)
+        if hasattr(opt.rule, "clamp_rate_every"):
+            opt.rule.clamp_rate_every = 10  # as DPTrainer does with --logging_steps 10 (the BC diagnostic)
         step = opt.rule.step
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3

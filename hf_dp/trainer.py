@@ -349,6 +349,9 @@ class DPTrainer(Trainer):
                 **extra,
             )
             self.optimizer.sampler = self._dp_sampler
+            if hasattr(self.optimizer.rule, "clamp_rate_every"):  # BC diagnostic only at the steps that are logged
+                steps = self.args.logging_steps
+                self.optimizer.rule.clamp_rate_every = int(steps) if steps >= 1 else 1
             if spec.target_epsilon is not None:
                 self.optimizer.budget_steps = spec.planned_steps  # calibrate_noise_multiplier verified ε(planned) ≤ target
             self._dp_optimizer = self.optimizer

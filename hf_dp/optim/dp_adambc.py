@@ -28,10 +28,14 @@ class _BiasCorrected(_AdamFamily):
             self._numel += ctx.extras["numel"]
 
     def after_step(self):
-        self.last_clamp_rate = None if not self._numel else float(self._clamped) / self._numel
+        if self._numel:
+            self.last_clamp_rate = float(self._clamped) / self._numel
         self._clamped, self._numel = None, 0
 
+    #: fraction of coordinates clamped to γ' at the last step where it was measured
     last_clamp_rate: float | None = None
+    #: measure the clamp rate every this many steps (0: never); DPTrainer sets it to --logging_steps
+    clamp_rate_every: int = 1
 
 
 @register("dp_adambc", source="seed 003 Alg. 1; seed 004", summary="DP-AdamBC: m̂/√max(v̂−Φ, γ'), Φ=(σC/B)²")

@@ -123,27 +123,38 @@ class DPMacAdam(_AdamFamily):
 
     @torch.no_grad()
     def after_step(self):
-        """Refresh s_t and b_t from g̃_t (``p.grad``) and m̂_t, jointly over all coordinates."""
-        params = [p for p in self._params() if p.grad is not None and "s" in self.state[p]]
-        if not params:
-            return
+        """Refresh s_t and b_t from g̃_t (``p.grad``) and m̂_t, jointly over all coordinates (vectorised)."""
         sigma_over_b = self.noise_std_of_mean()  # σ·1/B in clip space
-        s_hats = []
-        for p in params:
-            st = self.state[p]
-            g = self._group_of(p)
+        refresh = []  # (state, group) of the parameters whose bound is refreshed (t ≥ 2)
+        for g in self.param_groups:
             b1 = g["betas"][0]
-            t = st["step"]
-            m_hat = st["exp_avg"] / (1.0 - b1**t)
-            u = (p.grad - m_hat).square_()
-            st["s"].mul_(b1).add_(u, alpha=1.0 - b1)
-            if t < 2:
-                continue  # κ_1 = 0: keep b_1 = b_0
-            kappa = 2.0 * (b1 - b1**t) / (1.0 + b1)
-            s_hat = (st["s"] / kappa).sub_(st["bound"].square() * sigma_over_b**2).clamp_(g["h1"], g["h2"])
-            s_hats.append((st, s_hat))
-        if not s_hats:
+            sts = [self.state[p] for p in g["params"] if p.grad is not None and "s" in self.state.get(p, {})]
+            if not sts:
+                continue
+            grads = [p.grad for p in g["params"] if p.grad is not None and "s" in self.state.get(p, {})]
+            inv_c1 = [1.0 / (1.0 - b1 ** st["step"]) for st in sts]
+            m = [st["exp_avg"] for st in sts]
+            if all(c == inv_c1[0] for c in inv_c1):  # u_t = (g̃_t − m̂_t)², one pass when all t agree
+                u = torch._foreach_add(grads, m, alpha=-inv_c1[0])
+            else:
+                u = torch._foreach_sub(grads, torch._foreach_mul(m, inv_c1))
+            torch._foreach_mul_(u, u)
+            s_list = [st["s"] for st in sts]
+            torch._foreach_mul_(s_list, b1)
+            torch._foreach_add_(s_list, u, alpha=1.0 - b1)
+            refresh += [(st, g) for st in sts if st["step"] >= 2]  # κ_1 = 0: keep b_1 = b_0
+        if not refresh:
             return
-        total = torch.stack([s.sqrt().sum() for _, s in s_hats]).sum().sqrt()
-        for st, s_hat in s_hats:
-            st["bound"] = s_hat.sqrt_().sqrt_().mul_(total)
+        sts = [st for st, _ in refresh]
+        kappas = [2.0 * (g["betas"][0] - g["betas"][0] ** st["step"]) / (1.0 + g["betas"][0]) for st, g in refresh]
+        s_hat = torch._foreach_div([st["s"] for st in sts], kappas)  # s_t/κ_t − b_{t−1}²σ²/B²
+        bounds = [st["bound"] for st in sts]
+        torch._foreach_addcmul_(s_hat, bounds, bounds, value=-(sigma_over_b**2))
+        torch._foreach_clamp_min_(s_hat, [g["h1"] for _, g in refresh])
+        torch._foreach_clamp_max_(s_hat, [g["h2"] for _, g in refresh])
+        torch._foreach_sqrt_(s_hat)  # ŝ^{1/2}
+        total = torch.stack(torch._foreach_norm(s_hat, 1)).sum().sqrt()  # (Σ_j ŝ_j^{1/2})^{1/2}
+        torch._foreach_sqrt_(s_hat)  # ŝ^{1/4}
+        torch._foreach_mul_(s_hat, total)
+        for st, b in zip(sts, s_hat):
+            st["bound"] = b

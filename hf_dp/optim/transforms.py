@@ -8,6 +8,8 @@ the step (the chain runs before the final ``θ ← θ − η·u``, so ``ctx.para
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -55,9 +57,12 @@ class HeavyBall(Transform):
 
 
 class AdamMoments(Transform):
-    """m_t = β1·m_{t−1} + (1−β1)·g, v_t = β2·v_{t−1} + (1−β2)·g², and the bias-corrected
-    m̂_t = m_t/(1−β1^t), v̂_t = v_t/(1−β2^t), handed on in ``ctx.extras`` (``m_hat``, ``v_hat``).
-    The update it returns is m̂_t; a denominator piece divides it."""
+    """m_t = β1·m_{t−1} + (1−β1)·g, v_t = β2·v_{t−1} + (1−β2)·g².
+
+    Returns the *raw* m_t and hands on v_t and the bias corrections c1 = 1−β1^t, c2 = 1−β2^t (one per
+    parameter: a parameter skipped at some step has its own t) in ``ctx.extras``; a denominator piece
+    (:class:`AdamDenominator`) must follow: it applies m̂_t = m_t/c1 and v̂_t = v_t/c2 folded into its
+    own arithmetic, so that no bias-corrected copy of m or v is ever materialised."""
 
     def init_state(self, p, state):
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -70,22 +75,14 @@ class AdamMoments(Transform):
         torch._foreach_lerp_(m, updates, 1.0 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, updates, updates, value=1.0 - b2)
-        # each parameter's own t: a parameter whose p.grad was None at some earlier step (skipped by
-        # step()) has taken fewer steps than the others in its group and needs its own correction
-        steps = [st["step"] for st in ctx.states]
-        if all(t == steps[0] for t in steps):
-            t = steps[0]
-            m_hat = torch._foreach_div(m, 1.0 - b1**t)
-            v_hat = torch._foreach_div(v, 1.0 - b2**t)
-        else:
-            m_hat = [mi / (1.0 - b1**t) for mi, t in zip(m, steps)]
-            v_hat = [vi / (1.0 - b2**t) for vi, t in zip(v, steps)]
-        ctx.extras["m_hat"], ctx.extras["v_hat"] = m_hat, v_hat
-        return m_hat
+        ctx.extras["c1"] = [1.0 - b1 ** st["step"] for st in ctx.states]
+        ctx.extras["c2"] = [1.0 - b2 ** st["step"] for st in ctx.states]
+        ctx.extras["v"] = v
+        return m
 
 
 class AdamDenominator(Transform):
-    """u ← m̂_t / D(v̂_t) with D one of:
+    """u ← m̂_t / D(v̂_t) (m̂_t = m_t/c1, v̂_t = v_t/c2 from :class:`AdamMoments`) with D one of:
 
     * ``"eps_outside"``: D = √v̂_t + ε (Kingma & Ba; ``torch.optim.Adam``; seed 003 §2),
     * ``"eps_inside"``:  D = √(v̂_t + ε) (seed 000, Alg. 1 line 10: ``m̂/√(v̂+ε0)``),
@@ -93,7 +90,8 @@ class AdamDenominator(Transform):
       where σC/B comes from the privatizer. The fraction of coordinates clamped to γ'
       (v̂_t − Φ < γ') is stored in ``ctx.extras["clamped"]``/``["numel"]`` (seed 000 §F.3).
 
-    ε is the group's ``eps``; γ' is the group's ``gamma``.
+    ε is the group's ``eps``; γ' is the group's ``gamma``. Computed as m_t / (c1·D), with c1 and c2
+    folded into per-parameter scalars (one temporary list, no copies of m̂ or v̂).
     """
 
     def __init__(self, kind: str):
@@ -102,20 +100,28 @@ class AdamDenominator(Transform):
         self.kind = kind
 
     def __call__(self, updates, ctx):
-        v_hat = ctx.extras["v_hat"]
-        if self.kind == "eps_outside":
-            den = torch._foreach_sqrt(v_hat)
-            torch._foreach_add_(den, float(ctx.group["eps"]))
-        elif self.kind == "eps_inside":
-            den = torch._foreach_add(v_hat, float(ctx.group["eps"]))
+        v, c1, c2 = ctx.extras["v"], ctx.extras["c1"], ctx.extras["c2"]
+        if self.kind == "eps_outside":  # c1·(√(v/c2) + ε) = √v·(c1/√c2) + c1·ε
+            den = torch._foreach_sqrt(v)
+            torch._foreach_mul_(den, [a / math.sqrt(b) for a, b in zip(c1, c2)])
+            torch._foreach_add_(den, [a * float(ctx.group["eps"]) for a in c1])
+        elif self.kind == "eps_inside":  # c1·√(v/c2 + ε) = √(v·c1²/c2 + ε·c1²)
+            den = torch._foreach_mul(v, [a * a / b for a, b in zip(c1, c2)])
+            torch._foreach_add_(den, [a * a * float(ctx.group["eps"]) for a in c1])
             torch._foreach_sqrt_(den)
-        else:
+        else:  # c1·√max(v/c2 − Φ, γ') = √max(c1²(v/c2 − Φ), c1²γ')
             phi = ctx.rule.noise_std_of_mean() ** 2
             gamma = float(ctx.group["gamma"])
-            den = torch._foreach_sub(v_hat, phi)
-            # kept as a tensor: no host sync in the hot path
-            ctx.extras["clamped"] = torch.stack([(d < gamma).sum() for d in den]).sum()
-            ctx.extras["numel"] = sum(d.numel() for d in den)
-            torch._foreach_clamp_min_(den, gamma)
+            den = torch._foreach_mul(v, [a * a / b for a, b in zip(c1, c2)])
+            torch._foreach_add_(den, [-phi * a * a for a in c1])
+            floors = [gamma * a * a for a in c1]
+            every = int(getattr(ctx.rule, "clamp_rate_every", 1) or 0)
+            if every and ctx.states[0]["step"] % every == 0:  # the §F.3 diagnostic costs a pass: only when logged
+                # kept as a tensor: no host sync in the hot path
+                ctx.extras["clamped"] = torch.stack([(d < f).sum() for d, f in zip(den, floors)]).sum()
+                ctx.extras["numel"] = sum(d.numel() for d in den)
+            torch._foreach_clamp_min_(den, floors)
             torch._foreach_sqrt_(den)
-        return torch._foreach_div(updates, den)
+        torch._foreach_div_(den, updates)  # den ← den / m, then invert: no second temporary list
+        torch._foreach_reciprocal_(den)
+        return den
