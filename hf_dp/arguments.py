@@ -9,17 +9,20 @@ Every HF flag keeps its meaning. Added flags (all parsed by ``HfArgumentParser``
   below 1/N, checked by the trainer once N is known); ``--per_sample_max_grad_norm`` (C);
   ``--accountant`` (``prv`` | ``rdp``); ``--trainable`` (``last_block`` | ``head`` | ``all`` |
   ``lora`` | ``bias``); ``--bc_gamma`` (γ' of the BC variants); ``--macadam_h1/--macadam_h2``;
-  ``--secure_rng``; ``--dp_seed``; ``--disable_dp``.
+  ``--secure_rng``; ``--dp_seed``; ``--disable_dp``; ``--clipping`` (``auto`` | ``ghost`` | ``hooks``: the
+  per-example clipping engine); ``--cache_frozen_features`` (train the suffix from a cache of the frozen prefix).
+
+``--trainable`` applies to ``--disable_dp`` baselines too, so that they train the same parameters.
 
 Batch semantics: expected logical batch B = per_device_train_batch_size × gradient_accumulation_steps
 × world_size; the physical batch is about per_device_train_batch_size (memory), fluctuating with
 Poisson sampling. Extra rule hyper-parameters (e.g. ``momentum`` of ``dp_sgd``) go through HF's
 ``--optim_args "momentum=0.9"``.
 
-Two HF defaults change for DP runs, both because they would compute non-private quantities:
-``max_grad_norm`` is set to 0 (HF would clip — and log the norm of — the *non-private* summed
-gradient; DP clipping is per example with C) and ``fp16`` is refused (dynamic loss scaling skips
-steps based on private gradients; use bf16 or fp32).
+HF settings that would compute non-private quantities change for DP runs: ``max_grad_norm`` is set
+to 0 (HF would clip — and log the norm of — the *non-private* summed gradient; DP clipping is per
+example with C), ``fp16`` is refused (dynamic loss scaling skips steps based on private gradients;
+use bf16 or fp32) and so is ``include_num_input_tokens_seen`` (it would log Poisson batch sizes).
 """
 
 from __future__ import annotations

@@ -2,10 +2,13 @@
 
 What it changes, and nothing else (each override calls ``super()``):
 
-* ``__init__``: freezes by ``--trainable`` (before any wrapping), validates the privacy settings
+* ``__init__``: freezes by ``--trainable`` (before any wrapping), optionally caches the frozen prefix
+  (``--cache_frozen_features``, :mod:`hf_dp.models.prefix_cache`), validates the privacy settings
   against the dataset (δ < 1/N, B ≤ N, the budget reachable), calibrates σ for the planned steps,
-  builds the Poisson sampler and the ε ledger, and attaches Opacus' per-sample-gradient hooks to the
-  plain model (the model itself is never wrapped, so saving and evaluation are HF's own).
+  builds the Poisson sampler and the ε ledger, and attaches the per-example clipping engine to the
+  plain model — one-backward ghost clipping (:mod:`hf_dp.models.ghost_clipping`) where it applies,
+  else Opacus' per-sample-gradient hooks (``--clipping``). The model itself is never wrapped, so
+  saving and evaluation are HF's own.
 * ``get_train_dataloader``: the same dataset and collator HF builds, drawn by
   :class:`~hf_dp.privacy.PoissonBatchSampler` (rate q, the accountant's q), one logical batch split
   into ``gradient_accumulation_steps`` micro-batches per rank.
