@@ -92,7 +92,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import time
 from dataclasses import dataclass, field
 

@@ -40,7 +40,6 @@ import contextlib
 import inspect
 import math
 import os
-import time
 from typing import Any
 
 import torch

@@ -276,7 +276,6 @@ def attach_grad_sampler(model: nn.Module) -> GradSamplerHandle:
     training mode with gradients enabled.
     """
     from opacus import GradSampleModule
-    from transformers import PreTrainedModel
 
     if hasattr(model, "autograd_grad_sample_hooks"):
         raise ValueError("A grad sampler is already attached to this model; detach it first.")

@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
 
-from .base import StepContext, Transform
+from .base import Transform
 
 
 class CoupledWeightDecay(Transform):
