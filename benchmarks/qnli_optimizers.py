@@ -112,7 +112,7 @@ def run_one(data: Data, optim: str, hyper: dict, epsilon: float | None, seed: in
     rec = {
         "task": data.task, "optim": optim, "hyper": hyper, "epsilon_target": epsilon, "seed": seed, "epochs": epochs, "batch": batch,
         "tune_accuracy": tune.get("tune_accuracy"), "dev_accuracy": dev.get("dev_accuracy"), "train_seconds": train_s,
-        "steps": trainer.state.global_step, "sizes": data.sizes,
+        "steps": trainer.state.global_step, "sizes": data.sizes, "commit": _commit(),
     }
     if private:
         rep = trainer.privacy_report()
@@ -121,6 +121,15 @@ def run_one(data: Data, optim: str, hyper: dict, epsilon: float | None, seed: in
         if clamp:
             rec["bc_clamp_rate"] = clamp
     return rec
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return None
 
 
 def _key(r: dict) -> tuple:
@@ -208,7 +217,7 @@ def _plot(rs, clamp, png):
         print(f"(matplotlib not installed: no plot {png})")
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    best = _best_per_optim([r for r in rs if r["epsilon_target"] == 3.0 and r["seed"] == 0])
+    best = _best_per_optim([r for r in rs if r["epsilon_target"] in (3.0, None) and r["seed"] == 0])
     for optim, b in best.items():
         if optim == "nonprivate_adamw":
             axes[0].axhline(b["dev_accuracy"], ls="--", color="gray", label="non-private AdamW")

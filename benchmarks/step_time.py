@@ -12,7 +12,8 @@ Each (config, mode) runs in its own subprocess (so peak RSS is per mode): it loa
 does warm-up steps, then times ``--steps`` steps. Repetitions are interleaved (round r runs every
 mode once), and the report gives median and spread of the per-step time and the peak RSS increase
 over the RSS after set-up and warm-up (the memory the step itself needs; RSS sampled every 2 ms).
-``--cached`` times only the trainable suffix fed from the frozen-prefix cache (item (c), last_block). Ratios are against ``nonprivate`` of
+``--cached`` times only the trainable suffix fed from the frozen-prefix cache (item (c), last_block), with
+the automatic first-token-only last block (``--no_first_token``: over all positions). Ratios are against ``nonprivate`` of
 the same config, measured in the same run.
 
     python benchmarks/step_time.py --batch 32 --length 128 --reps 3 --steps 5
@@ -39,7 +40,7 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: int, cached: bool = False) -> dict:
+def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: int, cached: bool = False, first_token: bool = True) -> dict:
     import warnings
 
     import torch
@@ -73,7 +74,7 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
         feats = build_prefix_cache(model, rows, lambda r: {k: torch.stack([x[k] for x in r]) for k in r[0]}, batch_size=batch)
         b = CachedFeaturesCollator()([feats[i] for i in range(batch)])
         inputs = {k: v for k, v in b.items() if k != "labels"}
-        ctx = suffix_forward(model)
+        ctx = suffix_forward(model, first_token_only=None if first_token else False)
         ctx.__enter__()
 
     if mode == "nonprivate":
@@ -167,17 +168,18 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "MODE"))
     ap.add_argument("--cached", action="store_true", help="(c) time only the suffix, from the frozen-prefix cache (last_block)")
+    ap.add_argument("--no_first_token", action="store_true", help="with --cached: run the last block over all positions (first_token_only=False)")
     ap.add_argument("--out", default=None, help="append raw JSON lines here as they come")
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child[0], a.child[1], a.batch, a.length, a.steps, a.warmup, a.cached)))
+        print(json.dumps(child(a.child[0], a.child[1], a.batch, a.length, a.steps, a.warmup, a.cached, not a.no_first_token)))
         return
     configs, modes = a.configs.split(","), a.modes.split(",")
     results: dict = {}
     for r in range(a.reps):
         for config in configs:
             for mode in modes:
-                cmd = [sys.executable, __file__, "--child", config, mode, "--batch", str(a.batch), "--length", str(a.length), "--steps", str(a.steps), "--warmup", str(a.warmup)] + (["--cached"] if a.cached else [])
+                cmd = [sys.executable, __file__, "--child", config, mode, "--batch", str(a.batch), "--length", str(a.length), "--steps", str(a.steps), "--warmup", str(a.warmup)] + (["--cached"] if a.cached else []) + (["--no_first_token"] if a.no_first_token else [])
                 out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
                 if out.returncode != 0:
                     print(f"{config}/{mode} failed:\n{out.stderr[-2000:]}", file=sys.stderr)

@@ -26,8 +26,8 @@ def _reference_clipped(model, ids, mask, labels, clip):
     return {n: torch.einsum("i,i...->...", c, g) for n, g in per.items()}, norms
 
 
-def _ghost(model, ids, mask, labels, clip, loss_scale):
-    gc = GhostClipper(model)
+def _ghost(model, ids, mask, labels, clip, loss_scale, materialize_bytes=256 * 2**20):
+    gc = GhostClipper(model, materialize_bytes=materialize_bytes)
     try:
         logits = model(input_ids=ids, attention_mask=mask).logits
         (F.cross_entropy(logits, labels, reduction="sum") * loss_scale).backward()
@@ -39,7 +39,7 @@ def _ghost(model, ids, mask, labels, clip, loss_scale):
     return {names[id(p)]: g for p, g in out.items()}, norms
 
 
-def _check(arch, mode):
+def _check(arch, mode, materialize_bytes=256 * 2**20):
     config = _config(arch)
     model, _ = apply_trainable(_model(arch), mode)
     model.train()
@@ -48,7 +48,7 @@ def _check(arch, mode):
     _, norms_ref = _reference_clipped(ref_model, ids, mask, labels, 1e9)
     clip = float(norms_ref.median())  # about half the examples are clipped
     ref, _ = _reference_clipped(ref_model, ids, mask, labels, clip)
-    got, norms = _ghost(model, ids, mask, labels, clip, loss_scale=0.25)
+    got, norms = _ghost(model, ids, mask, labels, clip, loss_scale=0.25, materialize_bytes=materialize_bytes)
     torch.testing.assert_close(norms, norms_ref, rtol=1e-4, atol=1e-6)
     scale = max(r.abs().max().item() for r in ref.values())
     assert set(got) == set(ref)
@@ -60,9 +60,10 @@ def _check(arch, mode):
     assert lin and all(m.weight.grad is None for m in lin)
 
 
+@pytest.mark.parametrize("materialize_bytes", [256 * 2**20, 0], ids=["materialize", "ghost_norms"])
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "deberta-v2"])
-def test_ghost_equals_per_example_loop_last_block(arch):
-    _check(arch, "last_block")
+def test_ghost_equals_per_example_loop_last_block(arch, materialize_bytes):
+    _check(arch, "last_block", materialize_bytes)
 
 
 def test_ghost_refuses_layers_applied_to_batch_shared_inputs():
@@ -76,9 +77,10 @@ def test_ghost_refuses_layers_applied_to_batch_shared_inputs():
     gc.detach()
 
 
+@pytest.mark.parametrize("materialize_bytes", [256 * 2**20, 0, 20_000], ids=["materialize", "ghost_norms", "mixed"])
 @pytest.mark.parametrize("arch", ["bert", "gpt2"])
-def test_ghost_equals_per_example_loop_all_params_incl_embeddings(arch):
-    _check(arch, "all")
+def test_ghost_equals_per_example_loop_all_params_incl_embeddings(arch, materialize_bytes):
+    _check(arch, "all", materialize_bytes)
 
 
 def test_detach_restores_plain_forward():

@@ -136,10 +136,12 @@ def test_suffix_logits_match_full_eval_model(arch):
         torch.testing.assert_close(got_sub.logits, ref.logits[[1, 3]], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("first_token", [None, False])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_per_sample_grads_match_full_model(arch):
+def test_per_sample_grads_match_full_model(arch, first_token):
     """Opacus per-sample gradients via the cache == those of the full model (dropout 0, so the
-    train-mode prefix equals the eval-mode prefix the cache was built with)."""
+    train-mode prefix equals the eval-mode prefix the cache was built with) -- with the automatic
+    first-token-only last block (BERT, RoBERTa, ELECTRA) and without it."""
     model, info = apply_trainable(make_model(arch, dropout=0.0), "last_block")
     rows = make_rows(n=6, seed=3)
     collate = PadCollator(pad_id(model))
@@ -156,7 +158,8 @@ def test_per_sample_grads_match_full_model(arch):
 
         batch = cached_batch(cache)
         labels = batch.pop("labels")
-        with suffix_forward(model):
+        with suffix_forward(model, first_token_only=first_token) as plan:
+            assert plan.first_token_only == (arch != "distilbert" and first_token is None)
             logits_c = model(**batch).logits
             F.cross_entropy(logits_c, labels, reduction="sum").backward()
         torch.testing.assert_close(logits_c, logits, atol=1e-5, rtol=0)
@@ -170,6 +173,33 @@ def test_per_sample_grads_match_full_model(arch):
         assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     finally:
         handle.detach()
+
+
+def test_first_token_only_needs_a_head_that_reads_only_position_0():
+    """A head that reads more than position 0 of the last block (here a pooler averaging positions 0
+    and 1): the probe turns the first-token-only block off (the cached logits still match); forcing
+    it raises; DistilBERT's layer is not a supported structure."""
+    model, _ = apply_trainable(make_model("bert", dropout=0.0), "last_block")
+    pooler = model.bert.pooler
+    pooler.forward = lambda hidden_states: pooler.activation(pooler.dense(hidden_states[:, :2].mean(1)))
+    rows = make_rows(n=5)
+    collate = PadCollator(0)
+    cache = build_prefix_cache(model, rows, collate)
+    full = collate(rows)
+    model.eval()
+    with torch.no_grad():
+        ref = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"]).logits
+        with suffix_forward(model) as plan:
+            assert not plan.first_token_only
+            got = model(**{k: v for k, v in cached_batch(cache).items() if k != "labels"}).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    with pytest.raises(PrefixCacheError, match="first_token_only=True"):
+        with suffix_forward(model, first_token_only=True):
+            pass
+    distil, _ = apply_trainable(make_model("distilbert"), "last_block")
+    with pytest.raises(PrefixCacheError, match="not a supported BERT-style layer"):
+        with suffix_forward(distil, first_token_only=True):
+            pass
 
 
 def test_train_mode_dropout_only_in_suffix():

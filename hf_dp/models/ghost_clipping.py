@@ -11,7 +11,13 @@ backward pass captures, for every trainable layer, its input activations ``a`` a
   (T < d_in·d_out/(d_in+d_out)) and by materialising per-example gradients in chunks otherwise;
 * with the clip factors c_i = min(1, C/(‖∇ℓ_i‖ + 1e-6)) (Opacus' formula), the clipped sum of a linear
   weight is one matmul (c·g)ᵀa — the same cost as an ordinary weight gradient, which the custom
-  autograd function below does *not* compute during backward (it only propagates input gradients).
+  autograd function below does *not* compute during backward (it only propagates input gradients);
+* except that for layers applied to a sequence (T > 1), while the per-example gradients fit in
+  ``materialize_bytes`` (default 256 MiB per micro-batch, in total), they are materialised with one
+  batched matmul — the same FLOPs as the ordinary weight gradient — and give both the norms and the
+  clipped sum (Σ_i c_i G_i, a matrix-vector product): cheaper than ghost norms plus the (c·g)ᵀa matmul
+  (B·T²·(d_in+d_out) fewer multiply-adds), at the price of B·d_in·d_out floats held until the clip
+  factors are known. ``materialize_bytes=0`` gives pure ghost norms (least memory).
 
 So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
 Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients).
@@ -122,8 +128,10 @@ class GhostClipper:
             raise ValueError("some trainable parameters are not covered by ghost clipping")
         return layers
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, materialize_bytes: int = 256 * 2**20):
         self.model = model
+        self.materialize_bytes = int(materialize_bytes)
+        self._budget = 0
         self.batch_size: int | None = None
         self._handles: list = []
         self._patched: list[tuple[nn.Module, object]] = []
@@ -191,7 +199,14 @@ class GhostClipper:
             B, T, d_in = a.shape
             d_out = g.shape[-1]
             sq = torch.zeros(B, device=g.device)
-            if m.weight.requires_grad:
+            per_example = None
+            if m.weight.requires_grad and T > 1 and 4 * B * d_in * d_out <= self._budget:
+                # materialise: one batched matmul (the cost of the ordinary weight gradient) gives both
+                # the norms and, later, the clipped sum as a cheap weighted sum over examples
+                self._budget -= 4 * B * d_in * d_out
+                per_example = torch.bmm(g.transpose(1, 2), a).view(B, -1)  # [B, d_out * d_in]
+                sq = sq + torch.linalg.vector_norm(per_example, dim=1).pow(2)
+            elif m.weight.requires_grad:
                 if T * T * (d_in + d_out) <= T * d_in * d_out:
                     sq = sq + (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
                 else:
@@ -203,10 +218,13 @@ class GhostClipper:
                 gsum = g.sum(1)
                 sq = sq + gsum.pow(2).sum(1)
 
-            def clipped(c, a=a, g=g, gsum=gsum):
+            def clipped(c, a=a, g=g, gsum=gsum, per_example=per_example):
                 out = {}
-                cg = (g * c.view(-1, 1, 1)).reshape(-1, d_out)
-                if m.weight.requires_grad:
+                if per_example is not None:
+                    w = torch.mv(per_example.t(), c).view(d_out, d_in)
+                    out[m.weight] = (w.t() if layer.kind == "conv1d" else w).to(m.weight.dtype)
+                elif m.weight.requires_grad:
+                    cg = (g * c.view(-1, 1, 1)).reshape(-1, d_out)
                     w = cg.t() @ a.reshape(-1, d_in)  # [d_out, d_in]
                     out[m.weight] = (w.t() if layer.kind == "conv1d" else w).to(m.weight.dtype)
                 if gsum is not None:
@@ -252,6 +270,7 @@ class GhostClipper:
 
     # ----- public -----------------------------------------------------------------------------------------
     def _collect(self, loss_scale: float):
+        self._budget = self.materialize_bytes
         terms = [self._layer_terms(layer, loss_scale) for layer in self.layers]
         sq = terms[0][0]
         for t in terms[1:]:
