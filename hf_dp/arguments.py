@@ -95,6 +95,15 @@ class DPTrainingArguments(TrainingArguments):
     )
     cache_frozen_features_dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16 storage of the cache."})
     cache_frozen_features_dir: str | None = field(default=None, metadata={"help": "Keep the cache in a memmap file in this folder."})
+    first_token_only: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: when the head reads only the first position of the last block's output (BERT/RoBERTa/"
+            "ELECTRA-style sequence classifiers), run that block's queries, feed-forward and norms for position 0 "
+            "only (exact: same logits and gradients, fewer FLOPs; probed and verified on a dummy batch); off: never.",
+            "choices": ["auto", "off"],
+        },
+    )
     disable_dp: bool = field(default=False, metadata={"help": "Train non-privately (baseline); requires an HF --optim."})
 
     def __post_init__(self):
@@ -150,6 +159,8 @@ class DPTrainingArguments(TrainingArguments):
                 "--include_num_input_tokens_seen logs how many tokens the Poisson-sampled batches held, which reveals "
                 "batch sizes computed from private data outside the DP mechanism; it is not allowed with DP"
             )
+        if self.first_token_only not in ("auto", "off"):
+            raise ValueError(f"--first_token_only must be 'auto' or 'off', got {self.first_token_only!r}")
         if self.clipping not in ("auto", "ghost", "hooks"):
             raise ValueError(f"--clipping must be one of auto, ghost, hooks; got {self.clipping!r}")
         if self.bc_gamma is not None and not self.bc_gamma > 0:

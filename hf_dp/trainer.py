@@ -55,7 +55,14 @@ from hf_dp.arguments import DPTrainingArguments
 from hf_dp import checkpointing
 from hf_dp.models import apply_trainable, assert_grad_samples_complete, attach_grad_sampler, unwrap_for_save
 from hf_dp.models.ghost_clipping import GhostClipper
-from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, CachedFeatures, CachedFeaturesCollator, build_prefix_cache, suffix_forward
+from hf_dp.models.prefix_cache import (
+    CACHED_HIDDEN_KEY,
+    CachedFeatures,
+    CachedFeaturesCollator,
+    build_prefix_cache,
+    first_token_forward,
+    suffix_forward,
+)
 from hf_dp.optim.registry import get_entry
 from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
 from hf_dp.privacy.privatizer import PrivateOptimizer
@@ -174,7 +181,12 @@ class DPTrainer(Trainer):
         )
 
     def _suffix_ctx(self):
-        return suffix_forward(self.model) if self._prefix_cache else contextlib.nullcontext()
+        """Forward-pass context for train/evaluate/predict: the cached suffix, or the full model with
+        the first-token-only last block (``--first_token_only auto``), or the model unchanged."""
+        auto = getattr(self.args, "first_token_only", "auto") == "auto"
+        if self._prefix_cache:
+            return suffix_forward(self.model, first_token_only=None if auto else False)
+        return first_token_forward(self.model) if auto else contextlib.nullcontext()
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         if self._prefix_cache and eval_dataset is not None and not isinstance(eval_dataset, (str, dict)):

@@ -401,3 +401,62 @@ def test_real_minilm_sst2():
         with suffix_forward(model):
             got = model(**batch).logits
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------ first-token block, full model
+
+
+@pytest.mark.parametrize("mode", ["last_block", "all"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_first_token_forward_full_model_same_logits_and_per_sample_grads(arch, mode):
+    """first_token_forward (no cache): same logits, loss and Opacus per-sample gradients as the plain
+    model, with padded rows; active for BERT/RoBERTa/ELECTRA, a no-op for DistilBERT."""
+    from hf_dp.models.prefix_cache import first_token_forward
+
+    model, _ = apply_trainable(make_model(arch, dropout=0.0), mode)
+    rows = make_rows(n=6, seed=4)
+    batch = PadCollator(pad_id(model))(rows)
+    labels = batch.pop("labels")
+    handle = attach_grad_sampler(model)
+    try:
+        model.train()
+
+        def run():
+            logits = model(**batch).logits
+            F.cross_entropy(logits, labels, reduction="sum").backward()
+            out = {n: (p.grad_sample.clone(), p.grad.clone()) for n, p in handle.trainable_parameters()}
+            handle.clear_grad_samples()
+            model.zero_grad(set_to_none=True)
+            return logits.detach(), out
+
+        ref_logits, ref = run()
+        last = model.base_model.encoder.layer[-1] if arch != "distilbert" else model.distilbert.transformer.layer[-1]
+        calls = []
+        last.register_forward_hook(lambda _m, _a, out: calls.append((out if torch.is_tensor(out) else out[0]).shape))
+        with first_token_forward(model) as active:
+            assert active == (arch != "distilbert")
+            calls.clear()  # (entering ran the dummy checks)
+            logits, got = run()
+            # a call asking for hidden states runs the model unchanged (full-length last layer)
+            with torch.no_grad():
+                hs = model(**batch, output_hidden_states=True).hidden_states
+            assert hs[-1].shape[1] == batch["input_ids"].shape[1]
+        assert calls[0][1] == (1 if active else batch["input_ids"].shape[1])
+        assert "forward" not in last.__dict__ or arch == "distilbert"  # removed on exit
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+        for n, (gs, g) in ref.items():
+            torch.testing.assert_close(got[n][0], gs, atol=1e-5, rtol=1e-4, msg=n)
+            torch.testing.assert_close(got[n][1], g, atol=1e-5, rtol=1e-4, msg=n)
+    finally:
+        handle.detach()
+
+
+def test_first_token_forward_off_when_the_head_reads_other_positions():
+    from hf_dp.models.prefix_cache import first_token_forward
+
+    model, _ = apply_trainable(make_model("bert", dropout=0.0), "last_block")
+    pooler = model.bert.pooler
+    pooler.forward = lambda hidden_states: pooler.activation(pooler.dense(hidden_states[:, :2].mean(1)))
+    with first_token_forward(model) as active:
+        assert not active
+    assert "forward" not in model.bert.encoder.layer[-1].__dict__

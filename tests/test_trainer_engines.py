@@ -77,3 +77,37 @@ def test_cache_requires_a_frozen_prefix(tmp_path):
     ds = make_pair_dataset(tok, n=64)
     with pytest.raises(ValueError, match="--cache_frozen_features needs --trainable last_block"):
         DPTrainer(model=make_model(), args=dp_args(tmp_path / "c", trainable="all", cache_frozen_features=True), train_dataset=ds, data_collator=make_collator(tok))
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_first_token_only_changes_nothing_but_speed(tmp_path, cache):
+    """--first_token_only auto (the default) vs off: same trained model, ε and eval loss, with and
+    without the cache; with auto the last block really runs on one position during training."""
+    from tests.helpers import make_model as mk
+
+    lengths = []
+
+    def hooked():
+        m = mk(seed=0)
+        m.base_model.encoder.layer[-1].register_forward_hook(lambda _m, _a, out: lengths.append((out if torch.is_tensor(out) else out[0]).shape[1]))
+        return m
+
+    tok = make_tokenizer(tmp_path / "tok")
+    ds = make_pair_dataset(tok, n=128)
+    results = {}
+    for mode in ("auto", "off"):
+        lengths.clear()
+        trainer = DPTrainer(
+            model=hooked(), args=dp_args(tmp_path / mode, num_train_epochs=1, first_token_only=mode, cache_frozen_features=cache),
+            train_dataset=ds, eval_dataset=ds.select(range(32)), data_collator=make_collator(tok),
+        )
+        trainer.train()
+        train_lengths = list(lengths)
+        metrics = trainer.evaluate()
+        results[mode] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer.get_epsilon(), metrics["eval_loss"], train_lengths)
+    (p_auto, e_auto, l_auto, len_auto), (p_off, e_off, l_off, len_off) = results["auto"], results["off"]
+    assert len_auto and len_off
+    assert max(len_off) > 1 and max(len_auto[-5:]) == 1  # training steps: one position with auto
+    _assert_same(p_auto, p_off)
+    assert e_auto == e_off
+    assert l_auto == pytest.approx(l_off, rel=1e-4)

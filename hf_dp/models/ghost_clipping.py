@@ -13,7 +13,7 @@ backward pass captures, for every trainable layer, its input activations ``a`` a
   weight is one matmul (c·g)ᵀa — the same cost as an ordinary weight gradient, which the custom
   autograd function below does *not* compute during backward (it only propagates input gradients);
 * except that for layers applied to a sequence (T > 1), while the per-example gradients fit in
-  ``materialize_bytes`` (default 256 MiB per micro-batch, in total), they are materialised with one
+  ``materialize_bytes`` (default 64 MiB per micro-batch, in total), they are materialised with one
   batched matmul — the same FLOPs as the ordinary weight gradient — and give both the norms and the
   clipped sum (Σ_i c_i G_i, a matrix-vector product): cheaper than ghost norms plus the (c·g)ᵀa matmul
   (B·T²·(d_in+d_out) fewer multiply-adds), at the price of B·d_in·d_out floats held until the clip
@@ -128,7 +128,7 @@ class GhostClipper:
             raise ValueError("some trainable parameters are not covered by ghost clipping")
         return layers
 
-    def __init__(self, model: nn.Module, materialize_bytes: int = 256 * 2**20):
+    def __init__(self, model: nn.Module, materialize_bytes: int = 64 * 2**20):
         self.model = model
         self.materialize_bytes = int(materialize_bytes)
         self._budget = 0

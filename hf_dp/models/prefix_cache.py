@@ -93,6 +93,7 @@ __all__ = [
     "build_prefix_cache",
     "suffix_forward",
     "run_suffix",
+    "first_token_forward",
 ]
 
 CACHED_HIDDEN_KEY = "hf_dp_cached_hidden"
@@ -882,3 +883,146 @@ def run_suffix(model: nn.Module, batch: dict):
     """``model(**batch)`` for a batch of :class:`CachedFeaturesCollator` under :func:`suffix_forward`."""
     with suffix_forward(model):
         return model(**batch)
+
+
+# ------------------------------------------------------------------------------ first token, no cache
+
+_FT_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+class _FirstTokenPatch:
+    """The first-token-only last block on the *full* model (no cache): a top-level pre-hook records
+    the call's 2-D ``attention_mask``; the last block's forward runs :func:`_first_token_block`
+    during such a call (not when attentions / hidden states are requested, or for a non-2-D mask)."""
+
+    def __init__(self, model: nn.Module, layer: nn.Module, block_output: Any):
+        self.model, self.layer, self.kind = model, layer, block_output
+        self.state = {"active": False, "mask": None}
+        self.handles: list = []
+        self.orig = None
+
+    def _pre(self, _module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        wants_more = any(kwargs.get(k) for k in ("output_attentions", "output_hidden_states"))
+        ok_mask = mask is None or (torch.is_tensor(mask) and mask.dim() == 2)
+        self.state["active"] = not wants_more and ok_mask and not args
+        self.state["mask"] = mask
+        return None
+
+    def _post(self, _module, _args, _output):
+        self.state["active"], self.state["mask"] = False, None
+
+    def install(self) -> None:
+        self.handles.append(self.model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
+        self.handles.append(self.model.register_forward_hook(self._post, always_call=True))
+        orig = self.layer.forward
+        state, kind, layer = self.state, self.kind, self.layer
+
+        def forward(*args, **kwargs):
+            if not state["active"]:
+                return orig(*args, **kwargs)
+            hidden, _ = _hidden_arg(args, kwargs)
+            if hidden is None or hidden.dim() != 3:
+                return orig(*args, **kwargs)
+            out = _first_token_block(layer, hidden, state["mask"])
+            return out if kind == "tensor" else (out,) + (None,) * (kind - 1)
+
+        self.had = "forward" in layer.__dict__
+        self.old = layer.__dict__.get("forward")
+        self.new = forward
+        layer.forward = forward
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if self.layer.__dict__.get("forward") is self.new:
+            if self.had:
+                self.layer.forward = self.old
+            else:
+                del self.layer.forward
+        self.state["active"], self.state["mask"] = False, None
+
+
+@contextlib.contextmanager
+def first_token_forward(model: nn.Module) -> Iterator[bool]:
+    """Run the *full* model's last block for position 0 only, where that is exact (no cache needed).
+
+    The same first-token-only block as :func:`suffix_forward` uses (see the module docstring): enabled
+    only for a supported BERT-style last block whose output the head reads at position 0 only (probed
+    on a dummy batch), and only if the patched model reproduces the model's own logits on that batch
+    (otherwise it stays off, with a warning).  Yields whether it is active.  Calls that ask for
+    attentions or hidden states, or pass a non-2-D mask, run the model unchanged.  Re-entrant;
+    removed on exit; the ``state_dict`` never changes.
+    """
+    entry = _FT_ACTIVE.get(model)
+    if entry is not None:
+        entry[1] += 1
+        try:
+            yield entry[0] is not None
+        finally:
+            entry[1] -= 1
+        return
+    cache_entry = _ACTIVE.get(model)
+    if cache_entry is not None:  # inside suffix_forward: it has its own first-token block
+        yield cache_entry[0].plan.first_token_only
+        return
+    patch = None
+    config = getattr(model, "config", None)
+    try:
+        _, blocks = find_blocks(model)
+    except ValueError:
+        blocks = None
+    if (
+        blocks is not None
+        and _first_token_structure_ok(blocks[-1])
+        and not getattr(config, "output_attentions", False)
+        and not getattr(config, "output_hidden_states", False)
+    ):
+        patch = _install_first_token(model, blocks[-1])
+    _FT_ACTIVE[model] = [patch, 1]
+    try:
+        yield patch is not None
+    finally:
+        _FT_ACTIVE.pop(model, None)
+        if patch is not None:
+            patch.remove()
+
+
+def _install_first_token(model: nn.Module, last: nn.Module) -> "_FirstTokenPatch | None":
+    try:
+        input_ids, mask, _, _ = _dummy_ids(model)
+    except PrefixCacheError:
+        return None
+    outs: list = []
+    handle = last.register_forward_hook(lambda _m, _a, out: outs.append(out))
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            reference = _logits(model(input_ids=input_ids, attention_mask=mask)).detach().clone()
+    finally:
+        handle.remove()
+        model.train(was_training)
+    if len(outs) != 1 or not _first_token_supported(model, last, input_ids, mask, reference):
+        return None
+    out = outs[0]
+    kind: Any = "tensor" if torch.is_tensor(out) else (len(out) if type(out) is tuple and out and torch.is_tensor(out[0]) else None)
+    if kind is None:
+        return None
+    patch = _FirstTokenPatch(model, last, kind)
+    patch.install()
+    try:
+        model.eval()
+        with torch.no_grad():
+            got = _logits(model(input_ids=input_ids, attention_mask=mask))
+    finally:
+        model.train(was_training)
+    scale = max(1.0, float(reference.abs().max()))
+    if got.shape != reference.shape or not torch.allclose(got, reference, rtol=1e-4, atol=1e-4 * scale):
+        patch.remove()
+        import warnings
+
+        warnings.warn(f"{_arch(model)}: the first-token-only last block does not reproduce the model's logits; not used")
+        return None
+    return patch
