@@ -49,7 +49,8 @@ How the suffix forward works (generic, the model's own code still runs):
   loss and (per-example) gradients, with several times fewer FLOPs in the suffix.  It is enabled only
   when the layer has the expected structure *and* a probe shows that perturbing positions 1.. of the
   last block's output leaves the logits unchanged; the base model's ``last_hidden_state`` then has
-  length 1 (only the head's output is meaningful inside the context).
+  length 1 (only the head's output is meaningful inside the context).  :func:`first_token_forward`
+  applies the same block to the *full* model (no cache; DPTrainer's ``--first_token_only auto``).
 * These are instance-level ``forward`` overrides and hooks installed on entry and removed on exit; the
   ``state_dict`` never changes (``save_pretrained`` works inside and after the context).
 
