@@ -273,7 +273,7 @@ class DPTrainer(Trainer):
         if mode == "hooks":
             return "hooks"
         reasons = []
-        if get_entry(self.args.optim).rule_cls.has_per_sample_transform():
+        if not get_entry(self.args.optim).rule_cls.ghost_compatible():
             reasons.append(f"{self.args.optim} transforms per-example gradients before clipping")
         if world > 1:
             reasons.append("several processes (DDP expects every parameter's gradient from backward)")
@@ -398,7 +398,8 @@ class DPTrainer(Trainer):
             if self._loss_scale is None:
                 raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
             if self.ghost_clipper is not None:
-                clipped = self.ghost_clipper.clipped_sum(self._dp_optimizer.max_grad_norm, loss_scale=self._loss_scale)
+                opt = self._dp_optimizer
+                clipped = self.ghost_clipper.clipped_sum(opt.max_grad_norm, loss_scale=self._loss_scale, offset=opt.rule.per_sample_offset(opt.params))
                 self._dp_optimizer.add_clipped_sum(clipped)
             else:
                 if not self._checked_grad_samples:

@@ -83,6 +83,42 @@ def test_ghost_equals_per_example_loop_all_params_incl_embeddings(arch, material
     _check(arch, "all", materialize_bytes)
 
 
+@pytest.mark.parametrize("materialize_bytes", [256 * 2**20, 0], ids=["materialize", "ghost_norms"])
+@pytest.mark.parametrize("arch,mode", [("bert", "last_block"), ("bert", "all"), ("gpt2", "all"), ("roberta", "last_block")])
+def test_ghost_with_offset_equals_clipping_g_plus_o(arch, mode, materialize_bytes):
+    """DP-SGD-L2's per-example vector g_i + o (o = λθ on some parameters): ghost clipping's norms and
+    clipped sum equal clipping the explicit per-example vectors."""
+    config = _config(arch)
+    model, _ = apply_trainable(_model(arch), mode)
+    model.train()
+    ids, mask, labels = _batch(config, batch_size=5, seq_len=7)
+    named = dict(model.named_parameters())
+    per = _per_example_grads(copy.deepcopy(model), ids, mask, labels)
+    lam = 0.3  # large enough that the cross term matters; on weights only (as HF's no-decay groups do)
+    offset_by_name = {n: lam * named[n].detach() for n in per if n.endswith("weight") and "LayerNorm" not in n}
+    v = {n: g + offset_by_name[n].unsqueeze(0) if n in offset_by_name else g for n, g in per.items()}
+    norms_ref = torch.stack([x.reshape(x.shape[0], -1).pow(2).sum(1) for x in v.values()]).sum(0).sqrt()
+    clip = float(norms_ref.median())
+    c = (clip / (norms_ref + 1e-6)).clamp(max=1.0)
+    ref = {n: torch.einsum("i,i...->...", c, x) for n, x in v.items()}
+
+    gc = GhostClipper(model, materialize_bytes=materialize_bytes)
+    try:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        F.cross_entropy(logits, labels, reduction="sum").backward()
+        offset = {named[n]: o for n, o in offset_by_name.items()}
+        norms = gc.per_example_norms(offset=offset)
+        out = gc.clipped_sum(clip, offset=offset)
+    finally:
+        gc.detach()
+    torch.testing.assert_close(norms, norms_ref, rtol=1e-4, atol=1e-6)
+    names = {id(p): n for n, p in model.named_parameters()}
+    got = {names[id(p)]: g for p, g in out.items()}
+    assert set(got) == set(ref) and offset_by_name
+    for name, r in ref.items():
+        torch.testing.assert_close(got[name], r, atol=max(1e-4 * r.abs().max().item(), 1e-7), rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
 def test_detach_restores_plain_forward():
     config = _config("bert")
     model, _ = apply_trainable(_model("bert"), "last_block")
@@ -113,7 +149,17 @@ def test_shared_parameter_is_refused():
 def test_ghost_refused_for_rules_that_transform_per_example_gradients():
     from hf_dp.optim import make_optimizer
 
+    from hf_dp.optim.registry import get_entry
+
     lin = torch.nn.Linear(3, 2)
-    opt = make_optimizer("dp_sgd_l2", lin.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, weight_decay=0.1)
+    opt = make_optimizer("dp_macadam", lin.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
     with pytest.raises(ValueError, match="ghost clipping cannot apply"):
         opt.add_clipped_sum({p: torch.zeros_like(p) for p in lin.parameters()})
+    # DP-SGD-L2's transform is a public offset (λθ): ghost-compatible; MacAdam's is not
+    compatible = {name: get_entry(name).rule_cls.ghost_compatible() for name in ("dp_sgd", "dp_adamw", "dp_sgd_l2", "dp_macadam")}
+    assert compatible == {"dp_sgd": True, "dp_adamw": True, "dp_sgd_l2": True, "dp_macadam": False}
+    l2 = make_optimizer("dp_sgd_l2", lin.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, weight_decay=0.1)
+    off = l2.rule.per_sample_offset(l2.params)
+    assert set(map(id, off)) == {id(p) for p in lin.parameters()}
+    for p, o in off.items():
+        torch.testing.assert_close(o, 0.1 * p.detach())

@@ -32,6 +32,16 @@ def _assert_same(a, b, atol=1e-5):
         torch.testing.assert_close(a[n], b[n], atol=atol, rtol=1e-4, msg=lambda m: f"{n}: {m}")
 
 
+def test_dp_sgd_l2_ghost_and_hooks_train_the_same_model(tmp_path):
+    kw = dict(optim="dp_sgd_l2", weight_decay=0.5, learning_rate=0.5)
+    t_ghost, p_ghost, m_ghost = _train(tmp_path, "l2ghost", clipping="ghost", **kw)
+    t_hooks, p_hooks, m_hooks = _train(tmp_path, "l2hooks", clipping="hooks", **kw)
+    assert t_ghost.clipping == "ghost" and t_hooks.clipping == "hooks"
+    _assert_same(p_ghost, p_hooks)
+    assert t_ghost.get_epsilon() == t_hooks.get_epsilon()
+    assert m_ghost["eval_loss"] == pytest.approx(m_hooks["eval_loss"], rel=1e-4)
+
+
 def test_ghost_and_hooks_train_the_same_model(tmp_path):
     t_ghost, p_ghost, m_ghost = _train(tmp_path, "ghost", clipping="ghost")
     t_hooks, p_hooks, m_hooks = _train(tmp_path, "hooks", clipping="hooks")
@@ -45,8 +55,10 @@ def test_ghost_and_hooks_train_the_same_model(tmp_path):
 def test_auto_clipping_falls_back_to_hooks_where_ghost_cannot_apply(tmp_path):
     tok = make_tokenizer(tmp_path / "tok")
     ds = make_pair_dataset(tok, n=64)
-    t = DPTrainer(model=make_model(), args=dp_args(tmp_path / "a", optim="dp_sgd_l2", weight_decay=0.1), train_dataset=ds, data_collator=make_collator(tok))
+    t = DPTrainer(model=make_model(), args=dp_args(tmp_path / "a", optim="dp_macadam"), train_dataset=ds, data_collator=make_collator(tok))
     assert t.clipping == "hooks"
+    t = DPTrainer(model=make_model(), args=dp_args(tmp_path / "a2", optim="dp_sgd_l2", weight_decay=0.1), train_dataset=ds, data_collator=make_collator(tok))
+    assert t.clipping == "ghost"  # its per-sample transform is a public offset λθ
     with pytest.raises(ValueError, match="--clipping ghost cannot apply: dp_macadam transforms per-example gradients"):
         DPTrainer(model=make_model(), args=dp_args(tmp_path / "b", optim="dp_macadam", clipping="ghost"), train_dataset=ds, data_collator=make_collator(tok))
 

@@ -25,9 +25,12 @@ So the DP step costs about one forward, one backward and the ghost norms. The re
 Supported trainable layers: ``nn.Linear``, transformers' ``Conv1D`` (GPT-2), ``nn.LayerNorm``,
 ``nn.Embedding`` (incl. broadcast position ids, see :func:`install_batch_hooks`). A layer called
 several times in one forward (ALBERT's shared block) is handled by concatenating its calls along
-the token axis. Where it cannot apply — any other trainable layer type, parameters shared between
-modules, update rules that transform per-example gradients before clipping (``dp_sgd_l2``,
-``dp_macadam``) — :class:`GhostClipper` raises ``ValueError`` and the Opacus hooks must be used.
+the token axis. A public vector o added to every example's gradient before clipping (DP-SGD-L2's
+λθ, ``offset=``) is handled exactly: ‖g_i + o‖² = ‖g_i‖² + 2⟨g_i, o⟩ + ‖o‖², with ⟨g_i, o⟩ from the same
+records (for a linear layer Σ_t g_t·(O a_t)), and the clipped sum gains (Σ_i c_i)·o. Where it cannot
+apply — any other trainable layer type, parameters shared between modules, update rules that
+transform per-example gradients otherwise (``dp_macadam``'s per-coordinate centring and scaling) —
+:class:`GhostClipper` raises ``ValueError`` and the Opacus hooks must be used.
 """
 
 from __future__ import annotations
@@ -188,8 +191,9 @@ class GhostClipper:
             return xs[0], gs[0]
         return torch.cat(xs, dim=1), torch.cat(gs, dim=1)
 
-    def _layer_terms(self, layer: _Layer, scale: float):
-        """(per-example squared norm [B], function c -> {param: clipped sum})."""
+    def _layer_terms(self, layer: _Layer, scale: float, offset: dict | None = None):
+        """(per-example squared norm [B], per-example ⟨g_i, o⟩ [B] or None, function c -> {param: clipped sum})."""
+        offset = offset or {}
         m = layer.module
         if not layer.records:
             raise ValueError(f"layer {type(m).__name__} recorded no backward pass; is every trainable layer used in the forward?")
@@ -217,6 +221,13 @@ class GhostClipper:
             if m.bias is not None and m.bias.requires_grad:
                 gsum = g.sum(1)
                 sq = sq + gsum.pow(2).sum(1)
+            cross = None
+            ow, ob = offset.get(m.weight), offset.get(m.bias) if m.bias is not None else None
+            if ow is not None:  # ⟨G_i, O⟩ = Σ_t g_t·(O a_t), O as [d_out, d_in]
+                o2 = (ow.t() if layer.kind == "conv1d" else ow).float()
+                cross = per_example @ o2.reshape(-1) if per_example is not None else (torch.matmul(a, o2.t()) * g).sum((1, 2))
+            if ob is not None and gsum is not None:
+                cross = (0 if cross is None else cross) + gsum @ ob.float()
 
             def clipped(c, a=a, g=g, gsum=gsum, per_example=per_example):
                 out = {}
@@ -231,7 +242,7 @@ class GhostClipper:
                     out[m.bias] = (gsum * c.view(-1, 1)).sum(0).to(m.bias.dtype)
                 return out
 
-            return sq, clipped
+            return sq, cross, clipped
         if layer.kind == "layernorm":
             x, g = self._cat(layer.records, scale)
             xhat = F.layer_norm(x.float(), m.normalized_shape, eps=m.eps)
@@ -243,6 +254,10 @@ class GhostClipper:
             if m.bias is not None and m.bias.requires_grad:
                 gb = g.sum(1)
                 sq = sq + gb.pow(2).sum(1)
+            cross = None
+            for gp, p in ((gw, m.weight), (gb, m.bias)):
+                if gp is not None and offset.get(p) is not None:
+                    cross = (0 if cross is None else cross) + gp @ offset[p].float()
 
             def clipped(c, gw=gw, gb=gb):
                 out = {}
@@ -252,7 +267,7 @@ class GhostClipper:
                     out[m.bias] = (gb * c.view(-1, 1)).sum(0).to(m.bias.dtype)
                 return out
 
-            return sq, clipped
+            return sq, cross, clipped
         # embedding: per-example gradient rows are sums of g over equal token ids
         ids = torch.cat([x.reshape(x.shape[0], -1) for x, _ in layer.records], dim=1)
         g = torch.cat([_as_3d(gr.float() / scale) for _, gr in layer.records], dim=1)
@@ -260,35 +275,52 @@ class GhostClipper:
             g = g * (ids != m.padding_idx).unsqueeze(-1)
         same = ids.unsqueeze(2) == ids.unsqueeze(1)
         sq = (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
+        cross = None
+        if offset.get(m.weight) is not None:  # ⟨Σ_t g_t e_{id_t}ᵀ, O⟩ = Σ_t g_t·O[id_t]
+            cross = (g * offset[m.weight].float()[ids]).sum((1, 2))
 
         def clipped(c, ids=ids, g=g):
             w = torch.zeros(m.weight.shape, device=g.device, dtype=torch.float32)
             w.index_add_(0, ids.reshape(-1), (g * c.view(-1, 1, 1)).reshape(-1, g.shape[-1]))
             return {m.weight: w.to(m.weight.dtype)}
 
-        return sq, clipped
+        return sq, cross, clipped
 
     # ----- public -----------------------------------------------------------------------------------------
-    def _collect(self, loss_scale: float):
+    def _collect(self, loss_scale: float, offset: dict | None = None):
         self._budget = self.materialize_bytes
-        terms = [self._layer_terms(layer, loss_scale) for layer in self.layers]
+        terms = [self._layer_terms(layer, loss_scale, offset) for layer in self.layers]
         sq = terms[0][0]
         for t in terms[1:]:
             sq = sq + t[0]
+        if offset:  # ‖g_i + o‖² = ‖g_i‖² + 2⟨g_i, o⟩ + ‖o‖²
+            owned = {id(p) for layer in self.layers for p in layer.params()}
+            if any(id(p) not in owned for p in offset):
+                raise ValueError("offset given for a parameter ghost clipping does not cover")
+            for _, cross, _ in terms:
+                if cross is not None:
+                    sq = sq + 2 * cross
+            sq = sq + sum(float(o.float().pow(2).sum()) for o in offset.values())
         return sq, terms
 
     @torch.no_grad()
-    def per_example_norms(self, loss_scale: float = 1.0) -> torch.Tensor:
-        return self._collect(loss_scale)[0].clamp_min(0).sqrt()
+    def per_example_norms(self, loss_scale: float = 1.0, offset: dict | None = None) -> torch.Tensor:
+        """‖∇ℓ_i (+ o)‖ per example (clears nothing)."""
+        return self._collect(loss_scale, offset)[0].clamp_min(0).sqrt()
 
     @torch.no_grad()
-    def clipped_sum(self, max_grad_norm: float, loss_scale: float = 1.0) -> dict:
-        """{param: Σ_i min(1, C/(‖∇ℓ_i‖+1e-6)) ∇_param ℓ_i}; clears the records."""
-        sq, terms = self._collect(loss_scale)
+    def clipped_sum(self, max_grad_norm: float, loss_scale: float = 1.0, offset: dict | None = None) -> dict:
+        """{param: Σ_i min(1, C/(‖v_i‖+1e-6)) v_i} with v_i = ∇ℓ_i (+ ``offset``, a public vector added to
+        every example's gradient, e.g. DP-SGD-L2's λθ); clears the records."""
+        sq, terms = self._collect(loss_scale, offset)
         norms = sq.clamp_min(0).sqrt()
         c = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
         out: dict = {}
-        for _, fn in terms:
+        for _, _, fn in terms:
             out.update(fn(c))
+        if offset:
+            total = c.sum()
+            for p, o in offset.items():
+                out[p] = out[p] + (total * o.float()).to(out[p].dtype)
         self.clear()
         return out

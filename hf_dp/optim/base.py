@@ -129,8 +129,21 @@ class DPUpdateRule(torch.optim.Optimizer):
 
     @classmethod
     def has_per_sample_transform(cls) -> bool:
-        """True if this rule changes per-example gradients before clipping (ghost clipping cannot apply)."""
+        """True if this rule changes per-example gradients before clipping."""
         return cls.to_clip_space is not DPUpdateRule.to_clip_space or cls.clip_norm is not DPUpdateRule.clip_norm
+
+    @classmethod
+    def ghost_compatible(cls) -> bool:
+        """True if ghost clipping can compute this rule's clipped sum: no per-sample transform, or
+        one that only adds the same vector to every example's gradient (:meth:`per_sample_offset`)."""
+        if not cls.has_per_sample_transform():
+            return True
+        return cls.per_sample_offset is not DPUpdateRule.per_sample_offset and cls.clip_norm is DPUpdateRule.clip_norm
+
+    def per_sample_offset(self, params: Sequence[Tensor]) -> dict | None:
+        """For a rule whose ``to_clip_space`` is g_i ↦ g_i + o (the same public o for every example):
+        ``{param: o_param}`` (parameters without an offset omitted); ``None`` otherwise."""
+        return None
 
     def to_clip_space(self, params: Sequence[Tensor], grad_samples: list[Tensor]) -> list[Tensor]:
         return grad_samples

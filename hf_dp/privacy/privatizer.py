@@ -149,9 +149,10 @@ class PrivateOptimizer(DPOptimizer):
 
     @torch.no_grad()
     def add_clipped_sum(self, clipped: dict) -> None:
-        """Add an already clipped per-example sum {param: Σ_i c_i ∇ℓ_i} (from ghost clipping) to the
-        logical batch. Only for rules without a per-sample transform (clip space = gradient space)."""
-        if self.rule.has_per_sample_transform():
+        """Add an already clipped per-example sum {param: Σ_i c_i v_i} (from ghost clipping) to the
+        logical batch, v_i = ∇ℓ_i (+ the rule's :meth:`per_sample_offset`, which the caller must have
+        passed to ghost clipping). Only for ghost-compatible rules (clip space = gradient space + offset)."""
+        if not self.rule.ghost_compatible():
             raise ValueError(
                 f"{type(self.rule).__name__} transforms per-example gradients before clipping; "
                 "ghost clipping cannot apply to it (use the Opacus hooks)"
