@@ -399,7 +399,7 @@ class DPTrainer(Trainer):
                 raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
             if self.ghost_clipper is not None:
                 opt = self._dp_optimizer
-                clipped = self.ghost_clipper.clipped_sum(opt.max_grad_norm, loss_scale=self._loss_scale, offset=opt.rule.per_sample_offset(opt.params))
+                clipped = self.ghost_clipper.clipped_sum(opt.max_grad_norm, loss_scale=self._loss_scale, affine=opt.rule.per_sample_affine(opt.params))
                 self._dp_optimizer.add_clipped_sum(clipped)
             else:
                 if not self._checked_grad_samples:

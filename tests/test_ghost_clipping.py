@@ -85,18 +85,34 @@ def test_ghost_equals_per_example_loop_all_params_incl_embeddings(arch, material
 
 @pytest.mark.parametrize("materialize_bytes", [256 * 2**20, 0], ids=["materialize", "ghost_norms"])
 @pytest.mark.parametrize("arch,mode", [("bert", "last_block"), ("bert", "all"), ("gpt2", "all"), ("roberta", "last_block")])
-def test_ghost_with_offset_equals_clipping_g_plus_o(arch, mode, materialize_bytes):
-    """DP-SGD-L2's per-example vector g_i + o (o = λθ on some parameters): ghost clipping's norms and
-    clipped sum equal clipping the explicit per-example vectors."""
+@pytest.mark.parametrize("kind", ["offset", "affine", "scalar_scale"])
+def test_ghost_with_affine_equals_clipping_the_transformed_vectors(arch, mode, materialize_bytes, kind):
+    """Per-example vectors v_i = (g_i + o) ⊙ s — DP-SGD-L2 (o = λθ on some parameters), DP-MacAdam
+    (o = −m̂, s = 1/b per coordinate; or s = 1/b_0 scalar at its first step): ghost clipping's norms
+    and clipped sum equal clipping the explicit per-example vectors."""
     config = _config(arch)
     model, _ = apply_trainable(_model(arch), mode)
     model.train()
     ids, mask, labels = _batch(config, batch_size=5, seq_len=7)
     named = dict(model.named_parameters())
     per = _per_example_grads(copy.deepcopy(model), ids, mask, labels)
-    lam = 0.3  # large enough that the cross term matters; on weights only (as HF's no-decay groups do)
-    offset_by_name = {n: lam * named[n].detach() for n in per if n.endswith("weight") and "LayerNorm" not in n}
-    v = {n: g + offset_by_name[n].unsqueeze(0) if n in offset_by_name else g for n, g in per.items()}
+    gen = torch.Generator().manual_seed(1)
+    if kind == "offset":  # DP-SGD-L2: λθ on weights only (as HF's no-decay groups do), λ large enough to matter
+        aff_by_name = {n: (0.3 * named[n].detach(), None) for n in per if n.endswith("weight") and "LayerNorm" not in n}
+    elif kind == "affine":  # MacAdam-like: every parameter, per-coordinate centre and scale
+        # one scale for all (per-parameter ones would blow up e.g. the key bias, whose gradient is ~0)
+        size = float(torch.cat([g.abs().flatten() for g in per.values()]).mean())
+        aff_by_name = {n: (-g.mean(0) + 0.1 * size * torch.randn(g.shape[1:], generator=gen),
+                           1.0 / (size * (0.5 + torch.rand(g.shape[1:], generator=gen)))) for n, g in per.items()}
+    else:
+        aff_by_name = {n: (None, 7.0) for n in per}
+
+    def transform(n, g):
+        o, sc = aff_by_name.get(n, (None, None))
+        g = g if o is None else g + o.unsqueeze(0)
+        return g if sc is None else g * (sc if isinstance(sc, float) else sc.unsqueeze(0))
+
+    v = {n: transform(n, g) for n, g in per.items()}
     norms_ref = torch.stack([x.reshape(x.shape[0], -1).pow(2).sum(1) for x in v.values()]).sum(0).sqrt()
     clip = float(norms_ref.median())
     c = (clip / (norms_ref + 1e-6)).clamp(max=1.0)
@@ -106,15 +122,15 @@ def test_ghost_with_offset_equals_clipping_g_plus_o(arch, mode, materialize_byte
     try:
         logits = model(input_ids=ids, attention_mask=mask).logits
         F.cross_entropy(logits, labels, reduction="sum").backward()
-        offset = {named[n]: o for n, o in offset_by_name.items()}
-        norms = gc.per_example_norms(offset=offset)
-        out = gc.clipped_sum(clip, offset=offset)
+        affine = {named[n]: a for n, a in aff_by_name.items()}
+        norms = gc.per_example_norms(affine=affine)
+        out = gc.clipped_sum(clip, affine=affine)
     finally:
         gc.detach()
     torch.testing.assert_close(norms, norms_ref, rtol=1e-4, atol=1e-6)
     names = {id(p): n for n, p in model.named_parameters()}
     got = {names[id(p)]: g for p, g in out.items()}
-    assert set(got) == set(ref) and offset_by_name
+    assert set(got) == set(ref) and aff_by_name
     for name, r in ref.items():
         torch.testing.assert_close(got[name], r, atol=max(1e-4 * r.abs().max().item(), 1e-7), rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
@@ -147,19 +163,26 @@ def test_shared_parameter_is_refused():
 
 
 def test_ghost_refused_for_rules_that_transform_per_example_gradients():
-    from hf_dp.optim import make_optimizer
-
+    """A rule with a per-sample transform that is not a declared affine map cannot take a ghost
+    clipped sum; DP-SGD-L2 and DP-MacAdam declare theirs."""
+    from hf_dp.optim import DP_OPTIMIZERS, make_optimizer
+    from hf_dp.optim.dp_sgd import DPSGD
     from hf_dp.optim.registry import get_entry
+    from hf_dp.privacy import PrivateOptimizer
+
+    class Squash(DPSGD):
+        def to_clip_space(self, params, grad_samples):
+            return [torch.tanh(g) for g in grad_samples]
 
     lin = torch.nn.Linear(3, 2)
-    opt = make_optimizer("dp_macadam", lin.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+    assert not Squash.ghost_compatible()
+    opt = PrivateOptimizer(Squash(lin.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
     with pytest.raises(ValueError, match="ghost clipping cannot apply"):
         opt.add_clipped_sum({p: torch.zeros_like(p) for p in lin.parameters()})
-    # DP-SGD-L2's transform is a public offset (λθ): ghost-compatible; MacAdam's is not
-    compatible = {name: get_entry(name).rule_cls.ghost_compatible() for name in ("dp_sgd", "dp_adamw", "dp_sgd_l2", "dp_macadam")}
-    assert compatible == {"dp_sgd": True, "dp_adamw": True, "dp_sgd_l2": True, "dp_macadam": False}
+    assert all(get_entry(name).rule_cls.ghost_compatible() for name in DP_OPTIMIZERS)
     l2 = make_optimizer("dp_sgd_l2", lin.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, weight_decay=0.1)
-    off = l2.rule.per_sample_offset(l2.params)
-    assert set(map(id, off)) == {id(p) for p in lin.parameters()}
-    for p, o in off.items():
+    aff = l2.rule.per_sample_affine(l2.params)
+    assert set(map(id, aff)) == {id(p) for p in lin.parameters()}
+    for p, (o, sc) in aff.items():
         torch.testing.assert_close(o, 0.1 * p.detach())
+        assert sc is None

@@ -52,15 +52,31 @@ def test_ghost_and_hooks_train_the_same_model(tmp_path):
     assert m_ghost["eval_loss"] == pytest.approx(m_hooks["eval_loss"], rel=1e-4)
 
 
-def test_auto_clipping_falls_back_to_hooks_where_ghost_cannot_apply(tmp_path):
+def test_auto_clipping_picks_ghost_for_every_registered_optimizer(tmp_path):
+    """Every registered rule is ghost-compatible (DP-SGD-L2 and DP-MacAdam through their per-sample
+    affine maps), so --clipping auto picks ghost; --clipping hooks still forces the hooks."""
+    from hf_dp.optim import DP_OPTIMIZERS
+
     tok = make_tokenizer(tmp_path / "tok")
     ds = make_pair_dataset(tok, n=64)
-    t = DPTrainer(model=make_model(), args=dp_args(tmp_path / "a", optim="dp_macadam"), train_dataset=ds, data_collator=make_collator(tok))
+    for name in DP_OPTIMIZERS:
+        t = DPTrainer(model=make_model(), args=dp_args(tmp_path / name, optim=name), train_dataset=ds, data_collator=make_collator(tok))
+        assert t.clipping == "ghost", name
+    t = DPTrainer(model=make_model(), args=dp_args(tmp_path / "h", optim="dp_macadam", clipping="hooks"), train_dataset=ds, data_collator=make_collator(tok))
     assert t.clipping == "hooks"
-    t = DPTrainer(model=make_model(), args=dp_args(tmp_path / "a2", optim="dp_sgd_l2", weight_decay=0.1), train_dataset=ds, data_collator=make_collator(tok))
-    assert t.clipping == "ghost"  # its per-sample transform is a public offset λθ
-    with pytest.raises(ValueError, match="--clipping ghost cannot apply: dp_macadam transforms per-example gradients"):
-        DPTrainer(model=make_model(), args=dp_args(tmp_path / "b", optim="dp_macadam", clipping="ghost"), train_dataset=ds, data_collator=make_collator(tok))
+
+
+@pytest.mark.parametrize("optim,kw", [("dp_macadam", {"learning_rate": 1e-2}), ("dp_macadam", {"learning_rate": 1e-2, "weight_decay": 0.1})])
+def test_macadam_ghost_and_hooks_train_the_same_model(tmp_path, optim, kw):
+    """MacAdam's per-coordinate centring/scaling through ghost clipping == through Opacus' per-sample
+    gradients, over enough steps for the bound b_t to be refreshed (t ≥ 2)."""
+    t_ghost, p_ghost, m_ghost = _train(tmp_path, "mghost", clipping="ghost", optim=optim, **kw)
+    t_hooks, p_hooks, m_hooks = _train(tmp_path, "mhooks", clipping="hooks", optim=optim, **kw)
+    assert t_ghost.clipping == "ghost" and t_hooks.clipping == "hooks"
+    assert t_ghost.state.global_step >= 3
+    _assert_same(p_ghost, p_hooks, atol=1e-5)
+    assert t_ghost.get_epsilon() == t_hooks.get_epsilon()
+    assert m_ghost["eval_loss"] == pytest.approx(m_hooks["eval_loss"], rel=1e-4)
 
 
 @pytest.mark.parametrize("clipping", ["ghost", "hooks"])

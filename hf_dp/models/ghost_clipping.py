@@ -25,11 +25,13 @@ So the DP step costs about one forward, one backward and the ghost norms. The re
 Supported trainable layers: ``nn.Linear``, transformers' ``Conv1D`` (GPT-2), ``nn.LayerNorm``,
 ``nn.Embedding`` (incl. broadcast position ids, see :func:`install_batch_hooks`). A layer called
 several times in one forward (ALBERT's shared block) is handled by concatenating its calls along
-the token axis. A public vector o added to every example's gradient before clipping (DP-SGD-L2's
-λθ, ``offset=``) is handled exactly: ‖g_i + o‖² = ‖g_i‖² + 2⟨g_i, o⟩ + ‖o‖², with ⟨g_i, o⟩ from the same
-records (for a linear layer Σ_t g_t·(O a_t)), and the clipped sum gains (Σ_i c_i)·o. Where it cannot
-apply — any other trainable layer type, parameters shared between modules, update rules that
-transform per-example gradients otherwise (``dp_macadam``'s per-coordinate centring and scaling) —
+the token axis. Rules that map each example's gradient by a public per-coordinate affine map
+before clipping, v_i = (g_i + o) ⊙ s (DP-SGD-L2: o = λθ; DP-MacAdam: o = −m̂, s = 1/b), are handled
+exactly (``affine=``): ‖v_i‖² expands into terms of the same records — e.g. for a linear layer
+‖(G_i + O) ⊙ S‖² = ‖G_i ⊙ S‖² + 2⟨G_i, O ⊙ S²⟩ + ‖O ⊙ S‖², with ⟨G_i, O⟩ = Σ_t g_t·(O a_t) and, for one
+position (T = 1), ‖G_i ⊙ S‖² = (g² S²)·a² as matmuls; per-coordinate S with T > 1 materialises the
+per-example gradients (in chunks) — and Σ_i c_i v_i = (Σ_i c_i g_i + (Σ_i c_i)·o) ⊙ s. Where it
+cannot apply — any other trainable layer type, parameters shared between modules —
 :class:`GhostClipper` raises ``ValueError`` and the Opacus hooks must be used.
 """
 
@@ -191,9 +193,29 @@ class GhostClipper:
             return xs[0], gs[0]
         return torch.cat(xs, dim=1), torch.cat(gs, dim=1)
 
-    def _layer_terms(self, layer: _Layer, scale: float, offset: dict | None = None):
-        """(per-example squared norm [B], per-example ⟨g_i, o⟩ [B] or None, function c -> {param: clipped sum})."""
-        offset = offset or {}
+    @staticmethod
+    def _affine(affine: dict, p, transpose: bool = False):
+        """(o, s) for parameter p as float32 (s: None, a float, or a tensor), optionally transposed."""
+        o, sc = affine.get(p, (None, None))
+        if o is not None:
+            o = o.float().t() if transpose else o.float()
+        if torch.is_tensor(sc):
+            sc = sc.float().t() if transpose else sc.float()
+        return o, sc
+
+    @staticmethod
+    def _dense_sq(x: torch.Tensor, o, sc) -> torch.Tensor:
+        """‖(x_i + o) ⊙ s‖² per row of x [B, n] (o, s flattened to n)."""
+        if o is not None:
+            x = x + o.reshape(1, -1)
+        if sc is not None:
+            x = x * (sc if isinstance(sc, float) else sc.reshape(1, -1))
+        return x.pow(2).sum(1)
+
+    def _layer_terms(self, layer: _Layer, scale: float, affine: dict | None = None):
+        """(per-example ‖v_i‖² over this layer's parameters [B], function c -> {param: Σ_i c_i ∇ℓ_i}) with
+        v_i = (∇ℓ_i + o) ⊙ s per parameter, (o, s) = ``affine.get(param)`` (default: v_i = ∇ℓ_i)."""
+        affine = affine or {}
         m = layer.module
         if not layer.records:
             raise ValueError(f"layer {type(m).__name__} recorded no backward pass; is every trainable layer used in the forward?")
@@ -204,30 +226,40 @@ class GhostClipper:
             d_out = g.shape[-1]
             sq = torch.zeros(B, device=g.device)
             per_example = None
-            if m.weight.requires_grad and T > 1 and 4 * B * d_in * d_out <= self._budget:
-                # materialise: one batched matmul (the cost of the ordinary weight gradient) gives both
-                # the norms and, later, the clipped sum as a cheap weighted sum over examples
-                self._budget -= 4 * B * d_in * d_out
-                per_example = torch.bmm(g.transpose(1, 2), a).view(B, -1)  # [B, d_out * d_in]
-                sq = sq + torch.linalg.vector_norm(per_example, dim=1).pow(2)
-            elif m.weight.requires_grad:
-                if T * T * (d_in + d_out) <= T * d_in * d_out:
-                    sq = sq + (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-                else:
+            if m.weight.requires_grad:
+                o, sc = self._affine(affine, m.weight, transpose=layer.kind == "conv1d")  # as [d_out, d_in]
+                s2 = 1.0
+                if isinstance(sc, float):  # a scalar scale: ‖(G + o)s‖² = s²‖G + o‖²
+                    s2, sc = sc * sc, None
+                wsq = None
+                if T > 1 and 4 * B * d_in * d_out <= self._budget:
+                    # materialise: one batched matmul (the cost of the ordinary weight gradient) gives both
+                    # the norms and, later, the clipped sum as a cheap weighted sum over examples
+                    self._budget -= 4 * B * d_in * d_out
+                    per_example = torch.bmm(g.transpose(1, 2), a).view(B, -1)  # [B, d_out * d_in]
+                    wsq = self._dense_sq(per_example, o, sc)
+                elif sc is not None and T == 1:  # rank one: Σ_jk g_j² a_k² s_jk² (+ cross terms) as matmuls
+                    g1, a1 = g[:, 0], a[:, 0]
+                    wsq = ((g1.pow(2) @ sc.pow(2)) * a1.pow(2)).sum(1)
+                    if o is not None:
+                        wsq = wsq + 2 * ((g1 @ (o * sc.pow(2))) * a1).sum(1) + (o * sc).pow(2).sum()
+                elif sc is not None:  # per-coordinate scale, T > 1: materialise in chunks for the norms only
                     chunk = max(1, int(2**26 // (d_in * d_out)))
-                    parts = [torch.einsum("bto,bti->boi", g[i : i + chunk], a[i : i + chunk]).flatten(1).pow(2).sum(1) for i in range(0, B, chunk)]
-                    sq = sq + torch.cat(parts)
+                    wsq = torch.cat([self._dense_sq(torch.bmm(g[i : i + chunk].transpose(1, 2), a[i : i + chunk]).flatten(1), o, sc) for i in range(0, B, chunk)])
+                else:
+                    if T * T * (d_in + d_out) <= T * d_in * d_out:
+                        wsq = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+                    else:
+                        chunk = max(1, int(2**26 // (d_in * d_out)))
+                        parts = [torch.einsum("bto,bti->boi", g[i : i + chunk], a[i : i + chunk]).flatten(1).pow(2).sum(1) for i in range(0, B, chunk)]
+                        wsq = torch.cat(parts)
+                    if o is not None:  # ‖G + o‖² = ‖G‖² + 2⟨G, o⟩ + ‖o‖², ⟨G_i, o⟩ = Σ_t g_t·(o a_t)
+                        wsq = wsq + 2 * (torch.matmul(a, o.t()) * g).sum((1, 2)) + o.pow(2).sum()
+                sq = sq + s2 * wsq
             gsum = None
             if m.bias is not None and m.bias.requires_grad:
                 gsum = g.sum(1)
-                sq = sq + gsum.pow(2).sum(1)
-            cross = None
-            ow, ob = offset.get(m.weight), offset.get(m.bias) if m.bias is not None else None
-            if ow is not None:  # ⟨G_i, O⟩ = Σ_t g_t·(O a_t), O as [d_out, d_in]
-                o2 = (ow.t() if layer.kind == "conv1d" else ow).float()
-                cross = per_example @ o2.reshape(-1) if per_example is not None else (torch.matmul(a, o2.t()) * g).sum((1, 2))
-            if ob is not None and gsum is not None:
-                cross = (0 if cross is None else cross) + gsum @ ob.float()
+                sq = sq + self._dense_sq(gsum, *self._affine(affine, m.bias))
 
             def clipped(c, a=a, g=g, gsum=gsum, per_example=per_example):
                 out = {}
@@ -242,7 +274,7 @@ class GhostClipper:
                     out[m.bias] = (gsum * c.view(-1, 1)).sum(0).to(m.bias.dtype)
                 return out
 
-            return sq, cross, clipped
+            return sq, clipped
         if layer.kind == "layernorm":
             x, g = self._cat(layer.records, scale)
             xhat = F.layer_norm(x.float(), m.normalized_shape, eps=m.eps)
@@ -250,14 +282,10 @@ class GhostClipper:
             gw = gb = None
             if m.weight is not None and m.weight.requires_grad:
                 gw = (g * xhat).sum(1)
-                sq = sq + gw.pow(2).sum(1)
+                sq = sq + self._dense_sq(gw, *self._affine(affine, m.weight))
             if m.bias is not None and m.bias.requires_grad:
                 gb = g.sum(1)
-                sq = sq + gb.pow(2).sum(1)
-            cross = None
-            for gp, p in ((gw, m.weight), (gb, m.bias)):
-                if gp is not None and offset.get(p) is not None:
-                    cross = (0 if cross is None else cross) + gp @ offset[p].float()
+                sq = sq + self._dense_sq(gb, *self._affine(affine, m.bias))
 
             def clipped(c, gw=gw, gb=gb):
                 out = {}
@@ -267,60 +295,71 @@ class GhostClipper:
                     out[m.bias] = (gb * c.view(-1, 1)).sum(0).to(m.bias.dtype)
                 return out
 
-            return sq, cross, clipped
+            return sq, clipped
         # embedding: per-example gradient rows are sums of g over equal token ids
         ids = torch.cat([x.reshape(x.shape[0], -1) for x, _ in layer.records], dim=1)
         g = torch.cat([_as_3d(gr.float() / scale) for _, gr in layer.records], dim=1)
         if m.padding_idx is not None:
             g = g * (ids != m.padding_idx).unsqueeze(-1)
         same = ids.unsqueeze(2) == ids.unsqueeze(1)
-        sq = (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
-        cross = None
-        if offset.get(m.weight) is not None:  # ⟨Σ_t g_t e_{id_t}ᵀ, O⟩ = Σ_t g_t·O[id_t]
-            cross = (g * offset[m.weight].float()[ids]).sum((1, 2))
+        o, sc = self._affine(affine, m.weight)
+        s2 = 1.0
+        if isinstance(sc, float):
+            s2, sc = sc * sc, None
+        gs = g if sc is None else g * sc[ids]  # row id_t of the per-example gradient, scaled
+        sq = (torch.bmm(gs, gs.transpose(1, 2)) * same).sum((1, 2))
+        if o is not None:  # 2⟨G_i, o ⊙ s²⟩ + ‖o ⊙ s‖² (o covers every row of the table)
+            os2 = o if sc is None else o * sc.pow(2)
+            sq = sq + 2 * (g * os2[ids]).sum((1, 2)) + (o if sc is None else o * sc).pow(2).sum()
+        sq = s2 * sq
 
         def clipped(c, ids=ids, g=g):
             w = torch.zeros(m.weight.shape, device=g.device, dtype=torch.float32)
             w.index_add_(0, ids.reshape(-1), (g * c.view(-1, 1, 1)).reshape(-1, g.shape[-1]))
             return {m.weight: w.to(m.weight.dtype)}
 
-        return sq, cross, clipped
+        return sq, clipped
 
     # ----- public -----------------------------------------------------------------------------------------
-    def _collect(self, loss_scale: float, offset: dict | None = None):
+    def _collect(self, loss_scale: float, affine: dict | None = None):
         self._budget = self.materialize_bytes
-        terms = [self._layer_terms(layer, loss_scale, offset) for layer in self.layers]
+        if affine:
+            owned = {id(p) for layer in self.layers for p in layer.params()}
+            if any(id(p) not in owned for p in affine):
+                raise ValueError("per-sample transform given for a parameter ghost clipping does not cover")
+        terms = [self._layer_terms(layer, loss_scale, affine) for layer in self.layers]
         sq = terms[0][0]
         for t in terms[1:]:
             sq = sq + t[0]
-        if offset:  # ‖g_i + o‖² = ‖g_i‖² + 2⟨g_i, o⟩ + ‖o‖²
-            owned = {id(p) for layer in self.layers for p in layer.params()}
-            if any(id(p) not in owned for p in offset):
-                raise ValueError("offset given for a parameter ghost clipping does not cover")
-            for _, cross, _ in terms:
-                if cross is not None:
-                    sq = sq + 2 * cross
-            sq = sq + sum(float(o.float().pow(2).sum()) for o in offset.values())
         return sq, terms
 
     @torch.no_grad()
-    def per_example_norms(self, loss_scale: float = 1.0, offset: dict | None = None) -> torch.Tensor:
-        """‖∇ℓ_i (+ o)‖ per example (clears nothing)."""
-        return self._collect(loss_scale, offset)[0].clamp_min(0).sqrt()
+    def per_example_norms(self, loss_scale: float = 1.0, affine: dict | None = None) -> torch.Tensor:
+        """‖v_i‖ per example, v_i = ∇ℓ_i or its per-parameter affine transform (see :meth:`clipped_sum`)."""
+        return self._collect(loss_scale, affine)[0].clamp_min(0).sqrt()
 
     @torch.no_grad()
-    def clipped_sum(self, max_grad_norm: float, loss_scale: float = 1.0, offset: dict | None = None) -> dict:
-        """{param: Σ_i min(1, C/(‖v_i‖+1e-6)) v_i} with v_i = ∇ℓ_i (+ ``offset``, a public vector added to
-        every example's gradient, e.g. DP-SGD-L2's λθ); clears the records."""
-        sq, terms = self._collect(loss_scale, offset)
+    def clipped_sum(self, max_grad_norm: float, loss_scale: float = 1.0, affine: dict | None = None) -> dict:
+        """{param: Σ_i min(1, C/(‖v_i‖+1e-6)) v_i}; clears the records.
+
+        v_i = ∇ℓ_i, or with ``affine={param: (o, s)}`` the per-sample vector of rules that transform
+        each example's gradient by a public per-coordinate map before clipping: v_i = (∇ℓ_i + o) ⊙ s
+        (o, s: tensors of the parameter's shape, s also a float, either ``None``) — DP-SGD-L2: o = λθ;
+        DP-MacAdam: o = −m̂_{t−1}, s = 1/b_{t−1}. Exact: the norms expand into terms of the same
+        records, and Σ_i c_i v_i = (Σ_i c_i ∇ℓ_i + (Σ_i c_i)·o) ⊙ s.
+        """
+        sq, terms = self._collect(loss_scale, affine)
         norms = sq.clamp_min(0).sqrt()
         c = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
         out: dict = {}
-        for _, _, fn in terms:
+        for _, fn in terms:
             out.update(fn(c))
-        if offset:
-            total = c.sum()
-            for p, o in offset.items():
-                out[p] = out[p] + (total * o.float()).to(out[p].dtype)
+        for p, (o, sc) in (affine or {}).items():
+            v = out[p].float()
+            if o is not None:
+                v = v + c.sum() * o.float()
+            if sc is not None:
+                v = v * (sc if isinstance(sc, float) else sc.float())
+            out[p] = v.to(out[p].dtype)
         self.clear()
         return out

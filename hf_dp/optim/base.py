@@ -134,15 +134,14 @@ class DPUpdateRule(torch.optim.Optimizer):
 
     @classmethod
     def ghost_compatible(cls) -> bool:
-        """True if ghost clipping can compute this rule's clipped sum: no per-sample transform, or
-        one that only adds the same vector to every example's gradient (:meth:`per_sample_offset`)."""
-        if not cls.has_per_sample_transform():
-            return True
-        return cls.per_sample_offset is not DPUpdateRule.per_sample_offset and cls.clip_norm is DPUpdateRule.clip_norm
+        """True if ghost clipping can compute this rule's clipped sum: no per-sample transform, or a
+        public per-coordinate affine one described by :meth:`per_sample_affine`."""
+        return not cls.has_per_sample_transform() or cls.per_sample_affine is not DPUpdateRule.per_sample_affine
 
-    def per_sample_offset(self, params: Sequence[Tensor]) -> dict | None:
-        """For a rule whose ``to_clip_space`` is g_i ↦ g_i + o (the same public o for every example):
-        ``{param: o_param}`` (parameters without an offset omitted); ``None`` otherwise."""
+    def per_sample_affine(self, params: Sequence[Tensor]) -> dict | None:
+        """For a rule whose ``to_clip_space`` is g_i ↦ (g_i + o) ⊙ s with o, s computed from public
+        state only (the same for every example): ``{param: (o, s)}`` (``None`` for an identity part;
+        parameters with neither omitted). ``None`` for rules without a per-sample transform."""
         return None
 
     def to_clip_space(self, params: Sequence[Tensor], grad_samples: list[Tensor]) -> list[Tensor]:

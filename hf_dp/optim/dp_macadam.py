@@ -94,6 +94,18 @@ class DPMacAdam(_AdamFamily):
                 return g
         raise KeyError("parameter not in optimizer")
 
+    def per_sample_affine(self, params):
+        """w_i = (g_i − m̂_{t−1}) / b_{t−1} as (o, s) = (−m̂_{t−1}, 1/b_{t−1}) for ghost clipping (the same
+        map as :meth:`to_clip_space`; before the first step o = None, s = 1/b_0)."""
+        out = {}
+        for p in params:
+            m_hat, bound = self._center_and_bound(p)
+            if bound is None:
+                out[p] = (None, 1.0 / self.initial_bound)
+            else:
+                out[p] = (None if m_hat is None else -m_hat, bound.reciprocal())
+        return out
+
     def to_clip_space(self, params, grad_samples):
         out = []
         for p, gs in zip(params, grad_samples):

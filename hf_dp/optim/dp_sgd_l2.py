@@ -29,11 +29,11 @@ class DPSGDL2(DPSGD):
     def chain(self, group):
         return (HeavyBall(),)
 
-    def per_sample_offset(self, params):
-        """o = λθ_{t−1} (per parameter group's λ): ghost clipping adds it inside the per-example norm
-        (‖g_i + o‖² = ‖g_i‖² + 2⟨g_i, o⟩ + ‖o‖²) and to the clipped sum ((Σ_i c_i)·o)."""
+    def per_sample_affine(self, params):
+        """(o, s) = (λθ_{t−1}, None): ghost clipping adds o inside each per-example norm and (Σ_i c_i)·o
+        to the clipped sum."""
         wd = {id(p): float(g.get("weight_decay", 0.0)) for g in self.param_groups for p in g["params"]}
-        return {p: p.detach() * wd[id(p)] for p in params if wd.get(id(p), 0.0) != 0.0}
+        return {p: (p.detach() * wd[id(p)], None) for p in params if wd.get(id(p), 0.0) != 0.0}
 
     def to_clip_space(self, params, grad_samples):
         wd = {id(p): float(g.get("weight_decay", 0.0)) for g in self.param_groups for p in g["params"]}

@@ -150,8 +150,8 @@ class PrivateOptimizer(DPOptimizer):
     @torch.no_grad()
     def add_clipped_sum(self, clipped: dict) -> None:
         """Add an already clipped per-example sum {param: Σ_i c_i v_i} (from ghost clipping) to the
-        logical batch, v_i = ∇ℓ_i (+ the rule's :meth:`per_sample_offset`, which the caller must have
-        passed to ghost clipping). Only for ghost-compatible rules (clip space = gradient space + offset)."""
+        logical batch, v_i = ∇ℓ_i or the rule's per-sample affine map of it (:meth:`per_sample_affine`, which
+        the caller must have passed to ghost clipping): the sum is in clip space, as :meth:`accumulate`'s."""
         if not self.rule.ghost_compatible():
             raise ValueError(
                 f"{type(self.rule).__name__} transforms per-example gradients before clipping; "
