@@ -33,14 +33,18 @@ SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
 # lr grids (B=256, C=0.1). Sources: seed 004 (QNLI, B=256, C=0.1, σ=0.4: DP-SGD lr ~40 on the mean of
 # clipped gradients, DP-Adam 1e-2, DP-AdamBC 3e-3); seed 000 (DP-AdamW grids around 1e-3); MacAdam: Adam's.
 # The first entry of each grid is the value we expect to be best (from the papers); --first_only runs just it.
+# Then one lr 10x below and one ~3x above (the first pass showed the paper values can be too small at this
+# scale), and for DP-AdamW a second weight decay. γ' = 3e-9 (AdamBC, seed 004) and γ = 1e-8 (AdamW-BC, seed 000).
 GRID = {
-    "dp_sgd": [{"learning_rate": 40.0}, {"learning_rate": 10.0}],
-    "dp_sgd_l2": [{"learning_rate": 40.0, "weight_decay": 1e-4}, {"learning_rate": 10.0, "weight_decay": 1e-4}],
-    "dp_adam": [{"learning_rate": 1e-2}, {"learning_rate": 1e-3}],
-    "dp_adambc": [{"learning_rate": 3e-3, "bc_gamma": 3e-9}, {"learning_rate": 3e-4, "bc_gamma": 3e-9}],
-    "dp_adamw": [{"learning_rate": 1e-3, "weight_decay": 1e-2}, {"learning_rate": 1e-2, "weight_decay": 1e-2}],
-    "dp_adamw_bc": [{"learning_rate": 3e-4, "weight_decay": 1e-2, "bc_gamma": 1e-8}, {"learning_rate": 3e-3, "weight_decay": 1e-2, "bc_gamma": 1e-8}],
-    "dp_macadam": [{"learning_rate": 1e-3}, {"learning_rate": 1e-2}],
+    "dp_sgd": [{"learning_rate": 40.0}, {"learning_rate": 10.0}, {"learning_rate": 100.0}],
+    "dp_sgd_l2": [{"learning_rate": 40.0, "weight_decay": 1e-4}, {"learning_rate": 10.0, "weight_decay": 1e-4}, {"learning_rate": 100.0, "weight_decay": 1e-4}],
+    "dp_adam": [{"learning_rate": 1e-2}, {"learning_rate": 1e-3}, {"learning_rate": 3e-2}],
+    "dp_adambc": [{"learning_rate": 3e-3, "bc_gamma": 3e-9}, {"learning_rate": 3e-4, "bc_gamma": 3e-9}, {"learning_rate": 1e-2, "bc_gamma": 3e-9}],
+    "dp_adamw": [{"learning_rate": 1e-3, "weight_decay": 1e-2}, {"learning_rate": 1e-2, "weight_decay": 1e-2}, {"learning_rate": 3e-2, "weight_decay": 1e-2},
+                 {"learning_rate": 1e-2, "weight_decay": 1e-4}],
+    "dp_adamw_bc": [{"learning_rate": 3e-4, "weight_decay": 1e-2, "bc_gamma": 1e-8}, {"learning_rate": 3e-3, "weight_decay": 1e-2, "bc_gamma": 1e-8},
+                    {"learning_rate": 1e-2, "weight_decay": 1e-2, "bc_gamma": 1e-8}, {"learning_rate": 3e-2, "weight_decay": 1e-2, "bc_gamma": 1e-8}],
+    "dp_macadam": [{"learning_rate": 1e-3}, {"learning_rate": 1e-2}, {"learning_rate": 3e-2}],
     "nonprivate_adamw": [{"learning_rate": 1e-3, "weight_decay": 1e-2}],
 }
 
