@@ -11,7 +11,9 @@ Stages (results are appended to ``--out`` as JSON lines as they come; a rerun sk
 2. the best lr per optimizer by tune-split accuracy; the best two optimizers get seeds 1, 2 at ε = 3
    and seed 0 at ε ∈ {1, 7}.
 
-``--report`` turns the JSON lines into the markdown tables and the PNG plot.
+``--grid_from OTHER.jsonl`` replaces the grids by each optimizer's best hyper-parameters on another task
+(SST-2 uses QNLI's, to fit the time budget). ``--report`` turns the JSON lines into the markdown tables and
+the PNG plot.
 
     nohup python benchmarks/qnli_optimizers.py --task qnli --out benchmarks/results/qnli_optimizers.jsonl &
     python benchmarks/qnli_optimizers.py --report --out benchmarks/results/qnli_optimizers.jsonl
@@ -163,8 +165,14 @@ def main_run(a) -> None:
         print(json.dumps({k: rec.get(k) for k in ("optim", "hyper", "epsilon_target", "seed", "tune_accuracy", "dev_accuracy", "epsilon", "train_seconds")}), flush=True)
 
     optims = a.optims.split(",")
+    grid = GRID
+    if a.grid_from:  # transfer: each optimizer's best hyper-parameters on another task's tune split
+        src = [r for r in _load(a.grid_from) if r["epsilon_target"] in (3.0, None) and r["seed"] == 0]
+        best_src = _best_per_optim(src)
+        grid = {o: [best_src[o]["hyper"]] for o in optims if o in best_src}
+        print("grid transferred from", a.grid_from, json.dumps(grid), flush=True)
     for optim in optims:  # stage 1
-        for hyper in GRID[optim][: 1 if a.first_only else None]:
+        for hyper in grid.get(optim, [])[: 1 if a.first_only else None]:
             go(optim, hyper, 3.0, 0)
     if a.stage1_only:
         return
@@ -257,6 +265,7 @@ def main():
     ap.add_argument("--max_train", type=int, default=None)
     ap.add_argument("--stage1_only", action="store_true")
     ap.add_argument("--first_only", action="store_true", help="stage 1 with only the first (expected best) grid value")
+    ap.add_argument("--grid_from", default=None, help="JSON lines of another task: use each optimizer's best hyper-parameters there (by tune accuracy) as its one-entry grid")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--png", default=str(REPO / "benchmarks" / "qnli_optimizers.png"))
     a = ap.parse_args()
