@@ -240,12 +240,14 @@ def _plot(rs, clamp, png):
                 pts.setdefault(r["epsilon_target"], []).append(r["dev_accuracy"])
         xs = sorted(pts)
         axes[0].errorbar(xs, [statistics.mean(pts[x]) for x in xs], yerr=[statistics.stdev(pts[x]) if len(pts[x]) > 1 else 0 for x in xs], marker="o", label=optim, capsize=3)
-    axes[0].set_xlabel("ε (δ = 1e-5)")
+    axes[0].set_xlabel("ε (δ = 1e-5); best lr per optimizer on the tune split at ε = 3")
     axes[0].set_ylabel("GLUE dev accuracy")
     axes[0].legend(fontsize=7)
     for r in clamp:
-        axes[1].plot(r["bc_clamp_rate"], label=f"{r['optim']} lr={r['hyper'].get('learning_rate')} ε={r['epsilon_target']}")
-    axes[1].set_xlabel("logged step (every 10 steps)")
+        cr = r["bc_clamp_rate"]
+        axes[1].plot([10 * (i + 1) for i in range(len(cr))], cr, marker=".",
+                     label=f"{r['optim']} lr={r['hyper'].get('learning_rate')} ε={r['epsilon_target']} seed {r['seed']}")
+    axes[1].set_xlabel("training step (logged every 10 steps)")
     axes[1].set_ylabel("fraction of coordinates with v̂ − Φ < γ")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
