@@ -186,3 +186,33 @@ def test_ghost_refused_for_rules_that_transform_per_example_gradients():
     for p, (o, sc) in aff.items():
         torch.testing.assert_close(o, 0.1 * p.detach())
         assert sc is None
+
+
+@pytest.mark.parametrize("materialize_bytes", [256 * 2**20, 0], ids=["materialize", "ghost_norms"])
+def test_one_example_contribution_never_exceeds_C_even_with_large_offsets(materialize_bytes):
+    """The sensitivity bound itself: with one example per batch, ‖clipped sum‖ ≤ C (to float32
+    rounding), also when the per-sample affine map's offset dwarfs the result (cancellation in the
+    expanded norm) and the example sits right at the clipping threshold."""
+    config = _config("bert")
+    model, _ = apply_trainable(_model("bert"), "last_block")
+    model.train()
+    ids, mask, labels = _batch(config, batch_size=6, seq_len=7)
+    named = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(3)
+    per = _per_example_grads(copy.deepcopy(model), ids, mask, labels)
+    gc = GhostClipper(model, materialize_bytes=materialize_bytes)
+    try:
+        for i in range(ids.shape[0]):
+            for big in (1.0, 30.0):
+                # o = -(g_i) + a small residual: v_i = (g_i + o) ⊙ s is small while o ⊙ s is large
+                aff = {named[n]: (-(g[i]) * (1 + 0.01 * big) + 1e-3 * torch.randn(g.shape[1:], generator=gen),
+                                  big * (0.5 + torch.rand(g.shape[1:], generator=gen))) for n, g in per.items()}
+                logits = model(input_ids=ids[i : i + 1], attention_mask=mask[i : i + 1]).logits
+                gc.clear()
+                F.cross_entropy(logits, labels[i : i + 1], reduction="sum").backward()
+                norm = float(gc.per_example_norms(affine=aff)[0])
+                out = gc.clipped_sum(norm * 0.999, affine=aff)  # C just below the norm: clipped to C
+                total = torch.sqrt(sum(v.double().pow(2).sum() for v in out.values()))
+                assert float(total) <= norm * 0.999 * (1 + 1e-6), (i, big, float(total), norm)
+    finally:
+        gc.detach()
