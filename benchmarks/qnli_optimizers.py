@@ -213,10 +213,16 @@ def report(out: str, png: str | None) -> None:
             print(f"| {optim} | {hyper} | {eps if eps is not None else '∞'} | {spent} | {sigma} | {len(g)} | {statistics.mean(tune) * 100:.1f} | {statistics.mean(dev) * 100:.1f}{sd} | {statistics.mean(x['train_seconds'] for x in g):.0f} |")
         clamp = [r for r in rs if r.get("bc_clamp_rate")]
         for r in clamp:
-            cr = r["bc_clamp_rate"]
-            print(f"\nBC clamp rate ({r['optim']}, {r['hyper']}, ε={r['epsilon_target']}, seed {r['seed']}): first {cr[0]:.3f}, median {statistics.median(cr):.3f}, last {cr[-1]:.3f} over {len(cr)} logged steps")
+            cr = _train_clamp(r)
+            print(f"\nBC clamp rate ({r['optim']}, {r['hyper']}, ε={r['epsilon_target']}, seed {r['seed']}): first {cr[0]:.3f}, median {statistics.median(cr):.3f}, last {cr[-1]:.3f} at steps 10..{10 * len(cr)}")
         if png:
             _plot(rs, clamp, png.replace(".png", f"_{task}.png"))
+
+
+def _train_clamp(r: dict) -> list:
+    """The clamp rates of the training logs (every 10 steps); later entries repeat the last value in the
+    end-of-training and evaluation logs."""
+    return r["bc_clamp_rate"][: max(1, r["steps"] // 10)]
 
 
 def _plot(rs, clamp, png):
@@ -244,7 +250,7 @@ def _plot(rs, clamp, png):
     axes[0].set_ylabel("GLUE dev accuracy")
     axes[0].legend(fontsize=7)
     for r in clamp:
-        cr = r["bc_clamp_rate"]
+        cr = _train_clamp(r)
         axes[1].plot([10 * (i + 1) for i in range(len(cr))], cr, marker=".",
                      label=f"{r['optim']} lr={r['hyper'].get('learning_rate')} ε={r['epsilon_target']} seed {r['seed']}")
     axes[1].set_xlabel("training step (logged every 10 steps)")
