@@ -9,15 +9,15 @@ backward pass captures, for every trainable layer, its input activations ``a`` a
 * per-example squared norms come from ``a`` and ``g`` directly ("ghost norms"): for a linear layer
   ‖Σ_t g_tᵀa_t‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s), computed as ⟨a aᵀ, g gᵀ⟩ when the sequence is short
   (T < d_in·d_out/(d_in+d_out)) and by materialising per-example gradients in chunks otherwise;
-* with the clip factors c_i = min(1, C/(‖∇ℓ_i‖ + 1e-6)) (Opacus' formula), the clipped sum of a linear
+* with the clip factors c_i = min(1, C/(‖∇ℓ_i‖·(1 + 1e-5) + 1e-6)) (Opacus' formula with a relative safety
+  margin for the float error of ghost norms, see :meth:`GhostClipper.clipped_sum`), the clipped sum of a linear
   weight is one matmul (c·g)ᵀa — the same cost as an ordinary weight gradient, which the custom
   autograd function below does *not* compute during backward (it only propagates input gradients);
-* except that for layers applied to a sequence (T > 1), while the per-example gradients fit in
-  ``materialize_bytes`` (default 64 MiB per micro-batch, in total), they are materialised with one
-  batched matmul — the same FLOPs as the ordinary weight gradient — and give both the norms and the
-  clipped sum (Σ_i c_i G_i, a matrix-vector product): cheaper than ghost norms plus the (c·g)ᵀa matmul
-  (B·T²·(d_in+d_out) fewer multiply-adds), at the price of B·d_in·d_out floats held until the clip
-  factors are known. ``materialize_bytes=0`` gives pure ghost norms (least memory).
+* optionally (``materialize_bytes`` > 0, default 0), for layers applied to a sequence (T > 1), while the
+  per-example gradients fit in that many bytes (in total per micro-batch), they are materialised with one
+  batched matmul and give both the norms and the clipped sum (Σ_i c_i G_i, a matrix-vector product). That saves
+  the B·T²·(d_in+d_out) multiply-adds of the ghost norms in theory, but on CPU the batched matmul was slower than
+  ghost norms + one large matmul and needs B·d_in·d_out more floats (benchmarks/RESULTS.md §1), so it is off.
 
 So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
 Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients).
@@ -137,10 +137,11 @@ class GhostClipper:
             raise ValueError("some trainable parameters are not covered by ghost clipping")
         return layers
 
-    def __init__(self, model: nn.Module, materialize_bytes: int = 64 * 2**20):
+    def __init__(self, model: nn.Module, materialize_bytes: int = 0):
         self.model = model
         self.materialize_bytes = int(materialize_bytes)
         self._budget = 0
+        self._grams: dict = {}
         self.batch_size: int | None = None
         self._handles: list = []
         self._patched: list[tuple[nn.Module, object]] = []
@@ -207,6 +208,14 @@ class GhostClipper:
             sc = sc.float().t() if transpose else sc.float()
         return o, sc
 
+    def _gram(self, a: torch.Tensor) -> torch.Tensor:
+        """a aᵀ per example, computed once per input tensor (query/key/value share their input)."""
+        key = (a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
+        gram = self._grams.get(key)
+        if gram is None:
+            gram = self._grams[key] = torch.bmm(a, a.transpose(1, 2))
+        return gram
+
     @staticmethod
     def _dense_sq(x: torch.Tensor, o, sc) -> torch.Tensor:
         """‖(x_i + o) ⊙ s‖² per row of x [B, n] (o, s flattened to n)."""
@@ -252,7 +261,7 @@ class GhostClipper:
                     wsq = torch.cat([self._dense_sq(torch.bmm(g[i : i + chunk].transpose(1, 2), a[i : i + chunk]).flatten(1), o, sc) for i in range(0, B, chunk)])
                 else:
                     if T * T * (d_in + d_out) <= T * d_in * d_out:
-                        wsq = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+                        wsq = (self._gram(a) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
                     else:
                         chunk = max(1, int(2**26 // (d_in * d_out)))
                         parts = [torch.einsum("bto,bti->boi", g[i : i + chunk], a[i : i + chunk]).flatten(1).pow(2).sum(1) for i in range(0, B, chunk)]
@@ -331,7 +340,11 @@ class GhostClipper:
             owned = {id(p) for layer in self.layers for p in layer.params()}
             if any(id(p) not in owned for p in affine):
                 raise ValueError("per-sample transform given for a parameter ghost clipping does not cover")
-        terms = [self._layer_terms(layer, loss_scale, affine) for layer in self.layers]
+        self._grams: dict = {}
+        try:
+            terms = [self._layer_terms(layer, loss_scale, affine) for layer in self.layers]
+        finally:
+            self._grams = {}
         sq = terms[0][0]
         for t in terms[1:]:
             sq = sq + t[0]
