@@ -137,6 +137,22 @@ def _logits(output) -> torch.Tensor:
     return logits
 
 
+def _eval_logits(model: nn.Module, **inputs) -> torch.Tensor:
+    """The model's logits in eval mode without gradients; the train/eval mode is restored."""
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            return _logits(model(**inputs)).detach().clone()
+    finally:
+        model.train(was_training)
+
+
+def _logits_match(got: torch.Tensor, reference: torch.Tensor) -> bool:
+    scale = max(1.0, float(reference.abs().max()))
+    return got.shape == reference.shape and torch.allclose(got, reference, rtol=1e-4, atol=1e-4 * scale)
+
+
 def _hidden_arg(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, Any]:
     """The hidden states a block is called with: ``(tensor, 0)`` if positional, ``(tensor, key)`` if keyword."""
     if args and torch.is_tensor(args[0]):
@@ -526,15 +542,11 @@ def _discover(model: nn.Module, first_token_only: bool | None = None) -> tuple[_
     handles += [m.register_forward_hook(post) for _, m in children]
     handles.append(blocks[0].register_forward_hook(post))
     handles.append(blocks[-1].register_forward_pre_hook(capture_last, with_kwargs=True))
-    was_training = model.training
     try:
-        model.eval()
-        with torch.no_grad():
-            reference = _logits(model(input_ids=input_ids, attention_mask=mask)).detach().clone()
+        reference = _eval_logits(model, input_ids=input_ids, attention_mask=mask)
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
 
     for i, block in enumerate(blocks):
         c = counts.get(id(block), 0)
@@ -655,14 +667,10 @@ def _first_token_supported(model: nn.Module, last: nn.Module, input_ids, mask, r
         return bumped if torch.is_tensor(out) else (bumped,) + tuple(out[1:])
 
     handle = last.register_forward_hook(perturb)
-    was_training = model.training
     try:
-        model.eval()
-        with torch.no_grad():
-            probed = _logits(model(input_ids=input_ids, attention_mask=mask))
+        probed = _eval_logits(model, input_ids=input_ids, attention_mask=mask)
     finally:
         handle.remove()
-        model.train(was_training)
     return probed.shape == reference.shape and bool(torch.equal(probed, reference))
 
 
@@ -830,16 +838,9 @@ _ACTIVE: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionar
 
 
 def _self_check(model: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, reference: torch.Tensor) -> None:
-    was_training = model.training
-    try:
-        model.eval()
-        with torch.no_grad():
-            states = hidden * mask[..., None].to(hidden.dtype)  # the cache stores no pad positions
-            got = _logits(model(**{CACHED_HIDDEN_KEY: states, "attention_mask": mask}))
-    finally:
-        model.train(was_training)
-    scale = max(1.0, float(reference.abs().max()))
-    if got.shape != reference.shape or not torch.allclose(got, reference, rtol=1e-4, atol=1e-4 * scale):
+    states = hidden * mask[..., None].to(hidden.dtype)  # the cache stores no pad positions
+    got = _eval_logits(model, **{CACHED_HIDDEN_KEY: states, "attention_mask": mask})
+    if not _logits_match(got, reference):
         diff = float((got - reference).abs().max()) if got.shape == reference.shape else float("nan")
         raise PrefixCacheError(
             f"{_arch(model)}: the cached-prefix forward does not reproduce the model's logits on a dummy batch "
@@ -997,14 +998,10 @@ def _install_first_token(model: nn.Module, last: nn.Module) -> "_FirstTokenPatch
         return None
     outs: list = []
     handle = last.register_forward_hook(lambda _m, _a, out: outs.append(out))
-    was_training = model.training
     try:
-        model.eval()
-        with torch.no_grad():
-            reference = _logits(model(input_ids=input_ids, attention_mask=mask)).detach().clone()
+        reference = _eval_logits(model, input_ids=input_ids, attention_mask=mask)
     finally:
         handle.remove()
-        model.train(was_training)
     if len(outs) != 1 or not _first_token_supported(model, last, input_ids, mask, reference):
         return None
     out = outs[0]
@@ -1013,14 +1010,7 @@ def _install_first_token(model: nn.Module, last: nn.Module) -> "_FirstTokenPatch
         return None
     patch = _FirstTokenPatch(model, last, kind)
     patch.install()
-    try:
-        model.eval()
-        with torch.no_grad():
-            got = _logits(model(input_ids=input_ids, attention_mask=mask))
-    finally:
-        model.train(was_training)
-    scale = max(1.0, float(reference.abs().max()))
-    if got.shape != reference.shape or not torch.allclose(got, reference, rtol=1e-4, atol=1e-4 * scale):
+    if not _logits_match(_eval_logits(model, input_ids=input_ids, attention_mask=mask), reference):
         patch.remove()
         import warnings
 
