@@ -216,3 +216,94 @@ def test_one_example_contribution_never_exceeds_C_even_with_large_offsets(materi
                 assert float(total) <= norm * 0.999 * (1 + 1e-6), (i, big, float(total), norm)
     finally:
         gc.detach()
+
+
+def _spy_single_query(monkeypatch):
+    """Record what the single-query factorisation returned (None = rejected, generic path used)."""
+    seen = []
+    orig = GhostClipper._single_query
+
+    def spy(a, g, head_size):
+        out = orig(a, g, head_size)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(GhostClipper, "_single_query", staticmethod(spy))
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "electra"])  # the first-token block's architectures in ARCHS
+def test_single_query_fast_path_of_the_first_token_block_is_exact(arch, monkeypatch):
+    """With the first-token-only last block, the key/value projections take the factorised path (their
+    output gradients are rank one per head) and norms and clipped sums still equal the per-example loop."""
+    from hf_dp.models.prefix_cache import first_token_forward
+
+    config = _config(arch)
+    model, _ = apply_trainable(_model(arch), "last_block")
+    model.train()
+    ids, mask, labels = _batch(config, batch_size=5, seq_len=7)  # rows 1 and 3 padded
+    ref_model = copy.deepcopy(model)
+    _, norms_ref = _reference_clipped(ref_model, ids, mask, labels, 1e9)
+    clip = float(norms_ref.median())
+    ref, _ = _reference_clipped(ref_model, ids, mask, labels, clip)
+    seen = _spy_single_query(monkeypatch)
+    with first_token_forward(model) as active:
+        assert active
+        got, norms = _ghost(model, ids, mask, labels, clip, loss_scale=0.25, materialize_bytes=0)
+    assert len(seen) == 4 and all(s is not None for s in seen)  # key and value, for the norms and the sums
+    torch.testing.assert_close(norms, norms_ref, rtol=1e-4, atol=1e-6)
+    scale = max(r.abs().max().item() for r in ref.values())
+    for name, r in ref.items():
+        torch.testing.assert_close(got[name], r, atol=max(1e-4 * r.abs().max().item(), 1e-7 * scale), rtol=1e-4, msg=name)
+
+
+def test_single_query_fast_path_holds_with_attention_dropout(monkeypatch):
+    """Attention dropout scales each key/value position by a per-head scalar: still rank one, still taken."""
+    from hf_dp.models.prefix_cache import first_token_forward
+    from tests.test_models import _model as make
+
+    config = _config("bert")
+    model, _ = apply_trainable(make("bert"), "last_block")
+    model.bert.encoder.layer[-1].attention.self.dropout.p = 0.5
+    model.train()
+    ids, mask, labels = _batch(config, batch_size=5, seq_len=7)
+    seen = _spy_single_query(monkeypatch)
+    with first_token_forward(model) as active:
+        assert active
+        _ghost(model, ids, mask, labels, 1.0, loss_scale=1.0, materialize_bytes=0)
+    assert seen and all(s is not None for s in seen)
+
+
+def test_single_query_hint_is_checked_not_trusted(monkeypatch):
+    """A layer wrongly declared single-query (its output gradient is not rank one per head) falls back
+    to the generic ghost norms: norms and clipped sums stay exact."""
+    from hf_dp.models.ghost_clipping import single_query_heads
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 6)
+    model = torch.nn.Sequential(lin)
+    x = torch.randn(5, 7, 4)
+    target = torch.randn(5, 7, 6)
+    per = []
+    for i in range(5):
+        lin.zero_grad()
+        (lin(x[i : i + 1]) - target[i : i + 1]).pow(2).sum().backward()
+        per.append(torch.cat([lin.weight.grad.reshape(-1), lin.bias.grad]))
+    per = torch.stack(per)
+    norms_ref = per.norm(dim=1)
+    clip = float(norms_ref.median())
+    c = (clip / (norms_ref + 1e-6)).clamp(max=1.0)
+    ref = (per * c[:, None]).sum(0)
+    seen = _spy_single_query(monkeypatch)
+    gc = GhostClipper(model)
+    try:
+        with single_query_heads(3):
+            out = model(x)
+        (out - target).pow(2).sum().backward()
+        norms = gc.per_example_norms()
+        got = gc.clipped_sum(clip)
+    finally:
+        gc.detach()
+    assert seen and all(s is None for s in seen)  # rejected
+    torch.testing.assert_close(norms, norms_ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.cat([got[lin.weight].reshape(-1), got[lin.bias]]), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))

@@ -19,6 +19,16 @@ backward pass captures, for every trainable layer, its input activations ``a`` a
   the B·T²·(d_in+d_out) multiply-adds of the ghost norms in theory, but on CPU the batched matmul was slower than
   ghost norms + one large matmul and needs B·d_in·d_out more floats (benchmarks/RESULTS.md §1), so it is off.
 
+* single-query attention (the first-token-only last block, :mod:`hf_dp.models.prefix_cache`): the key and
+  value projections see T positions but feed one query, so per example and head h their output gradient is
+  rank one across positions, g_{t,h} = v_{t,h} q̂_hᵀ (q̂_h a unit vector: the query for keys, the head's output
+  gradient for values). Then G_h = q̂_h (Σ_t v_{t,h} a_t)ᵀ = q̂_h w_hᵀ, ‖G‖² = Σ_h ‖w_h‖², and the clipped sum is
+  Σ_i c_i Σ_h q̂_{i,h} w_{i,h}ᵀ: B·H·T·d_in multiply-adds instead of the Gram products (B·T²·(d_in+d_out)) and
+  the weight-gradient matmul (B·T·d_in·d_out). Code that calls these projections says so with
+  :func:`single_query_heads`; the factorisation is checked (relative residual ≤ 1e-4 per example, else the
+  generic path runs), and the contribution that is clipped and summed is exactly the factorised Ĝ_i whose norm
+  is used, so a residual could only perturb the gradient, never the bound c_i‖Ĝ_i‖ ≤ C.
+
 So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
 Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients).
 
@@ -37,6 +47,9 @@ cannot apply — any other trainable layer type, parameters shared between modul
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,15 +65,34 @@ except Exception:  # pragma: no cover
 #: relative safety margin on ghost norms before computing clip factors (see GhostClipper.clipped_sum)
 NORM_MARGIN = 1e-5
 
+#: largest relative residual ‖g − v q̂ᵀ‖/‖g‖ (per example) accepted for the single-query factorisation
+SINGLE_QUERY_TOL = 1e-4
+
+_hints = threading.local()
+
+
+@contextmanager
+def single_query_heads(head_size: int):
+    """Linear layers called inside this block feed single-query attention with heads of ``head_size``
+    outputs (their output gradient is rank one across positions per example and head); ghost clipping
+    then uses the factorised norms and sums (see the module docstring). Only a hint: it is checked."""
+    old = getattr(_hints, "head_size", None)
+    _hints.head_size = int(head_size)
+    try:
+        yield
+    finally:
+        _hints.head_size = old
+
 
 class _GhostLinear(torch.autograd.Function):
     """y = x Wᵀ + b (or x W + b for Conv1D); backward returns only dL/dx and records (x, dL/dy)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, record, transposed):
+    def forward(ctx, x, weight, bias, record, transposed, head_size=None):
         ctx.save_for_backward(x, weight)
         ctx.record = record
         ctx.transposed = transposed
+        ctx.head_size = head_size
         if transposed:
             out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight) if bias is not None else x.reshape(-1, x.shape[-1]) @ weight
             return out.view(*x.shape[:-1], weight.shape[-1])
@@ -69,11 +101,11 @@ class _GhostLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        ctx.record.append((x, grad_out))
+        ctx.record.append((x, grad_out, ctx.head_size))
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_out @ weight.t() if ctx.transposed else grad_out @ weight
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -159,7 +191,7 @@ class GhostClipper:
             def forward(x, _m=m, _rec=layer.records, _tr=transposed):
                 if not (_m.training and torch.is_grad_enabled()):
                     return type(_m).forward(_m, x)
-                return _GhostLinear.apply(x, _m.weight, _m.bias, _rec, _tr)
+                return _GhostLinear.apply(x, _m.weight, _m.bias, _rec, _tr, getattr(_hints, "head_size", None))
 
             self._patched.append((m, m.__dict__.get("forward")))
             m.forward = forward
@@ -192,8 +224,8 @@ class GhostClipper:
     # ----- per-layer pieces ------------------------------------------------------------------------------
     @staticmethod
     def _cat(records, scale):
-        xs = [_as_3d(x) if x.dim() > 1 else x.unsqueeze(-1) for x, _ in records]
-        gs = [_as_3d(g.float() / scale) for _, g in records]
+        xs = [_as_3d(r[0]) if r[0].dim() > 1 else r[0].unsqueeze(-1) for r in records]
+        gs = [_as_3d(r[1].float() / scale) for r in records]
         if len(records) == 1:
             return xs[0], gs[0]
         return torch.cat(xs, dim=1), torch.cat(gs, dim=1)
@@ -217,6 +249,23 @@ class GhostClipper:
         return gram
 
     @staticmethod
+    def _single_query(a: torch.Tensor, g: torch.Tensor, head_size: int):
+        """(q̂ [B, H, hs], w [B, H, d_in]) with g_{t,h} = v_{t,h} q̂_hᵀ and w_h = Σ_t v_{t,h} a_t, or None
+        if g is not rank one across positions per example and head (relative residual > SINGLE_QUERY_TOL)."""
+        B, T, d_out = g.shape
+        if d_out % head_size:
+            return None
+        gh = g.view(B, T, d_out // head_size, head_size)
+        row_sq = torch.linalg.vecdot(gh, gh)  # [B, T, H]
+        ref = torch.gather(gh, 1, row_sq.argmax(1)[:, None, :, None].expand(B, 1, gh.shape[2], head_size)).squeeze(1)
+        qhat = ref / ref.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(ref.dtype).tiny)  # an all-zero head: q̂ = 0
+        v = torch.linalg.vecdot(gh, qhat.unsqueeze(1).expand_as(gh))  # [B, T, H]
+        resid = torch.addcmul(gh, v.unsqueeze(-1), qhat.unsqueeze(1), value=-1.0).reshape(B, -1)
+        if bool((torch.linalg.vecdot(resid, resid) > SINGLE_QUERY_TOL**2 * row_sq.sum((1, 2))).any()):
+            return None
+        return qhat, torch.bmm(v.transpose(1, 2).contiguous(), a)
+
+    @staticmethod
     def _dense_sq(x: torch.Tensor, o, sc) -> torch.Tensor:
         """‖(x_i + o) ⊙ s‖² per row of x [B, n] (o, s flattened to n)."""
         if o is not None:
@@ -238,14 +287,19 @@ class GhostClipper:
             B, T, d_in = a.shape
             d_out = g.shape[-1]
             sq = torch.zeros(B, device=g.device)
-            per_example = None
+            per_example = factored = None
             if m.weight.requires_grad:
                 o, sc = self._affine(affine, m.weight, transpose=layer.kind == "conv1d")  # as [d_out, d_in]
                 s2 = 1.0
                 if isinstance(sc, float):  # a scalar scale: ‖(G + o)s‖² = s²‖G + o‖²
                     s2, sc = sc * sc, None
                 wsq = None
-                if T > 1 and 4 * B * d_in * d_out <= self._budget:
+                head_size = layer.records[0][2] if len(layer.records) == 1 else None
+                if head_size and T > 1 and o is None and sc is None:  # single-query attention (checked)
+                    factored = self._single_query(a, g, head_size)
+                if factored is not None:
+                    wsq = factored[1].pow(2).sum((1, 2))  # ‖G_i‖² = Σ_h ‖w_{i,h}‖² (q̂ unit)
+                elif T > 1 and 4 * B * d_in * d_out <= self._budget:
                     # materialise: one batched matmul (the cost of the ordinary weight gradient) gives both
                     # the norms and, later, the clipped sum as a cheap weighted sum over examples
                     self._budget -= 4 * B * d_in * d_out
@@ -274,9 +328,13 @@ class GhostClipper:
                 gsum = g.sum(1)
                 sq = sq + self._dense_sq(gsum, *self._affine(affine, m.bias))
 
-            def clipped(c, a=a, g=g, gsum=gsum, per_example=per_example):
+            def clipped(c, a=a, g=g, gsum=gsum, per_example=per_example, factored=factored):
                 out = {}
-                if per_example is not None:
+                if factored is not None:  # Σ_i c_i Σ_h q̂_{i,h} w_{i,h}ᵀ, heads stacked along d_out
+                    qhat, w = factored
+                    w = torch.einsum("bhd,bhi->hdi", qhat * c.view(-1, 1, 1), w).reshape(d_out, d_in)
+                    out[m.weight] = (w.t() if layer.kind == "conv1d" else w).to(m.weight.dtype)
+                elif per_example is not None:
                     w = torch.mv(per_example.t(), c).view(d_out, d_in)
                     out[m.weight] = (w.t() if layer.kind == "conv1d" else w).to(m.weight.dtype)
                 elif m.weight.requires_grad:

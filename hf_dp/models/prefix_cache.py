@@ -85,6 +85,7 @@ import torch
 from torch import nn
 
 from .freezing import find_blocks
+from .ghost_clipping import single_query_heads
 
 __all__ = [
     "CACHED_HIDDEN_KEY",
@@ -687,8 +688,9 @@ def _first_token_block(layer: nn.Module, hidden: torch.Tensor, mask: torch.Tenso
     d = sa.attention_head_size
     h0 = hidden[:, :1]
     q = sa.query(h0).view(b, 1, -1, d).transpose(1, 2)
-    k = sa.key(hidden).view(b, t, -1, d).transpose(1, 2)
-    v = sa.value(hidden).view(b, t, -1, d).transpose(1, 2)
+    with single_query_heads(d):  # one query: their output gradients are rank one per head (ghost clipping's fast path)
+        k = sa.key(hidden).view(b, t, -1, d).transpose(1, 2)
+        v = sa.value(hidden).view(b, t, -1, d).transpose(1, 2)
     scores = torch.matmul(q, k.transpose(2, 3)) * sa.scaling
     if mask is not None:
         scores = scores.masked_fill(mask[:, None, None, :].to(scores.device) == 0, torch.finfo(scores.dtype).min)
