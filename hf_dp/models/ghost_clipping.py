@@ -25,7 +25,7 @@ backward pass captures, for every trainable layer, its input activations ``a`` a
   gradient for values). Then G_h = q̂_h (Σ_t v_{t,h} a_t)ᵀ = q̂_h w_hᵀ, ‖G‖² = Σ_h ‖w_h‖², and the clipped sum is
   Σ_i c_i Σ_h q̂_{i,h} w_{i,h}ᵀ: B·H·T·d_in multiply-adds instead of the Gram products (B·T²·(d_in+d_out)) and
   the weight-gradient matmul (B·T·d_in·d_out). Code that calls these projections says so with
-  :func:`single_query_heads`; the factorisation is checked (relative residual ≤ 1e-4 per example, else the
+  :func:`single_query_heads`; the factorisation is checked (relative residual ≤ 1e-3 per example, else the
   generic path runs), and the contribution that is clipped and summed is exactly the factorised Ĝ_i whose norm
   is used, so a residual could only perturb the gradient, never the bound c_i‖Ĝ_i‖ ≤ C.
 
@@ -65,8 +65,9 @@ except Exception:  # pragma: no cover
 #: relative safety margin on ghost norms before computing clip factors (see GhostClipper.clipped_sum)
 NORM_MARGIN = 1e-5
 
-#: largest relative residual ‖g − v q̂ᵀ‖/‖g‖ (per example) accepted for the single-query factorisation
-SINGLE_QUERY_TOL = 1e-4
+#: largest relative residual ‖g − v q̂ᵀ‖/‖g‖ (per example) accepted for the single-query factorisation; the
+#: check computes ‖g‖² − ‖v‖², which float32 v resolves to ~1e-7·‖g‖² (a genuine single query gives ~1e-7)
+SINGLE_QUERY_TOL = 1e-3
 
 _hints = threading.local()
 
@@ -225,7 +226,7 @@ class GhostClipper:
     @staticmethod
     def _cat(records, scale):
         xs = [_as_3d(r[0]) if r[0].dim() > 1 else r[0].unsqueeze(-1) for r in records]
-        gs = [_as_3d(r[1].float() / scale) for r in records]
+        gs = [_as_3d(r[1].float() if scale == 1.0 else r[1].float() / scale) for r in records]
         if len(records) == 1:
             return xs[0], gs[0]
         return torch.cat(xs, dim=1), torch.cat(gs, dim=1)
@@ -251,19 +252,40 @@ class GhostClipper:
     @staticmethod
     def _single_query(a: torch.Tensor, g: torch.Tensor, head_size: int):
         """(q̂ [B, H, hs], w [B, H, d_in]) with g_{t,h} = v_{t,h} q̂_hᵀ and w_h = Σ_t v_{t,h} a_t, or None
-        if g is not rank one across positions per example and head (relative residual > SINGLE_QUERY_TOL)."""
+        if g is not rank one across positions per example and head.
+
+        q̂_h = the largest row of head h, normalised; v_h = g_h q̂_h. Check: since q̂ is a unit vector,
+        ‖g − v q̂ᵀ‖² = ‖g‖² − ‖v‖² (summed in float64 from float32 row sums); rejected if above
+        SINGLE_QUERY_TOL² · ‖g‖² for any example. Two layouts, neither copied nor squared into a
+        temporary of g's size: the keys' gradient comes with positions innermost ([B, H, hs, T] in
+        memory), the values' with positions outermost ([B, T, H, hs])."""
         B, T, d_out = g.shape
         if d_out % head_size:
             return None
-        gh = g.view(B, T, d_out // head_size, head_size)
-        row_sq = torch.linalg.vecdot(gh, gh)  # [B, T, H]
-        ref = torch.gather(gh, 1, row_sq.argmax(1)[:, None, :, None].expand(B, 1, gh.shape[2], head_size)).squeeze(1)
-        qhat = ref / ref.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(ref.dtype).tiny)  # an all-zero head: q̂ = 0
-        v = torch.linalg.vecdot(gh, qhat.unsqueeze(1).expand_as(gh))  # [B, T, H]
-        resid = torch.addcmul(gh, v.unsqueeze(-1), qhat.unsqueeze(1), value=-1.0).reshape(B, -1)
-        if bool((torch.linalg.vecdot(resid, resid) > SINGLE_QUERY_TOL**2 * row_sq.sum((1, 2))).any()):
+        H = d_out // head_size
+
+        def unit(x):
+            return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)  # 0 stays 0
+
+        if g.transpose(1, 2).is_contiguous():  # keys
+            m = g.transpose(1, 2).view(B * H, head_size, T)
+            row_sq = torch.zeros(B * H, T, dtype=g.dtype, device=g.device)
+            for j in range(head_size):  # Σ_j m_j² without a [B, d_out, T] temporary
+                row_sq.addcmul_(m[:, j], m[:, j])
+            ref = torch.gather(m, 2, row_sq.argmax(1)[:, None, None].expand(B * H, head_size, 1)).squeeze(2)
+            q = unit(ref)  # [B·H, hs]
+            v = torch.bmm(q.unsqueeze(1), m).view(B, H, T)
+            q = q.view(B, H, head_size)
+        else:  # values (and anything else)
+            gh = g.contiguous().view(B, T, H, head_size)
+            row_sq = torch.linalg.vector_norm(gh, dim=-1).pow_(2)  # [B, T, H]
+            q = unit(torch.gather(gh, 1, row_sq.argmax(1)[:, None, :, None].expand(B, 1, H, head_size)).squeeze(1))
+            qd = (q.unsqueeze(-1) * torch.eye(H, dtype=g.dtype, device=g.device).unsqueeze(1)).reshape(B, d_out, H)
+            v = torch.bmm(gh.view(B, T, d_out), qd).transpose(1, 2).contiguous()  # [B, H, T]; block-diagonal q: one read of g
+        g_sq = row_sq.double().view(B, -1).sum(1)
+        if bool((g_sq - v.double().pow(2).sum((1, 2)) > SINGLE_QUERY_TOL**2 * g_sq).any()):
             return None
-        return qhat, torch.bmm(v.transpose(1, 2).contiguous(), a)
+        return q, torch.bmm(v, a)
 
     @staticmethod
     def _dense_sq(x: torch.Tensor, o, sc) -> torch.Tensor:
