@@ -20,7 +20,8 @@ mode (non-private included) runs the last block for the first position only, as 
 default (``--first_token_only auto``); ``--no_first_token`` runs it over all positions. Ratios are against ``nonprivate`` of
 the same config, measured in the same run.
 
-    python benchmarks/step_time.py --batch 32 --length 128 --reps 3 --steps 5
+    python benchmarks/step_time.py --batch 32 --length 128 --reps 3 --steps 5 --out results/step_time.jsonl
+    python benchmarks/step_time.py --report --out results/step_time.jsonl   # the table again from the rows
 """
 
 from __future__ import annotations
@@ -180,7 +181,11 @@ def main():
     ap.add_argument("--cached", action="store_true", help="(c) time only the suffix, from the frozen-prefix cache (last_block)")
     ap.add_argument("--no_first_token", action="store_true", help="run the last block over all positions (first_token_only off) in every mode")
     ap.add_argument("--out", default=None, help="append raw JSON lines here as they come")
+    ap.add_argument("--report", action="store_true", help="print the table from the JSON lines in --out and exit")
     a = ap.parse_args()
+    if a.report:
+        report_file(a.out)
+        return
     if a.child:
         print(json.dumps(child(a.child[0], a.child[1], a.batch, a.length, a.steps, a.warmup, a.cached, not a.no_first_token)))
         return
@@ -204,6 +209,11 @@ def main():
 
     print(f"\n# step time / peak memory, all-MiniLM-L6-v2, B={a.batch}, L={a.length}, {a.reps} interleaved reps × {a.steps} steps, "
           f"{'cached suffix' if a.cached else 'full model'}, first-token-only last block {'off' if a.no_first_token else 'on'}, torch {torch.__version__}, {os.cpu_count()} CPUs")
+    report(results, configs, modes)
+
+
+def report(results: dict, configs, modes) -> None:
+    """The markdown table: median and min–max of the per-step times over all repetitions, median peak memory."""
     print("| trainable | mode | median s/step | min–max s/step | time ratio | peak extra MB | memory ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for config in configs:
@@ -220,6 +230,19 @@ def main():
             mem = statistics.median([r["peak_extra_mb"] for r in rs])
             print(f"| {config} ({rs[0]['trainable']:,} params) | {mode} | {med:.3f} | {min(ts):.3f}–{max(ts):.3f} | {med / bt:.2f}× | {mem:.0f} | {mem / bm:.2f}× |")
 
+
+def report_file(path: str) -> None:
+    """``--report``: the table again from the JSON lines a run appended to ``--out``."""
+    results: dict = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                results.setdefault((r["config"], r["mode"]), []).append(r)
+    configs = list(dict.fromkeys(c for c, _ in results))
+    modes = list(dict.fromkeys(m for _, m in results))
+    print(f"# {path}: {max(len(v) for v in results.values())} repetitions")
+    report(results, configs, modes)
 
 if __name__ == "__main__":
     main()
