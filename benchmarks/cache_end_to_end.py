@@ -6,7 +6,8 @@ on all-MiniLM-L6-v2 and the local GLUE QNLI folder — once per (seed, mode), ea
 modes interleaved within a seed. The wall time is the whole process (imports, tokenization, cache
 building, training, evaluation on the full GLUE dev set, saving model + card). Results are appended
 to ``--out`` as JSON lines as each run finishes; a rerun skips finished (seed, mode, scale) rows;
-``--report`` prints the markdown table.
+``--report`` prints the markdown table (minus ``paused_seconds``, where a row records that its process was
+stopped for a while).
 
     nohup python benchmarks/cache_end_to_end.py --seeds 0,1,2 --max_train_samples 2000 &
     python benchmarks/cache_end_to_end.py --report
@@ -90,11 +91,12 @@ def report(out: str) -> None:
             g = [r for r in rs if r["mode"] == mode]
             if not g:
                 continue
-            w = [r["wall_seconds"] for r in g]
+            # a run that was SIGSTOPped (to time something else alone) records the pause; it is not run time
+            w = [r["wall_seconds"] - r.get("paused_seconds", 0.0) for r in g]
             acc = [r["accuracy"] * 100 for r in g if r["accuracy"] is not None]
             sd = lambda xs: f" ± {statistics.stdev(xs):.1f}" if len(xs) > 1 else ""  # noqa: E731
             means[mode] = statistics.mean(w)
-            tr = [r["train_runtime"] for r in g if r.get("train_runtime") is not None]
+            tr = [r["train_runtime"] - r.get("paused_seconds", 0.0) for r in g if r.get("train_runtime") is not None]
             trs = f"{statistics.mean(tr):.0f}" if tr else "—"
             print(f"| {mode} | {','.join(str(r['seed']) for r in g)} | {statistics.mean(w):.0f}{sd(w)} | {trs} | "
                   f"{statistics.mean(acc):.1f}{sd(acc)} | {max(r['epsilon'] for r in g):.2f} | {g[0]['steps']:.0f} |")
