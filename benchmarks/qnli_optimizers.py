@@ -12,7 +12,8 @@ Stages (results are appended to ``--out`` as JSON lines as they come; a rerun sk
    and seed 0 at ε ∈ {1, 7}.
 
 ``--grid_from OTHER.jsonl`` replaces the grids by each optimizer's best hyper-parameters on another task
-(SST-2 uses QNLI's, to fit the time budget). ``--report`` turns the JSON lines into the markdown tables and
+(a quick first pass; SST-2 was run that way and then with its own grid, ``--stage1_only``, into the same file:
+already-run entries are skipped). ``--report`` turns the JSON lines into the markdown tables and
 the PNG plot.
 
     nohup python benchmarks/qnli_optimizers.py --task qnli --out benchmarks/results/qnli_optimizers.jsonl &
