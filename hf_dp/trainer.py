@@ -91,7 +91,8 @@ class _PoissonDataLoader(DataLoader):
 class _EmptySafeCollator:
     """Poisson batches can be empty. An empty micro-batch becomes one placeholder row (the first
     example) whose loss is multiplied by 0, so every rank still runs forward/backward (DDP stays in
-    step) while the row contributes exactly zero gradient."""
+    step); DPTrainer then discards what its backward left, so it adds nothing to the clipped sum (a
+    zero gradient alone would not do for rules with a per-sample offset such as DP-SGD-L2's λθ)."""
 
     def __init__(self, collate_fn, dataset):
         self.collate_fn = collate_fn
@@ -259,6 +260,7 @@ class DPTrainer(Trainer):
         self._dp_noise_seed = seed
         self._dp_optimizer: PrivateOptimizer | None = None
         self._loss_scale: float | None = None
+        self._empty_micro_batch = False
         self._checked_grad_samples = False
         self.grad_sampler = self.ghost_clipper = None
         self.clipping = self._choose_clipping(world)
@@ -385,6 +387,7 @@ class DPTrainer(Trainer):
         labels = inputs.pop("labels")
         outputs = model(**inputs)
         losses = per_example_loss(outputs.logits, labels, self.model.config)
+        self._empty_micro_batch = empty
         total = losses.sum() * 0.0 if empty else losses.sum()
         if total.requires_grad:
             total.register_hook(self._capture_loss_scale)
@@ -397,10 +400,15 @@ class DPTrainer(Trainer):
         if self.args.dp_enabled:
             if self._loss_scale is None:
                 raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
-            if self.ghost_clipper is not None:
-                opt = self._dp_optimizer
+            opt = self._dp_optimizer
+            if self._empty_micro_batch:
+                # the placeholder row of an empty micro-batch contributes nothing — not even a rule's per-sample
+                # offset (DP-SGD-L2's λθ, DP-MacAdam's −m̂/b), which would otherwise make a neighbouring dataset's
+                # sum differ by up to 2C when its one extra example is the only one in the micro-batch
+                self._discard_micro_batch()
+            elif self.ghost_clipper is not None:
                 clipped = self.ghost_clipper.clipped_sum(opt.max_grad_norm, loss_scale=self._loss_scale, affine=opt.rule.per_sample_affine(opt.params))
-                self._dp_optimizer.add_clipped_sum(clipped)
+                opt.add_clipped_sum(clipped)
             else:
                 if not self._checked_grad_samples:
                     assert_grad_samples_complete(self.model, self._rows_in_batch)
@@ -408,6 +416,13 @@ class DPTrainer(Trainer):
                 self._dp_optimizer.accumulate(loss_scale=self._loss_scale)
             self._loss_scale = None
         return loss
+
+    def _discard_micro_batch(self) -> None:
+        """Drop what the backward of an empty micro-batch's placeholder row left (records, per-sample gradients)."""
+        if self.ghost_clipper is not None:
+            self.ghost_clipper.clear()
+        for p in self._dp_optimizer.params:
+            p.grad_sample = None
 
     # ------------------------------------------------------------------------------------------------
     # privacy reporting

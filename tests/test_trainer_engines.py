@@ -139,3 +139,34 @@ def test_first_token_only_changes_nothing_but_speed(tmp_path, cache):
     _assert_same(p_auto, p_off)
     assert e_auto == e_off
     assert l_auto == pytest.approx(l_off, rel=1e-4)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "hooks"])
+def test_empty_micro_batch_contributes_nothing(tmp_path, clipping):
+    """The placeholder row of an empty Poisson micro-batch adds nothing to the clipped sum — also for a rule
+    with a per-sample offset (DP-SGD-L2: v_i = g_i + λθ), where a zero-gradient row would otherwise add
+    clip(λθ) and a neighbouring dataset's sum could differ by up to 2C."""
+    from hf_dp.trainer import _EMPTY_KEY
+
+    tok = make_tokenizer(tmp_path / "tok")
+    ds = make_pair_dataset(tok, n=64)
+    collator = make_collator(tok)
+    trainer = DPTrainer(
+        model=make_model(seed=0), args=dp_args(tmp_path / clipping, optim="dp_sgd_l2", weight_decay=0.5, clipping=clipping),
+        train_dataset=ds, data_collator=collator,
+    )
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    opt = trainer._dp_optimizer
+    trainer.model.train()
+
+    def summed_after(batch):
+        for p in opt.params:
+            p.summed_grad = None
+        trainer.training_step(trainer.model, dict(batch))
+        return [p.summed_grad for p in opt.params]
+
+    full = collator([ds[i] for i in range(4)])
+    assert all(s is not None for s in summed_after(full))  # the control: a real micro-batch contributes
+    placeholder = collator([ds[0]])
+    placeholder[_EMPTY_KEY] = True
+    assert all(s is None for s in summed_after(placeholder))
