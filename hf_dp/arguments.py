@@ -9,8 +9,8 @@ Every HF flag keeps its meaning. Added flags (all parsed by ``HfArgumentParser``
   below 1/N, checked by the trainer once N is known); ``--per_sample_max_grad_norm`` (C);
   ``--accountant`` (``prv`` | ``rdp``); ``--trainable`` (``last_block`` | ``head`` | ``all`` |
   ``lora`` | ``bias``); ``--bc_gamma`` (γ' of the BC variants); ``--macadam_h1/--macadam_h2``;
-  ``--secure_rng``; ``--dp_seed``; ``--disable_dp``; ``--clipping`` (``auto`` | ``ghost`` | ``hooks``: the
-  per-example clipping engine); ``--cache_frozen_features`` (train the suffix from a cache of the frozen prefix).
+  ``--secure_rng``; ``--dp_seed``; ``--disable_dp``; ``--clipping`` (``auto`` | ``ghost`` | ``ghost_two_pass`` |
+  ``hooks``: the per-example clipping engine); ``--cache_frozen_features`` (train the suffix from a cache of the frozen prefix).
 
 ``--trainable`` applies to ``--disable_dp`` baselines too, so that they train the same parameters.
 
@@ -81,8 +81,10 @@ class DPTrainingArguments(TrainingArguments):
         default="auto",
         metadata={
             "help": "Per-example clipping engine: ghost (one-backward ghost clipping, hf_dp.models.ghost_clipping), "
-            "hooks (Opacus per-sample gradients), auto (ghost where it applies, else hooks).",
-            "choices": ["auto", "ghost", "hooks"],
+            "ghost_two_pass (ghost clipping in two backward passes: no records kept, memory as a non-private step, "
+            "about one more input-gradient backward of time), hooks (Opacus per-sample gradients), auto (ghost where "
+            "it applies, else hooks).",
+            "choices": ["auto", "ghost", "ghost_two_pass", "hooks"],
         },
     )
     cache_frozen_features: bool = field(
@@ -161,8 +163,8 @@ class DPTrainingArguments(TrainingArguments):
             )
         if self.first_token_only not in ("auto", "off"):
             raise ValueError(f"--first_token_only must be 'auto' or 'off', got {self.first_token_only!r}")
-        if self.clipping not in ("auto", "ghost", "hooks"):
-            raise ValueError(f"--clipping must be one of auto, ghost, hooks; got {self.clipping!r}")
+        if self.clipping not in ("auto", "ghost", "ghost_two_pass", "hooks"):
+            raise ValueError(f"--clipping must be one of auto, ghost, ghost_two_pass, hooks; got {self.clipping!r}")
         if self.bc_gamma is not None and not self.bc_gamma > 0:
             raise ValueError(f"--bc_gamma must be > 0, got {self.bc_gamma}")
         if self.max_steps is not None and self.max_steps == 0:

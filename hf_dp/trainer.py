@@ -7,7 +7,8 @@ What it changes, and nothing else (each override calls ``super()``):
   against the dataset (δ < 1/N, B ≤ N, the budget reachable), calibrates σ for the planned steps,
   builds the Poisson sampler and the ε ledger, and attaches the per-example clipping engine to the
   plain model — one-backward ghost clipping (:mod:`hf_dp.models.ghost_clipping`) where it applies,
-  else Opacus' per-sample-gradient hooks (``--clipping``). The model itself is never wrapped, so
+  else Opacus' per-sample-gradient hooks (``--clipping``; ``ghost_two_pass``: ghost clipping in two
+  backward passes, the first inside ``compute_loss``). The model itself is never wrapped, so
   saving and evaluation are HF's own.
 * ``get_train_dataloader``: the same dataset and collator HF builds, drawn by
   :class:`~hf_dp.privacy.PoissonBatchSampler` (rate q, the accountant's q), one logical batch split
@@ -54,7 +55,7 @@ from hf_dp import __version__
 from hf_dp.arguments import DPTrainingArguments
 from hf_dp import checkpointing
 from hf_dp.models import apply_trainable, assert_grad_samples_complete, attach_grad_sampler, unwrap_for_save
-from hf_dp.models.ghost_clipping import GhostClipper
+from hf_dp.models.ghost_clipping import GhostClipper, clip_factors
 from hf_dp.models.prefix_cache import (
     CACHED_HIDDEN_KEY,
     CachedFeatures,
@@ -261,16 +262,18 @@ class DPTrainer(Trainer):
         self._dp_optimizer: PrivateOptimizer | None = None
         self._loss_scale: float | None = None
         self._empty_micro_batch = False
+        self._clip_factors: torch.Tensor | None = None  # ghost_two_pass: c of the micro-batch in flight
         self._checked_grad_samples = False
         self.grad_sampler = self.ghost_clipper = None
         self.clipping = self._choose_clipping(world)
-        if self.clipping == "ghost":
-            self.ghost_clipper = GhostClipper(self.model)
+        if self.clipping in ("ghost", "ghost_two_pass"):
+            self.ghost_clipper = GhostClipper(self.model, two_pass=self.clipping == "ghost_two_pass")
         else:
             self.grad_sampler = attach_grad_sampler(self.model)
 
     def _choose_clipping(self, world: int) -> str:
-        """``ghost`` (one backward pass, hf_dp.models.ghost_clipping) where it applies, else Opacus hooks."""
+        """``ghost`` (one backward pass, hf_dp.models.ghost_clipping) where it applies, else Opacus hooks;
+        ``ghost_two_pass`` only when asked for."""
         mode = self.args.clipping
         if mode == "hooks":
             return "hooks"
@@ -284,9 +287,9 @@ class DPTrainer(Trainer):
                 GhostClipper.check_supported(self.model)
             except ValueError as e:
                 reasons.append(str(e))
-        if reasons and mode == "ghost":
-            raise ValueError("--clipping ghost cannot apply: " + "; ".join(reasons) + " (use --clipping hooks)")
-        return "hooks" if reasons else "ghost"
+        if reasons and mode in ("ghost", "ghost_two_pass"):
+            raise ValueError(f"--clipping {mode} cannot apply: " + "; ".join(reasons) + " (use --clipping hooks)")
+        return "hooks" if reasons else ("ghost_two_pass" if mode == "ghost_two_pass" else "ghost")
 
     def _check_label_column(self) -> None:
         """compute_loss needs per-example labels: refuse up front a train set without a label column."""
@@ -388,6 +391,13 @@ class DPTrainer(Trainer):
         outputs = model(**inputs)
         losses = per_example_loss(outputs.logits, labels, self.model.config)
         self._empty_micro_batch = empty
+        if self.clipping == "ghost_two_pass" and not empty:
+            # pass 1: the per-example norms (a backward that computes no parameter gradient and keeps the
+            # graph); the backward of the returned loss is pass 2: its gradients are Σ_i c_i ∇ℓ_i
+            opt = self._dp_optimizer
+            sq = self.ghost_clipper.norms_pass(losses, affine=opt.rule.per_sample_affine(opt.params))
+            self._clip_factors = clip_factors(sq, opt.max_grad_norm)
+            losses = losses * self._clip_factors
         total = losses.sum() * 0.0 if empty else losses.sum()
         if total.requires_grad:
             total.register_hook(self._capture_loss_scale)
@@ -406,9 +416,12 @@ class DPTrainer(Trainer):
                 # offset (DP-SGD-L2's λθ, DP-MacAdam's −m̂/b), which would otherwise make a neighbouring dataset's
                 # sum differ by up to 2C when its one extra example is the only one in the micro-batch
                 self._discard_micro_batch()
-            elif self.ghost_clipper is not None:
+            elif self.clipping == "ghost":
                 clipped = self.ghost_clipper.clipped_sum(opt.max_grad_norm, loss_scale=self._loss_scale, affine=opt.rule.per_sample_affine(opt.params))
                 opt.add_clipped_sum(clipped)
+            elif self.clipping == "ghost_two_pass":
+                c, self._clip_factors = self._clip_factors, None
+                opt.add_clipped_sum(self.ghost_clipper.grads_after_backward(c, self._loss_scale, affine=opt.rule.per_sample_affine(opt.params)))
             else:
                 if not self._checked_grad_samples:
                     assert_grad_samples_complete(self.model, self._rows_in_batch)
@@ -423,6 +436,8 @@ class DPTrainer(Trainer):
             self.ghost_clipper.clear()
         for p in self._dp_optimizer.params:
             p.grad_sample = None
+            if self.clipping == "ghost_two_pass":
+                p.grad = None
 
     # ------------------------------------------------------------------------------------------------
     # privacy reporting

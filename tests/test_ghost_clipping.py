@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dp.models import apply_trainable
-from hf_dp.models.ghost_clipping import GhostClipper
+from hf_dp.models.ghost_clipping import GhostClipper, clip_factors
 from tests.test_models import ARCHS, _batch, _config, _model, _per_example_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
@@ -26,20 +26,28 @@ def _reference_clipped(model, ids, mask, labels, clip):
     return {n: torch.einsum("i,i...->...", c, g) for n, g in per.items()}, norms
 
 
-def _ghost(model, ids, mask, labels, clip, loss_scale, materialize_bytes=256 * 2**20):
-    gc = GhostClipper(model, materialize_bytes=materialize_bytes)
+def _ghost(model, ids, mask, labels, clip, loss_scale, materialize_bytes=256 * 2**20, two_pass=False, affine=None):
+    gc = GhostClipper(model, materialize_bytes=materialize_bytes, two_pass=two_pass)
     try:
         logits = model(input_ids=ids, attention_mask=mask).logits
-        (F.cross_entropy(logits, labels, reduction="sum") * loss_scale).backward()
-        norms = gc.per_example_norms(loss_scale)
-        out = gc.clipped_sum(clip, loss_scale=loss_scale)
+        if two_pass:
+            losses = F.cross_entropy(logits, labels, reduction="none")
+            sq = gc.norms_pass(losses, affine=affine)
+            assert all(p.grad is None for p in model.parameters())  # pass 1 computes no parameter gradient
+            c = clip_factors(sq, clip)
+            ((losses * c).sum() * loss_scale).backward()
+            norms, out = sq.sqrt(), gc.grads_after_backward(c, loss_scale, affine=affine)
+        else:
+            (F.cross_entropy(logits, labels, reduction="sum") * loss_scale).backward()
+            norms = gc.per_example_norms(loss_scale, affine=affine)
+            out = gc.clipped_sum(clip, loss_scale=loss_scale, affine=affine)
     finally:
         gc.detach()
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: g for p, g in out.items()}, norms
 
 
-def _check(arch, mode, materialize_bytes=256 * 2**20):
+def _check(arch, mode, materialize_bytes=256 * 2**20, two_pass=False):
     config = _config(arch)
     model, _ = apply_trainable(_model(arch), mode)
     model.train()
@@ -48,14 +56,15 @@ def _check(arch, mode, materialize_bytes=256 * 2**20):
     _, norms_ref = _reference_clipped(ref_model, ids, mask, labels, 1e9)
     clip = float(norms_ref.median())  # about half the examples are clipped
     ref, _ = _reference_clipped(ref_model, ids, mask, labels, clip)
-    got, norms = _ghost(model, ids, mask, labels, clip, loss_scale=0.25, materialize_bytes=materialize_bytes)
+    got, norms = _ghost(model, ids, mask, labels, clip, loss_scale=0.25, materialize_bytes=materialize_bytes, two_pass=two_pass)
     torch.testing.assert_close(norms, norms_ref, rtol=1e-4, atol=1e-6)
     scale = max(r.abs().max().item() for r in ref.values())
     assert set(got) == set(ref)
     for name, r in ref.items():
         atol = max(1e-4 * r.abs().max().item(), 1e-7 * scale)
         torch.testing.assert_close(got[name], r, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
-    # the custom linear did not compute the (non-private) weight gradients during backward
+    # the custom linear did not compute the (non-private) weight gradients during backward; two-pass: the
+    # gradients of pass 2 were taken out of .grad
     lin = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.requires_grad]
     assert lin and all(m.weight.grad is None for m in lin)
 
@@ -83,7 +92,36 @@ def test_ghost_equals_per_example_loop_all_params_incl_embeddings(arch, material
     _check(arch, "all", materialize_bytes)
 
 
-@pytest.mark.parametrize("materialize_bytes", [256 * 2**20, 0], ids=["materialize", "ghost_norms"])
+@pytest.mark.parametrize("arch,mode", [("bert", "last_block"), ("bert", "all"), ("gpt2", "all"), ("roberta", "all"), ("albert", "all"), ("electra", "last_block")])
+def test_two_pass_ghost_equals_per_example_loop(arch, mode):
+    """Two passes (norms from a backward that computes no parameter gradient, then an ordinary backward of
+    Σ c_i ℓ_i): the same norms and clipped sum as the per-example loop."""
+    _check(arch, mode, materialize_bytes=0, two_pass=True)
+
+
+def test_two_pass_keeps_no_records_and_refuses_misuse():
+    config = _config("bert")
+    model, _ = apply_trainable(_model("bert"), "all")
+    model.train()
+    ids, mask, labels = _batch(config, batch_size=4, seq_len=6)
+    gc = GhostClipper(model, two_pass=True)
+    try:
+        with pytest.raises(ValueError, match="forward"):
+            gc.norms_pass(torch.zeros(4, requires_grad=True))
+        losses = F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels, reduction="none")
+        with pytest.raises(RuntimeError, match="norms_pass"):
+            gc.clipped_sum(1.0)
+        sq = gc.norms_pass(losses)
+        assert sq.shape == (4,) and bool((sq > 0).all())
+        assert all(not layer.records and layer.calls == 0 for layer in gc.layers)  # dropped as they were used
+        # a forward whose loss ignores a trainable layer (the classifier): pass 1 says so
+        with pytest.raises(ValueError, match="got no gradient in pass 1"):
+            gc.norms_pass(model.bert(ids, attention_mask=mask).last_hidden_state.sum((1, 2)))
+    finally:
+        gc.detach()
+
+
+@pytest.mark.parametrize("materialize_bytes", [256 * 2**20, 0, "two_pass"], ids=["materialize", "ghost_norms", "two_pass"])
 @pytest.mark.parametrize("arch,mode", [("bert", "last_block"), ("bert", "all"), ("gpt2", "all"), ("roberta", "last_block")])
 @pytest.mark.parametrize("kind", ["offset", "affine", "scalar_scale"])
 def test_ghost_with_affine_equals_clipping_the_transformed_vectors(arch, mode, materialize_bytes, kind):
@@ -118,18 +156,10 @@ def test_ghost_with_affine_equals_clipping_the_transformed_vectors(arch, mode, m
     c = (clip / (norms_ref + 1e-6)).clamp(max=1.0)
     ref = {n: torch.einsum("i,i...->...", c, x) for n, x in v.items()}
 
-    gc = GhostClipper(model, materialize_bytes=materialize_bytes)
-    try:
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        F.cross_entropy(logits, labels, reduction="sum").backward()
-        affine = {named[n]: a for n, a in aff_by_name.items()}
-        norms = gc.per_example_norms(affine=affine)
-        out = gc.clipped_sum(clip, affine=affine)
-    finally:
-        gc.detach()
+    affine = {named[n]: a for n, a in aff_by_name.items()}
+    two_pass = materialize_bytes == "two_pass"
+    got, norms = _ghost(model, ids, mask, labels, clip, 1.0, 0 if two_pass else materialize_bytes, two_pass=two_pass, affine=affine)
     torch.testing.assert_close(norms, norms_ref, rtol=1e-4, atol=1e-6)
-    names = {id(p): n for n, p in model.named_parameters()}
-    got = {names[id(p)]: g for p, g in out.items()}
     assert set(got) == set(ref) and aff_by_name
     for name, r in ref.items():
         torch.testing.assert_close(got[name], r, atol=max(1e-4 * r.abs().max().item(), 1e-7), rtol=1e-4, msg=lambda m: f"{name}: {m}")

@@ -79,7 +79,7 @@ def test_macadam_ghost_and_hooks_train_the_same_model(tmp_path, optim, kw):
     assert m_ghost["eval_loss"] == pytest.approx(m_hooks["eval_loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("clipping", ["ghost", "hooks"])
+@pytest.mark.parametrize("clipping", ["ghost", "ghost_two_pass", "hooks"])
 def test_frozen_prefix_cache_trains_the_same_model(tmp_path, clipping):
     t_cache, p_cache, m_cache = _train(tmp_path, "cache", clipping=clipping, cache_frozen_features=True)
     t_full, p_full, m_full = _train(tmp_path, "full", clipping=clipping)
@@ -141,7 +141,24 @@ def test_first_token_only_changes_nothing_but_speed(tmp_path, cache):
     assert l_auto == pytest.approx(l_off, rel=1e-4)
 
 
-@pytest.mark.parametrize("clipping", ["ghost", "hooks"])
+@pytest.mark.parametrize(
+    "optim,kw",
+    [("dp_adamw", {}), ("dp_sgd_l2", {"weight_decay": 0.1, "trainable": "all", "learning_rate": 1e-2, "gradient_accumulation_steps": 2}),
+     ("dp_macadam", {"learning_rate": 1e-2})],
+)
+def test_ghost_two_pass_and_hooks_train_the_same_model(tmp_path, optim, kw):
+    """--clipping ghost_two_pass (norms from a first backward, clipped sum from an ordinary second one)
+    trains the same model with the same ε as the Opacus hooks, per-sample affine rules included."""
+    t_two, p_two, m_two = _train(tmp_path, "two", clipping="ghost_two_pass", optim=optim, **kw)
+    t_hooks, p_hooks, m_hooks = _train(tmp_path, "hooks", clipping="hooks", optim=optim, **kw)
+    assert t_two.clipping == "ghost_two_pass" and t_two.ghost_clipper.two_pass and t_hooks.clipping == "hooks"
+    assert t_two.state.global_step >= 3
+    _assert_same(p_two, p_hooks)
+    assert t_two.get_epsilon() == t_hooks.get_epsilon()
+    assert m_two["eval_loss"] == pytest.approx(m_hooks["eval_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "ghost_two_pass", "hooks"])
 def test_empty_micro_batch_contributes_nothing(tmp_path, clipping):
     """The placeholder row of an empty Poisson micro-batch adds nothing to the clipped sum — also for a rule
     with a per-sample offset (DP-SGD-L2: v_i = g_i + λθ), where a zero-gradient row would otherwise add
@@ -170,3 +187,5 @@ def test_empty_micro_batch_contributes_nothing(tmp_path, clipping):
     placeholder = collator([ds[0]])
     placeholder[_EMPTY_KEY] = True
     assert all(s is None for s in summed_after(placeholder))
+    if clipping == "ghost_two_pass":
+        assert all(p.grad is None for p in opt.params)

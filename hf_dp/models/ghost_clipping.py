@@ -29,7 +29,20 @@ backward pass captures, for every trainable layer, its input activations ``a`` a
   generic path runs), and the contribution that is clipped and summed is exactly the factorised Ĝ_i whose norm
   is used, so a residual could only perturb the gradient, never the bound c_i‖Ĝ_i‖ ≤ C.
 
-So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
+So the DP step costs about one forward, one backward and the ghost norms. Its memory: every layer's
+input (which autograd keeps until that layer's backward anyway) and output gradient stay alive until
+the clip factors are known, at the end of backward.
+
+**Two passes** (``two_pass=True``, ``--clipping ghost_two_pass``) keep nothing: pass 1
+(:meth:`GhostClipper.norms_pass`) is a backward of Σ_i ℓ_i towards the outputs of the lowest trainable
+layers only (``torch.autograd.grad``, graph retained), so autograd computes input gradients but no
+weight gradient; each layer's norm terms are computed by a hook on its output as soon as its output
+gradient exists (a layer called several times: once all calls have theirs) and the records are dropped.
+Pass 2 is an ordinary backward of Σ_i c_i ℓ_i (c detached) through the same graph — same dropout masks —
+whose parameter gradients are exactly Σ_i c_i ∇ℓ_i (:meth:`GhostClipper.grads_after_backward` takes them
+from ``.grad``). Cost: one more input-gradient backward plus the norms; peak memory that of a
+non-private step. The single-query factorisation is not used there (pass 2 sums the exact gradients,
+so the norms must be those of the exact gradients). The result is exactly
 Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients).
 
 Supported trainable layers: ``nn.Linear``, transformers' ``Conv1D`` (GPT-2), ``nn.LayerNorm``,
@@ -121,6 +134,8 @@ class _Layer:
         self.module = module
         self.kind = kind  # "linear", "conv1d", "layernorm", "embedding"
         self.records: list = []  # (input, grad_output) per call, appended during backward
+        self.calls = 0  # two-pass: forward calls since the last clear
+        self.done = False  # two-pass: norms computed in this pass 1
 
     def params(self):
         return [p for p in self.module.parameters(recurse=False) if p.requires_grad]
@@ -131,7 +146,9 @@ class GhostClipper:
 
     Usage per micro-batch: forward, ``loss.backward()``, then ``clipped_sum(max_grad_norm, loss_scale)``
     returns ``{param: Σ_i c_i ∇_param ℓ_i}`` and clears the records. ``per_example_norms(loss_scale)``
-    gives ‖∇ℓ_i‖ (for tests and diagnostics).
+    gives ‖∇ℓ_i‖ (for tests and diagnostics). With ``two_pass=True``: forward, ``norms_pass(losses)``
+    (‖v_i‖², no records kept), a backward of Σ_i c_i ℓ_i, ``grads_after_backward(c)`` — or
+    ``two_pass_clipped_sum(losses, max_grad_norm)`` for all three.
     """
 
     @staticmethod
@@ -170,9 +187,14 @@ class GhostClipper:
             raise ValueError("some trainable parameters are not covered by ghost clipping")
         return layers
 
-    def __init__(self, model: nn.Module, materialize_bytes: int = 0):
+    def __init__(self, model: nn.Module, materialize_bytes: int = 0, two_pass: bool = False):
         self.model = model
-        self.materialize_bytes = int(materialize_bytes)
+        self.two_pass = bool(two_pass)
+        self.materialize_bytes = 0 if self.two_pass else int(materialize_bytes)
+        self._phase: str | None = None  # two-pass: "norms" while norms_pass runs its backward
+        self._roots: list = []  # two-pass: outputs of the lowest trainable layers of the current forward
+        self._sq: torch.Tensor | None = None
+        self._affine_now: dict = {}
         self._budget = 0
         self._grams: dict = {}
         self.batch_size: int | None = None
@@ -180,8 +202,10 @@ class GhostClipper:
         self._patched: list[tuple[nn.Module, object]] = []
         self.layers = [_Layer(m, kind) for m, kind in self.check_supported(model)]
         self._handles.extend(install_batch_hooks(model, self))
+        if self.two_pass:  # a new forward starts a new graph: forget the last one's roots and call counts
+            self._handles.append(model.register_forward_pre_hook(lambda _m, _a: self.clear()))
         for layer in self.layers:
-            self._instrument(layer)
+            self._instrument_two_pass(layer) if self.two_pass else self._instrument(layer)
 
     # ----- instrumentation -----------------------------------------------------------------------------
     def _instrument(self, layer: _Layer) -> None:
@@ -206,6 +230,32 @@ class GhostClipper:
 
             self._handles.append(m.register_forward_hook(fwd_hook))
 
+    def _instrument_two_pass(self, layer: _Layer) -> None:
+        """Every layer kind keeps its own forward and backward; a forward hook notes the input and hooks
+        the output's gradient, which only :meth:`norms_pass` consumes (pass 2 is an ordinary backward)."""
+
+        def fwd_hook(module, args, out, _layer=layer):
+            if not (module.training and torch.is_grad_enabled()) or not torch.is_tensor(out) or not out.requires_grad:
+                return
+            x = args[0]
+            _layer.calls += 1
+            if not (x.is_floating_point() and x.requires_grad):  # nothing trainable below: a root of pass 1
+                self._roots.append(out)
+            x = x.detach()
+            out.register_hook(lambda g, _x=x: self._on_grad(_layer, _x, g))
+
+        self._handles.append(layer.module.register_forward_hook(fwd_hook))
+
+    def _on_grad(self, layer: _Layer, x: torch.Tensor, g: torch.Tensor) -> None:
+        if self._phase != "norms":
+            return
+        layer.records.append((x, g, None))  # no single-query hint: pass 2 sums the exact gradients
+        if len(layer.records) == layer.calls:  # every call of the layer has its gradient: norms now, then drop
+            sq, _ = self._layer_terms(layer, 1.0, self._affine_now)
+            self._sq = sq if self._sq is None else self._sq + sq
+            layer.records.clear()
+            layer.done = True
+
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
@@ -221,6 +271,11 @@ class GhostClipper:
     def clear(self) -> None:
         for layer in self.layers:
             layer.records.clear()
+            layer.calls = 0
+            layer.done = False
+        self._roots = []
+        self._sq = None
+        self._grams = {}
 
     # ----- per-layer pieces ------------------------------------------------------------------------------
     @staticmethod
@@ -244,10 +299,10 @@ class GhostClipper:
     def _gram(self, a: torch.Tensor) -> torch.Tensor:
         """a aᵀ per example, computed once per input tensor (query/key/value share their input)."""
         key = (a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
-        gram = self._grams.get(key)
-        if gram is None:
-            gram = self._grams[key] = torch.bmm(a, a.transpose(1, 2))
-        return gram
+        hit = self._grams.get(key)
+        if hit is None:  # the entry holds a itself, so no other tensor can take its address while cached
+            hit = self._grams[key] = (a, torch.bmm(a, a.transpose(1, 2)))
+        return hit[1]
 
     @staticmethod
     def _single_query(a: torch.Tensor, g: torch.Tensor, head_size: int):
@@ -390,8 +445,8 @@ class GhostClipper:
 
             return sq, clipped
         # embedding: per-example gradient rows are sums of g over equal token ids
-        ids = torch.cat([x.reshape(x.shape[0], -1) for x, _ in layer.records], dim=1)
-        g = torch.cat([_as_3d(gr.float() / scale) for _, gr in layer.records], dim=1)
+        ids = torch.cat([r[0].reshape(r[0].shape[0], -1) for r in layer.records], dim=1)
+        g = torch.cat([_as_3d(r[1].float() / scale) for r in layer.records], dim=1)
         if m.padding_idx is not None:
             g = g * (ids != m.padding_idx).unsqueeze(-1)
         same = ids.unsqueeze(2) == ids.unsqueeze(1)
@@ -433,6 +488,8 @@ class GhostClipper:
     @torch.no_grad()
     def per_example_norms(self, loss_scale: float = 1.0, affine: dict | None = None) -> torch.Tensor:
         """‖v_i‖ per example, v_i = ∇ℓ_i or its per-parameter affine transform (see :meth:`clipped_sum`)."""
+        if self.two_pass:
+            raise RuntimeError("a two-pass GhostClipper gives the norms from norms_pass")
         return self._collect(loss_scale, affine)[0].clamp_min(0).sqrt()
 
     @torch.no_grad()
@@ -445,15 +502,20 @@ class GhostClipper:
         DP-MacAdam: o = −m̂_{t−1}, s = 1/b_{t−1}. Exact: the norms expand into terms of the same
         records, and Σ_i c_i v_i = (Σ_i c_i ∇ℓ_i + (Σ_i c_i)·o) ⊙ s.
         """
+        if self.two_pass:
+            raise RuntimeError("a two-pass GhostClipper computes norms in norms_pass (see two_pass_clipped_sum)")
         sq, terms = self._collect(loss_scale, affine)
-        # ghost norms are sums of terms of both signs (Gram products, the affine expansion), so their
-        # float32 error can exceed a plain sum of squares'; the relative margin keeps c_i·‖v_i‖ ≤ C
-        # when the computed norm is up to 1e-5 (relative) short of the exact one.
-        norms = sq.clamp_min(0).sqrt() * (1.0 + NORM_MARGIN)
-        c = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        c = clip_factors(sq, max_grad_norm)
         out: dict = {}
         for _, fn in terms:
             out.update(fn(c))
+        out = self._apply_affine(out, c, affine)
+        self.clear()
+        return out
+
+    @staticmethod
+    def _apply_affine(out: dict, c: torch.Tensor, affine: dict | None) -> dict:
+        """Σ_i c_i v_i = (Σ_i c_i ∇ℓ_i + (Σ_i c_i)·o) ⊙ s for the parameters with a per-sample affine map."""
         for p, (o, sc) in (affine or {}).items():
             v = out[p].float()
             if o is not None:
@@ -461,5 +523,64 @@ class GhostClipper:
             if sc is not None:
                 v = v * (sc if isinstance(sc, float) else sc.float())
             out[p] = v.to(out[p].dtype)
-        self.clear()
         return out
+
+    # ----- two passes (two_pass=True): no records kept, memory as a non-private step -----------------------
+    def norms_pass(self, losses: torch.Tensor, affine: dict | None = None) -> torch.Tensor:
+        """Pass 1 of two: ‖v_i‖² per example (``losses``: the per-example losses ℓ_i, shape [B]).
+
+        One backward of Σ_i ℓ_i that computes no parameter gradient (``torch.autograd.grad`` towards the
+        outputs of the lowest trainable layers only, so autograd skips every weight-gradient product) and
+        keeps the graph; each layer's norm terms are computed from its input and output gradient as soon as
+        they are known and then dropped, so nothing accumulates. Pass 2 is an ordinary backward of
+        Σ_i c_i ℓ_i (c from :func:`clip_factors`, detached) through the same graph — same dropout masks —
+        whose parameter gradients are exactly Σ_i c_i ∇ℓ_i; :meth:`grads_after_backward` collects them.
+        The per-sample affine maps (``affine``, see :meth:`clipped_sum`) enter the norms here and the sum there."""
+        if not self.two_pass:
+            raise RuntimeError("norms_pass needs GhostClipper(two_pass=True)")
+        if affine:
+            owned = {id(p) for layer in self.layers for p in layer.params()}
+            if any(id(p) not in owned for p in affine):
+                raise ValueError("per-sample transform given for a parameter ghost clipping does not cover")
+        if not self._roots:
+            raise ValueError("norms_pass needs a training-mode forward of the model (with grad enabled) first")
+        self._phase, self._affine_now, self._sq, self._grams = "norms", affine or {}, None, {}
+        try:
+            torch.autograd.grad(losses.sum(), self._roots, retain_graph=True, allow_unused=True)
+            missing = [type(layer.module).__name__ for layer in self.layers if not layer.done]
+            if missing:
+                raise ValueError(f"layers {missing} got no gradient in pass 1; is every trainable layer used in the forward?")
+            return self._sq
+        finally:
+            self._phase, self._affine_now = None, {}
+            sq = self._sq
+            self.clear()
+            self._sq = sq
+
+    def grads_after_backward(self, c: torch.Tensor, loss_scale: float = 1.0, affine: dict | None = None) -> dict:
+        """After pass 2 (a backward of ``loss_scale`` · Σ_i c_i ℓ_i): {param: Σ_i c_i v_i} from the parameters'
+        ``.grad``, which are reset to ``None``."""
+        out = {}
+        for layer in self.layers:
+            for p in layer.params():
+                if p.grad is None:
+                    raise ValueError("a trainable parameter got no gradient in pass 2")
+                out[p] = p.grad if loss_scale == 1.0 else p.grad / loss_scale
+                p.grad = None
+        return self._apply_affine(out, c, affine)
+
+    def two_pass_clipped_sum(self, losses: torch.Tensor, max_grad_norm: float, affine: dict | None = None) -> dict:
+        """Both passes after a forward: {param: Σ_i min(1, C/(‖v_i‖+1e-6)) v_i} (as :meth:`clipped_sum`)."""
+        c = clip_factors(self.norms_pass(losses, affine), max_grad_norm)
+        (losses * c).sum().backward()
+        return self.grads_after_backward(c, 1.0, affine)
+
+
+def clip_factors(sq: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """c_i = min(1, C/(‖v_i‖·(1 + NORM_MARGIN) + 1e-6)) from squared ghost norms, detached.
+
+    Ghost norms are sums of terms of both signs (Gram products, the affine expansion), so their float32
+    error can exceed a plain sum of squares'; the relative margin keeps c_i·‖v_i‖ ≤ C when the computed
+    norm is up to 1e-5 (relative) short of the exact one."""
+    norms = sq.detach().clamp_min(0).sqrt() * (1.0 + NORM_MARGIN)
+    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
