@@ -277,6 +277,12 @@ class DPTrainer(Trainer):
         mode = self.args.clipping
         if mode == "hooks":
             return "hooks"
+        if mode == "ghost_two_pass" and (self.args.bf16 or self.args.fp16):
+            raise ValueError(
+                "--clipping ghost_two_pass needs float32 training: its second backward sums the clipped per-example "
+                "gradients in the autocast precision, across examples, which loosens the per-example bound C; "
+                "use --clipping ghost (its sums run in float32) with --bf16/--fp16"
+            )
         reasons = []
         if not get_entry(self.args.optim).rule_cls.ghost_compatible():
             reasons.append(f"{self.args.optim} transforms per-example gradients before clipping")

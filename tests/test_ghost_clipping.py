@@ -121,6 +121,23 @@ def test_two_pass_keeps_no_records_and_refuses_misuse():
         gc.detach()
 
 
+def test_two_pass_refuses_reduced_precision():
+    """Pass 2 would sum the clipped per-example gradients in bf16 across examples: refused, with the reason."""
+    config = _config("bert")
+    model, _ = apply_trainable(_model("bert"), "last_block")
+    model.train()
+    ids, mask, _ = _batch(config)
+    gc = GhostClipper(model, two_pass=True)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="needs float32 layers"):
+            model(input_ids=ids, attention_mask=mask)
+        model.to(torch.bfloat16)
+        with pytest.raises(ValueError, match="needs float32 layers"):
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        gc.detach()
+
+
 @pytest.mark.parametrize("materialize_bytes", [256 * 2**20, 0, "two_pass"], ids=["materialize", "ghost_norms", "two_pass"])
 @pytest.mark.parametrize("arch,mode", [("bert", "last_block"), ("bert", "all"), ("gpt2", "all"), ("roberta", "last_block")])
 @pytest.mark.parametrize("kind", ["offset", "affine", "scalar_scale"])

@@ -110,6 +110,8 @@ CASES = {
                     ValueError, r"^--include_num_input_tokens_seen logs how many tokens the Poisson-sampled batches held, .*not allowed with DP$"),
     "fp16": ({"fp16": True}, dataset, bert, {},
              ValueError, r"^--fp16 is not supported with DP: dynamic loss scaling skips steps depending on private gradients; use --bf16 or fp32$"),
+    "two-pass-bf16": ({"bf16": True, "clipping": "ghost_two_pass"}, dataset, bert, {},
+                      ValueError, r"^--clipping ghost_two_pass needs float32 training: its second backward sums the clipped per-example gradients in the autocast precision"),
     "trainable-batchnorm": ({}, dataset, bert_with_batchnorm, {},
                             ValueError, r"^Cannot compute per-sample gradients for this model: classifier\.0 \(BatchNorm1d\) is trainable, but BatchNorm mixes the examples of a batch, so per-example gradients \(and DP\) are undefined; freeze it or replace it by GroupNorm/LayerNorm\.$"),
     "trainable-selects-nothing": ({"trainable": "head"}, dataset, bert_without_head, {},

@@ -41,7 +41,9 @@ gradient exists (a layer called several times: once all calls have theirs) and t
 Pass 2 is an ordinary backward of Σ_i c_i ℓ_i (c detached) through the same graph — same dropout masks —
 whose parameter gradients are exactly Σ_i c_i ∇ℓ_i (:meth:`GhostClipper.grads_after_backward` takes them
 from ``.grad``). Cost: one more input-gradient backward plus the norms; peak memory that of a
-non-private step. The single-query factorisation is not used there (pass 2 sums the exact gradients,
+non-private step. Float32 (or float64) layers only: in reduced precision pass 2 would round the sum across
+examples, so the bound would hold only up to that rounding (one pass sums in float32). The single-query
+factorisation is not used there (pass 2 sums the exact gradients,
 so the norms must be those of the exact gradients). The result is exactly
 Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients).
 
@@ -237,6 +239,11 @@ class GhostClipper:
         def fwd_hook(module, args, out, _layer=layer):
             if not (module.training and torch.is_grad_enabled()) or not torch.is_tensor(out) or not out.requires_grad:
                 return
+            if out.dtype not in (torch.float32, torch.float64):
+                raise ValueError(
+                    f"two-pass ghost clipping needs float32 layers ({type(module).__name__} returned {out.dtype}): pass 2 "
+                    "would sum the clipped per-example gradients in reduced precision across examples; use one pass"
+                )
             x = args[0]
             _layer.calls += 1
             if not (x.is_floating_point() and x.requires_grad):  # nothing trainable below: a root of pass 1
