@@ -403,7 +403,8 @@ class DPTrainer(Trainer):
             opt = self._dp_optimizer
             sq = self.ghost_clipper.norms_pass(losses, affine=opt.rule.per_sample_affine(opt.params))
             self._clip_factors = clip_factors(sq, opt.max_grad_norm)
-            losses = losses * self._clip_factors
+            weighted = losses * self._clip_factors
+            losses = weighted + (losses - weighted).detach()  # the value (and logged loss) stays Σ ℓ_i
         total = losses.sum() * 0.0 if empty else losses.sum()
         if total.requires_grad:
             total.register_hook(self._capture_loss_scale)

@@ -156,6 +156,8 @@ def test_ghost_two_pass_and_hooks_train_the_same_model(tmp_path, optim, kw):
     _assert_same(p_two, p_hooks)
     assert t_two.get_epsilon() == t_hooks.get_epsilon()
     assert m_two["eval_loss"] == pytest.approx(m_hooks["eval_loss"], rel=1e-4)
+    logged = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (t_two, t_hooks)]
+    assert logged[0] and logged[0] == pytest.approx(logged[1], rel=1e-4)  # the (unclipped) training loss, as logged
 
 
 @pytest.mark.parametrize("clipping", ["ghost", "ghost_two_pass", "hooks"])
