@@ -263,6 +263,7 @@ class DPTrainer(Trainer):
         self._loss_scale: float | None = None
         self._empty_micro_batch = False
         self._clip_factors: torch.Tensor | None = None  # ghost_two_pass: c of the micro-batch in flight
+        self._two_pass_affine: dict | None = None  # ghost_two_pass: the rule's per-sample maps used in pass 1
         self._checked_grad_samples = False
         self.grad_sampler = self.ghost_clipper = None
         self.clipping = self._choose_clipping(world)
@@ -401,7 +402,8 @@ class DPTrainer(Trainer):
             # pass 1: the per-example norms (a backward that computes no parameter gradient and keeps the
             # graph); the backward of the returned loss is pass 2: its gradients are Σ_i c_i ∇ℓ_i
             opt = self._dp_optimizer
-            sq = self.ghost_clipper.norms_pass(losses, affine=opt.rule.per_sample_affine(opt.params))
+            self._two_pass_affine = opt.rule.per_sample_affine(opt.params)  # reused after pass 2
+            sq = self.ghost_clipper.norms_pass(losses, affine=self._two_pass_affine)
             self._clip_factors = clip_factors(sq, opt.max_grad_norm)
             weighted = losses * self._clip_factors
             losses = weighted + (losses - weighted).detach()  # the value (and logged loss) stays Σ ℓ_i
@@ -427,8 +429,8 @@ class DPTrainer(Trainer):
                 clipped = self.ghost_clipper.clipped_sum(opt.max_grad_norm, loss_scale=self._loss_scale, affine=opt.rule.per_sample_affine(opt.params))
                 opt.add_clipped_sum(clipped)
             elif self.clipping == "ghost_two_pass":
-                c, self._clip_factors = self._clip_factors, None
-                opt.add_clipped_sum(self.ghost_clipper.grads_after_backward(c, self._loss_scale, affine=opt.rule.per_sample_affine(opt.params)))
+                c, affine, self._clip_factors, self._two_pass_affine = self._clip_factors, self._two_pass_affine, None, None
+                opt.add_clipped_sum(self.ghost_clipper.grads_after_backward(c, self._loss_scale, affine=affine))
             else:
                 if not self._checked_grad_samples:
                     assert_grad_samples_complete(self.model, self._rows_in_batch)

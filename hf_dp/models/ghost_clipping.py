@@ -29,9 +29,10 @@ backward pass captures, for every trainable layer, its input activations ``a`` a
   generic path runs), and the contribution that is clipped and summed is exactly the factorised Ĝ_i whose norm
   is used, so a residual could only perturb the gradient, never the bound c_i‖Ĝ_i‖ ≤ C.
 
-So the DP step costs about one forward, one backward and the ghost norms. Its memory: every layer's
-input (which autograd keeps until that layer's backward anyway) and output gradient stay alive until
-the clip factors are known, at the end of backward.
+So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
+Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients). Its memory:
+every layer's input (which autograd keeps until that layer's backward anyway) and output gradient stay
+alive until the clip factors are known, at the end of backward.
 
 **Two passes** (``two_pass=True``, ``--clipping ghost_two_pass``) keep nothing: pass 1
 (:meth:`GhostClipper.norms_pass`) is a backward of Σ_i ℓ_i towards the outputs of the lowest trainable
@@ -40,12 +41,12 @@ weight gradient; each layer's norm terms are computed by a hook on its output as
 gradient exists (a layer called several times: once all calls have theirs) and the records are dropped.
 Pass 2 is an ordinary backward of Σ_i c_i ℓ_i (c detached) through the same graph — same dropout masks —
 whose parameter gradients are exactly Σ_i c_i ∇ℓ_i (:meth:`GhostClipper.grads_after_backward` takes them
-from ``.grad``). Cost: one more input-gradient backward plus the norms; peak memory that of a
-non-private step. Float32 (or float64) layers only: in reduced precision pass 2 would round the sum across
-examples, so the bound would hold only up to that rounding (one pass sums in float32). The single-query
-factorisation is not used there (pass 2 sums the exact gradients,
-so the norms must be those of the exact gradients). The result is exactly
-Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients).
+from ``.grad``). Cost: one more input-gradient backward plus the norms. Memory: no records, but pass 1
+holds the whole graph while its transient input gradients exist (a non-private backward frees saved
+tensors as it goes) — measured 1.10× the non-private peak where one pass needs 1.22× (benchmarks/RESULTS.md
+§1). Float32 (or float64) layers only: in reduced precision pass 2 would round the sum across examples, so
+the bound would hold only up to that rounding (one pass sums in float32). The single-query factorisation
+is not used there (pass 2 sums the exact gradients, so the norms must be those of the exact gradients).
 
 Supported trainable layers: ``nn.Linear``, transformers' ``Conv1D`` (GPT-2), ``nn.LayerNorm``,
 ``nn.Embedding`` (incl. broadcast position ids, see :func:`install_batch_hooks`). A layer called
@@ -560,9 +561,7 @@ class GhostClipper:
             return self._sq
         finally:
             self._phase, self._affine_now = None, {}
-            sq = self._sq
             self.clear()
-            self._sq = sq
 
     def grads_after_backward(self, c: torch.Tensor, loss_scale: float = 1.0, affine: dict | None = None) -> dict:
         """After pass 2 (a backward of ``loss_scale`` · Σ_i c_i ℓ_i): {param: Σ_i c_i v_i} from the parameters'
