@@ -1,5 +1,9 @@
 """Optimizer step cost: each DP update rule vs torch.optim.AdamW(foreach=True) on the same parameters.
 
+Rows: ``torch_adamw`` (the reference, ``foreach=True``), ``torch_adamw_fused`` (torch's fused CPU/CUDA
+kernel, for scale), every DP rule as DPTrainer builds it, and ``<rule>_chain`` (``fused=False``: the
+transform chain) for the rules that run torch's fused Adam/AdamW kernel by default.
+
 Measures only the update (``rule.step()`` on a fixed privatized gradient in ``p.grad``), i.e. what the
 optimizer adds on top of the privatizer; interleaved repetitions, median and spread, one process.
 The parameters are the trainable set of the paper's configuration on all-MiniLM-L6-v2 (last block +
@@ -17,6 +21,7 @@ import time
 import torch
 
 from hf_dp.optim import DP_OPTIMIZERS, make_optimizer
+from hf_dp.optim.registry import get_entry
 
 
 def minilm_last_block_shapes(hidden=384, inter=1536, labels=2):
@@ -27,11 +32,15 @@ def minilm_last_block_shapes(hidden=384, inter=1536, labels=2):
 
 def build(name, shapes):
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-    if name == "torch_adamw":
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=True)
+    if name.startswith("torch_adamw"):
+        kind = "fused" if name.endswith("_fused") else "foreach"
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **{kind: True})
         step = opt.step
     else:
-        opt = make_optimizer(name, params, noise_multiplier=1.0, max_grad_norm=0.1, expected_batch_size=256, lr=1e-3, weight_decay=0.01 if name != "dp_sgd_l2" else 0.0, noise_seed=0)
+        extra = {}
+        if name.endswith("_chain"):  # the transform chain of a rule that runs torch's fused kernel by default
+            name, extra = name[: -len("_chain")], {"fused": False}
+        opt = make_optimizer(name, params, noise_multiplier=1.0, max_grad_norm=0.1, expected_batch_size=256, lr=1e-3, weight_decay=0.01 if name != "dp_sgd_l2" else 0.0, noise_seed=0, **extra)
         if hasattr(opt.rule, "clamp_rate_every"):
             opt.rule.clamp_rate_every = 10  # as DPTrainer does with --logging_steps 10 (the BC diagnostic)
         step = opt.rule.step
@@ -46,7 +55,8 @@ def main():
     ap.add_argument("--inner", type=int, default=20)
     a = ap.parse_args()
     shapes = minilm_last_block_shapes()
-    names = ["torch_adamw", *DP_OPTIMIZERS]
+    fusable = [n for n in DP_OPTIMIZERS if getattr(get_entry(n).rule_cls, "fusable", lambda: False)()]
+    names = ["torch_adamw", "torch_adamw_fused", *DP_OPTIMIZERS, *(f"{n}_chain" for n in fusable)]
     steps = {n: build(n, shapes) for n in names}
     for n in names:  # warm-up
         for _ in range(3):

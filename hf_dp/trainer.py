@@ -348,7 +348,11 @@ class DPTrainer(Trainer):
                 key, _, value = item.partition("=")
                 if key not in accepted or key == "params":
                     raise ValueError(f"--optim_args: {args.optim} has no hyper-parameter {key!r}")
-                kw[key] = float(value)
+                flag = {"true": True, "false": False}.get(value.lower())  # e.g. fused=False
+                try:
+                    kw[key] = flag if flag is not None else float(value)
+                except ValueError:
+                    raise ValueError(f"--optim_args: {key}={value!r} is neither a number nor true/false") from None
         return {k: v for k, v in kw.items() if k in accepted}
 
     def create_optimizer(self, model=None):

@@ -87,14 +87,18 @@ def _rule_case(name, groups, momentum):
 
 
 @pytest.mark.parametrize(
-    "name,momentum",
-    [("dp_sgd", 0.0), ("dp_sgd", 0.9), ("dp_adam", 0.0), ("dp_adambc", 0.0), ("dp_adamw", 0.0), ("dp_adamw_bc", 0.0)],
+    "name,momentum,fused",
+    [("dp_sgd", 0.0, None), ("dp_sgd", 0.9, None), ("dp_adam", 0.0, None), ("dp_adam", 0.0, False), ("dp_adambc", 0.0, None),
+     ("dp_adamw", 0.0, None), ("dp_adamw_bc", 0.0, None)],
 )
-def test_rule_matches_paper_reference(name, momentum):
+def test_rule_matches_paper_reference(name, momentum, fused):
+    """(dp_adam runs torch's fused Adam kernel by default and the transform chain with fused=False: both checked.)"""
     model = mlp()
     groups = grouped(model)
     params = flat_params(groups)
     hyper, reference = _rule_case(name, groups, momentum)
+    if fused is not None:
+        hyper["fused"] = fused
     opt = make_optimizer(
         name, groups, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=BATCH, noise_seed=1, **hyper
     )
@@ -224,9 +228,9 @@ def test_dp_sgd_l2_differs_from_decay_after_noising():
     assert not np.allclose(traj[-1][0], traj0[-1][1], rtol=1e-4)  # λ is really used inside the clip
 
 
-@pytest.mark.parametrize("sigma", [0.0, 0.8])
-def test_dp_macadam_full_pipeline_matches_seed001(sigma):
-    hyper = dict(lr=0.01, betas=(0.8, 0.95), eps=1e-8)
+@pytest.mark.parametrize("sigma,fused", [(0.0, None), (0.8, None), (0.8, False)])
+def test_dp_macadam_full_pipeline_matches_seed001(sigma, fused):
+    hyper = dict(lr=0.01, betas=(0.8, 0.95), eps=1e-8, fused=fused)
     opt, traj = _run_full(
         "dp_macadam",
         sigma,
@@ -239,6 +243,52 @@ def test_dp_macadam_full_pipeline_matches_seed001(sigma):
     # the bound really adapted (h1 < ŝ < h2 somewhere) and differs from b_0 = C
     bounds = np.concatenate([opt.rule.state[p]["bound"].reshape(-1).numpy() for p in opt.params])
     assert not np.allclose(bounds, 0.3)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_fused_kernel_is_used_exactly_where_the_update_is_torch_adam(name, monkeypatch):
+    """torch's fused Adam/AdamW kernel runs for the rules whose update is exactly it (dp_adam; dp_macadam's
+    Adam half) unless fused=False; the others always run their chain; fused=True is refused where it
+    cannot apply. The fused and chain updates agree (float32, several steps, weight decay, LR changes)."""
+    import hf_dp.optim.dp_adam as mod
+
+    calls = []
+    real = mod._torch_adam
+    monkeypatch.setattr(mod, "_torch_adam", lambda *a, **k: calls.append(k["decoupled_weight_decay"]) or real(*a, **k))
+    fusable = name in ("dp_adam", "dp_macadam")
+    wd = 0.0 if name == "dp_sgd_l2" else 0.05
+
+    def run(**kw):
+        model = mlp(dtype=torch.float32)
+        params = list(model.parameters())
+        opt = make_optimizer(name, params, noise_multiplier=0.5, max_grad_norm=0.3, expected_batch_size=4, noise_seed=0,
+                             lr=0.01, weight_decay=wd, **kw)
+        gsm = opacus.GradSampleModule(model, loss_reduction="sum")
+        gen = torch.Generator().manual_seed(0)
+        for k in range(6):
+            opt.param_groups[0]["lr"] = 0.01 * (1 + k % 3)
+            x, y = batch(gen, 4, dtype=torch.float32)
+            sum_ce(gsm(x), y).backward()
+            opt.accumulate()
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in params])
+
+    if not fusable:
+        run()
+        assert calls == []
+        with pytest.raises((ValueError, TypeError), match="no fused kernel|unexpected keyword argument 'fused'"):
+            run(fused=True)  # Adam-type rules name the reason; the SGD rules take no such argument
+        return
+    fused = run()
+    assert calls == [name == "dp_macadam"] * 6  # AdamW (decoupled decay) for MacAdam, Adam (L2) for DP-Adam
+    calls.clear()
+    chain = run(fused=False)
+    assert calls == []
+    assert torch.allclose(fused, chain, rtol=1e-5, atol=1e-7)
+    assert torch.equal(run(fused=True), fused)
+    with pytest.raises(ValueError, match="fused must be"):
+        run(fused="yes")
 
 
 def test_dp_macadam_float32_bound_tracks_float64():

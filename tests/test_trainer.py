@@ -510,6 +510,23 @@ def test_bad_arguments_are_refused(overrides, match, tmp_path):
         dp_args(tmp_path, **overrides)
 
 
+def test_optim_args_reach_the_rule(ds128, collator, tmp_path):
+    """--optim_args: numbers and true/false reach the update rule; anything else is refused by name."""
+    def rule(optim, optim_args):
+        trainer = _trainer(make_model(), dp_args(tmp_path, optim=optim, optim_args=optim_args), ds128, collator)
+        trainer.create_optimizer()
+        return trainer._dp_optimizer.rule
+
+    r = rule("dp_macadam", "fused=false, h2=0.5")
+    assert r.fused is False and r.param_groups[0]["h2"] == 0.5
+    assert rule("dp_adam", "fused=True").fused is True
+    assert rule("dp_sgd", "momentum=0.9").param_groups[0]["momentum"] == 0.9
+    with pytest.raises(ValueError, match="neither a number nor true/false"):
+        rule("dp_adam", "eps=tiny")
+    with pytest.raises(ValueError, match="has no hyper-parameter 'fused'"):
+        rule("dp_sgd", "fused=true")
+
+
 def test_disable_dp_with_hf_optimizer_is_allowed(tmp_path):
     args = dp_args(tmp_path, optim="adamw_torch", disable_dp=True, epsilon=None)
     assert not args.dp_enabled

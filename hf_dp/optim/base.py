@@ -179,13 +179,20 @@ class DPUpdateRule(torch.optim.Optimizer):
                 st["step"] += 1
                 states.append(st)
             ctx = StepContext(self, group, params, states)
-            updates = [p.grad for p in params]
-            for t in transforms:
-                updates = t(updates, ctx)
-            torch._foreach_add_(params, updates, alpha=-float(group["lr"]))
+            if not self.fused_group_step(ctx):
+                updates = [p.grad for p in params]
+                for t in transforms:
+                    updates = t(updates, ctx)
+                torch._foreach_add_(params, updates, alpha=-float(group["lr"]))
             self.after_group_step(ctx)
         self.after_step()
         return loss
+
+    def fused_group_step(self, ctx: StepContext) -> bool:
+        """Optional fast path: apply the whole chain and θ ← θ − η·u to ``ctx.params`` with one fused
+        kernel, returning True; it must compute the same update as the chain (up to float rounding,
+        tested) and leave g̃_t in ``p.grad``. The default returns False: the chain runs."""
+        return False
 
     def after_group_step(self, ctx: StepContext) -> None:
         """Hook for rules that keep extra statistics (e.g. the BC clamp rate)."""

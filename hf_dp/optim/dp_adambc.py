@@ -10,10 +10,10 @@ class _BiasCorrected(_AdamFamily):
     denominator = "bias_corrected"
     default_gamma = 1e-8
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, gamma=None):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, gamma=None, fused=None):
         gamma = self.default_gamma if gamma is None else gamma
         check_positive("gamma", gamma)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma, fused=fused)
         self._clamped = None
         self._numel = 0
 

@@ -39,7 +39,7 @@ class DPMacAdam(_AdamFamily):
     denominator = "eps_outside"
     decay = DecoupledWeightDecay
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, h1=1e-12, h2=1.0, initial_bound=None):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, h1=1e-12, h2=1.0, initial_bound=None, fused=None):
         check_positive("h1", h1)
         check_positive("h2", h2)
         if h1 > h2:
@@ -48,7 +48,7 @@ class DPMacAdam(_AdamFamily):
         self._initial_bound_explicit = initial_bound is not None
         if initial_bound is not None:
             check_positive("initial_bound (C)", initial_bound)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, h1=h1, h2=h2)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused, h1=h1, h2=h2)
         self.initial_bound = float(initial_bound) if initial_bound is not None else 1.0
 
     def check_group(self, group):
