@@ -228,15 +228,19 @@ def test_dp_sgd_l2_differs_from_decay_after_noising():
     assert not np.allclose(traj[-1][0], traj0[-1][1], rtol=1e-4)  # λ is really used inside the clip
 
 
-@pytest.mark.parametrize("sigma,fused", [(0.0, None), (0.8, None), (0.8, False)])
-def test_dp_macadam_full_pipeline_matches_seed001(sigma, fused):
-    hyper = dict(lr=0.01, betas=(0.8, 0.95), eps=1e-8, fused=fused)
+@pytest.mark.parametrize("sigma,fused,beta1", [(0.0, None, 0.8), (0.8, None, 0.8), (0.8, False, 0.8), (0.8, None, 0.4)])
+def test_dp_macadam_full_pipeline_matches_seed001(sigma, fused, beta1):
+    """(β1 = 0.4: the stored s_t/ρ_t is renormalised at t = 16, when 0.4^t < 1e-6; fused=False: the Adam chain.)"""
+    hyper = dict(lr=0.01, betas=(beta1, 0.95), eps=1e-8, fused=fused)
     opt, traj = _run_full(
         "dp_macadam",
         sigma,
         hyper,
-        lambda th, lam, C, B: ref.RefDPMacAdam(th, lam, b0=C, sigma=sigma, B=B, betas=(0.8, 0.95), gamma=1e-8, h1=1e-12, h2=1.0),
+        lambda th, lam, C, B: ref.RefDPMacAdam(th, lam, b0=C, sigma=sigma, B=B, betas=(beta1, 0.95), gamma=1e-8, h1=1e-12, h2=1.0),
     )
+    if beta1 == 0.4:
+        # renormalised at t = 16 (0.4^16 < 1e-6), so after 22 steps ρ = 0.4^(22−15)
+        assert all(opt.rule.state[p]["s_scale"] == pytest.approx(0.4**7) for p in opt.params)
     for theta, theta_ref, g, g_ref in traj:
         np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-8)
         np.testing.assert_allclose(theta, theta_ref, rtol=1e-5, atol=1e-8)
@@ -291,11 +295,15 @@ def test_fused_kernel_is_used_exactly_where_the_update_is_torch_adam(name, monke
         run(fused="yes")
 
 
-def test_dp_macadam_float32_bound_tracks_float64():
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_dp_macadam_float32_bound_tracks_float64(seed):
     """The bound refresh is numerically sensitive (ŝ = s/κ − b²σ²/B² cancels and b feeds back): on
     a last-block-sized parameter set, the float32 bounds must stay close to the float64 run of the
-    same optimizer on the same privatized gradients (a float32 global reduction did not: ~1e-5 of
-    the coordinates ended > 1% off, up to 80%)."""
+    same optimizer on the same privatized gradients. Measured: median relative error ~5e-8, a handful
+    of coordinates (where ŝ nearly cancels; at most 6 of 590,976 over 6 seeds) beyond 1e-3, the worst
+    2e-2 — inherent in float32 (the refresh that summed every element in float64 did the same).
+    A float32 global reduction (``torch._foreach_norm(·, 1)`` per tensor, used at first) fails every
+    criterion: median 2e-4, ~950 coordinates beyond 1e-3, worst 30×."""
     shapes = [(768, 384), (768,), (384, 768), (384,)]
 
     def build(dtype):
@@ -306,7 +314,7 @@ def test_dp_macadam_float32_bound_tracks_float64():
         return opt.rule, params
 
     (r32, p32), (r64, p64) = build(torch.float32), build(torch.float64)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     for _ in range(8):
         for p, q in zip(p32, p64):
             grad = torch.randn(p.shape, generator=g, dtype=torch.float64) * 1e-3
@@ -316,7 +324,10 @@ def test_dp_macadam_float32_bound_tracks_float64():
     b32 = torch.cat([r32.state[p]["bound"].reshape(-1).double() for p in p32])
     b64 = torch.cat([r64.state[q]["bound"].reshape(-1) for q in p64])
     assert not torch.allclose(b64, torch.full_like(b64, 0.1))  # refreshed away from b_0 = C
-    assert ((b32 - b64).abs() > 1e-3 * b64.abs()).sum() == 0, "float32 bounds drifted from float64"
+    rel = (b32 - b64).abs() / b64.abs()
+    assert float(rel.median()) < 1e-6, "float32 bounds drifted from float64"
+    assert int((rel > 1e-3).sum()) <= 1e-4 * rel.numel(), "too many float32 bounds drifted from float64"
+    assert float(rel.max()) < 0.1
 
 
 def test_dp_macadam_documented_choices():
@@ -561,6 +572,8 @@ def test_other_bad_hyperparameters():
         _mk("dp_lion")
     with pytest.raises(ValueError, match="h1"):
         _mk("dp_macadam", h1=1e-2, h2=1e-3)
+    with pytest.raises(ValueError, match=r"betas\[0\] > 0"):  # κ_t ∝ β1 − β1^t = 0: the refresh is undefined
+        _mk("dp_macadam", betas=(0.0, 0.999))
     with pytest.raises(ValueError, match="h1"):
         make_optimizer("dp_macadam", [{"params": [nn.Parameter(torch.zeros(2))], "h1": 2.0}], noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
     with pytest.raises(ValueError, match="momentum"):

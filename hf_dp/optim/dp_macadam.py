@@ -1,3 +1,5 @@
+import math
+
 import torch
 
 from .base import check_positive
@@ -31,6 +33,7 @@ class DPMacAdam(_AdamFamily):
     Choices where the paper is open (documented and tested):
     * b_0 = C·1 (every coordinate) and m̂_0 = 0, so step 1 is exactly DP-SGD clipping at C;
     * at t = 1, κ_1 = 0, so the bound is not refreshed (b_1 = b_0); s is updated from t = 1 on;
+    * β1 = 0 is refused (κ_t would be 0 at every step);
     * noise is divided by the expected batch B (Opacus semantics), and Φ-like correction uses it;
     * h1 = 1e-12, h2 = 1.0 by default (``h1``, ``h2``; the paper leaves them to the user);
     * optional decoupled ``weight_decay`` (default 0, not in the paper) as in DP-AdamW.
@@ -53,6 +56,8 @@ class DPMacAdam(_AdamFamily):
 
     def check_group(self, group):
         super().check_group(group)
+        if group["betas"][0] <= 0:  # κ_t = 2(β1 − β1^t)/(1+β1) would be 0 at every step: ŝ = s/κ undefined
+            raise ValueError(f"DP-MacAdam needs betas[0] > 0 (its bound refresh divides by κ_t ∝ β1 − β1^t), got {group['betas'][0]}")
         h1 = check_positive("h1", group["h1"])
         h2 = check_positive("h2", group["h2"])
         if h1 > h2:
@@ -79,72 +84,86 @@ class DPMacAdam(_AdamFamily):
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
     def _center_and_bound(self, p):
-        """(m̂_{t−1}, b_{t−1}) for parameter p (0 and b_0 before the first step)."""
+        """(1/(1−β1^t), b_{t−1}) for parameter p after t steps, so that m̂_{t−1} = exp_avg · the first
+        (None before the first step: m̂_0 = 0); (None, None) before the state exists (b = b_0)."""
         st = self.state[p]
         if "bound" not in st:
             return None, None
-        b1 = self._group_of(p)["betas"][0]
         t = st["step"]
-        m_hat = st["exp_avg"] / (1.0 - b1**t) if t > 0 else None
-        return m_hat, st["bound"]
+        return (1.0 / (1.0 - self._group_of(p)["betas"][0] ** t) if t > 0 else None), st["bound"]
 
     def _group_of(self, p):
-        for g in self.param_groups:
-            if any(q is p for q in g["params"]):
-                return g
-        raise KeyError("parameter not in optimizer")
+        index = self.__dict__.get("_group_index")
+        if index is None or id(p) not in index:  # built lazily, rebuilt after add_param_group
+            index = self._group_index = {id(q): g for g in self.param_groups for q in g["params"]}
+        if id(p) not in index:
+            raise KeyError("parameter not in optimizer")
+        return index[id(p)]
 
     def per_sample_affine(self, params):
         """w_i = (g_i − m̂_{t−1}) / b_{t−1} as (o, s) = (−m̂_{t−1}, 1/b_{t−1}) for ghost clipping (the same
         map as :meth:`to_clip_space`; before the first step o = None, s = 1/b_0)."""
         out = {}
         for p in params:
-            m_hat, bound = self._center_and_bound(p)
+            inv_c1, bound = self._center_and_bound(p)
             if bound is None:
                 out[p] = (None, 1.0 / self.initial_bound)
             else:
-                out[p] = (None if m_hat is None else -m_hat, bound.reciprocal())
+                out[p] = (None if inv_c1 is None else torch.mul(self.state[p]["exp_avg"], -inv_c1), bound.reciprocal())
         return out
 
     def to_clip_space(self, params, grad_samples):
         out = []
         for p, gs in zip(params, grad_samples):
-            m_hat, bound = self._center_and_bound(p)
+            inv_c1, bound = self._center_and_bound(p)
             if bound is None:
                 out.append(gs / self.initial_bound)
+            elif inv_c1 is None:
+                out.append(gs / bound.unsqueeze(0))
             else:
-                out.append((gs - m_hat.unsqueeze(0)) / bound.unsqueeze(0) if m_hat is not None else gs / bound.unsqueeze(0))
+                out.append((gs - (self.state[p]["exp_avg"] * inv_c1).unsqueeze(0)) / bound.unsqueeze(0))
         return out
 
     def from_clip_space(self, params):
         for p in params:
             if p.grad is None:
                 continue
-            m_hat, bound = self._center_and_bound(p)
+            inv_c1, bound = self._center_and_bound(p)
             if bound is None:
                 p.grad.mul_(self.initial_bound)
             else:
-                p.grad.mul_(bound)
-                if m_hat is not None:
-                    p.grad.add_(m_hat)
+                p.grad.mul_(bound)  # g̃ = b ⊙ w̃ + m̂
+                if inv_c1 is not None:
+                    p.grad.add_(self.state[p]["exp_avg"], alpha=inv_c1)
 
     def _init_state(self, p, state, transforms):
         super()._init_state(p, state, transforms)
-        state["s"] = torch.zeros_like(p)
+        state["s"] = torch.zeros_like(p)  # s_t = s_scale · state["s"] (see after_step)
+        state["s_scale"] = 1.0
         state["bound"] = torch.full_like(p, self.initial_bound)
 
     @torch.no_grad()
     def after_step(self):
-        """Refresh s_t and b_t from g̃_t (``p.grad``) and m̂_t, jointly over all coordinates.
+        """Refresh s_t and b_t from g̃_t (``p.grad``) and m_t, jointly over all coordinates.
 
-        One pass per parameter tensor (u, s, ŝ while the tensor is in cache; u's buffer becomes
-        ŝ and then b_t), then one scaling pass by the global (Σ_j ŝ_j^{1/2})^{1/2}. The global sum
-        adds per-tensor ``sum()``s (pairwise summation) in float64: the refresh is numerically
-        sensitive (ŝ = s/κ − b²σ²/B² cancels, and b feeds back into the next ŝ), and a float32
-        reduction with ~1e-6 relative error (``torch._foreach_norm(·, 1)``, used before) left
-        ~1e-5 of the coordinates of the MiniLM last block more than 1% (up to 80%) away from the
-        float64 result after a few steps; this version stays within ~1e-6 of it
-        (``tests/test_optimizers.py::test_dp_macadam_float32_bound_tracks_float64``)."""
+        Two scalings keep the passes over the tensors few (≈ 8, ``benchmarks/RESULTS.md`` §2):
+
+        * s_t is stored as ρ_t · S_t (``state["s_scale"]`` = ρ_t, ``state["s"]`` = S_t) with ρ_t = β1 ρ_{t−1},
+          so s_t = β1 s_{t−1} + (1−β1)u² is the single pass S_t = S_{t−1} + ((1−β1)/ρ_t) u²; S is
+          rescaled to ρ = 1 when ρ would drop below 1e-6 (one extra pass every ~130 steps at β1 = 0.9);
+        * κ_t and ρ_t are folded into scalars: with y = clamp(S_t − (κ_t/ρ_t) b_{t−1}²σ²/B², κ_t h1/ρ_t,
+          κ_t h2/ρ_t) = κ_t ŝ_t / ρ_t, b_t = ŝ^{1/4} (Σ_j ŝ_j^{1/2})^{1/2} = y^{1/4} (ρ_t/κ_t)^{1/4} ·
+          (Σ_tensors (ρ_t/κ_t)^{1/2} Σ_j y_j^{1/2})^{1/2}.
+
+        Per parameter tensor: u = g̃_t − m̂_t (one new buffer), S_t, then y written into u's buffer,
+        clamped, ^{1/2}, summed, ^{1/4}; the buffer becomes b_t after one scaling pass by the global factor.
+
+        The global sum is numerically sensitive (ŝ cancels, and b feeds back into the next ŝ): a
+        float32 ``torch._foreach_norm(·, 1)`` per tensor (used at first) left ~1.6e-3 of the coordinates
+        of a last-block-sized set more than 0.1% (up to 30×) away from a float64 run after 8 steps. Each
+        tensor's ``sum()`` is a pairwise (cascade) reduction, accumulated in at least float32, and the
+        per-tensor sums are added in float64: median error ~5e-8, a handful of coordinates (where ŝ
+        nearly cancels) up to ~2% (``tests/test_optimizers.py::test_dp_macadam_float32_bound_tracks_float64``)."""
         var = self.noise_std_of_mean() ** 2  # (σ/B)² in clip space
         refreshed, partial = [], []
         for g in self.param_groups:
@@ -154,17 +173,23 @@ class DPMacAdam(_AdamFamily):
                 if p.grad is None or not st or "s" not in st:
                     continue
                 t = st["step"]
+                rho = st.get("s_scale", 1.0)
+                if b1 * rho < 1e-6:  # renormalise S before ρ gets small (S grows as 1/ρ)
+                    st["s"].mul_(rho)
+                    rho = 1.0
+                rho *= b1
+                st["s_scale"] = rho
                 u = torch.add(p.grad, st["exp_avg"], alpha=-1.0 / (1.0 - b1**t))  # g̃_t − m̂_t
-                st["s"].mul_(b1).addcmul_(u, u, value=1.0 - b1)  # s_t = β1 s_{t−1} + (1−β1) u²
+                st["s"].addcmul_(u, u, value=(1.0 - b1) / rho)  # s_t/ρ_t = s_{t−1}/ρ_{t−1} + (1−β1)u²/ρ_t
                 if t < 2:  # κ_1 = 0: keep b_1 = b_0
                     continue
-                kappa = 2.0 * (b1 - b1**t) / (1.0 + b1)
-                s_hat = torch.div(st["s"], kappa, out=u)  # reuse u's buffer
-                s_hat.addcmul_(st["bound"], st["bound"], value=-var).clamp_(g["h1"], g["h2"]).sqrt_()  # ŝ^{1/2}
-                partial.append(s_hat.sum(dtype=torch.float64))
-                refreshed.append((st, s_hat.sqrt_()))  # ŝ^{1/4}
+                k = 2.0 * (b1 - b1**t) / (1.0 + b1) / rho  # κ_t/ρ_t
+                y = torch.addcmul(st["s"], st["bound"], st["bound"], value=-k * var, out=u)  # κ ŝ/ρ, unclamped
+                y.clamp_(k * g["h1"], k * g["h2"]).sqrt_()  # y^{1/2}
+                partial.append(y.sum(dtype=torch.float32 if y.element_size() < 4 else None).double() / math.sqrt(k))
+                refreshed.append((st, y.sqrt_(), k))  # y^{1/4}
         if not refreshed:
             return
-        total = torch.stack(partial).sum().sqrt()  # (Σ_j ŝ_j^{1/2})^{1/2}, a tensor: no device sync
-        for st, s_quarter in refreshed:
-            st["bound"] = s_quarter.mul_(total)
+        total = torch.stack(partial).sum().sqrt()  # (Σ_j ŝ_j^{1/2})^{1/2}: a tensor, no device sync
+        for st, y_quarter, k in refreshed:
+            st["bound"] = y_quarter.mul_((total / k**0.25).to(y_quarter.dtype))
