@@ -67,6 +67,15 @@ class StepContext:
         self.params = params
         self.states = states
         self.extras: dict = {}
+        self._temporary: list | None = None
+
+    def mark_temporary(self, updates: list[Tensor]) -> list[Tensor]:
+        """Declare ``updates`` a fresh list of temporaries (not g̃, not state): later pieces may write it."""
+        self._temporary = updates
+        return updates
+
+    def is_temporary(self, updates: list[Tensor]) -> bool:
+        return updates is self._temporary
 
 
 class Transform:

@@ -1,7 +1,9 @@
 """Small composable update pieces shared by the DP optimizers (vectorised with ``torch._foreach_*``).
 
 Each piece maps the list of per-parameter updates ``u`` (initially g̃_t = ``p.grad``) to a new list
-and never writes into ``p.grad``, so that after ``step()`` ``p.grad`` still holds g̃_t.
+and never writes into ``p.grad`` or optimizer state it does not own, so that after ``step()`` ``p.grad``
+still holds g̃_t. A piece that returns a fresh list of temporaries marks it (``ctx.mark_temporary``);
+later pieces may then update it in place instead of allocating another parameter-sized list.
 Notation: t is the 1-based step, λ the group's ``weight_decay``, θ_{t−1} the parameters before
 the step (the chain runs before the final ``θ ← θ − η·u``, so ``ctx.params`` are θ_{t−1}).
 """
@@ -21,6 +23,9 @@ class CoupledWeightDecay(Transform):
     def __call__(self, updates, ctx):
         wd = float(ctx.group.get("weight_decay", 0.0))
         if wd == 0.0:
+            return updates
+        if ctx.is_temporary(updates):  # a fresh list of an earlier piece (not g̃, not state): in place
+            torch._foreach_add_(updates, ctx.params, alpha=wd)
             return updates
         return torch._foreach_add(updates, ctx.params, alpha=wd)
 
@@ -123,4 +128,4 @@ class AdamDenominator(Transform):
             torch._foreach_sqrt_(den)
         torch._foreach_div_(den, updates)  # den ← den / m, then invert: no second temporary list
         torch._foreach_reciprocal_(den)
-        return den
+        return ctx.mark_temporary(den)
