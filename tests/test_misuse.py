@@ -110,6 +110,8 @@ CASES = {
                     ValueError, r"^--include_num_input_tokens_seen logs how many tokens the Poisson-sampled batches held, .*not allowed with DP$"),
     "fp16": ({"fp16": True}, dataset, bert, {},
              ValueError, r"^--fp16 is not supported with DP: dynamic loss scaling skips steps depending on private gradients; use --bf16 or fp32$"),
+    "macadam-beta1-zero": ({"optim": "dp_macadam", "adam_beta1": 0.0}, dataset, bert, {},
+                           ValueError, r"^DP-MacAdam needs betas\[0\] \(--adam_beta1\) > 0: its bound refresh divides by κ_t ∝ β1 − β1\^t; got 0\.0$"),
     "two-pass-bf16": ({"bf16": True, "clipping": "ghost_two_pass"}, dataset, bert, {},
                       ValueError, r"^--clipping ghost_two_pass needs float32 training: its second backward sums the clipped per-example gradients in the autocast precision"),
     "trainable-batchnorm": ({}, dataset, bert_with_batchnorm, {},

@@ -572,7 +572,7 @@ def test_other_bad_hyperparameters():
         _mk("dp_lion")
     with pytest.raises(ValueError, match="h1"):
         _mk("dp_macadam", h1=1e-2, h2=1e-3)
-    with pytest.raises(ValueError, match=r"betas\[0\] > 0"):  # κ_t ∝ β1 − β1^t = 0: the refresh is undefined
+    with pytest.raises(ValueError, match=r"betas\[0\] \(--adam_beta1\) > 0"):  # κ_t ∝ β1 − β1^t = 0: the refresh is undefined
         _mk("dp_macadam", betas=(0.0, 0.999))
     with pytest.raises(ValueError, match="h1"):
         make_optimizer("dp_macadam", [{"params": [nn.Parameter(torch.zeros(2))], "h1": 2.0}], noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)

@@ -57,7 +57,7 @@ class DPMacAdam(_AdamFamily):
     def check_group(self, group):
         super().check_group(group)
         if group["betas"][0] <= 0:  # κ_t = 2(β1 − β1^t)/(1+β1) would be 0 at every step: ŝ = s/κ undefined
-            raise ValueError(f"DP-MacAdam needs betas[0] > 0 (its bound refresh divides by κ_t ∝ β1 − β1^t), got {group['betas'][0]}")
+            raise ValueError(f"DP-MacAdam needs betas[0] (--adam_beta1) > 0: its bound refresh divides by κ_t ∝ β1 − β1^t; got {group['betas'][0]}")
         h1 = check_positive("h1", group["h1"])
         h2 = check_positive("h2", group["h2"])
         if h1 > h2:
