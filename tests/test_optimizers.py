@@ -89,10 +89,11 @@ def _rule_case(name, groups, momentum):
 @pytest.mark.parametrize(
     "name,momentum,fused",
     [("dp_sgd", 0.0, None), ("dp_sgd", 0.9, None), ("dp_adam", 0.0, None), ("dp_adam", 0.0, False), ("dp_adambc", 0.0, None),
-     ("dp_adamw", 0.0, None), ("dp_adamw_bc", 0.0, None)],
+     ("dp_adamw", 0.0, None), ("dp_adamw", 0.0, False), ("dp_adamw_bc", 0.0, None)],
 )
 def test_rule_matches_paper_reference(name, momentum, fused):
-    """(dp_adam runs torch's fused Adam kernel by default and the transform chain with fused=False: both checked.)"""
+    """(dp_adam and dp_adamw run torch's fused Adam/AdamW kernel by default — dp_adamw with ε moved into v —
+    and the transform chain with fused=False: both checked.)"""
     model = mlp()
     groups = grouped(model)
     params = flat_params(groups)
@@ -259,12 +260,14 @@ def test_fused_kernel_is_used_exactly_where_the_update_is_torch_adam(name, monke
     calls = []
     real = mod._torch_adam
     monkeypatch.setattr(mod, "_torch_adam", lambda *a, **k: calls.append(k["decoupled_weight_decay"]) or real(*a, **k))
-    fusable = name in ("dp_adam", "dp_macadam")
+    fusable = name in ("dp_adam", "dp_adamw", "dp_macadam")
     wd = 0.0 if name == "dp_sgd_l2" else 0.05
 
     def run(**kw):
         model = mlp(dtype=torch.float32)
         params = list(model.parameters())
+        if fusable:
+            kw.setdefault("eps", 1e-3)  # large enough that where ε sits (inside/outside the root) shows
         opt = make_optimizer(name, params, noise_multiplier=0.5, max_grad_norm=0.3, expected_batch_size=4, noise_seed=0,
                              lr=0.01, weight_decay=wd, **kw)
         gsm = opacus.GradSampleModule(model, loss_reduction="sum")
@@ -276,7 +279,8 @@ def test_fused_kernel_is_used_exactly_where_the_update_is_torch_adam(name, monke
             opt.accumulate()
             opt.step()
             opt.zero_grad()
-        return torch.cat([p.detach().reshape(-1) for p in params])
+        v = torch.cat([opt.rule.state[p]["exp_avg_sq"].reshape(-1) for p in params]) if fusable else None
+        return torch.cat([p.detach().reshape(-1) for p in params]), v
 
     if not fusable:
         run()
@@ -284,13 +288,14 @@ def test_fused_kernel_is_used_exactly_where_the_update_is_torch_adam(name, monke
         with pytest.raises((ValueError, TypeError), match="no fused kernel|unexpected keyword argument 'fused'"):
             run(fused=True)  # Adam-type rules name the reason; the SGD rules take no such argument
         return
-    fused = run()
-    assert calls == [name == "dp_macadam"] * 6  # AdamW (decoupled decay) for MacAdam, Adam (L2) for DP-Adam
+    fused, v_fused = run()
+    assert calls == [name != "dp_adam"] * 6  # AdamW (decoupled decay) for DP-AdamW and MacAdam, Adam (L2) for DP-Adam
     calls.clear()
-    chain = run(fused=False)
+    chain, v_chain = run(fused=False)
     assert calls == []
     assert torch.allclose(fused, chain, rtol=1e-5, atol=1e-7)
-    assert torch.equal(run(fused=True), fused)
+    assert torch.allclose(v_fused, v_chain, rtol=1e-5, atol=1e-12)  # the state is plain v_t on both paths
+    assert torch.equal(run(fused=True)[0], fused)
     with pytest.raises(ValueError, match="fused must be"):
         run(fused="yes")
 

@@ -13,6 +13,7 @@ class DPAdamW(_AdamFamily):
     Choices where the paper is open: ε0 (= ``eps``) is *inside* the square root, as in the
     paper's line 10 (``torch.optim.AdamW`` puts it outside; the two coincide for ε0 = 0); the decay
     uses θ_{t−1} and is multiplied by η_t (so it follows the LR schedule; torch AdamW does the same).
+    Runs torch's fused AdamW kernel with ε moved into v (see ``_AdamFamily``; ``fused=False``: the chain).
     """
 
     denominator = "eps_inside"
