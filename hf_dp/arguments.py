@@ -17,8 +17,8 @@ Every HF flag keeps its meaning. Added flags (all parsed by ``HfArgumentParser``
 Batch semantics: expected logical batch B = per_device_train_batch_size × gradient_accumulation_steps
 × world_size; the physical batch is about per_device_train_batch_size (memory), fluctuating with
 Poisson sampling. Extra rule hyper-parameters (e.g. ``momentum`` of ``dp_sgd``) go through HF's
-``--optim_args "momentum=0.9"`` (numbers, or true/false: ``"fused=false"`` makes DP-Adam/DP-MacAdam run their
-transform chain instead of torch's fused Adam kernel).
+``--optim_args "momentum=0.9"`` (numbers, or true/false: ``"fused=false"`` makes DP-Adam/DP-AdamW/DP-MacAdam run
+their transform chain instead of torch's fused Adam/AdamW kernel).
 
 HF settings that would compute non-private quantities change for DP runs: ``max_grad_norm`` is set
 to 0 (HF would clip — and log the norm of — the *non-private* summed gradient; DP clipping is per
