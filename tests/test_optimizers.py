@@ -298,6 +298,15 @@ def test_fused_kernel_is_used_exactly_where_the_update_is_torch_adam(name, monke
     assert torch.equal(run(fused=True)[0], fused)
     with pytest.raises(ValueError, match="fused must be"):
         run(fused="yes")
+    with pytest.raises(ValueError, match="fused=True needs floating-point parameters on CPU or CUDA; got torch.complex64"):
+        make_optimizer(name, [nn.Parameter(torch.zeros(3, dtype=torch.complex64))], noise_multiplier=1.0, max_grad_norm=1.0,
+                       expected_batch_size=4, fused=True)
+    if name == "dp_adamw":
+        with pytest.raises(ValueError, match=r"needs betas\[1\] > 0"):
+            run(fused=True, betas=(0.9, 0.0))
+        calls.clear()
+        run(betas=(0.9, 0.0))  # fused=None: the chain runs (no shift by 1/β2 possible)
+        assert calls == []
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -40,6 +40,16 @@ class _AdamFamily(DPUpdateRule):
             raise ValueError(f"{type(self).__name__} has no fused kernel: its update is not torch's Adam/AdamW")
         self.fused = fused
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **extra))
+        if fused:  # refuse now, not at the first step
+            bad = [p for g in self.param_groups for p in g["params"] if not self._fusable_tensor(p)]
+            if bad:
+                raise ValueError(f"fused=True needs floating-point parameters on CPU or CUDA; got {bad[0].dtype} on {bad[0].device}")
+            if self.denominator == "eps_inside" and any(g["betas"][1] == 0 and g["eps"] != 0 for g in self.param_groups):
+                raise ValueError("fused=True with eps inside the square root needs betas[1] > 0 (eps is moved into v by 1/beta2)")
+
+    @staticmethod
+    def _fusable_tensor(p) -> bool:
+        return p.device.type in _FUSED_DEVICES and p.dtype in _FUSED_DTYPES
 
     @classmethod
     def fusable(cls) -> bool:
@@ -67,10 +77,9 @@ class _AdamFamily(DPUpdateRule):
         b1, b2 = ctx.group["betas"]
         eps = float(ctx.group["eps"])
         inside = self.denominator == "eps_inside" and eps != 0.0  # (ε = 0: both forms agree)
-        if not all(
-            p.device.type in _FUSED_DEVICES and p.dtype in _FUSED_DTYPES and p.grad.dtype == p.dtype and p.grad.layout == torch.strided
-            for p in params
-        ) or (inside and b2 == 0.0):
+        if not all(self._fusable_tensor(p) and p.grad.dtype == p.dtype and p.grad.layout == torch.strided for p in params) or (
+            inside and b2 == 0.0
+        ):
             if self.fused:
                 raise RuntimeError("fused=True needs dense floating-point parameters and gradients on CPU or CUDA (and betas[1] > 0 for eps inside the root)")
             return False
