@@ -307,6 +307,13 @@ def test_fused_kernel_is_used_exactly_where_the_update_is_torch_adam(name, monke
         calls.clear()
         run(betas=(0.9, 0.0))  # fused=None: the chain runs (no shift by 1/β2 possible)
         assert calls == []
+        bf16 = [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]
+        with pytest.raises(ValueError, match="needs float32/float64 parameters"):
+            make_optimizer(name, bf16, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, fused=True)
+        opt = make_optimizer(name, bf16, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+        bf16[0].grad = torch.ones(3, dtype=torch.bfloat16)
+        opt.rule.step()  # fused=None: the chain
+        assert calls == [] and opt.rule.state[bf16[0]]["step"] == 1
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

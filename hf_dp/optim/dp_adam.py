@@ -8,6 +8,8 @@ from .transforms import AdamDenominator, AdamMoments, CoupledWeightDecay, Decoup
 # where torch's fused Adam/AdamW kernels are used (other devices/dtypes run the transform chain)
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# ε inside the root is moved into v (see _AdamFamily): only where v keeps that shift's rounding small
+_SHIFT_DTYPES = (torch.float32, torch.float64)
 
 
 class _AdamFamily(DPUpdateRule):
@@ -20,8 +22,8 @@ class _AdamFamily(DPUpdateRule):
     kernel runs with ε = 0 on v_t + ε(1−β2^t), since √((v_t + ε(1−β2^t))/(1−β2^t)) = √(v̂_t + ε): the
     kernel computes β2 v + (1−β2)g̃², so v_{t−1} is first raised by ε(1−β2^t)/β2, and ε(1−β2^t) is
     subtracted afterwards (the state holds plain v_t, whichever path ran). ``None`` (default): fused
-    where the parameters are on CPU/CUDA in a floating dtype (and β2 > 0 for ε inside), the chain
-    elsewhere; ``False``: always the chain; ``True``: fused or an error. Both compute the same update
+    where the parameters are on CPU/CUDA in a floating dtype (for ε inside: β2 > 0 and float32/float64,
+    since bf16/fp16 state would carry the shift's rounding), the chain elsewhere; ``False``: always the chain; ``True``: fused or an error. Both compute the same update
     and state up to float rounding (``tests/test_optimizers.py``). For ε inside, the rounding of v_t
     next to the shift (≈ 6e-8 · ε per step in float32) is carried by the state, where the chain adds ε
     afresh each step: against a float64 run, 2,000 float32 steps with gradients down to 1e-7 left
@@ -44,8 +46,13 @@ class _AdamFamily(DPUpdateRule):
             bad = [p for g in self.param_groups for p in g["params"] if not self._fusable_tensor(p)]
             if bad:
                 raise ValueError(f"fused=True needs floating-point parameters on CPU or CUDA; got {bad[0].dtype} on {bad[0].device}")
-            if self.denominator == "eps_inside" and any(g["betas"][1] == 0 and g["eps"] != 0 for g in self.param_groups):
-                raise ValueError("fused=True with eps inside the square root needs betas[1] > 0 (eps is moved into v by 1/beta2)")
+            if self.denominator == "eps_inside" and any(g["eps"] != 0 for g in self.param_groups):
+                if any(g["betas"][1] == 0 for g in self.param_groups):
+                    raise ValueError("fused=True with eps inside the square root needs betas[1] > 0 (eps is moved into v by 1/beta2)")
+                low = [p for g in self.param_groups for p in g["params"] if p.dtype not in _SHIFT_DTYPES]
+                if low:
+                    raise ValueError(f"fused=True with eps inside the square root needs float32/float64 parameters (v would carry "
+                                     f"the rounding of the eps shift), got {low[0].dtype}")
 
     @staticmethod
     def _fusable_tensor(p) -> bool:
@@ -78,10 +85,13 @@ class _AdamFamily(DPUpdateRule):
         eps = float(ctx.group["eps"])
         inside = self.denominator == "eps_inside" and eps != 0.0  # (ε = 0: both forms agree)
         if not all(self._fusable_tensor(p) and p.grad.dtype == p.dtype and p.grad.layout == torch.strided for p in params) or (
-            inside and b2 == 0.0
+            inside and (b2 == 0.0 or any(p.dtype not in _SHIFT_DTYPES for p in params))
         ):
             if self.fused:
-                raise RuntimeError("fused=True needs dense floating-point parameters and gradients on CPU or CUDA (and betas[1] > 0 for eps inside the root)")
+                raise RuntimeError(
+                    "fused=True needs dense floating-point parameters and gradients on CPU or CUDA "
+                    "(and, for eps inside the root, betas[1] > 0 and float32/float64 parameters)"
+                )
             return False
         # torch's functional Adam increments its step tensors before use: hand it t − 1 (our ints are the truth)
         steps = [None] * len(params)
