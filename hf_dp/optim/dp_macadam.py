@@ -84,8 +84,9 @@ class DPMacAdam(_AdamFamily):
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
     def _center_and_bound(self, p):
-        """(1/(1−β1^t), b_{t−1}) for parameter p after t steps, so that m̂_{t−1} = exp_avg · the first
-        (None before the first step: m̂_0 = 0); (None, None) before the state exists (b = b_0)."""
+        """(inv_c1, b) for parameter p after t steps: the centre is m̂ = exp_avg · inv_c1 with
+        inv_c1 = 1/(1−β1^t) (None when t = 0: m̂_0 = 0), b the current bound; (None, None) before the
+        state exists (b = b_0)."""
         st = self.state[p]
         if "bound" not in st:
             return None, None
