@@ -43,8 +43,8 @@ Pass 2 is an ordinary backward of Σ_i c_i ℓ_i (c detached) through the same g
 whose parameter gradients are exactly Σ_i c_i ∇ℓ_i (:meth:`GhostClipper.grads_after_backward` takes them
 from ``.grad``). Cost: one more input-gradient backward plus the norms. Memory: no records, but pass 1
 holds the whole graph while its transient input gradients exist (a non-private backward frees saved
-tensors as it goes) — measured 1.10× the non-private peak where one pass needs 1.22× (benchmarks/RESULTS.md
-§1). Float32 (or float64) layers only: in reduced precision pass 2 would round the sum across examples, so
+tensors as it goes) — measured (full fine-tuning, benchmarks/RESULTS.md §1) 1.10× the non-private peak where
+one pass needs 1.22× at B = 128, L = 32, but 1.11× where one pass needs 1.05× at B = 32, L = 128. Float32 (or float64) layers only: in reduced precision pass 2 would round the sum across examples, so
 the bound would hold only up to that rounding (one pass sums in float32). The single-query factorisation
 is not used there (pass 2 sums the exact gradients, so the norms must be those of the exact gradients).
 
