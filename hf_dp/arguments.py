@@ -82,8 +82,8 @@ class DPTrainingArguments(TrainingArguments):
         default="auto",
         metadata={
             "help": "Per-example clipping engine: ghost (one-backward ghost clipping, hf_dp.models.ghost_clipping), "
-            "ghost_two_pass (ghost clipping in two backward passes: no records kept, memory as a non-private step, "
-            "about one more input-gradient backward of time), hooks (Opacus per-sample gradients), auto (ghost where "
+            "ghost_two_pass (ghost clipping in two backward passes: no records kept, ≈ 1.1× the non-private memory — less "
+            "than ghost for short sequences and big batches —, about one more input-gradient backward of time), hooks (Opacus per-sample gradients), auto (ghost where "
             "it applies, else hooks).",
             "choices": ["auto", "ghost", "ghost_two_pass", "hooks"],
         },

@@ -533,7 +533,7 @@ class GhostClipper:
             out[p] = v.to(out[p].dtype)
         return out
 
-    # ----- two passes (two_pass=True): no records kept, memory as a non-private step -----------------------
+    # ----- two passes (two_pass=True): no records kept (≈ 1.1× the non-private memory, see above) -----------
     def norms_pass(self, losses: torch.Tensor, affine: dict | None = None) -> torch.Tensor:
         """Pass 1 of two: ‖v_i‖² per example (``losses``: the per-example losses ℓ_i, shape [B]).
 
