@@ -69,13 +69,18 @@ class DPTrainingArguments(TrainingArguments):
     macadam_h1: float = field(default=1e-12, metadata={"help": "DP-MacAdam lower clamp h1 of the variance estimate."})
     macadam_h2: float = field(default=1.0, metadata={"help": "DP-MacAdam upper clamp h2 of the variance estimate."})
     secure_rng: bool = field(
-        default=False, metadata={"help": "Opacus secure-mode noise (robust to floating-point attacks); seeds from OS entropy."}
+        default=False,
+        metadata={
+            "help": "Poisson draws and noise from the OS CSPRNG (os.urandom; Gaussians as in Opacus' secure mode, "
+            "against floating-point attacks). Cannot be combined with --dp_seed."
+        },
     )
     dp_seed: int | None = field(
         default=None,
         metadata={
-            "help": "Seed of Poisson sampling and noise. Default: OS entropy (unpredictable). A known seed lets "
-            "anyone who knows it recompute batches and noise: use it for reproducible research only."
+            "help": "Seed of Poisson sampling and noise for a reproducible run. Default: OS entropy, never stored. "
+            "Anyone who knows the seed can recompute batches and noise (remove the noise): it is recorded in "
+            "privacy.json and the card; use it for research only and never reuse it across datasets."
         },
     )
     clipping: str = field(

@@ -202,6 +202,63 @@ def resolve_resume_checkpoint(resume_from_checkpoint, output_dir: str):
 
 
 # ---------------------------------------------------------------------------------------------------
+# the training data a checkpoint was trained on
+# ---------------------------------------------------------------------------------------------------
+def dataset_fingerprint(dataset) -> str:
+    """SHA-256 of a training set's content, to refuse resuming on other data of the same size.
+
+    A ``datasets.Dataset`` is hashed as the Arrow IPC stream of its rows (indices applied), any other
+    sized dataset row by row (tensors and arrays by dtype, shape and bytes). The hash is a function of
+    the private data: it is written only into checkpoint markers, which are not a release (never pushed).
+    """
+    h = hashlib.sha256()
+    try:
+        import datasets
+        import pyarrow as pa
+    except ImportError:  # pragma: no cover - both are dependencies
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        table = dataset.with_format("arrow")[0 : len(dataset)] if len(dataset) else dataset.data.table.slice(0, 0)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table.combine_chunks())
+        h.update(b"arrow:")
+        h.update(sink.getvalue())
+        return h.hexdigest()
+    h.update(b"rows:")
+    for i in range(len(dataset)):
+        _update_hash(h, dataset[i])
+    return h.hexdigest()
+
+
+def _update_hash(h, obj) -> None:
+    import numpy as np
+    import torch
+
+    if isinstance(obj, dict):
+        h.update(b"{")
+        for k in sorted(obj, key=str):
+            h.update(repr(k).encode())
+            _update_hash(h, obj[k])
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[")
+        for v in obj:
+            _update_hash(h, v)
+        h.update(b"]")
+    elif isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, np.ndarray):
+        a = np.ascontiguousarray(obj)
+        h.update(f"A{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    else:
+        h.update(f"{type(obj).__name__}:{obj!r};".encode())
+
+
+# ---------------------------------------------------------------------------------------------------
 # ε already spent by an interrupted run
 # ---------------------------------------------------------------------------------------------------
 SPENT_NAME = "hf_dp_epsilon_spent.json"
@@ -211,7 +268,8 @@ def write_spent(output_dir: str, steps: int, epsilon: float, spec: dict) -> None
     """Record (atomically) that the run in ``output_dir`` has taken ``steps`` noisy steps (ε spent).
 
     Written before any ε is logged and before a checkpoint is written, so that a run resumed from an
-    older checkpoint never reports less ε than the interrupted run already reported or wrote to disk.
+    older checkpoint counts the steps the interrupted run took past it (they were computed with
+    randomness that is gone; the resumed steps are new releases).
     """
     os.makedirs(output_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".hf_dp_tmp", suffix=".json", dir=output_dir)

@@ -27,18 +27,21 @@ What it changes, and nothing else (each override calls ``super()``):
 * ``save_model`` / ``create_model_card``: a plain ``PreTrainedModel`` (LoRA merged), the tokenizer,
   ``privacy.json`` and a model card stating the guarantee.
 
-Checkpoints: the optimizer state saved by HF carries the update rule state, the ledger (ε history)
-and the sampler/noise RNG state; resuming continues ε and refuses changed privacy settings.
+Checkpoints: the optimizer state saved by HF carries the update rule state and the ledger (ε history)
+— no seed and no generator state: batches and noise are fresh after a resume (see
+:mod:`hf_dp.privacy.randomness`). Resuming continues ε, refuses changed privacy settings or different
+training data (the completion marker records a fingerprint of it), and counts the steps an
+interrupted run took past the checkpoint it resumes from.
 ``_save_checkpoint`` writes the completion marker ``hf_dp_checkpoint.json`` after HF's files and
 before old checkpoints are rotated; ``train(resume_from_checkpoint=True|path)`` only resumes from a
-complete checkpoint, and ε never drops below what an interrupted run already reported
-(see :mod:`hf_dp.checkpointing`).
+complete checkpoint, and ε counts every noisy step ever taken (see :mod:`hf_dp.checkpointing`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import os
 from typing import Any
@@ -48,7 +51,7 @@ import torch.nn.functional as F
 import transformers
 from packaging import version
 from torch.utils.data import DataLoader
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_dp import __version__
@@ -67,7 +70,10 @@ from hf_dp.models.prefix_cache import (
 from hf_dp.optim.registry import get_entry
 from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
 from hf_dp.privacy.privatizer import PrivateOptimizer
+from hf_dp.privacy.randomness import CSPRNG, SEEDED, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
+
+logger = logging.getLogger(__name__)
 
 _MIN_TRANSFORMERS = "5.0.0"
 _EMPTY_KEY = "_hf_dp_empty_batch"
@@ -87,6 +93,24 @@ class _PoissonDataLoader(DataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)
+
+
+class _BudgetGuard(TrainerCallback):
+    """Stops training (as HF's own stop) once the next step would exceed the target ε — e.g. after a
+    resume that counted steps an interrupted run took past its checkpoint."""
+
+    def __init__(self, trainer: "DPTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        opt = self.trainer._dp_optimizer
+        if opt is not None and opt.max_epsilon is not None and state.global_step < state.max_steps and opt._would_exceed_budget():
+            logger.warning(
+                "hf_dp: stopping at step %d: one more step would spend more than the target epsilon=%s",
+                state.global_step, opt.max_epsilon,
+            )
+            control.should_training_stop = True
+        return control
 
 
 class _EmptySafeCollator:
@@ -147,6 +171,7 @@ class DPTrainer(Trainer):
             # --trainable applies to non-private baselines too, so that they train the same parameters
             lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
             model, self.trainable_info = apply_trainable(model, args.trainable, lora_config)
+        self._fingerprint_source, self._train_fingerprint = train_dataset, None  # before any caching
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self._prefix_cache = False
         if args.cache_frozen_features:
@@ -154,6 +179,7 @@ class DPTrainer(Trainer):
         if args.dp_enabled:
             self.loss_is_scaled_for_ga = True  # our compute_loss returns a per-logical-batch quantity
             self._setup_privacy()
+            self.add_callback(_BudgetGuard(self))
 
     # ------------------------------------------------------------------------------------------------
     # frozen-prefix caching (--cache_frozen_features): see hf_dp.models.prefix_cache
@@ -253,12 +279,20 @@ class DPTrainer(Trainer):
                 f"({type(e).__name__}); such a small noise multiplier gives no meaningful guarantee — raise "
                 "--noise_multiplier (or use --accountant rdp)"
             ) from e
-        seed = args.dp_seed if (args.dp_seed is not None and not args.secure_rng) else None
+        self.randomness = source_name(args.dp_seed, args.secure_rng)
+        if self.randomness == SEEDED:
+            logger.warning(
+                "hf_dp: --dp_seed %s fixes the Poisson batches and the noise: anyone who knows the seed can "
+                "recompute them and remove the noise from the released model. Use it for reproducible research "
+                "only, and never reuse a seed: two runs with the same seed on datasets that differ in one "
+                "example reveal that example's clipped gradient exactly. The seed is recorded in privacy.json "
+                "and the model card.", args.dp_seed,
+            )
         self._dp_sampler = PoissonBatchSampler(
-            n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=seed,
-            rank=args.process_index, world_size=world,
+            n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
+            rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: self.ledger.steps,
         )
-        self._dp_noise_seed = seed
+        self._dp_noise_seed = args.dp_seed
         self._dp_optimizer: PrivateOptimizer | None = None
         self._loss_scale: float | None = None
         self._empty_micro_batch = False
@@ -459,17 +493,11 @@ class DPTrainer(Trainer):
         """ε spent so far at δ (0 before training; ``inf`` for a non-private run)."""
         if not self.args.dp_enabled:
             return math.inf
-        eps = self.ledger.get_epsilon()
-        floor = getattr(self, "_spent_floor", None)  # an interrupted run got further than our checkpoint
-        if floor is not None and floor[0] > self.ledger.steps:
-            eps = max(eps, floor[1])
-        return eps
+        return self.ledger.get_epsilon()  # the ledger counts every noisy step, an interrupted run's included
 
     def _record_spent(self) -> None:
         if self.args.dp_enabled and self.args.should_save and self.ledger.steps > 0:
-            floor = getattr(self, "_spent_floor", None)
-            steps = max(self.ledger.steps, floor[0] if floor else 0)
-            checkpointing.write_spent(self.args.output_dir, steps, self.get_epsilon(), self.privacy_spec.as_dict())
+            checkpointing.write_spent(self.args.output_dir, self.ledger.steps, self.get_epsilon(), self.privacy_spec.as_dict())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.args.dp_enabled:
@@ -513,7 +541,9 @@ class DPTrainer(Trainer):
             "epochs": steps * spec.sample_rate,
             "sampling": "poisson",
             "unit_of_privacy": "one training example (add/remove adjacency)",
-            "secure_rng": bool(self.args.secure_rng),
+            "secure_rng": self.randomness == CSPRNG,
+            "randomness": self.randomness,
+            "dp_seed": self.args.dp_seed if self.randomness == SEEDED else None,
             "clipping": getattr(self, "clipping", None),
             "cache_frozen_features": bool(self._prefix_cache),
             "optimizer": {"name": str(self.args.optim), "hyperparameters": hyper},
@@ -536,22 +566,52 @@ class DPTrainer(Trainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        taken_here = self.ledger.steps if self.args.dp_enabled else 0  # e.g. by an earlier train() of this trainer
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.args.dp_enabled:
             marker = checkpointing.read_marker(checkpoint) or {}
-            steps, expected = self.ledger.steps, (self.state.global_step, marker.get("ledger_steps", self.state.global_step))
-            if steps != expected[0] or steps != expected[1]:
+            steps, recorded = self.ledger.steps, marker.get("ledger_steps", self.state.global_step)
+            if steps != recorded or steps < self.state.global_step:
                 raise ValueError(
                     f"refusing to resume from {checkpoint}: its privacy ledger records {steps} noisy steps but the "
-                    f"checkpoint is at global step {expected[0]} (marker: {expected[1]}); was optimizer.pt saved "
-                    "(save_only_model must be False)?"
+                    f"checkpoint is at global step {self.state.global_step} (marker: {recorded} ledger steps); was "
+                    "optimizer.pt saved (save_only_model must be False)?"
+                )
+            saved_data = marker.get("train_data")
+            if saved_data is not None and saved_data != self._train_data_info():
+                raise ValueError(
+                    f"refusing to resume from {checkpoint}: the training data differ from the data it was trained on "
+                    f"(checkpoint: {saved_data.get('num_samples')} examples, fingerprint {str(saved_data.get('sha256'))[:12]}…; "
+                    f"now: {self._train_data_info()['num_samples']} examples, fingerprint "
+                    f"{self._train_data_info()['sha256'][:12]}…). Resume with the same training set or start a new run."
                 )
             self.resumed_ledger_steps = steps
+            # Steps taken past this checkpoint (by an interrupted run, as recorded in output_dir, or by this
+            # trainer) were computed with randomness that is gone; the steps resumed now draw fresh batches
+            # and noise, so those steps are a release of their own: they stay in the ledger.
+            taken = max(steps, taken_here)
             spent = checkpointing.read_spent(self.args.output_dir)
-            if spent and spent.get("privacy_spec") == self.privacy_spec.as_dict() and spent["steps"] > steps:
-                # the interrupted run took (and reported) more steps than this checkpoint holds: the
-                # steps are replayed with the same batches and noise, but ε never goes below what was reported
-                self._spent_floor = (int(spent["steps"]), float(spent["epsilon"]))
+            if spent and spent.get("privacy_spec") == self.privacy_spec.as_dict():
+                taken = max(taken, int(spent["steps"]))
+            if taken > steps:
+                self.ledger.add_steps(taken - steps)
+                logger.warning(
+                    "hf_dp: resuming from %s (%d noisy steps), but %d steps were already taken past it; they count "
+                    "toward epsilon (now %.4g), and the resumed steps draw fresh batches and noise",
+                    checkpoint, steps, taken - steps, self.get_epsilon(),
+                )
+            opt = self._dp_optimizer
+            if opt is not None and opt.max_epsilon is not None and opt._would_exceed_budget():
+                raise ValueError(
+                    f"refusing to resume from {checkpoint}: {self.ledger.steps} noisy steps were already taken "
+                    f"(epsilon {self.get_epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
+                )
+
+    def _train_data_info(self) -> dict:
+        """N and a SHA-256 fingerprint of the training set (before any caching), recorded in checkpoint markers."""
+        if self._train_fingerprint is None:
+            self._train_fingerprint = checkpointing.dataset_fingerprint(self._fingerprint_source)
+        return {"num_samples": self.privacy_spec.dataset_size, "sha256": self._train_fingerprint}
 
     def _save_checkpoint(self, model, trial):
         # HF writes checkpoint-N in place, then rotates old checkpoints; we defer the rotation until the
@@ -580,7 +640,10 @@ class DPTrainer(Trainer):
     def _checkpoint_info(self) -> dict:
         info = {"hf_dp_version": __version__, "global_step": self.state.global_step, "differential_privacy": self.args.dp_enabled}
         if self.args.dp_enabled:
-            info.update(ledger_steps=self.ledger.steps, epsilon=self.get_epsilon(), privacy_spec=self.privacy_spec.as_dict())
+            info.update(
+                ledger_steps=self.ledger.steps, epsilon=self.get_epsilon(), privacy_spec=self.privacy_spec.as_dict(),
+                train_data=self._train_data_info(),
+            )
         return info
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):

@@ -37,7 +37,7 @@ WORKER = textwrap.dedent(
     torch.set_num_threads(1)
     import transformers
     transformers.logging.set_verbosity_error()
-    from opacus.optimizers import DPOptimizer
+    from hf_dp.privacy.privatizer import PrivateOptimizer as DPOptimizer  # its add_noise draws the noise
     import hf_dp.trainer as trainer_module
     from hf_dp import DPTrainer
     from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer, StepCounter

@@ -132,6 +132,8 @@ CASES = {
                                ValueError, r"^--trainable must be one of \('last_block', 'head', 'all', 'bias', 'lora'\), got 'decoder'$"),
     "unknown-accountant": ({"accountant": "gdp"}, dataset, bert, {},
                            ValueError, r"^--accountant must be one of \('prv', 'rdp'\), got 'gdp'$"),
+    "secure-rng-with-dp-seed": ({"secure_rng": True}, dataset, bert, {},
+                                ValueError, r"^--secure_rng draws from the OS CSPRNG and cannot be seeded: drop --dp_seed \(or --secure_rng\)$"),
 }
 
 

@@ -157,6 +157,18 @@ class PrivacyLedger:
         self.accountant.step(noise_multiplier=self.spec.noise_multiplier, sample_rate=self.spec.sample_rate)
         self._cache = None
 
+    def add_steps(self, count: int) -> None:
+        """Record ``count`` noisy steps at once (steps an interrupted run took past the checkpoint resumed from)."""
+        if count <= 0:
+            return
+        sigma, q = float(self.spec.noise_multiplier), float(self.spec.sample_rate)
+        history = self.accountant.history
+        if history and tuple(history[-1][:2]) == (sigma, q):  # merged as Opacus' own step() merges
+            history[-1] = (sigma, q, int(history[-1][2]) + int(count))
+        else:
+            history.append((sigma, q, int(count)))
+        self._cache = None
+
     def epsilon_after(self, steps: int) -> float:
         return compute_epsilon(self.spec.noise_multiplier, self.spec.sample_rate, steps, self.spec.delta, self.spec.accountant)
 

@@ -13,15 +13,16 @@ For one logical batch (possibly several physical micro-batches, possibly several
    :class:`~hf_dp.privacy.accounting.PrivacyLedger`, and runs the update rule. After ``step()``
    ``p.grad`` holds the privatized gradient g̃_t the rule used.
 
-Randomness: the noise comes from a dedicated ``torch.Generator`` seeded from ``noise_seed`` or,
-when it is ``None`` (the default), from OS entropy, so that nobody who knows the training seed can
-predict the noise. ``secure_mode=True`` additionally uses Opacus' floating-point-attack-resistant
-noise. The generator state is saved in ``state_dict`` so that a resumed run continues the stream.
+Randomness (:mod:`hf_dp.privacy.randomness`): the noise comes from a stream that starts at this
+optimizer's first noisy step (and again after ``load_state_dict``) — a ``torch.Generator`` seeded
+from OS entropy (default), or, with ``noise_seed``, seeded with ``noise_seed`` itself when that first
+step is step 0 of the ledger and with a hash of (``noise_seed``, step) otherwise, so a resumed run
+never redraws noise already used; ``secure_mode=True`` draws from the OS CSPRNG (Opacus' secure-mode
+construction). ``state_dict`` holds no seed and no generator state: nothing on disk lets anyone
+recompute the noise.
 """
 
 from __future__ import annotations
-
-import secrets
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from opacus.optimizers import DPOptimizer
 from hf_dp.optim.base import DPUpdateRule, check_nonnegative, check_positive
 
 from .accounting import PrivacyLedger
+from .randomness import secure_gaussian_like, source_name, stream_generator
 
 
 class PrivacyBudgetExceeded(RuntimeError):
@@ -52,8 +54,9 @@ class PrivateOptimizer(DPOptimizer):
         expected_batch_size: B = expected *logical* batch size (q·N) over all processes.
         clip_norm: norm per-sample vectors are clipped to in the rule's clip space (default C;
             MacAdam clips unit vectors). The noise std on the sum is σ·clip_norm.
-        noise_seed: seed of the noise generator (``None``: OS entropy).
-        secure_mode: Opacus' secure noise (sums of Gaussians; resists floating-point attacks).
+        noise_seed: seed of the noise stream (``None``: OS entropy); known to whoever knows it.
+        secure_mode: noise from the OS CSPRNG, as Opacus' secure mode (sums of Gaussians against
+            floating-point attacks); cannot be combined with ``noise_seed``.
         ledger: a :class:`PrivacyLedger` that records one step per noisy step (optional).
         max_epsilon: refuse (raise :class:`PrivacyBudgetExceeded`) to take a step after which the
             ledger's ε would exceed this.
@@ -78,6 +81,7 @@ class PrivateOptimizer(DPOptimizer):
         check_positive("max_grad_norm (C)", max_grad_norm)
         check_positive("expected_batch_size (B)", expected_batch_size)
         self.user_max_grad_norm = float(max_grad_norm)
+        self.randomness = source_name(noise_seed, secure_mode)
         super().__init__(
             rule,
             noise_multiplier=float(noise_multiplier),
@@ -90,8 +94,7 @@ class PrivateOptimizer(DPOptimizer):
         self.rule = rule
         self.ledger = ledger
         self.max_epsilon = max_epsilon
-        self.noise_seed = noise_seed if noise_seed is not None else secrets.randbits(63)
-        self._generator_state: list[int] | None = None
+        self.noise_seed = None if noise_seed is None else int(noise_seed)
         self.sampler = None  # a PoissonBatchSampler whose state travels with the optimizer's
         self.steps_taken = 0
         #: steps known to fit in ``max_epsilon`` (see ``_would_exceed_budget``)
@@ -104,16 +107,39 @@ class PrivateOptimizer(DPOptimizer):
         """σ·C/B (C in clip space): the noise std of each coordinate of the privatized mean."""
         return self.noise_multiplier * self.max_grad_norm / float(self.expected_batch_size)
 
+    @property
+    def step_index(self) -> int:
+        """Noisy steps taken so far (the ledger's count when there is one): keys a seeded noise stream."""
+        return self.ledger.steps if self.ledger is not None else self.steps_taken
+
     def _noise_generator(self, device) -> torch.Generator:
+        """The noise stream on ``device``: started at the first noisy step of this object (or after a load)."""
         gen = self.generator
         if gen is None or gen.device != torch.device(device):
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self.noise_seed)
-            if self._generator_state is not None:
-                gen.set_state(torch.tensor(self._generator_state, dtype=torch.uint8))
-                self._generator_state = None
+            start = self.step_index
+            if self.noise_seed is not None and start == 0:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(self.noise_seed)  # a fresh run: the documented stream of noise_seed
+            else:
+                gen = stream_generator(self.noise_seed, "noise", start, device=device)
             self.generator = gen
         return gen
+
+    def add_noise(self):
+        """``p.grad = p.summed_grad + N(0, σ²C²)``, the noise from this optimizer's stream (see the module docstring)."""
+        std = self.noise_multiplier * self.max_grad_norm
+        if self.secure_mode:
+            for p in self.params:
+                p.grad = (p.summed_grad + secure_gaussian_like(p.summed_grad, std)).view_as(p)
+            return
+        gen = self._noise_generator(self.params[0].device)
+        for p in self.params:
+            ref = p.summed_grad
+            if std == 0:
+                noise = torch.zeros_like(ref)
+            else:
+                noise = torch.normal(0.0, std, size=ref.shape, device=ref.device, dtype=ref.dtype, generator=gen)
+            p.grad = (ref + noise).view_as(p)
 
     # ----- per micro-batch ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -214,8 +240,7 @@ class PrivateOptimizer(DPOptimizer):
             if p.summed_grad is None:  # an empty logical batch still gets its noise
                 p.summed_grad = torch.zeros_like(p)
         if rank == 0:
-            self._noise_generator(params[0].device)
-            super().add_noise()  # p.grad = summed_grad + N(0, σ²C²), from self.generator
+            self.add_noise()  # p.grad = summed_grad + N(0, σ²C²)
         else:
             for p in params:
                 p.grad = p.summed_grad.view_as(p).clone()
@@ -254,16 +279,11 @@ class PrivateOptimizer(DPOptimizer):
 
     # ----- state ----------------------------------------------------------------------------------------
     def state_dict(self):
-        gen_state = None
-        if self.generator is not None:
-            gen_state = self.generator.get_state().tolist()
-        elif self._generator_state is not None:
-            gen_state = list(self._generator_state)
+        """The rule's state, the ledger and the sampler's N and q. No seed, no generator state: a resumed
+        run draws fresh noise and fresh batches (the accountant's steps are independent)."""
         return {
             "rule": self.rule.state_dict(),
             "hf_dp": {
-                "noise_seed": int(self.noise_seed),
-                "noise_generator_state": gen_state,
                 "steps_taken": self.steps_taken,
                 "ledger": self.ledger.state_dict() if self.ledger is not None else None,
                 "sampler": self.sampler.state_dict() if self.sampler is not None else None,
@@ -279,9 +299,7 @@ class PrivateOptimizer(DPOptimizer):
                 raise ValueError("the checkpoint has no privacy ledger; refusing to resume with epsilon reset to 0")
             self.ledger.load_state_dict(extra["ledger"])
         self.rule.load_state_dict(state_dict["rule"])
-        self.noise_seed = int(extra["noise_seed"])
-        self.generator = None
-        self._generator_state = extra.get("noise_generator_state")
+        self.generator = None  # a new noise stream from the next step (never the stream of a saved state)
         self.steps_taken = int(extra.get("steps_taken", 0))
         if self.sampler is not None and extra.get("sampler") is not None:
             self.sampler.load_state_dict(extra["sampler"])

@@ -7,28 +7,31 @@ sample of the whole dataset at rate q. The ranks' draws are split into ``micro_b
 batches (the Trainer's gradient-accumulation steps), so the Trainer always sees the same number of
 micro-batches per step; their sizes fluctuate around ``per_device_train_batch_size``.
 
-Randomness: a ``torch.Generator`` per (seed, epoch, rank). The seed defaults to OS entropy (nobody
-can predict which examples were drawn); pass ``seed`` for reproducible research runs, knowing that
-whoever knows it can recompute the batches. The seed is saved with the optimizer state so that a
-resumed run draws exactly the batches the uninterrupted run would have drawn.
+Randomness (:mod:`hf_dp.privacy.randomness`): every iteration (one epoch of HF's loop) draws from a
+new stream — OS entropy by default, the OS CSPRNG with ``secure=True``, or, with a fixed ``seed``,
+a stream keyed by (seed, rank, the ledger step at which the iteration starts). So the draws of a
+second ``train()``, of a resumed run (with or without HF's data skip) and of a new epoch are never
+those of an earlier step: nothing is replayed, and no seed is saved anywhere.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import secrets
+from typing import Callable
 
 import torch
 from torch.utils.data import Sampler
 
-
-def _mix(*parts: int) -> int:
-    h = hashlib.sha256(":".join(str(int(p)) for p in parts).encode()).digest()
-    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+from .randomness import csprng_uniform, source_name, stream_generator
 
 
 class PoissonBatchSampler(Sampler):
+    """Yields ``steps_per_epoch × micro_batches`` lists of indices per iteration.
+
+    ``position``: a callable giving the number of noisy steps taken so far (the ledger's); it keys a
+    seeded stream (default: the number of logical batches this sampler has drawn).
+    """
+
     def __init__(
         self,
         num_samples: int,
@@ -38,6 +41,8 @@ class PoissonBatchSampler(Sampler):
         seed: int | None = None,
         rank: int = 0,
         world_size: int = 1,
+        secure: bool = False,
+        position: Callable[[], int] | None = None,
     ):
         if num_samples <= 0:
             raise ValueError("the training dataset is empty")
@@ -49,8 +54,12 @@ class PoissonBatchSampler(Sampler):
         self.sample_rate = float(sample_rate)
         self.steps_per_epoch = int(steps_per_epoch)
         self.micro_batches = int(micro_batches)
-        self.seed = int(seed) if seed is not None else secrets.randbits(63)
+        self.source = source_name(seed, secure)
+        self._seed = None if seed is None else int(seed)
+        self._secure = bool(secure)
         self.rank, self.world_size = int(rank), int(world_size)
+        self._drawn = 0  # logical batches drawn by this object (the default position)
+        self._position = position if position is not None else (lambda: self._drawn)
         self.epoch = 0
 
     @staticmethod
@@ -59,24 +68,29 @@ class PoissonBatchSampler(Sampler):
         return max(1, int(round(1.0 / sample_rate)))
 
     def set_epoch(self, epoch: int) -> None:
+        """HF calls this every epoch; the draws do not depend on it (each iteration is a new stream)."""
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.micro_batches
 
     def __iter__(self):
-        gen = torch.Generator()
-        gen.manual_seed(_mix(self.seed, self.epoch, self.rank))
         shard = torch.arange(self.rank, self.num_samples, self.world_size)
+        gen = None
+        if not self._secure:
+            gen = stream_generator(self._seed, "poisson", self.rank, int(self._position()))
         for _ in range(self.steps_per_epoch):
-            drawn = shard[torch.rand(len(shard), generator=gen) < self.sample_rate]
+            u = csprng_uniform(len(shard)) if self._secure else torch.rand(len(shard), generator=gen, dtype=torch.float64)
+            drawn = shard[u < self.sample_rate]
+            self._drawn += 1
             # split into `micro_batches` contiguous chunks of near-equal size (some may be empty)
             bounds = [math.floor(i * len(drawn) / self.micro_batches) for i in range(self.micro_batches + 1)]
             for a, b in zip(bounds[:-1], bounds[1:]):
                 yield drawn[a:b].tolist()
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch, "sample_rate": self.sample_rate, "num_samples": self.num_samples}
+        """What a checkpoint needs to refuse a different dataset size or rate — no seed, no generator state."""
+        return {"sample_rate": self.sample_rate, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("num_samples") != self.num_samples or not math.isclose(state.get("sample_rate", -1), self.sample_rate):
@@ -84,5 +98,3 @@ class PoissonBatchSampler(Sampler):
                 "refusing to resume: the checkpoint's sampler had "
                 f"N={state.get('num_samples')}, q={state.get('sample_rate')}, now N={self.num_samples}, q={self.sample_rate}"
             )
-        self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])

@@ -1,0 +1,252 @@
+"""The guarantee on the paths around the mechanism (issue 15): no replayed batches or noise, no
+randomness on disk, a CSPRNG behind ``--secure_rng``, a recorded and announced ``--dp_seed``, and no
+resume on other data.
+
+Each test here failed on 0b9495a: a second ``train()`` and a resume with ``--ignore_data_skip``
+re-drew the first batches (the sampler's seed was fixed per trainer, its epoch counter restarted),
+``optimizer.pt`` stored the noise seed, the noise generator's state and the sampler's seed,
+``--secure_rng`` drew its noise from a seeded Mersenne Twister, ``--dp_seed`` was silent, and a resume
+on other data of the same size went ahead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hf_dp import DPTrainer
+from hf_dp.privacy.accounting import compute_epsilon
+from hf_dp.privacy.sampler import PoissonBatchSampler
+
+from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def ds(tok):
+    return make_pair_dataset(tok, n=128)
+
+
+@pytest.fixture(scope="module")
+def collator(tok):
+    return make_collator(tok)
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Every list of indices the Poisson sampler yields, in order (micro_batches = 1: one per logical step)."""
+    out = []
+    original = PoissonBatchSampler.__iter__
+
+    def spy(self):
+        for batch in original(self):
+            out.append(tuple(batch))
+            yield batch
+
+    monkeypatch.setattr(PoissonBatchSampler, "__iter__", spy)
+    return out
+
+
+def _args(out, **kw):
+    base = dict(epsilon=None, noise_multiplier=1.0, per_device_train_batch_size=16, max_steps=4, logging_steps=1, dp_seed=None)
+    base.update(kw)
+    return dp_args(out, **base)
+
+
+def _trainer(args, ds, collator, model=None, **kw):
+    return DPTrainer(model=model or make_model(), args=args, train_dataset=ds, data_collator=collator, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. a second train() call draws new batches (and the ledger counts both calls)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dp_seed", [None, 3])
+def test_second_train_call_draws_new_batches(dp_seed, drawn, ds, collator, tmp_path):
+    trainer = _trainer(_args(tmp_path, dp_seed=dp_seed), ds, collator)
+    trainer.train()
+    first = list(drawn)
+    del drawn[:]
+    trainer.train()
+    second = list(drawn)
+    assert len(first) >= 4 and len(second) >= 4
+    assert first[:4] != second[:4]
+    # no batch of the second call is a replay of the first call's batch at the same step
+    assert sum(a == b for a, b in zip(first[:4], second[:4])) <= 1  # (equal by chance: q^k-small, ≤ 1 allowed)
+    assert trainer.ledger.steps == 8
+    assert trainer.get_epsilon() == compute_epsilon(1.0, 1 / 8, 8, 1e-5, "prv")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. resuming with --ignore_data_skip does not re-draw the epoch's first batches
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dp_seed", [None, 3])
+def test_resume_with_ignore_data_skip_draws_new_batches(dp_seed, drawn, ds, collator, tmp_path):
+    out = tmp_path / "run"
+    full = _trainer(_args(out, dp_seed=dp_seed, max_steps=6, save_strategy="steps", save_steps=3), ds, collator)
+    full.train()
+    original = list(drawn[:6])  # steps 1..6 of the one epoch (8 steps per epoch)
+    del drawn[:]
+    resumed = _trainer(_args(tmp_path / "resumed", dp_seed=dp_seed, max_steps=6, ignore_data_skip=True), ds, collator)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    after = list(drawn[:3])  # HF skips nothing: these are the batches of steps 4..6
+    assert resumed.state.global_step == 6 and resumed.ledger.steps == 6
+    assert after != original[:3]  # old main: exactly the first three batches again
+    assert sum(a == b for a, b in zip(after, original[:3])) <= 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. checkpoints (and everything else written) hold no seed and no generator state
+# ---------------------------------------------------------------------------------------------------
+def _keys(obj, prefix=""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield f"{prefix}{k}"
+            yield from _keys(v, f"{prefix}{k}.")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _keys(v, f"{prefix}{i}.")
+
+
+def test_checkpoint_holds_no_randomness(ds, collator, tmp_path):
+    trainer = _trainer(_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2), ds, collator)
+    trainer.train()
+    ckpt = tmp_path / "checkpoint-2"
+    state = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    suspicious = [k for k in _keys(state) if any(w in k.lower() for w in ("seed", "generator", "rng"))]
+    assert suspicious == []
+    assert set(state["hf_dp"]) == {"steps_taken", "ledger", "sampler"}
+    # nor in the marker, the spent record or any json of the checkpoint
+    for name in ("hf_dp_checkpoint.json",):
+        marker = json.loads((ckpt / name).read_text())
+        assert not [k for k in _keys(marker) if "seed" in k.lower() and "files" not in k]
+    spent = json.loads((tmp_path / "hf_dp_epsilon_spent.json").read_text())
+    assert not [k for k in _keys(spent) if "seed" in k.lower()]
+    report = trainer.privacy_report()
+    assert report["randomness"] == "os_entropy" and report["dp_seed"] is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. --secure_rng: the noise comes from the OS CSPRNG
+# ---------------------------------------------------------------------------------------------------
+def test_secure_rng_draws_noise_from_the_os_csprng(ds, collator, tmp_path, monkeypatch):
+    from hf_dp.privacy import randomness
+
+    calls = []
+    real = os.urandom
+
+    def counting(n):
+        calls.append(n)
+        return real(n)
+
+    monkeypatch.setattr(randomness.os, "urandom", counting)
+    trainer = _trainer(_args(tmp_path, secure_rng=True, max_steps=1), ds, collator)
+    numel = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+
+    def no_mt(*a, **k):  # the noise must not come from a torch.Generator
+        raise AssertionError("torch.normal called under --secure_rng")
+
+    monkeypatch.setattr(torch, "normal", no_mt)
+    trainer.train()
+    # 4 Gaussians per coordinate (Opacus' secure-mode sum), one 8-byte uniform each; plus the sampler's uniforms
+    assert sum(calls) >= 8 * 4 * numel + 8 * len(ds)
+    report = trainer.privacy_report()
+    assert report["secure_rng"] is True and report["randomness"] == "csprng"
+
+
+def test_csprng_gaussian_has_the_right_distribution():
+    from hf_dp.privacy import randomness
+    from scipy import stats
+
+    ref = torch.zeros(200_000, dtype=torch.float32)
+    z = randomness.secure_gaussian_like(ref, std=0.7).double().numpy()
+    assert z.dtype == np.float64 and abs(z.mean()) < 0.01 and abs(z.std() - 0.7) < 0.005
+    assert stats.kstest(z / 0.7, "norm").pvalue > 1e-4
+    u = randomness.csprng_uniform(100_000).numpy()
+    assert 0 < u.min() and u.max() <= 1 and abs(u.mean() - 0.5) < 0.01
+
+
+def test_secure_rng_with_dp_seed_is_refused(ds, collator, tmp_path):
+    with pytest.raises(ValueError, match="cannot be seeded"):
+        _trainer(_args(tmp_path, secure_rng=True, dp_seed=3), ds, collator)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. --dp_seed: warned at start, recorded in privacy.json and the card
+# ---------------------------------------------------------------------------------------------------
+def test_dp_seed_is_announced_and_recorded(ds, collator, tok, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_dp"):
+        trainer = _trainer(_args(tmp_path, dp_seed=1234, max_steps=1), ds, collator, processing_class=tok)
+    assert any("--dp_seed 1234" in r.getMessage() and "remove the noise" in r.getMessage() for r in caplog.records)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    privacy = json.loads((tmp_path / "final" / "privacy.json").read_text())
+    assert privacy["dp_seed"] == 1234 and privacy["randomness"] == "fixed_seed"
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert "fixed seed 1234" in card and "remove the noise" in card
+
+
+# ---------------------------------------------------------------------------------------------------
+# 9. resuming on other data of the same size is refused
+# ---------------------------------------------------------------------------------------------------
+def test_resume_on_other_data_of_the_same_size_is_refused(tok, ds, collator, tmp_path):
+    out = tmp_path / "run"
+    _trainer(_args(out, max_steps=2, save_strategy="steps", save_steps=2), ds, collator).train()
+    other = make_pair_dataset(tok, n=128, seed=5)
+    assert len(other) == len(ds)
+    trainer = _trainer(_args(tmp_path / "b", max_steps=4), other, collator)
+    with pytest.raises(ValueError, match="training data differ"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    # the same data, rebuilt from scratch (another Dataset object), resumes
+    again = make_pair_dataset(tok, n=128, seed=0)
+    ok = _trainer(_args(tmp_path / "c", max_steps=4), again, collator)
+    ok.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert ok.state.global_step == 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# steps an interrupted run took past the checkpoint stay counted; a target ε is never exceeded
+# ---------------------------------------------------------------------------------------------------
+def test_steps_past_the_checkpoint_are_counted(ds, collator, tmp_path):
+    out = tmp_path / "run"
+    _trainer(_args(out, max_steps=6, save_strategy="steps", save_steps=2, save_total_limit=None), ds, collator).train()
+    resumed = _trainer(_args(out, max_steps=6), ds, collator)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.state.global_step == 6
+    assert resumed.ledger.steps == 6 + 4  # 6 by the first run, 4 new ones after checkpoint-2
+    assert resumed.get_epsilon() == compute_epsilon(1.0, 1 / 8, 10, 1e-5, "prv")
+
+
+def test_target_epsilon_stops_a_resumed_run_instead_of_exceeding_it(ds, collator, tmp_path):
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):  # an interruption after 6 of the 8 planned steps
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 6:
+                control.should_training_stop = True
+
+    out = tmp_path / "run"
+    kw = dict(epsilon=6.0, noise_multiplier=None, max_steps=8, save_strategy="steps", save_steps=2, save_total_limit=None)
+    first = _trainer(_args(out, **kw), ds, collator, callbacks=[StopAt()])
+    first.train()
+    assert first.ledger.steps == 6
+    # from checkpoint-2: 6 steps already taken, the budget (8 planned steps) allows 2 more
+    resumed = _trainer(_args(out, **kw), ds, collator)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.ledger.steps == 8 and resumed.state.global_step == 4  # stopped early, did not raise
+    assert resumed.get_epsilon() <= 6.0
+    # the whole budget spent: a resume is refused before any step
+    again = _trainer(_args(out, **kw), ds, collator)
+    with pytest.raises(ValueError, match="target epsilon"):
+        again.train(resume_from_checkpoint=str(out / "checkpoint-2"))
