@@ -162,6 +162,7 @@ class DPTrainer(Trainer):
         info = self.trainable_info
         if info is None or info.mode not in ("last_block", "head"):
             raise ValueError("--cache_frozen_features needs --trainable last_block (or head): the cached prefix must be frozen")
+        self._check_cache_dir()
         self._prefix_cache = True
         self._raw_collator = self.data_collator  # HF's resolved collator (tokenizer padding)
         self.train_dataset = self._cache_dataset(self.train_dataset)  # same N: q and δ unchanged
@@ -174,12 +175,33 @@ class DPTrainer(Trainer):
         if CACHED_HIDDEN_KEY not in self._signature_columns:
             self._signature_columns.append(CACHED_HIDDEN_KEY)
 
+    def _check_cache_dir(self) -> None:
+        """A ``--cache_frozen_features_dir`` inside ``output_dir`` only where a push cannot upload its files.
+
+        Each cached dataset gets its own file, unlinked at creation unless ``--keep_frozen_features_cache``
+        (see "Cache files" in :mod:`hf_dp.models.prefix_cache`); without a folder the cache is in memory."""
+        cache_dir, out = self.args.cache_frozen_features_dir, self.args.output_dir
+        if cache_dir is None or out is None:
+            return
+        cache_dir, out = os.path.realpath(cache_dir), os.path.realpath(out)
+        if os.path.commonpath([cache_dir, out]) != out:
+            return
+        rel = os.path.relpath(cache_dir, out)
+        if not (self.args.keep_frozen_features_cache and (rel == "." or rel.split(os.sep)[0].startswith("_"))):
+            raise ValueError(
+                f"--cache_frozen_features_dir {self.args.cache_frozen_features_dir} is inside --output_dir {self.args.output_dir}, "
+                "whose files are saved and pushed with the model, and the cache holds the hidden states of every training "
+                "example; use a folder outside output_dir (or, with --keep_frozen_features_cache, output_dir itself or a "
+                "subfolder whose name starts with '_', which pushes skip)"
+            )
+
     def _cache_dataset(self, dataset):
         if dataset is None or isinstance(dataset, CachedFeatures):
             return dataset
         return build_prefix_cache(
             self.model, dataset, self._raw_collator, batch_size=self.args.per_device_eval_batch_size,
             dtype=getattr(torch, self.args.cache_frozen_features_dtype), cache_dir=self.args.cache_frozen_features_dir,
+            keep_file=self.args.keep_frozen_features_cache,
         )
 
     def _suffix_ctx(self):
