@@ -506,7 +506,7 @@ class DPTrainer(Trainer):
     def privacy_report(self) -> dict:
         """All numbers of the guarantee, as written to ``privacy.json`` and the model card."""
         if not self.args.dp_enabled:
-            return {"hf_dp_version": __version__, "differential_privacy": False}
+            return self._non_private_report()
         spec = self.privacy_spec
         steps = self.ledger.steps
         rule = self._dp_optimizer.rule if self._dp_optimizer is not None else None
@@ -546,6 +546,37 @@ class DPTrainer(Trainer):
                 "names": list(info.trainable_names) if info else None,
             },
         }
+
+    def _trainable_report(self) -> dict:
+        info = self.trainable_info
+        return {
+            "mode": info.mode if info else self.args.trainable,
+            "trainable_params": info.num_trainable if info else None,
+            "total_params": info.num_total if info else None,
+            "names": list(info.trainable_names) if info else None,
+        }
+
+    def _non_private_report(self) -> dict:
+        """``privacy_report()`` of a ``--disable_dp`` run: says so, and records the optimizer and trainable set."""
+        hyper: dict[str, Any] = {}
+        optimizer = getattr(self, "optimizer", None)
+        groups = getattr(optimizer, "param_groups", None)
+        if groups:
+            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in groups[0].items()
+                     if k not in ("params", "lr", "initial_lr") and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)}
+        hyper["weight_decay"] = self.args.weight_decay
+        hyper["lr"] = self.args.learning_rate
+        hyper["lr_scheduler_type"] = str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type))
+        steps = self.state.global_step
+        return {
+            "hf_dp_version": __version__,
+            "differential_privacy": False,
+            "steps": steps,
+            "cache_frozen_features": bool(getattr(self, "_prefix_cache", False)),
+            "optimizer": {"name": str(getattr(self.args.optim, "value", self.args.optim)), "hyperparameters": hyper},
+            "trainable": self._trainable_report(),
+        }
+
 
     # ------------------------------------------------------------------------------------------------
     # saving
@@ -617,7 +648,7 @@ class DPTrainer(Trainer):
                 torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         else:
             super().save_model(output_dir, _internal_call=_internal_call)
-        if self.args.dp_enabled and self.args.should_save:
+        if self.args.should_save:  # non-private runs too: their card says so and records what was trained
             self._write_privacy_files(output_dir)
 
     def _write_privacy_files(self, output_dir: str, eval_results: dict | None = None) -> None:
@@ -642,7 +673,6 @@ class DPTrainer(Trainer):
         return {}
 
     def create_model_card(self, *args, **kwargs):
-        if not self.args.dp_enabled:
-            return super().create_model_card(*args, **kwargs)
+        # hf_dp's card for non-private runs too (it says non-private, once): HF's card would replace it
         if self.is_world_process_zero():
             self._write_privacy_files(self.args.output_dir)

@@ -29,7 +29,14 @@ _GLUE_TASKS = {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wn
 
 
 def template_source(name: str = TEMPLATE_NAME) -> tuple[str, str]:
-    """``(template text, where it was found)``: the installed package data, else the source checkout."""
+    """``(template text, where it was found)``: the source checkout this ``hf_dp`` is imported from, else the
+    installed package data.
+
+    The checkout comes first so that the template always matches the imported code (an editable install of
+    another checkout maps ``hf_dp.model_cards`` to *that* checkout's folder)."""
+    checkout = Path(__file__).resolve().parents[2] / "model_cards" / name
+    if checkout.is_file():
+        return checkout.read_text(encoding="utf-8"), str(checkout)
     try:
         resource = importlib.resources.files(TEMPLATE_PACKAGE).joinpath(name)
         if resource.is_file():
@@ -118,7 +125,7 @@ def build_front_matter(
     if base_model:
         meta["base_model"] = base_model
     opt_name = _optimizer_name(report)
-    tags = ["differential-privacy", "hf_dp"] + ([opt_name] if opt_name != "unknown" else [])
+    tags = (["differential-privacy"] if _is_dp(report) else []) + ["hf_dp"] + ([opt_name] if opt_name != "unknown" else [])
     tags += ["text-classification"] + ([ds_config] if ds_config else []) + (["glue"] if ds_config else [])
     meta["tags"] = tags
     if ds_id:
@@ -174,8 +181,9 @@ def render_model_card(
     """Render the README.md model card for a privacy report produced by ``DPTrainer.privacy_report()``."""
     import jinja2
 
+    dp = _is_dp(report)
     model_name = model_name or (
-        f"{base_model.rstrip('/').split('/')[-1]}-dp-{task_name}" if base_model and task_name else "hf_dp-model"
+        f"{base_model.rstrip('/').split('/')[-1]}-{'dp-' if dp else ''}{task_name}" if base_model and task_name else "hf_dp-model"
     )
     front = build_front_matter(
         report, base_model=base_model, task_name=task_name, dataset_name=dataset_name, eval_results=eval_results,
@@ -199,7 +207,7 @@ def render_model_card(
         front_matter=yaml.safe_dump(front, sort_keys=False, allow_unicode=True),
         r=report, title=model_name, base_model=base_model, task_name=task_name, dataset_desc=dataset_desc,
         eval_rows=eval_rows, eval_split=eval_split, optimizer_name=_optimizer_name(report),
-        optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=_is_dp(report), num=_num, pct=_pct,
+        optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=dp, num=_num, pct=_pct,
     )
 
 
