@@ -107,6 +107,47 @@ class _EmptySafeCollator:
         return self.collate_fn(features)
 
 
+def _same_dataset(a, b) -> bool:
+    """``a`` is ``b``: the same object, or 🤗 Datasets with the same ``_fingerprint`` (same data and transforms)."""
+    if a is b:
+        return True
+    fa, fb = getattr(a, "_fingerprint", None), getattr(b, "_fingerprint", None)
+    return fa is not None and fa == fb
+
+
+def _subset_base(ds):
+    """``(base, indices)`` of a (nested) ``torch.utils.data.Subset``, else ``(ds, None)``."""
+    indices = None
+    while isinstance(ds, torch.utils.data.Subset):
+        idx = list(ds.indices)
+        indices = idx if indices is None else [idx[i] for i in indices]
+        ds = ds.dataset
+    return ds, indices
+
+
+def _check_eval_is_not_train(eval_dataset, train_dataset) -> None:
+    """Refuse (under DP) an eval set that is the training set, contains it, or is a ``Subset`` overlapping it.
+
+    Detected: the same object, the same 🤗 Datasets fingerprint (any value of an eval dict), and
+    ``torch.utils.data.Subset`` views of the same base dataset whose indices overlap. Not detectable in
+    general: a ``select``/``shuffle``/``filter``/``train_test_split`` of the training set (new fingerprint) or
+    a copy of its rows; keeping evaluation data disjoint from the training data is the user's job."""
+    if eval_dataset is None or train_dataset is None:
+        return
+    train_base, train_idx = _subset_base(train_dataset)
+    for ds in eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]:
+        base, idx = _subset_base(ds)
+        same = _same_dataset(ds, train_dataset) or (
+            _same_dataset(base, train_base)
+            and (idx is None or train_idx is None or not set(idx).isdisjoint(train_idx))
+        )
+        if same:
+            raise ValueError(
+                "the eval dataset is (or overlaps) the private training set, so its metrics and any model selection or "
+                "early stopping on them would publish non-private statistics of the training data; evaluate on held-out data"
+            )
+
+
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
     """Per-example loss with the problem type ``*ForSequenceClassification`` would use."""
     num_labels = logits.shape[-1]
@@ -148,6 +189,8 @@ class DPTrainer(Trainer):
             lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
             model, self.trainable_info = apply_trainable(model, args.trainable, lora_config)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        if args.dp_enabled:
+            _check_eval_is_not_train(self.eval_dataset, self.train_dataset)
         self._prefix_cache = False
         if args.cache_frozen_features:
             self._enable_prefix_cache()
@@ -545,6 +588,7 @@ class DPTrainer(Trainer):
                 "total_params": info.num_total if info else None,
                 "names": list(info.trainable_names) if info else None,
             },
+            "model_selection": self._model_selection_report(),
         }
 
     def _trainable_report(self) -> dict:
@@ -575,8 +619,45 @@ class DPTrainer(Trainer):
             "cache_frozen_features": bool(getattr(self, "_prefix_cache", False)),
             "optimizer": {"name": str(getattr(self.args.optim, "value", self.args.optim)), "hyperparameters": hyper},
             "trainable": self._trainable_report(),
+            "model_selection": self._model_selection_report(),
         }
 
+    def _model_selection_report(self) -> dict:
+        """Which data chose the released model: the training run alone, or an eval set (best checkpoint /
+        early stopping). Such a selection depends on the eval data, outside the (ε, δ) guarantee."""
+        from transformers import EarlyStoppingCallback
+
+        args = self.args
+        early = any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks)
+        best = bool(args.load_best_model_at_end)
+        metric = args.metric_for_best_model if (best or early) else None
+        eval_ds = self.eval_dataset
+        if eval_ds is None:
+            names = []
+        elif isinstance(eval_ds, dict):
+            names = list(eval_ds)
+        else:
+            names = ["eval_dataset"]
+        sizes = {}
+        for name, ds in (eval_ds.items() if isinstance(eval_ds, dict) else [("eval_dataset", eval_ds)] if eval_ds is not None else []):
+            with contextlib.suppress(TypeError):
+                sizes[name] = len(ds)
+        selected = best or early
+        report = {
+            "selected_on_eval_data": selected,
+            "load_best_model_at_end": best,
+            "early_stopping": early,
+            "metric_for_best_model": metric,
+            "eval_datasets": names if selected else [],
+            "eval_dataset_sizes": sizes if selected else {},
+        }
+        if selected:
+            report["note"] = (
+                "the released model was chosen (best checkpoint and/or early stopping) by its metric on the eval data; "
+                "this choice depends on the eval data and is outside the privacy guarantee, which covers only the "
+                "training data: if the eval data is private, it is not protected"
+            )
+        return report
 
     # ------------------------------------------------------------------------------------------------
     # saving

@@ -161,6 +161,22 @@ def build_front_matter(
     return meta
 
 
+def _selection(report: dict) -> dict | None:
+    """The ``model_selection`` entry of the report when the model was chosen on eval data, else ``None``."""
+    sel = report.get("model_selection")
+    if not isinstance(sel, dict) or not sel.get("selected_on_eval_data"):
+        return None
+    how = []
+    if sel.get("load_best_model_at_end"):
+        how.append("the best checkpoint was loaded at the end (`load_best_model_at_end`)")
+    if sel.get("early_stopping"):
+        how.append("training was stopped early (`EarlyStoppingCallback`)")
+    names = sel.get("eval_datasets") or ["eval_dataset"]
+    sizes = sel.get("eval_dataset_sizes") or {}
+    data = ", ".join(f"`{n}`" + (f" ({sizes[n]} examples)" if n in sizes else "") for n in names)
+    return {"how": " and ".join(how) or "the model was selected", "metric": sel.get("metric_for_best_model") or "loss", "data": data}
+
+
 def _optimizer_name(report: dict) -> str:
     opt = report.get("optimizer") or {}
     return opt.get("name", "unknown") if isinstance(opt, dict) else str(opt)
@@ -208,6 +224,7 @@ def render_model_card(
         r=report, title=model_name, base_model=base_model, task_name=task_name, dataset_desc=dataset_desc,
         eval_rows=eval_rows, eval_split=eval_split, optimizer_name=_optimizer_name(report),
         optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=dp, num=_num, pct=_pct,
+        selection=_selection(report),
     )
 
 
