@@ -113,6 +113,15 @@ class DPTrainingArguments(TrainingArguments):
         },
     )
     disable_dp: bool = field(default=False, metadata={"help": "Train non-privately (baseline); requires an HF --optim."})
+    keep_frozen_features_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the --cache_frozen_features_dir files (one _hf_dp_prefix_*.bin per cached dataset; they hold "
+            "the hidden states of every training example). Default: each file is unlinked as soon as it is created "
+            "(nothing is left behind, even after a crash). A cache folder inside --output_dir is refused unless this "
+            "flag is given and the folder is output_dir itself or a subfolder whose name starts with '_' (pushes skip '_*')."
+        },
+    )
 
     def __post_init__(self):
         name = str(getattr(self.optim, "value", self.optim))

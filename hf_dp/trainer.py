@@ -131,6 +131,47 @@ class _EmptySafeCollator:
         return self.collate_fn(features)
 
 
+def _same_dataset(a, b) -> bool:
+    """``a`` is ``b``: the same object, or 🤗 Datasets with the same ``_fingerprint`` (same data and transforms)."""
+    if a is b:
+        return True
+    fa, fb = getattr(a, "_fingerprint", None), getattr(b, "_fingerprint", None)
+    return fa is not None and fa == fb
+
+
+def _subset_base(ds):
+    """``(base, indices)`` of a (nested) ``torch.utils.data.Subset``, else ``(ds, None)``."""
+    indices = None
+    while isinstance(ds, torch.utils.data.Subset):
+        idx = list(ds.indices)
+        indices = idx if indices is None else [idx[i] for i in indices]
+        ds = ds.dataset
+    return ds, indices
+
+
+def _check_eval_is_not_train(eval_dataset, train_dataset) -> None:
+    """Refuse (under DP) an eval set that is the training set, contains it, or is a ``Subset`` overlapping it.
+
+    Detected: the same object, the same 🤗 Datasets fingerprint (any value of an eval dict), and
+    ``torch.utils.data.Subset`` views of the same base dataset whose indices overlap. Not detectable in
+    general: a ``select``/``shuffle``/``filter``/``train_test_split`` of the training set (new fingerprint) or
+    a copy of its rows; keeping evaluation data disjoint from the training data is the user's job."""
+    if eval_dataset is None or train_dataset is None:
+        return
+    train_base, train_idx = _subset_base(train_dataset)
+    for ds in eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]:
+        base, idx = _subset_base(ds)
+        same = _same_dataset(ds, train_dataset) or (
+            _same_dataset(base, train_base)
+            and (idx is None or train_idx is None or not set(idx).isdisjoint(train_idx))
+        )
+        if same:
+            raise ValueError(
+                "the eval dataset is (or overlaps) the private training set, so its metrics and any model selection or "
+                "early stopping on them would publish non-private statistics of the training data; evaluate on held-out data"
+            )
+
+
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
     """Per-example loss with the problem type ``*ForSequenceClassification`` would use."""
     num_labels = logits.shape[-1]
@@ -173,6 +214,8 @@ class DPTrainer(Trainer):
             model, self.trainable_info = apply_trainable(model, args.trainable, lora_config)
         self._fingerprint_source, self._train_fingerprint = train_dataset, None  # before any caching
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        if args.dp_enabled:
+            _check_eval_is_not_train(self.eval_dataset, self.train_dataset)
         self._prefix_cache = False
         if args.cache_frozen_features:
             self._enable_prefix_cache()
@@ -188,6 +231,7 @@ class DPTrainer(Trainer):
         info = self.trainable_info
         if info is None or info.mode not in ("last_block", "head"):
             raise ValueError("--cache_frozen_features needs --trainable last_block (or head): the cached prefix must be frozen")
+        self._check_cache_dir()
         self._prefix_cache = True
         self._raw_collator = self.data_collator  # HF's resolved collator (tokenizer padding)
         self.train_dataset = self._cache_dataset(self.train_dataset)  # same N: q and δ unchanged
@@ -200,12 +244,33 @@ class DPTrainer(Trainer):
         if CACHED_HIDDEN_KEY not in self._signature_columns:
             self._signature_columns.append(CACHED_HIDDEN_KEY)
 
+    def _check_cache_dir(self) -> None:
+        """A ``--cache_frozen_features_dir`` inside ``output_dir`` only where a push cannot upload its files.
+
+        Each cached dataset gets its own file, unlinked at creation unless ``--keep_frozen_features_cache``
+        (see "Cache files" in :mod:`hf_dp.models.prefix_cache`); without a folder the cache is in memory."""
+        cache_dir, out = self.args.cache_frozen_features_dir, self.args.output_dir
+        if cache_dir is None or out is None:
+            return
+        cache_dir, out = os.path.realpath(cache_dir), os.path.realpath(out)
+        if os.path.commonpath([cache_dir, out]) != out:
+            return
+        rel = os.path.relpath(cache_dir, out)
+        if not (self.args.keep_frozen_features_cache and (rel == "." or rel.split(os.sep)[0].startswith("_"))):
+            raise ValueError(
+                f"--cache_frozen_features_dir {self.args.cache_frozen_features_dir} is inside --output_dir {self.args.output_dir}, "
+                "whose files are saved and pushed with the model, and the cache holds the hidden states of every training "
+                "example; use a folder outside output_dir (or, with --keep_frozen_features_cache, output_dir itself or a "
+                "subfolder whose name starts with '_', which pushes skip)"
+            )
+
     def _cache_dataset(self, dataset):
         if dataset is None or isinstance(dataset, CachedFeatures):
             return dataset
         return build_prefix_cache(
             self.model, dataset, self._raw_collator, batch_size=self.args.per_device_eval_batch_size,
             dtype=getattr(torch, self.args.cache_frozen_features_dtype), cache_dir=self.args.cache_frozen_features_dir,
+            keep_file=self.args.keep_frozen_features_cache,
         )
 
     def _suffix_ctx(self):
@@ -512,7 +577,7 @@ class DPTrainer(Trainer):
     def privacy_report(self) -> dict:
         """All numbers of the guarantee, as written to ``privacy.json`` and the model card."""
         if not self.args.dp_enabled:
-            return {"hf_dp_version": __version__, "differential_privacy": False}
+            return self._non_private_report()
         spec = self.privacy_spec
         steps = self.ledger.steps
         rule = self._dp_optimizer.rule if self._dp_optimizer is not None else None
@@ -523,7 +588,6 @@ class DPTrainer(Trainer):
             hyper["weight_decay"] = self.args.weight_decay
             hyper["lr"] = self.args.learning_rate
             hyper["lr_scheduler_type"] = str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type))
-        info = self.trainable_info
         return {
             "hf_dp_version": __version__,
             "differential_privacy": True,
@@ -547,13 +611,77 @@ class DPTrainer(Trainer):
             "clipping": getattr(self, "clipping", None),
             "cache_frozen_features": bool(self._prefix_cache),
             "optimizer": {"name": str(self.args.optim), "hyperparameters": hyper},
-            "trainable": {
-                "mode": info.mode if info else self.args.trainable,
-                "trainable_params": info.num_trainable if info else None,
-                "total_params": info.num_total if info else None,
-                "names": list(info.trainable_names) if info else None,
-            },
+            "trainable": self._trainable_report(),
+            "model_selection": self._model_selection_report(),
         }
+
+    def _trainable_report(self) -> dict:
+        info = self.trainable_info
+        return {
+            "mode": info.mode if info else self.args.trainable,
+            "trainable_params": info.num_trainable if info else None,
+            "total_params": info.num_total if info else None,
+            "names": list(info.trainable_names) if info else None,
+        }
+
+    def _non_private_report(self) -> dict:
+        """``privacy_report()`` of a ``--disable_dp`` run: says so, and records the optimizer and trainable set."""
+        hyper: dict[str, Any] = {}
+        optimizer = getattr(self, "optimizer", None)
+        groups = getattr(optimizer, "param_groups", None)
+        if groups:
+            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in groups[0].items()
+                     if k not in ("params", "lr", "initial_lr") and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)}
+        hyper["weight_decay"] = self.args.weight_decay
+        hyper["lr"] = self.args.learning_rate
+        hyper["lr_scheduler_type"] = str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type))
+        steps = self.state.global_step
+        return {
+            "hf_dp_version": __version__,
+            "differential_privacy": False,
+            "steps": steps,
+            "cache_frozen_features": bool(getattr(self, "_prefix_cache", False)),
+            "optimizer": {"name": str(getattr(self.args.optim, "value", self.args.optim)), "hyperparameters": hyper},
+            "trainable": self._trainable_report(),
+            "model_selection": self._model_selection_report(),
+        }
+
+    def _model_selection_report(self) -> dict:
+        """Which data chose the released model: the training run alone, or an eval set (best checkpoint /
+        early stopping). Such a selection depends on the eval data, outside the (ε, δ) guarantee."""
+        from transformers import EarlyStoppingCallback
+
+        args = self.args
+        early = any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks)
+        best = bool(args.load_best_model_at_end)
+        metric = args.metric_for_best_model if (best or early) else None
+        eval_ds = self.eval_dataset
+        if eval_ds is None:
+            names = []
+        elif isinstance(eval_ds, dict):
+            names = list(eval_ds)
+        else:
+            names = ["eval_dataset"]
+        sizes = {}
+        for name, ds in (eval_ds.items() if isinstance(eval_ds, dict) else [("eval_dataset", eval_ds)] if eval_ds is not None else []):
+            with contextlib.suppress(TypeError):
+                sizes[name] = len(ds)
+        selected = best or early
+        report = {
+            "selected_on_eval_data": selected,
+            "load_best_model_at_end": best,
+            "early_stopping": early,
+            "metric_for_best_model": metric,
+            "eval_datasets": names if selected else [],
+            "eval_dataset_sizes": sizes if selected else {},
+        }
+        if selected:
+            report["note"] = (
+                "the released model was chosen (best checkpoint and/or early stopping) by its metric on the eval data; "
+                "this choice depends on the eval data and is outside the privacy guarantee, which covers only the "
+                "training data: if the eval data is private, it is not protected"
+            )
+        return report
 
     # ------------------------------------------------------------------------------------------------
     # saving
@@ -658,7 +786,7 @@ class DPTrainer(Trainer):
                 torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         else:
             super().save_model(output_dir, _internal_call=_internal_call)
-        if self.args.dp_enabled and self.args.should_save:
+        if self.args.should_save:  # non-private runs too: their card says so and records what was trained
             self._write_privacy_files(output_dir)
 
     def _write_privacy_files(self, output_dir: str, eval_results: dict | None = None) -> None:
@@ -683,7 +811,6 @@ class DPTrainer(Trainer):
         return {}
 
     def create_model_card(self, *args, **kwargs):
-        if not self.args.dp_enabled:
-            return super().create_model_card(*args, **kwargs)
+        # hf_dp's card for non-private runs too (it says non-private, once): HF's card would replace it
         if self.is_world_process_zero():
             self._write_privacy_files(self.args.output_dir)

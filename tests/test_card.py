@@ -178,3 +178,48 @@ def test_template_found_in_installed_wheel(tmp_path):
     assert info["file"].startswith(str(site))
     assert info["where"] == "hf_dp.model_cards/model_card.md.j2"  # importlib.resources, not the checkout
     assert info["eps"] == REPORT["epsilon"]
+
+
+# ------------------------------------------------------------------------------------ non-private run (issue 15.7)
+
+
+def test_non_private_run_card_and_privacy_json_say_non_private_once(tmp_path):
+    """A --disable_dp run: privacy.json and README.md say non-private (once), claim no ε, carry no
+    differential-privacy tag or -dp- title, and record the real optimizer and trainable set."""
+    from hf_dp import DPTrainer
+    from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    ds = make_pair_dataset(tok, n=64)
+    args = dp_args(tmp_path / "bert-tiny-sst2", optim="adamw_torch", disable_dp=True, epsilon=None, max_steps=2,
+                   trainable="last_block")
+    trainer = DPTrainer(model=make_model(), args=args, train_dataset=ds, data_collator=make_collator(tok))
+    trainer.train()
+    out = tmp_path / "saved"
+    trainer.save_model(str(out))
+    privacy = json.loads((out / "privacy.json").read_text())
+    assert privacy["differential_privacy"] is False
+    assert not {"epsilon", "delta", "noise_multiplier", "target_epsilon", "accountant"} & set(privacy)
+    assert privacy["optimizer"]["name"] == "adamw_torch"
+    assert privacy["optimizer"]["hyperparameters"]["lr"] == args.learning_rate
+    info = trainer.trainable_info
+    assert privacy["trainable"]["mode"] == "last_block"
+    assert privacy["trainable"]["trainable_params"] == info.num_trainable > 0
+    assert privacy["trainable"]["names"] == list(info.trainable_names)
+
+    for card in ((out / "README.md").read_text(), render_model_card(privacy, base_model="bert-tiny", task_name="sst2")):
+        meta = parse_front_matter(card)
+        body = card.split("\n---\n", 1)[1]
+        assert "differential-privacy" not in meta["tags"] and "differential_privacy" not in meta
+        assert "adamw_torch" in meta["tags"]
+        title = body.split("\n# ", 1)[1].splitlines()[0]
+        assert "-dp-" not in title and "dp" not in title.split("-")
+        low = body.lower()
+        assert low.count("differential privacy") == 1 and "without differential privacy" in low
+        assert low.count("non-private") == 1
+        for claim in ("ε", "epsilon", "(ε, δ)", "differentially private", "guarantee does not cover", "with **differential privacy**"):
+            assert claim not in body, claim
+        assert "`adamw_torch`" in body and "`unknown`" not in body
+        assert "`last_block`" in body and "Not recorded" not in body
+        assert f"{info.num_trainable:,}" in body
+    assert "# bert-tiny-sst2\n" in render_model_card(privacy, base_model="bert-tiny", task_name="sst2")

@@ -67,7 +67,26 @@ BASE = dict(optim="dp_adamw", noise_multiplier=1.0, per_sample_max_grad_norm=1.0
             per_device_train_batch_size=8, max_steps=4, report_to=[], use_cpu=True, disable_tqdm=True,
             save_strategy="no", dp_seed=0, trainable="all")
 
-# id: (args overrides, train dataset factory, model factory, extra DPTrainer kwargs, exception, message regex)
+EVAL_IS_TRAIN = (r"^the eval dataset is \(or overlaps\) the private training set, so its metrics and any model selection or "
+                 r"early stopping on them would publish non-private statistics of the training data; evaluate on held-out data$")
+
+
+def _eval_set(kind, train):
+    """The eval_dataset sentinels of CASES, built from the train dataset object of the case."""
+    import copy
+
+    if kind == "train":
+        return train
+    if kind == "train-copy":  # another object with the same 🤗 Datasets fingerprint
+        return copy.deepcopy(train)
+    if kind == "dict-with-train":
+        return {"heldout": dataset(16), "train": train}
+    if kind == "subset-of-train":
+        return torch.utils.data.Subset(train, range(16))
+    raise KeyError(kind)
+
+
+# id: (args overrides (a callable value gets the output_dir), train dataset factory, model factory, extra DPTrainer kwargs, exception, message regex)
 # keep in sync with docs/misuse.md (test_doc_table_lists_every_case checks the ids)
 CASES = {
     "epsilon-zero": ({"epsilon": 0.0, "noise_multiplier": None}, dataset, bert, {},
@@ -134,6 +153,13 @@ CASES = {
                            ValueError, r"^--accountant must be one of \('prv', 'rdp'\), got 'gdp'$"),
     "secure-rng-with-dp-seed": ({"secure_rng": True}, dataset, bert, {},
                                 ValueError, r"^--secure_rng draws from the OS CSPRNG and cannot be seeded: drop --dp_seed \(or --secure_rng\)$"),
+    "eval-is-train-set": ({}, dataset, bert, {"eval_dataset": "train"}, ValueError, EVAL_IS_TRAIN),
+    "eval-same-fingerprint-as-train": ({}, dataset, bert, {"eval_dataset": "train-copy"}, ValueError, EVAL_IS_TRAIN),
+    "eval-dict-contains-train-set": ({}, dataset, bert, {"eval_dataset": "dict-with-train"}, ValueError, EVAL_IS_TRAIN),
+    "eval-subset-of-train-set": ({}, dataset, bert, {"eval_dataset": "subset-of-train"}, ValueError, EVAL_IS_TRAIN),
+    "cache-dir-inside-output-dir": ({"trainable": "last_block", "cache_frozen_features": True,
+                                     "cache_frozen_features_dir": lambda out: f"{out}/cache"}, dataset, bert, {},
+                                    ValueError, r"^--cache_frozen_features_dir \S+/cache is inside --output_dir \S+, whose files are saved and pushed with the model, and the cache holds the hidden states of every training example; use a folder outside output_dir \(or, with --keep_frozen_features_cache, output_dir itself or a subfolder whose name starts with '_', which pushes skip\)$"),
 }
 
 
@@ -160,9 +186,13 @@ def test_misuse_fails_before_training(case, tmp_path):
     if trainer_kw.get("optimizers") == "sgd":
         trainer_kw["optimizers"] = (torch.optim.SGD(model.parameters(), lr=0.1), None)
     kw = {**BASE, "output_dir": str(tmp_path), **overrides}
+    kw = {k: (v(str(tmp_path)) if callable(v) else v) for k, v in kw.items()}
+    train = make_data()
+    if isinstance(trainer_kw.get("eval_dataset"), str):
+        trainer_kw["eval_dataset"] = _eval_set(trainer_kw["eval_dataset"], train)
     with pytest.raises(exc) as info:
         args = DPTrainingArguments(**kw)
-        trainer = DPTrainer(model=model, args=args, train_dataset=make_data(), callbacks=[CountSteps()], **trainer_kw)
+        trainer = DPTrainer(model=model, args=args, train_dataset=train, callbacks=[CountSteps()], **trainer_kw)
         trainer.train()
     message = str(info.value)
     assert info.match(pattern), message

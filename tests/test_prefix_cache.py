@@ -235,7 +235,7 @@ def test_cache_memory_has_no_padding_waste(tmp_path):
     assert int(item["labels"]) == rows[2]["label"]
 
     # on disk: same content, memory-mapped
-    disk = build_prefix_cache(model, rows, PadCollator(0), batch_size=5, cache_dir=tmp_path / "c")
+    disk = build_prefix_cache(model, rows, PadCollator(0), batch_size=5, cache_dir=tmp_path / "c", keep_file=True)
     assert disk.path and os.path.getsize(disk.path) == cache.nbytes
     torch.testing.assert_close(disk.hidden, cache.hidden, atol=0, rtol=0)
     assert torch.equal(disk.offsets, cache.offsets)
@@ -460,3 +460,109 @@ def test_first_token_forward_off_when_the_head_reads_other_positions():
     with first_token_forward(model) as active:
         assert not active
     assert "forward" not in model.bert.encoder.layer[-1].__dict__
+
+
+# ------------------------------------------------------------------------------------- cache files
+
+
+def test_cache_files_are_unique_per_build_and_unlinked(tmp_path):
+    """Issue 15.6: every build gets its own file; by default nothing is left in the folder, even while
+    the (memory-mapped) caches are alive and readable; keep_file=True keeps one file per build."""
+    model, _ = apply_trainable(make_model("bert"), "last_block")
+    small, big = make_rows(n=7, seed=1), make_rows(n=13, seed=2)
+    ref_small = build_prefix_cache(model, small, PadCollator(0))
+    ref_big = build_prefix_cache(model, big, PadCollator(0))
+    folder = tmp_path / "cache"
+    a = build_prefix_cache(model, small, PadCollator(0), cache_dir=folder)
+    b = build_prefix_cache(model, big, PadCollator(0), cache_dir=folder)  # same folder: must not touch a's data
+    torch.testing.assert_close(a.hidden, ref_small.hidden, atol=0, rtol=0)
+    torch.testing.assert_close(b.hidden, ref_big.hidden, atol=0, rtol=0)
+    assert os.listdir(folder) == []
+    assert a.file_backed and b.file_backed and a.path is None and b.path is None
+    assert "unlinked" in repr(a)
+
+    kept_a = build_prefix_cache(model, small, PadCollator(0), cache_dir=tmp_path / "keep", keep_file=True)
+    kept_b = build_prefix_cache(model, big, PadCollator(0), cache_dir=tmp_path / "keep", keep_file=True)
+    assert kept_a.path != kept_b.path
+    assert sorted(os.listdir(tmp_path / "keep")) == sorted(os.path.basename(c.path) for c in (kept_a, kept_b))
+    assert all(os.path.basename(c.path).startswith("_hf_dp_prefix_") for c in (kept_a, kept_b))
+    assert os.path.getsize(kept_a.path) == ref_small.nbytes and os.path.getsize(kept_b.path) == ref_big.nbytes
+    torch.testing.assert_close(kept_a.hidden, ref_small.hidden, atol=0, rtol=0)
+
+    # a failed build leaves no partial file, kept or not
+    bad = small + [{"input_ids": [5, 6], "label": 0, "sentence": "x", "idx": 99}]
+    for keep in (False, True):
+        with pytest.raises(PrefixCacheError):
+            build_prefix_cache(model, bad, PadCollator(0, side="left"), cache_dir=tmp_path / "bad", keep_file=keep)
+        assert not os.path.isdir(tmp_path / "bad") or os.listdir(tmp_path / "bad") == []
+
+
+def _cache_trainer(tmp_path, name, train_n, eval_n, **overrides):
+    from hf_dp import DPTrainer
+    from tests.helpers import dp_args, make_collator, make_model as tiny_model, make_pair_dataset, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    train = make_pair_dataset(tok, n=train_n, seed=0)
+    evalset = make_pair_dataset(tok, n=eval_n, seed=1)
+    args = dp_args(tmp_path / name / "out", cache_frozen_features=True, max_steps=2, epsilon=None, noise_multiplier=1.0,
+                   **overrides)
+    trainer = DPTrainer(model=tiny_model(seed=0), args=args, train_dataset=train, eval_dataset=evalset,
+                        data_collator=make_collator(tok))
+    return trainer, train, evalset, make_collator(tok)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_trainer_cache_dir_train_and_eval_do_not_collide(tmp_path, keep):
+    """Issue 15.6: with --cache_frozen_features_dir, the train cache holds the *train* rows' features (a
+    larger eval set built afterwards does not overwrite them), nothing is left in the folder after
+    train + evaluate (unless --keep_frozen_features_cache) and nothing is written under output_dir."""
+    folder = tmp_path / "cache"
+    kw = {"keep_frozen_features_cache": True} if keep else {}
+    trainer, train, evalset, collator = _cache_trainer(tmp_path, "run", 32, 48, cache_frozen_features_dir=str(folder), **kw)
+    bs = trainer.args.per_device_eval_batch_size  # the trainer's batching: bit-identical states
+    fresh_train = build_prefix_cache(trainer.model, train, collator, batch_size=bs)  # a fresh prefix forward on the train rows
+    fresh_eval = build_prefix_cache(trainer.model, evalset, collator, batch_size=bs)
+    assert len(trainer.train_dataset) == 32 and len(trainer.eval_dataset) == 48
+    torch.testing.assert_close(trainer.train_dataset.hidden, fresh_train.hidden, atol=0, rtol=0)
+    torch.testing.assert_close(trainer.eval_dataset.hidden, fresh_eval.hidden, atol=0, rtol=0)
+    trainer.train()
+    trainer.evaluate()
+    torch.testing.assert_close(trainer.train_dataset.hidden, fresh_train.hidden, atol=0, rtol=0)
+    left = sorted(os.listdir(folder))
+    if keep:
+        assert len(left) == 2 and all(f.startswith("_hf_dp_prefix_") for f in left)
+    else:
+        assert left == []
+    out = trainer.args.output_dir
+    written = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files]
+    assert not [f for f in written if "_hf_dp_prefix_" in f or (f.endswith(".bin") and "training_args" not in f)]
+
+
+def test_trainer_cache_dir_inside_output_dir(tmp_path):
+    """Refused unless kept on purpose in a place pushes skip (output_dir itself or a '_' subfolder)."""
+    out = tmp_path / "run" / "out"
+    for sub, keep in (("cache", False), ("cache", True), ("", False), ("_cache", False)):
+        with pytest.raises(ValueError, match=r"is inside --output_dir .*use a folder outside output_dir"):
+            _cache_trainer(tmp_path, "run", 32, 16, cache_frozen_features_dir=str(out / sub), keep_frozen_features_cache=keep)
+    for sub in ("", "_cache"):
+        trainer, *_ = _cache_trainer(tmp_path, "run", 32, 16, cache_frozen_features_dir=str(out / sub),
+                                     keep_frozen_features_cache=True)
+        assert os.path.basename(trainer.train_dataset.path).startswith("_hf_dp_prefix_")
+        assert os.path.relpath(trainer.train_dataset.path, out).split(os.sep)[0].startswith("_")
+
+
+def test_in_memory_cache_writes_no_file(tmp_path, monkeypatch):
+    """Without --cache_frozen_features_dir the cache lives in memory: no file anywhere (cwd, output_dir, tmp)."""
+    import tempfile
+
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    trainer, *_ = _cache_trainer(tmp_path, "mem", 32, 16)
+    assert not trainer.train_dataset.file_backed and trainer.train_dataset.path is None
+    trainer.train()
+    assert os.listdir(work) == [] and os.listdir(tmp_path / "tmp") == []
+    out = trainer.args.output_dir
+    assert not os.path.isdir(out) or not [f for _, _, fs in os.walk(out) for f in fs if f.startswith("_hf_dp_prefix_")]

@@ -29,7 +29,14 @@ _GLUE_TASKS = {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wn
 
 
 def template_source(name: str = TEMPLATE_NAME) -> tuple[str, str]:
-    """``(template text, where it was found)``: the installed package data, else the source checkout."""
+    """``(template text, where it was found)``: the source checkout this ``hf_dp`` is imported from, else the
+    installed package data.
+
+    The checkout comes first so that the template always matches the imported code (an editable install of
+    another checkout maps ``hf_dp.model_cards`` to *that* checkout's folder)."""
+    checkout = Path(__file__).resolve().parents[2] / "model_cards" / name
+    if checkout.is_file():
+        return checkout.read_text(encoding="utf-8"), str(checkout)
     try:
         resource = importlib.resources.files(TEMPLATE_PACKAGE).joinpath(name)
         if resource.is_file():
@@ -118,7 +125,7 @@ def build_front_matter(
     if base_model:
         meta["base_model"] = base_model
     opt_name = _optimizer_name(report)
-    tags = ["differential-privacy", "hf_dp"] + ([opt_name] if opt_name != "unknown" else [])
+    tags = (["differential-privacy"] if _is_dp(report) else []) + ["hf_dp"] + ([opt_name] if opt_name != "unknown" else [])
     tags += ["text-classification"] + ([ds_config] if ds_config else []) + (["glue"] if ds_config else [])
     meta["tags"] = tags
     if ds_id:
@@ -154,6 +161,22 @@ def build_front_matter(
     return meta
 
 
+def _selection(report: dict) -> dict | None:
+    """The ``model_selection`` entry of the report when the model was chosen on eval data, else ``None``."""
+    sel = report.get("model_selection")
+    if not isinstance(sel, dict) or not sel.get("selected_on_eval_data"):
+        return None
+    how = []
+    if sel.get("load_best_model_at_end"):
+        how.append("the best checkpoint was loaded at the end (`load_best_model_at_end`)")
+    if sel.get("early_stopping"):
+        how.append("training was stopped early (`EarlyStoppingCallback`)")
+    names = sel.get("eval_datasets") or ["eval_dataset"]
+    sizes = sel.get("eval_dataset_sizes") or {}
+    data = ", ".join(f"`{n}`" + (f" ({sizes[n]} examples)" if n in sizes else "") for n in names)
+    return {"how": " and ".join(how) or "the model was selected", "metric": sel.get("metric_for_best_model") or "loss", "data": data}
+
+
 def _optimizer_name(report: dict) -> str:
     opt = report.get("optimizer") or {}
     return opt.get("name", "unknown") if isinstance(opt, dict) else str(opt)
@@ -174,8 +197,9 @@ def render_model_card(
     """Render the README.md model card for a privacy report produced by ``DPTrainer.privacy_report()``."""
     import jinja2
 
+    dp = _is_dp(report)
     model_name = model_name or (
-        f"{base_model.rstrip('/').split('/')[-1]}-dp-{task_name}" if base_model and task_name else "hf_dp-model"
+        f"{base_model.rstrip('/').split('/')[-1]}-{'dp-' if dp else ''}{task_name}" if base_model and task_name else "hf_dp-model"
     )
     front = build_front_matter(
         report, base_model=base_model, task_name=task_name, dataset_name=dataset_name, eval_results=eval_results,
@@ -199,7 +223,8 @@ def render_model_card(
         front_matter=yaml.safe_dump(front, sort_keys=False, allow_unicode=True),
         r=report, title=model_name, base_model=base_model, task_name=task_name, dataset_desc=dataset_desc,
         eval_rows=eval_rows, eval_split=eval_split, optimizer_name=_optimizer_name(report),
-        optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=_is_dp(report), num=_num, pct=_pct,
+        optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=dp, num=_num, pct=_pct,
+        selection=_selection(report),
     )
 
 

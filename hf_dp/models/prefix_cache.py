@@ -65,6 +65,23 @@ Supported trainable modes: ``last_block`` (the intended one) and ``head`` (the l
 frozen from the cache; correct but less savings).  Other modes train parameters of the prefix and are
 rejected.
 
+Cache files (``cache_dir``)
+---------------------------
+Each :func:`build_prefix_cache` call creates its *own* file, ``<cache_dir>/_hf_dp_prefix_<random>.bin``
+(:func:`tempfile.mkstemp`: a name no other build, in this or another process, can get), so the train and
+eval caches (and the caches of concurrent ranks or runs sharing the folder) never overwrite each other.
+By default the file is **unlinked right after it is created**, before any state is written: the open
+descriptor and then the memory map keep the data readable (and disk-backed: the kernel pages it out to
+the file's blocks, not to RAM/swap), and the disk space returns when the last reference to the
+:class:`CachedFeatures` goes away (at the latest at process exit).  Nothing is left in ``cache_dir``
+after the run, even after a crash or ``SIGKILL``, and a push of the folder can never upload it.  With
+``keep_file=True`` the file stays (``CachedFeatures.path``) for inspection; it holds the hidden states
+of every cached example (hf_dp does not reload it).  The leading ``_`` makes ``Trainer.push_to_hub``
+skip it when the folder is the pushed ``output_dir`` itself (its upload ignores ``_*``); DPTrainer
+refuses a cache folder inside ``output_dir`` otherwise.  (Where unlinking an open file is not possible,
+e.g. Windows, the file is removed when the cache is garbage-collected or at exit.)  Without
+``cache_dir`` the cache is an ordinary in-memory tensor and no file is created.
+
 Caveats: the cache is tied to the frozen weights and the tokenization used to build it (rebuild when
 either changes); the states are stored in ``dtype`` (``float16`` / ``bfloat16`` halve the memory, at
 the price of rounding the suffix input); a memmap-backed cache is copied when a DataLoader worker
@@ -76,6 +93,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import tempfile
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -99,6 +118,7 @@ __all__ = [
 ]
 
 CACHED_HIDDEN_KEY = "hf_dp_cached_hidden"
+CACHE_FILE_PREFIX = "_hf_dp_prefix_"  # leading "_": Trainer.push_to_hub ignores "_*" in output_dir
 _LABEL_KEYS = ("labels", "label", "label_ids")
 _TOKEN_INPUTS = ("input_ids", "inputs_embeds")
 
@@ -193,6 +213,29 @@ def _uint_dtype(itemsize: int):
     return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
 
 
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _create_cache_file(cache_dir: str | os.PathLike, keep: bool):
+    """A new, uniquely named cache file in ``cache_dir`` opened ``w+b``: ``(file, path, unlinked)``.
+
+    Unless ``keep``, the name is unlinked at once (the open file and later its memory map keep the
+    data; see "Cache files" in the module docstring)."""
+    os.makedirs(cache_dir, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix=CACHE_FILE_PREFIX, suffix=".bin", dir=os.fspath(cache_dir))
+    f = os.fdopen(fd, "w+b")
+    unlinked = False
+    if not keep:
+        try:
+            os.unlink(path)
+            unlinked = True
+        except OSError:  # e.g. Windows: an open file cannot be removed; removed when the cache is collected
+            pass
+    return f, path, unlinked
+
+
 # ---------------------------------------------------------------------------------------- the dataset
 
 
@@ -203,11 +246,12 @@ class CachedFeatures(torch.utils.data.Dataset):
         hidden: ``[sum_i L_i, H]`` tensor (memmap-backed when built with ``cache_dir``).
         offsets: ``[N + 1]`` int64 tensor; example ``i`` is ``hidden[offsets[i]:offsets[i+1]]``.
         labels: ``[N, ...]`` tensor or ``None`` if the collated batches had no labels.
-        path: the memmap file, or ``None`` for an in-memory cache.
+        path: the kept memmap file (``keep_file=True``), else ``None`` (in memory, or an unlinked file).
+        file_backed: whether ``hidden`` is a memory map of a file (kept or unlinked).
     """
 
     def __init__(self, hidden: torch.Tensor, offsets: torch.Tensor, labels: torch.Tensor | None = None,
-                 path: str | None = None):
+                 path: str | None = None, file_backed: bool | None = None):
         if hidden.dim() != 2 or offsets.dim() != 1 or int(offsets[-1]) != hidden.shape[0]:
             raise ValueError("CachedFeatures: hidden must be [sum(L_i), H] and offsets [N+1] ending at sum(L_i)")
         if labels is not None and labels.shape[0] != offsets.shape[0] - 1:
@@ -216,6 +260,7 @@ class CachedFeatures(torch.utils.data.Dataset):
         self.offsets = offsets
         self.labels = labels
         self.path = path
+        self.file_backed = path is not None if file_backed is None else file_backed
 
     def __len__(self) -> int:
         return self.offsets.shape[0] - 1
@@ -262,7 +307,7 @@ class CachedFeatures(torch.utils.data.Dataset):
         return item
 
     def __repr__(self) -> str:
-        where = f"memmap {self.path}" if self.path else "memory"
+        where = f"memmap {self.path}" if self.path else ("an unlinked memmap file" if self.file_backed else "memory")
         return (
             f"CachedFeatures({len(self)} examples, {self.num_tokens} tokens x {self.hidden_size}, "
             f"{self.hidden.dtype}, {self.nbytes / 2**20:.1f} MiB in {where})"
@@ -319,6 +364,7 @@ def build_prefix_cache(
     dtype: torch.dtype = torch.float32,
     cache_dir: str | os.PathLike | None = None,
     sort_by_length: bool = True,
+    keep_file: bool = False,
 ) -> CachedFeatures:
     """Run the frozen prefix of ``model`` once over ``dataset`` and cache the input of the last block.
 
@@ -334,11 +380,13 @@ def build_prefix_cache(
         collate_fn: e.g. ``DataCollatorWithPadding(tokenizer)`` (must right-pad).
         batch_size: rows per forward pass.
         dtype: storage dtype of the states (``float32``; ``float16``/``bfloat16`` halve the memory).
-        cache_dir: if given, the states are written to ``<cache_dir>/prefix_hidden.bin`` and memory-mapped
-            (copy-on-write) instead of being kept in RAM.
+        cache_dir: if given, the states are written to a new file ``<cache_dir>/_hf_dp_prefix_<random>.bin``
+            (unique per call) and memory-mapped (copy-on-write) instead of being kept in RAM.  The file is
+            unlinked as soon as it is created unless ``keep_file`` (see "Cache files" in the module docstring).
         sort_by_length: run the forward passes on length-sorted batches (less padding, faster; the
             cache is still in dataset order).  The states are written into a buffer preallocated from a
             first pass over the rows' lengths (no second copy in memory).
+        keep_file: keep the ``cache_dir`` file after the cache is gone (its path is ``CachedFeatures.path``).
 
     Returns:
         :class:`CachedFeatures` with ``L_i = attention_mask[i].sum()`` positions per example.
@@ -387,6 +435,9 @@ def build_prefix_cache(
     storage = None  # torch tensor or numpy memmap, [total, H]
     path = None
     mm = None
+    fobj = None  # the open cache file (cache_dir)
+    unlinked = False
+    done = False
     labels_all: torch.Tensor | None = None
     label_batches = 0
     num_batches = 0
@@ -438,10 +489,9 @@ def build_prefix_cache(
                 if storage is None:
                     hidden_size = hidden.shape[-1]
                     if cache_dir is not None:
-                        os.makedirs(cache_dir, exist_ok=True)
-                        path = os.path.join(os.fspath(cache_dir), "prefix_hidden.bin")
+                        fobj, path, unlinked = _create_cache_file(cache_dir, keep_file)
                         itemsize = torch.empty((), dtype=dtype).element_size()
-                        mm = np.memmap(path, dtype=_uint_dtype(itemsize), mode="w+", shape=(max(total, 1), hidden_size))
+                        mm = np.memmap(fobj, dtype=_uint_dtype(itemsize), mode="w+", shape=(max(total, 1), hidden_size))
                         storage = torch.from_numpy(mm).view(dtype)  # writes go to the file's pages
                     else:
                         storage = torch.empty((total, hidden_size), dtype=dtype)
@@ -454,18 +504,29 @@ def build_prefix_cache(
                         labels_all = torch.zeros((n, *labels.shape[1:]), dtype=labels.dtype)
                     labels_all[torch.tensor(idx)] = labels
                     label_batches += 1
+        if label_batches not in (0, num_batches):
+            raise ValueError("build_prefix_cache: some collated batches have labels and some do not")
+        if mm is not None:
+            mm.flush()
+            del storage, mm
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            # mapped through the open file object: works after the name is unlinked (mmap keeps its own descriptor)
+            mm = np.memmap(fobj, dtype=_uint_dtype(itemsize), mode="c", shape=(max(total, 1), hidden_size))
+            storage = torch.from_numpy(mm).view(dtype)[:total]
+        done = True
     finally:
         handle.remove()
         model.train(was_training)
-    if mm is not None:
-        mm.flush()
-        del storage, mm
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        mm = np.memmap(path, dtype=_uint_dtype(itemsize), mode="c", shape=(max(total, 1), hidden_size))
-        storage = torch.from_numpy(mm).view(dtype)[:total]
-    if label_batches not in (0, num_batches):
-        raise ValueError("build_prefix_cache: some collated batches have labels and some do not")
-    return CachedFeatures(storage, offsets, labels_all, path=path)
+        if fobj is not None:
+            fobj.close()
+            if not done and not unlinked:  # a failed build leaves no (partial) file, kept or not
+                _remove_quietly(path)
+    features = CachedFeatures(storage, offsets, labels_all, path=path if keep_file else None,
+                              file_backed=fobj is not None)
+    if fobj is not None and not keep_file and not unlinked:
+        weakref.finalize(features, _remove_quietly, path)  # runs on garbage collection or at exit
+        warnings.warn(f"could not unlink the open prefix cache file {path}; it is removed when the cache is released")
+    return features
 
 
 # ------------------------------------------------------------------------------------ suffix forward
