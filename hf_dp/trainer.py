@@ -721,6 +721,11 @@ class DPTrainer(Trainer):
             spent = checkpointing.read_spent(self.args.output_dir)
             if spent and spent.get("privacy_spec") == self.privacy_spec.as_dict():
                 taken = max(taken, int(spent["steps"]))
+            if self.args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+                # every rank's ledger must agree, also where only rank 0's output_dir holds the record
+                t = torch.tensor([taken], dtype=torch.long, device=self.args.device)
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+                taken = int(t.item())
             if taken > steps:
                 self.ledger.add_steps(taken - steps)
                 logger.warning(
