@@ -55,7 +55,7 @@ It is compared with the accountant's ε (:func:`~hf_dp.privacy.accounting.comput
 (with 95% confidence); ε_lower ≤ claimed ε is the expected outcome. The audit is not tight: the
 accountant bounds the whole transcript (every noisy gradient), the audit sees only θ_T; and with
 n evaluation trials per side ε_lower cannot exceed about log(n/3.7) (≈ 4.9 for n = 500,
-≈ 6.3 for n = 2000) even for a mechanism with no privacy at all.
+≈ 6.3 for n = 2000) even for a mechanism with no privacy at all (:func:`certifiable_ceiling`, below).
 
 Broken variants (``variant=``), to check the audit has power: ``no_noise`` (σ = 0 in the
 privatizer), ``low_noise`` (σ/10 in the privatizer) and ``no_clip`` (the privatizer's clipping
@@ -66,24 +66,41 @@ Hyper-parameters are the auditor's choice (DP must hold for all of them). By def
 step ≈ linear in g̃ (with the tiny default ε0 = 1e-8 every Adam step is ≈ sign(g̃), which throws
 away most of the signal over several steps); override with ``hyper={...}`` or ``--hyper k=v``.
 
+Power
+-----
+Whatever the implementation does, ``trials`` trials per side cannot certify more than
+:func:`certifiable_ceiling` (the bound of a mechanism with no privacy at all, classified without a
+single error: ≈ log(trials/7.4), 6.29 for 4 000 trials, 7.9 for 20 000). A claimed ε above it, or close
+to it, cannot be refuted, so "ok" then says nothing: such rows are flagged (``power`` = ``LOW`` in the
+table, :attr:`AuditResult.low_power`, a warning on stderr) when the claim is above ``ceiling −``
+:data:`POWER_MARGIN`. Audit at a σ whose claim is well below the ceiling, and check that the broken
+variants come out VIOLATION (σ = 1, q = 0.5, T = 5 claims 7.43: at 4 000 trials even ``no_noise`` is
+"ok"; σ = 2 claims 2.82 and all three broken variants are caught, ``benchmarks/audit.md``).
+
 Usage
 -----
 ::
 
-    python -m hf_dp.audit --optim dp_adamw --noise_multiplier 1.0 --sample_rate 0.5 --steps 5 \
-        --trials 4000 --delta 1e-5
+    # recommended: the claim (2.82) is far below the ceiling (6.29); ~20 s per variant on 2 CPU cores
+    python -m hf_dp.audit --optim dp_adamw --variant real,no_noise,low_noise,no_clip \
+        --noise_multiplier 2.0 --sample_rate 0.5 --steps 5 --trials 4000
     # longer audits, as recorded in benchmarks/audit.md (~30 s per line on 2 loaded CPU cores for
-    # the batched rules; dp_sgd_l2 / dp_macadam run one trial per run: use ~1000 trials)
+    # the batched rules; dp_sgd_l2 / dp_macadam run one trial per run: ~1000 trials, so claim ≤ ~3)
     python -m hf_dp.audit --optim dp_sgd,dp_adam,dp_adamw,dp_adambc,dp_adamw_bc \
         --variant real,no_noise,low_noise,no_clip --noise_multiplier 1.0 --sample_rate 1.0 --steps 1 \
         --trials 20000 --delta 1e-5
-    python -m hf_dp.audit --optim dp_sgd_l2,dp_macadam --variant real,no_clip --noise_multiplier 1.0 \
+    python -m hf_dp.audit --optim dp_sgd_l2,dp_macadam --variant real,no_clip --noise_multiplier 2.0 \
         --trials 1000 --delta 1e-5
+    # through DPTrainer itself (hf_dp.audit_trainer): second train() call, checkpoint + resume
+    python -m hf_dp.audit --path trainer --variant real,no_noise,replay_train --train_calls 2 \
+        --noise_multiplier 0.5 --sample_rate 0.25 --steps 1 --delta 0.05 --trials 100000
+    python -m hf_dp.audit --path trainer --variant real,replay_resume --steps 2 --resume_at 1 \
+        --noise_multiplier 0.5 --sample_rate 0.25 --delta 0.05 --trials 100000
 
 ``--trials`` is the number of runs *per dataset* (D and D'); half of them select the threshold.
 The exit status is 1 if a ``real`` row shows ε_lower > claimed ε (a privacy violation), else 0.
 
-Output columns: ε_lower, the claimed ε, and TPR/FPR of the chosen test ("canary" iff the statistic
+Output columns: ε_lower, the claimed ε, the ceiling, and TPR/FPR of the chosen test ("canary" iff the statistic
 is on the canary's side of ``thresh``) on the evaluation half. When the bound comes from the
 second form, log((1 − δ − FPR)/FNR), the informative region is the *low*-FNR end (TPR ≈ 1).
 """
@@ -475,11 +492,8 @@ classified without error). Such an audit cannot report a violation; its 'ok' mea
 Exit status 1 if a 'real' row shows a violation.""" % POWER_MARGIN
 
 
-def main(argv=None) -> int:
-    import sys
-
-    from hf_dp.optim import optimizer_names
-
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m hf_dp.audit``."""
     p = argparse.ArgumentParser(
         prog="python -m hf_dp.audit", description=__doc__.split("\n\n")[0], epilog=RECOMMENDED,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -508,7 +522,15 @@ def main(argv=None) -> int:
     p.add_argument("--train_calls", type=int, default=1, help="trainer path: train() calls on one trainer")
     p.add_argument("--resume_at", type=int, default=None,
                    help="trainer path: checkpoint at this step, interrupt, resume in a new DPTrainer")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    import sys
+
+    from hf_dp.optim import optimizer_names
+
+    a = build_parser().parse_args(argv)
     names = list(optimizer_names()) if a.optim == "all" else a.optim.split(",")
     variants = a.variant.split(",")
     hyper = _parse_hyper(a.hyper)
