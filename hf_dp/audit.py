@@ -61,6 +61,11 @@ Broken variants (``variant=``), to check the audit has power: ``no_noise`` (σ =
 privatizer), ``low_noise`` (σ/10 in the privatizer) and ``no_clip`` (the privatizer's clipping
 skipped; noise still σC) — all *claiming* the ε of the nominal σ and C.
 
+The same audit through :class:`~hf_dp.trainer.DPTrainer` itself — HF's dataloader and collator, ghost
+clipping, OS-entropy seeds, checkpoint + resume, several ``train()`` calls, and the broken variants
+``no_noise``, ``replay_train`` and ``replay_resume`` (batches re-drawn) — is ``--path trainer``
+(:mod:`hf_dp.audit_trainer`).
+
 Hyper-parameters are the auditor's choice (DP must hold for all of them). By default
 (:data:`AUDIT_HYPER`) lr = 1 and, for the Adam family, a large ``eps``/``gamma`` that makes the
 step ≈ linear in g̃ (with the tiny default ε0 = 1e-8 every Adam step is ≈ sign(g̃), which throws
@@ -285,13 +290,14 @@ class AuditConfig:
 
 @dataclass
 class AuditResult:
-    config: AuditConfig
+    config: AuditConfig  # or hf_dp.audit_trainer.TrainerAuditConfig
     eps_lower: float
     eps_claimed: float
     bound: BoundResult
     stats_d: np.ndarray
     stats_dprime: np.ndarray
     seconds: float
+    info: dict = field(default_factory=dict)  # trainer path: the trainer's steps, sigma, q, reported epsilon, N, B
 
     @property
     def ceiling(self) -> float:
@@ -310,7 +316,7 @@ class AuditResult:
     def row(self) -> dict:
         c, b = self.config, self.bound
         return dict(
-            optim=c.optim, variant=c.variant, sigma=c.noise_multiplier, q=c.sample_rate, steps=c.steps,
+            optim=c.optim, variant=c.variant, sigma=c.noise_multiplier, q=c.sample_rate, steps=self.info.get("steps", c.steps),
             trials=c.trials, eps_lower=self.eps_lower, eps_claimed=self.eps_claimed, ceiling=self.ceiling,
             low_power=self.low_power, tpr=b.tpr, fpr=b.fpr, threshold=b.threshold, seconds=self.seconds,
         )
@@ -448,17 +454,19 @@ def audit(cfg: AuditConfig | None = None, **kwargs) -> AuditResult:
 
 
 def format_table(results: list[AuditResult]) -> str:
-    """One line per result. ``ceiling``: :func:`certifiable_ceiling`; ``power``: ``LOW`` when the claim is
-    above or within :data:`POWER_MARGIN` of it (then ``ok`` means little), else ``ok``."""
+    """One line per result. ``T``: the steps the claim is for (trainer path: all steps in the trainer's
+    ledger, over every ``train()`` call); ``ceiling``: :func:`certifiable_ceiling`; ``power``: ``LOW`` when
+    the claim is above or within :data:`POWER_MARGIN` of it (then ``ok`` means little), else ``ok``."""
     head = f"{'optimizer':<12} {'variant':<13} {'sigma':>6} {'q':>5} {'T':>3} {'trials':>6} " \
            f"{'eps_lower':>9} {'eps_claim':>9} {'ceiling':>7} {'TPR':>6} {'FPR':>6} {'thresh':>8} {'verdict':<10} {'power':<5} {'sec':>6}"
     lines = [head, "-" * len(head)]
     for r in results:
         c, b = r.config, r.bound
+        steps = r.info.get("steps", c.steps)  # trainer path: every step in the trainer's ledger
         verdict = "VIOLATION" if r.violation else "ok"
         power = "LOW" if r.low_power else "ok"
         lines.append(
-            f"{c.optim:<12} {c.variant:<13} {c.noise_multiplier:>6.3g} {c.sample_rate:>5.3g} {c.steps:>3d} {c.trials:>6d} "
+            f"{c.optim:<12} {c.variant:<13} {c.noise_multiplier:>6.3g} {c.sample_rate:>5.3g} {steps:>3d} {c.trials:>6d} "
             f"{r.eps_lower:>9.3f} {r.eps_claimed:>9.3f} {r.ceiling:>7.3f} {b.tpr:>6.3f} {b.fpr:>6.3f} {b.threshold:>8.3g} "
             f"{verdict:<10} {power:<5} {r.seconds:>6.1f}"
         )

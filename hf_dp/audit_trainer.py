@@ -55,10 +55,11 @@ multiplier σ/√r. R calls of T steps with full replay are therefore T steps at
 :func:`replay_epsilon`.
 
 Why δ = 0.05 in the recommended commands: the accountant's claim is a whole curve ε(δ), and a
-correct implementation must respect every point of it. At δ = 1e-5 an audit with 10⁴–10⁵ trials
-cannot certify ε above ≈ 2–4 for σ ≈ 0.5–1 even for a badly broken sampler (the informative tests
-need FPR ≪ 1e-4); at δ = 0.05 the bulk of the distributions is informative, the honest trainer reaches
-within ≈ 1 of its claim, and a replay is visible (``benchmarks/audit.md``). The trainer's own δ
+correct implementation must respect every point of it. At δ = 1e-5 the claims of these settings are
+far above what the trials can show even for a replayed sampler (σ = 0.5, q = 0.25, two steps claim
+10.8; the ideal test on a replay gives ε_lower ≈ 4.1–4.5 with 2·10⁴ trials, in simulation): the
+informative tests would need FPR ≪ 1e-4. At δ = 0.05 the bulk of the distributions is informative, the
+honest trainer comes within ≈ 1 of its claim, and a replay exceeds it (``benchmarks/audit.md``). The trainer's own δ
 (``--delta`` of the run, which must be < 1/N) is independent of the audit's δ.
 
 Only DP-SGD and the coordinate-wise Adam family can share runs (as in :mod:`hf_dp.audit`).
@@ -218,7 +219,7 @@ class TrainerAuditConfig:
     variant: str = "real"
     batch_trials: int = 8192  # K trials (coordinates) per run
     background: int = 4  # minimum number of zero-gradient rows
-    hyper: dict = field(default_factory=dict)  # lr, eps (adam_epsilon), gamma (bc_gamma)
+    hyper: dict = field(default_factory=dict)  # overrides hf_dp.audit.AUDIT_HYPER (lr default: B); eps, gamma, others via optim_args
     accountant: str = "prv"
     alpha: float = 0.05
     trainer_delta: float = 1e-5  # the run's own --delta (must be < 1/N)
@@ -249,25 +250,27 @@ def _sizes(cfg: TrainerAuditConfig, canaries: int) -> tuple[int, int]:
     raise ValueError(f"no dataset size gives an integer batch for q={q}")
 
 
-class _StopAt:
+def _stop_at(k: int):
     """A TrainerCallback that ends ``train()`` after global step ``k`` (an interruption)."""
+    from transformers import TrainerCallback
 
-    def __new__(cls, k):
-        from transformers import TrainerCallback
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= k:
+                control.should_training_stop = True
 
-        class StopAt(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                if state.global_step >= k:
-                    control.should_training_stop = True
-
-        return StopAt()
+    return StopAt()
 
 
 def _args(cfg: TrainerAuditConfig, out: str, batch: int, save_steps: int | None):
     from hf_dp import DPTrainingArguments
 
-    hyper = dict(cfg.hyper)
-    lr = float(hyper.pop("lr", batch))  # lr = B: one clipped canary moves θ_k by C
+    from hf_dp.audit import AUDIT_HYPER
+
+    # the mechanism path's audit hyper-parameters (e.g. a large Adam eps: the step is ≈ linear in g̃), but
+    # lr = B by default: one clipped canary then moves a DP-SGD coordinate by exactly C
+    hyper = {**{k: v for k, v in AUDIT_HYPER.get(cfg.optim, {}).items() if k != "lr"}, **cfg.hyper}
+    lr = float(hyper.pop("lr", batch))
     kw = {}
     if "eps" in hyper:
         kw["adam_epsilon"] = float(hyper.pop("eps"))
@@ -326,7 +329,7 @@ def one_trainer_run(cfg: TrainerAuditConfig, canaries: int, no_canaries: int, wo
         first_lists = None
         if cfg.resume_at is not None:
             tr = _trainer(cfg, model, _args(cfg, out, b, cfg.resume_at), dataset)
-            tr.add_callback(_StopAt(cfg.resume_at))
+            tr.add_callback(_stop_at(cfg.resume_at))
             tr.train()
             interrupted = tr
             ckpt = os.path.join(out, f"checkpoint-{cfg.resume_at}")
@@ -402,15 +405,4 @@ def trainer_audit(cfg: TrainerAuditConfig | None = None, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         claimed = max(0.0, compute_epsilon(info["sigma"], info["q"], info["steps"], cfg.delta, cfg.accountant))
-    r = AuditResult(cfg, bound.eps_lower, claimed, bound, s0, s1, time.perf_counter() - t0)
-    r.info = info
-    return r
-
-
-def schedule_name(cfg: TrainerAuditConfig) -> str:
-    parts = [f"{cfg.steps}st"]
-    if cfg.resume_at is not None:
-        parts.append(f"ckpt@{cfg.resume_at}")
-    if cfg.train_calls > 1:
-        parts.append(f"x{cfg.train_calls}")
-    return "+".join(parts)
+    return AuditResult(cfg, bound.eps_lower, claimed, bound, s0, s1, time.perf_counter() - t0, info)
