@@ -9,7 +9,7 @@ ghost clipping here — checked), the Poisson batch sampler and the ``PrivateOpt
 ``create_optimizer``, ``max_steps`` steps per ``train()`` call, optionally a checkpoint + resume and
 several ``train()`` calls on one trainer.
 
-Model and data. :class:`CanaryModel` is a ``PreTrainedModel`` regression "sequence classifier"
+Model and data. ``CanaryModel`` (from ``_model_classes()``) is a ``PreTrainedModel`` regression "sequence classifier"
 (``num_labels = 1``, so hf_dp's per-example loss is the squared error) whose only parameter is a
 bias-free ``nn.Linear(K, 1)`` θ ∈ R^K, zero at the start (``--trainable all``; the trainer chooses ghost
 clipping for it). A row holds ``canary_index`` and ``labels``: row index −1 is a *background* row, input
@@ -67,6 +67,7 @@ Only DP-SGD and the coordinate-wise Adam family can share runs (as in :mod:`hf_d
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -89,7 +90,9 @@ TRAINER_BATCHABLE = ("dp_sgd", "dp_adam", "dp_adamw", "dp_adambc", "dp_adamw_bc"
 # ------------------------------------------------------------------------------------------------
 # the model and the data
 # ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
 def _model_classes():
+    """(CanaryConfig, CanaryModel), built on first use so that importing this module does not import transformers."""
     from transformers import PretrainedConfig, PreTrainedModel
     from transformers.modeling_outputs import SequenceClassifierOutput
 
