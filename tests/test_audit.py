@@ -1,8 +1,11 @@
-"""Empirical privacy audit (hf_dp.audit): the statistics, the batched-trial construction, the real
-mechanism staying below the accountant's ε, and power against broken privatizers.
+"""Empirical privacy audit (hf_dp.audit, hf_dp.audit_trainer): the statistics, the batched-trial
+construction, the real mechanism staying below the accountant's ε, power against broken privatizers,
+the certifiable ceiling and its warning, and the audit through DPTrainer (replayed batches, no noise).
 
-All runs are seeded, so the outcomes are deterministic; the tolerances below leave room for the
-Monte-Carlo error of a different seed (the audit bound itself holds at 95% for any seed)."""
+The mechanism-path runs are seeded, so their outcomes are deterministic; the tolerances leave room for
+the Monte-Carlo error of a different seed (the audit bound itself holds at 95% for any seed). The
+trainer-path runs use OS entropy, as a user's run does; their settings leave a margin of ≈ 1 in ε
+(simulated with the ideal test statistic) on the side the assertion checks."""
 
 from __future__ import annotations
 
@@ -174,3 +177,177 @@ def test_cli_module_entry_point():
     )
     assert proc.returncode == 0, proc.stderr
     assert "--noise_multiplier" in proc.stdout and "--trials" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# power: the certifiable ceiling and the warning
+# ------------------------------------------------------------------------------------------------
+def test_ceiling_is_the_zero_error_bound_and_monotone():
+    from hf_dp.audit import certifiable_ceiling
+
+    for trials in (10, 101, 1000, 4000, 20000):
+        # a perfectly non-private mechanism: every D' trial above every D trial, 0 errors on both halves
+        perfect = epsilon_lower_bound(np.zeros(trials), np.ones(trials), DELTA).eps_lower
+        assert certifiable_ceiling(trials, DELTA) == pytest.approx(perfect, rel=1e-9)
+        u = clopper_pearson_upper(0, trials - trials // 2, 0.975)
+        assert certifiable_ceiling(trials, DELTA) == pytest.approx(max(0.0, math.log((1 - DELTA - u) / u)), rel=1e-9)
+    grid = np.array([10, 100, 1000, 4000, 10000, 100000])
+    c = certifiable_ceiling(grid, DELTA)
+    assert np.all(np.diff(c) > 0)
+    assert certifiable_ceiling(4000, DELTA) == pytest.approx(6.29, abs=0.01)  # what the old README command could reach
+
+
+def _claim_of(argv):
+    """The claimed ε of a ``python -m hf_dp.audit`` command line (without running it)."""
+    from hf_dp.audit import build_parser
+    from hf_dp.privacy.accounting import compute_epsilon
+
+    a = build_parser().parse_args(argv)
+    steps = a.steps * (a.train_calls if a.path == "trainer" else 1)
+    return compute_epsilon(a.noise_multiplier, a.sample_rate, steps, a.delta, a.accountant), a
+
+
+OLD_README = "--optim dp_adamw --noise_multiplier 1.0 --sample_rate 0.5 --steps 5 --trials 4000".split()
+
+
+def test_power_warning_fires_for_the_old_command_not_for_the_recommended_ones():
+    import os
+    import re
+
+    from hf_dp.audit import RECOMMENDED, low_power
+
+    claim, a = _claim_of(OLD_README)
+    assert claim == pytest.approx(7.43, abs=0.01) and low_power(claim, a.trials, a.delta)
+    # every command the README and the CLI epilog recommend has power
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    section = readme.split("## Checking the guarantee yourself", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"`python -m hf_dp\.audit ([^`]+)`", section)
+    import hf_dp.audit
+
+    for text in (RECOMMENDED, hf_dp.audit.__doc__):  # the CLI epilog and the module docstring's Usage
+        commands += [c.replace("\\\n", " ") for c in re.findall(r"python -m hf_dp\.audit ((?:\\\n|[^\n])+)", text)]
+    assert len(commands) >= 10
+    for cmd in commands:
+        claim, a = _claim_of(cmd.split())
+        assert not low_power(claim, a.trials, a.delta), cmd
+
+
+def test_cli_warns_on_stderr_and_flags_the_row(capsys):
+    main(["--optim", "dp_sgd", "--noise_multiplier", "1.0", "--sample_rate", "0.5", "--steps", "5", "--trials", "200"])
+    out, err = capsys.readouterr()
+    row = [ln for ln in out.splitlines() if ln.startswith("dp_sgd")][0].split()
+    assert "warning" in err and "ceiling" in err
+    assert row[12] in ("ok", "VIOLATION")  # the verdict is still computed
+    assert row[-2] == "LOW" and float(row[7]) > float(row[8])  # claim above the ceiling
+    main(["--optim", "dp_sgd", "--noise_multiplier", "2.0", "--trials", "2000"])
+    out, err = capsys.readouterr()
+    row = [ln for ln in out.splitlines() if ln.startswith("dp_sgd")][0].split()
+    assert "warning" not in err and row[-2] == "ok"
+
+
+# ------------------------------------------------------------------------------------------------
+# the trainer path (hf_dp.audit_trainer): DPTrainer, ghost clipping, checkpoint/resume, train() calls
+# ------------------------------------------------------------------------------------------------
+class _ListSampler:
+    """A stand-in batch sampler: epoch e yields [[e, 0], [e, 1], [e, 2]]."""
+
+    def __init__(self):
+        self.epoch = 0
+
+    def __len__(self):
+        return 3
+
+    def set_epoch(self, e):
+        self.epoch = e
+
+    def __iter__(self):
+        return iter([[self.epoch, i] for i in range(3)])
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+
+def test_replay_batch_sampler_records_substitutes_and_delegates():
+    from hf_dp.audit_trainer import ReplayBatchSampler
+
+    w = ReplayBatchSampler(_ListSampler())
+    assert list(w) == [[0, 0], [0, 1], [0, 2]] and len(w) == 3
+    first = list(w.recorded)
+    w.set_epoch(1)
+    assert w.state_dict() == {"epoch": 1}  # delegated (the checkpoint carries the wrapped sampler's state)
+    w.replay(first[:2], skip=1)  # pass one list through (HF's resume skip), then substitute two
+    assert list(w) == [[1, 0], [0, 0], [0, 1]]
+    w.set_epoch(2)
+    assert list(w) == [[2, 0], [2, 1], [2, 2]]  # replay exhausted: the wrapped sampler again
+
+
+TRAINER = dict(sample_rate=0.25, delta=0.05)
+
+
+def test_trainer_path_noiseless_is_the_clipped_canary():
+    """σ = 0 in the privatizer, q = 1, lr = B: each step moves a canary coordinate by exactly C (ghost clipping of a
+    gradient of norm ~2e6), through a checkpoint + resume in a new trainer and a second train() call; D coordinates
+    stay 0. The trainer's ledger counts every step and the claim is evaluated for those steps."""
+    from hf_dp.audit_trainer import TrainerAuditConfig, run_trainer_trials
+    from hf_dp.privacy.accounting import compute_epsilon
+
+    cfg = TrainerAuditConfig(variant="no_noise", sample_rate=1.0, steps=3, resume_at=1, train_calls=2, trials=8,
+                             batch_trials=16, max_grad_norm=0.7)
+    s0, s1, info = run_trainer_trials(cfg)
+    np.testing.assert_allclose(s0, 0.0, atol=1e-6)
+    np.testing.assert_allclose(s1, 6 * 0.7, rtol=1e-4)
+    assert info["steps"] == 6 and info["q"] == 1.0
+    assert info["reported_epsilon"] == pytest.approx(compute_epsilon(cfg.noise_multiplier, 1.0, 6, cfg.trainer_delta), rel=1e-6)
+
+
+def test_trainer_path_real_resume_is_not_a_violation():
+    """One train() with a checkpoint at step 1, an interruption and a resume in a new DPTrainer (HF's data skip):
+    correct on this branch."""
+    from hf_dp.audit_trainer import trainer_audit
+
+    r = trainer_audit(variant="real", noise_multiplier=0.5, steps=2, resume_at=1, trials=8192, **TRAINER)
+    assert r.info["steps"] == 2
+    assert r.eps_claimed == pytest.approx(2.62, abs=0.02) and not r.low_power
+    assert not r.violation, r.row()
+    assert r.eps_lower > 0.5  # the canary is seen
+
+
+def test_trainer_path_no_noise_is_a_violation():
+    from hf_dp.audit_trainer import trainer_audit
+
+    r = trainer_audit(variant="no_noise", noise_multiplier=0.5, steps=1, trials=4096, **TRAINER)
+    assert r.eps_lower > r.eps_claimed + 2, r.row()
+
+
+REPLAY4 = dict(noise_multiplier=0.6, steps=1, train_calls=4, trials=8000, **TRAINER)
+
+
+def test_trainer_path_replay_train_is_a_violation():
+    """Four train() calls, the last three fed the first call's batches: true ε = ε(σ/2, q, 1) ≈ 6.1 against the
+    claimed ε(σ, q, 4) = 2.59 at δ = 0.05."""
+    from hf_dp.audit_trainer import replay_epsilon, trainer_audit
+
+    assert replay_epsilon(0.6, 0.25, 1, 4, 0.05) > 6
+    r = trainer_audit(variant="replay_train", **REPLAY4)
+    assert r.eps_claimed == pytest.approx(2.59, abs=0.02) and not r.low_power
+    assert r.violation, r.row()
+
+
+@pytest.mark.xfail(strict=True, reason="replay bug fixed on wip/privacy: at 0b9495a every train() call re-draws the first call's batches")
+def test_trainer_path_real_second_train_is_not_a_violation():
+    """The same schedule as the replay_train test through the unmodified trainer. Remove the xfail once the sampler
+    fix (fresh batches in every train() call) is merged."""
+    from hf_dp.audit_trainer import trainer_audit
+
+    r = trainer_audit(variant="real", **REPLAY4)
+    assert not r.violation, r.row()
+
+
+@pytest.mark.slow
+def test_trainer_path_replay_resume_is_a_violation():
+    """After the resume, step 2 is fed step 1's batch: true ε = ε(σ/√2, q, 1) = 4.16 against ε(σ, q, 2) = 2.62."""
+    from hf_dp.audit_trainer import trainer_audit
+
+    r = trainer_audit(variant="replay_resume", noise_multiplier=0.5, steps=2, resume_at=1, trials=100000, **TRAINER)
+    assert r.violation, r.row()
