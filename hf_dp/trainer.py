@@ -64,9 +64,9 @@ from hf_dp.models.prefix_cache import (
     CachedFeatures,
     CachedFeaturesCollator,
     build_prefix_cache,
-    first_token_forward,
     suffix_forward,
 )
+from hf_dp.models.first_token import first_token_forward
 from hf_dp.optim.registry import get_entry
 from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
 from hf_dp.privacy.privatizer import PrivateOptimizer
