@@ -13,8 +13,8 @@ What it changes, and nothing else (each override calls ``super()``):
 * ``get_train_dataloader``: the same dataset and collator HF builds, drawn by
   :class:`~hf_dp.privacy.PoissonBatchSampler` (rate q, the accountant's q), one logical batch split
   into ``gradient_accumulation_steps`` micro-batches per rank.
-* ``create_optimizer``: HF builds the param groups (decay / no-decay) and the registered update rule;
-  it is wrapped in :class:`~hf_dp.privacy.PrivateOptimizer` (clip, noise once, ÷B, ledger).
+* ``create_optimizer``: HF's param groups (decay / no-decay) go to :func:`hf_dp.optim.make_optimizer`,
+  the registered update rule wrapped in :class:`~hf_dp.privacy.PrivateOptimizer` (clip, noise once, ÷B, ledger).
 * ``compute_loss`` / ``training_step``: **the loss-scaling contract** — ``compute_loss`` returns
   Σ_i ℓ_i / (B / world_size), and a hook on Σ_i ℓ_i measures the factor that every later scaling
   (the Trainer's gradient-accumulation division, Accelerate, mixed precision) applied before the
@@ -40,7 +40,6 @@ complete checkpoint, and ε counts every noisy step ever taken (see :mod:`hf_dp.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
 import os
@@ -67,7 +66,7 @@ from hf_dp.models.prefix_cache import (
     suffix_forward,
 )
 from hf_dp.models.first_token import first_token_forward
-from hf_dp.optim.registry import get_entry
+from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
 from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
 from hf_dp.privacy.privatizer import PrivateOptimizer
 from hf_dp.privacy.randomness import CSPRNG, SEEDED, source_name
@@ -428,58 +427,35 @@ class DPTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------
     # optimizer
     # ------------------------------------------------------------------------------------------------
-    def _rule_kwargs(self, rule_cls) -> dict:
-        args = self.args
-        accepted = inspect.signature(rule_cls.__init__).parameters
-        kw: dict[str, Any] = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
-        candidates = {
-            "betas": (args.adam_beta1, args.adam_beta2),
-            "eps": args.adam_epsilon,
-            "gamma": args.bc_gamma,
-            "h1": args.macadam_h1,
-            "h2": args.macadam_h2,
-        }
-        kw.update({k: v for k, v in candidates.items() if k in accepted and v is not None})
-        if args.optim_args:
-            for item in args.optim_args.replace(" ", "").split(","):
-                if not item:
-                    continue
-                key, _, value = item.partition("=")
-                if key not in accepted or key == "params":
-                    raise ValueError(f"--optim_args: {args.optim} has no hyper-parameter {key!r}")
-                flag = {"true": True, "false": False}.get(value.lower())  # e.g. fused=False
-                try:
-                    kw[key] = flag if flag is not None else float(value)
-                except ValueError:
-                    raise ValueError(f"--optim_args: {key}={value!r} is neither a number nor true/false") from None
-        return {k: v for k, v in kw.items() if k in accepted}
+    def _param_groups(self, model=None) -> list[dict]:
+        """HF's decay / no-decay parameter groups, built as ``Trainer.create_optimizer`` builds them."""
+        opt_model = self.model if model is None else model
+        decay = self.get_decay_parameter_names(opt_model)
+        named = list(opt_model.named_parameters())
+        return [
+            {"params": [p for n, p in named if n in decay and p.requires_grad], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay and p.requires_grad], "weight_decay": 0.0},
+        ]
 
     def create_optimizer(self, model=None):
         if not self.args.dp_enabled:
             return super().create_optimizer(model)
         if self.optimizer is None:
-            rule_cls = get_entry(self.args.optim).rule_cls
-            kwargs = self._rule_kwargs(rule_cls)
-            extra = {}
-            if hasattr(rule_cls, "privatizer_kwargs"):
-                extra = rule_cls.privatizer_kwargs(max_grad_norm=self.privacy_spec.max_grad_norm, hyperparameters=kwargs)
-            self.optimizer_cls_and_kwargs = (rule_cls, kwargs)
-            super().create_optimizer(model)  # HF's decay / no-decay param groups, instantiates the rule
-            spec = self.privacy_spec
-            self.optimizer = PrivateOptimizer(
-                self.optimizer,
-                noise_multiplier=spec.noise_multiplier,
-                max_grad_norm=spec.max_grad_norm,
-                expected_batch_size=spec.expected_batch_size,
-                noise_seed=self._dp_noise_seed,
-                secure_mode=self.args.secure_rng,
-                ledger=self.ledger,
-                max_epsilon=spec.target_epsilon,
-                **extra,
+            args, spec = self.args, self.privacy_spec
+            hyper = rule_hyperparameters(
+                args.optim, lr=args.learning_rate, weight_decay=args.weight_decay, optim_args=args.optim_args,
+                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, gamma=args.bc_gamma,
+                h1=args.macadam_h1, h2=args.macadam_h2,
+            )
+            self.optimizer = make_optimizer(
+                args.optim, self._param_groups(model),
+                noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
+                expected_batch_size=spec.expected_batch_size, noise_seed=self._dp_noise_seed,
+                secure_mode=args.secure_rng, ledger=self.ledger, max_epsilon=spec.target_epsilon, **hyper,
             )
             self.optimizer.sampler = self._dp_sampler
             if hasattr(self.optimizer.rule, "clamp_rate_every"):  # BC diagnostic only at the steps that are logged
-                steps = self.args.logging_steps
+                steps = args.logging_steps
                 self.optimizer.rule.clamp_rate_every = int(steps) if steps >= 1 else 1
             if spec.target_epsilon is not None:
                 self.optimizer.budget_steps = spec.planned_steps  # calibrate_noise_multiplier verified ε(planned) ≤ target
