@@ -93,7 +93,7 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
         ctx = suffix_forward(model, first_token_only=None if first_token else False)
         ctx.__enter__()
     elif first_token:  # the full model with the first-token-only last block (DPTrainer's default), for every mode
-        from hf_dp.models.prefix_cache import first_token_forward
+        from hf_dp.models.first_token import first_token_forward
 
         ctx = first_token_forward(model)
         if not ctx.__enter__():

@@ -290,3 +290,57 @@ def read_spent(output_dir: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return spent if isinstance(spent, dict) and "steps" in spent and "epsilon" in spent else None
+
+
+def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
+    """After ``DPTrainer`` loaded ``checkpoint``'s optimizer state (and with it the ledger): refuse a
+    checkpoint whose ledger does not match its marker or whose training data differ, put back into the
+    ledger the steps taken past the checkpoint (by this trainer: ``taken_here``, or by an interrupted
+    run, as recorded by :func:`write_spent`), and refuse to resume when one more step would exceed the
+    target ε. ``trainer`` is the ``DPTrainer`` (duck-typed)."""
+    marker = read_marker(checkpoint) or {}
+    steps, recorded = trainer.ledger.steps, marker.get("ledger_steps", trainer.state.global_step)
+    if steps != recorded or steps < trainer.state.global_step:
+        raise ValueError(
+            f"refusing to resume from {checkpoint}: its privacy ledger records {steps} noisy steps but the "
+            f"checkpoint is at global step {trainer.state.global_step} (marker: {recorded} ledger steps); was "
+            "optimizer.pt saved (save_only_model must be False)?"
+        )
+    saved_data = marker.get("train_data")
+    if saved_data is not None and saved_data != trainer._train_data_info():
+        raise ValueError(
+            f"refusing to resume from {checkpoint}: the training data differ from the data it was trained on "
+            f"(checkpoint: {saved_data.get('num_samples')} examples, fingerprint {str(saved_data.get('sha256'))[:12]}…; "
+            f"now: {trainer._train_data_info()['num_samples']} examples, fingerprint "
+            f"{trainer._train_data_info()['sha256'][:12]}…). Resume with the same training set or start a new run."
+        )
+    trainer.resumed_ledger_steps = steps
+    # Steps taken past this checkpoint (by an interrupted run, as recorded in output_dir, or by this
+    # trainer) were computed with randomness that is gone; the steps resumed now draw fresh batches
+    # and noise, so those steps are a release of their own: they stay in the ledger.
+    taken = max(steps, taken_here)
+    spent = read_spent(trainer.args.output_dir)
+    if spent and spent.get("privacy_spec") == trainer.privacy_spec.as_dict():
+        taken = max(taken, int(spent["steps"]))
+    import torch.distributed as dist
+
+    if trainer.args.world_size > 1 and dist.is_available() and dist.is_initialized():
+        # every rank's ledger must agree, also where only rank 0's output_dir holds the record
+        import torch
+
+        t = torch.tensor([taken], dtype=torch.long, device=trainer.args.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        taken = int(t.item())
+    if taken > steps:
+        trainer.ledger.add_steps(taken - steps)
+        logger.warning(
+            "hf_dp: resuming from %s (%d noisy steps), but %d steps were already taken past it; they count "
+            "toward epsilon (now %.4g), and the resumed steps draw fresh batches and noise",
+            checkpoint, steps, taken - steps, trainer.get_epsilon(),
+        )
+    opt = trainer._dp_optimizer
+    if opt is not None and opt.max_epsilon is not None and opt._would_exceed_budget():
+        raise ValueError(
+            f"refusing to resume from {checkpoint}: {trainer.ledger.steps} noisy steps were already taken "
+            f"(epsilon {trainer.get_epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
+        )

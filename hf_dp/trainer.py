@@ -13,8 +13,8 @@ What it changes, and nothing else (each override calls ``super()``):
 * ``get_train_dataloader``: the same dataset and collator HF builds, drawn by
   :class:`~hf_dp.privacy.PoissonBatchSampler` (rate q, the accountant's q), one logical batch split
   into ``gradient_accumulation_steps`` micro-batches per rank.
-* ``create_optimizer``: HF builds the param groups (decay / no-decay) and the registered update rule;
-  it is wrapped in :class:`~hf_dp.privacy.PrivateOptimizer` (clip, noise once, ÷B, ledger).
+* ``create_optimizer``: HF's param groups (decay / no-decay) go to :func:`hf_dp.optim.make_optimizer`,
+  the registered update rule wrapped in :class:`~hf_dp.privacy.PrivateOptimizer` (clip, noise once, ÷B, ledger).
 * ``compute_loss`` / ``training_step``: **the loss-scaling contract** — ``compute_loss`` returns
   Σ_i ℓ_i / (B / world_size), and a hook on Σ_i ℓ_i measures the factor that every later scaling
   (the Trainer's gradient-accumulation division, Accelerate, mixed precision) applied before the
@@ -40,11 +40,9 @@ complete checkpoint, and ε counts every noisy step ever taken (see :mod:`hf_dp.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
 import os
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +55,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from hf_dp import __version__
 from hf_dp.arguments import DPTrainingArguments
 from hf_dp import checkpointing
+from hf_dp.hub import report, write_privacy_artifacts
 from hf_dp.models import apply_trainable, assert_grad_samples_complete, attach_grad_sampler, unwrap_for_save
 from hf_dp.models.ghost_clipping import GhostClipper, clip_factors
 from hf_dp.models.prefix_cache import (
@@ -64,18 +63,37 @@ from hf_dp.models.prefix_cache import (
     CachedFeatures,
     CachedFeaturesCollator,
     build_prefix_cache,
-    first_token_forward,
     suffix_forward,
 )
-from hf_dp.optim.registry import get_entry
+from hf_dp.models.first_token import first_token_forward
+from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
 from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
 from hf_dp.privacy.privatizer import PrivateOptimizer
-from hf_dp.privacy.randomness import CSPRNG, SEEDED, source_name
+from hf_dp.privacy.randomness import SEEDED, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
 
 logger = logging.getLogger(__name__)
 
 _MIN_TRANSFORMERS = "5.0.0"
+
+# Private transformers API DPTrainer depends on: the one list to re-check on a transformers upgrade.
+# Checked against transformers 5.23.0 (the version the tests run on; _check_transformers_version admits
+# >=5.0,<6). Everything else DPTrainer overrides is public — __init__, get_train_dataloader,
+# create_optimizer, compute_loss, training_step, log, train, evaluate, predict, save_model,
+# create_model_card — and the budget stop is a TrainerCallback (_BudgetGuard).
+HF_PRIVATE_API_CHECKED_WITH = ("5.23.0",)
+HF_PRIVATE_OVERRIDES = {
+    # method: why no public hook serves
+    "_save_checkpoint": "the completion marker must be written after HF's files and before old checkpoints are "
+    "rotated; HF rotates inside _save_checkpoint, and on_save (the first public hook) runs after the rotation",
+    "_load_optimizer_and_scheduler": "the ledger that optimizer.pt just restored must be checked (marker, data "
+    "fingerprint, budget) and topped up with steps taken past the checkpoint before training resumes; "
+    "on_train_begin runs later and gets neither the checkpoint nor the ledger as it was before the load",
+}
+HF_PRIVATE_CALLS = (
+    "_set_signature_columns_if_needed / _signature_columns: keep the cached-states column through HF's column removal",
+    "_get_output_dir(trial): the checkpoint folder _save_checkpoint writes",
+)
 _EMPTY_KEY = "_hf_dp_empty_batch"
 
 
@@ -428,58 +446,35 @@ class DPTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------
     # optimizer
     # ------------------------------------------------------------------------------------------------
-    def _rule_kwargs(self, rule_cls) -> dict:
-        args = self.args
-        accepted = inspect.signature(rule_cls.__init__).parameters
-        kw: dict[str, Any] = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
-        candidates = {
-            "betas": (args.adam_beta1, args.adam_beta2),
-            "eps": args.adam_epsilon,
-            "gamma": args.bc_gamma,
-            "h1": args.macadam_h1,
-            "h2": args.macadam_h2,
-        }
-        kw.update({k: v for k, v in candidates.items() if k in accepted and v is not None})
-        if args.optim_args:
-            for item in args.optim_args.replace(" ", "").split(","):
-                if not item:
-                    continue
-                key, _, value = item.partition("=")
-                if key not in accepted or key == "params":
-                    raise ValueError(f"--optim_args: {args.optim} has no hyper-parameter {key!r}")
-                flag = {"true": True, "false": False}.get(value.lower())  # e.g. fused=False
-                try:
-                    kw[key] = flag if flag is not None else float(value)
-                except ValueError:
-                    raise ValueError(f"--optim_args: {key}={value!r} is neither a number nor true/false") from None
-        return {k: v for k, v in kw.items() if k in accepted}
+    def _param_groups(self, model=None) -> list[dict]:
+        """HF's decay / no-decay parameter groups, built as ``Trainer.create_optimizer`` builds them."""
+        opt_model = self.model if model is None else model
+        decay = self.get_decay_parameter_names(opt_model)
+        named = list(opt_model.named_parameters())
+        return [
+            {"params": [p for n, p in named if n in decay and p.requires_grad], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay and p.requires_grad], "weight_decay": 0.0},
+        ]
 
     def create_optimizer(self, model=None):
         if not self.args.dp_enabled:
             return super().create_optimizer(model)
         if self.optimizer is None:
-            rule_cls = get_entry(self.args.optim).rule_cls
-            kwargs = self._rule_kwargs(rule_cls)
-            extra = {}
-            if hasattr(rule_cls, "privatizer_kwargs"):
-                extra = rule_cls.privatizer_kwargs(max_grad_norm=self.privacy_spec.max_grad_norm, hyperparameters=kwargs)
-            self.optimizer_cls_and_kwargs = (rule_cls, kwargs)
-            super().create_optimizer(model)  # HF's decay / no-decay param groups, instantiates the rule
-            spec = self.privacy_spec
-            self.optimizer = PrivateOptimizer(
-                self.optimizer,
-                noise_multiplier=spec.noise_multiplier,
-                max_grad_norm=spec.max_grad_norm,
-                expected_batch_size=spec.expected_batch_size,
-                noise_seed=self._dp_noise_seed,
-                secure_mode=self.args.secure_rng,
-                ledger=self.ledger,
-                max_epsilon=spec.target_epsilon,
-                **extra,
+            args, spec = self.args, self.privacy_spec
+            hyper = rule_hyperparameters(
+                args.optim, lr=args.learning_rate, weight_decay=args.weight_decay, optim_args=args.optim_args,
+                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, gamma=args.bc_gamma,
+                h1=args.macadam_h1, h2=args.macadam_h2,
+            )
+            self.optimizer = make_optimizer(
+                args.optim, self._param_groups(model),
+                noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
+                expected_batch_size=spec.expected_batch_size, noise_seed=self._dp_noise_seed,
+                secure_mode=args.secure_rng, ledger=self.ledger, max_epsilon=spec.target_epsilon, **hyper,
             )
             self.optimizer.sampler = self._dp_sampler
             if hasattr(self.optimizer.rule, "clamp_rate_every"):  # BC diagnostic only at the steps that are logged
-                steps = self.args.logging_steps
+                steps = args.logging_steps
                 self.optimizer.rule.clamp_rate_every = int(steps) if steps >= 1 else 1
             if spec.target_epsilon is not None:
                 self.optimizer.budget_steps = spec.planned_steps  # calibrate_noise_multiplier verified ε(planned) ≤ target
@@ -575,113 +570,8 @@ class DPTrainer(Trainer):
         super().log(logs, start_time)
 
     def privacy_report(self) -> dict:
-        """All numbers of the guarantee, as written to ``privacy.json`` and the model card."""
-        if not self.args.dp_enabled:
-            return self._non_private_report()
-        spec = self.privacy_spec
-        steps = self.ledger.steps
-        rule = self._dp_optimizer.rule if self._dp_optimizer is not None else None
-        hyper = {}
-        if rule is not None:
-            g = rule.param_groups[0]
-            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params" and isinstance(v, (int, float, tuple))}
-            hyper["weight_decay"] = self.args.weight_decay
-            hyper["lr"] = self.args.learning_rate
-            hyper["lr_scheduler_type"] = str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type))
-        return {
-            "hf_dp_version": __version__,
-            "differential_privacy": True,
-            "epsilon": self.get_epsilon(),
-            "delta": spec.delta,
-            "target_epsilon": spec.target_epsilon,
-            "accountant": spec.accountant,
-            "noise_multiplier": spec.noise_multiplier,
-            "max_grad_norm": spec.max_grad_norm,
-            "sample_rate": spec.sample_rate,
-            "expected_batch_size": spec.expected_batch_size,
-            "dataset_size": spec.dataset_size,
-            "steps": steps,
-            "planned_steps": spec.planned_steps,
-            "epochs": steps * spec.sample_rate,
-            "sampling": "poisson",
-            "unit_of_privacy": "one training example (add/remove adjacency)",
-            "secure_rng": self.randomness == CSPRNG,
-            "randomness": self.randomness,
-            "dp_seed": self.args.dp_seed if self.randomness == SEEDED else None,
-            "clipping": getattr(self, "clipping", None),
-            "cache_frozen_features": bool(self._prefix_cache),
-            "optimizer": {"name": str(self.args.optim), "hyperparameters": hyper},
-            "trainable": self._trainable_report(),
-            "model_selection": self._model_selection_report(),
-        }
-
-    def _trainable_report(self) -> dict:
-        info = self.trainable_info
-        return {
-            "mode": info.mode if info else self.args.trainable,
-            "trainable_params": info.num_trainable if info else None,
-            "total_params": info.num_total if info else None,
-            "names": list(info.trainable_names) if info else None,
-        }
-
-    def _non_private_report(self) -> dict:
-        """``privacy_report()`` of a ``--disable_dp`` run: says so, and records the optimizer and trainable set."""
-        hyper: dict[str, Any] = {}
-        optimizer = getattr(self, "optimizer", None)
-        groups = getattr(optimizer, "param_groups", None)
-        if groups:
-            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in groups[0].items()
-                     if k not in ("params", "lr", "initial_lr") and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)}
-        hyper["weight_decay"] = self.args.weight_decay
-        hyper["lr"] = self.args.learning_rate
-        hyper["lr_scheduler_type"] = str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type))
-        steps = self.state.global_step
-        return {
-            "hf_dp_version": __version__,
-            "differential_privacy": False,
-            "steps": steps,
-            "cache_frozen_features": bool(getattr(self, "_prefix_cache", False)),
-            "optimizer": {"name": str(getattr(self.args.optim, "value", self.args.optim)), "hyperparameters": hyper},
-            "trainable": self._trainable_report(),
-            "model_selection": self._model_selection_report(),
-        }
-
-    def _model_selection_report(self) -> dict:
-        """Which data chose the released model: the training run alone, or an eval set (best checkpoint /
-        early stopping). Such a selection depends on the eval data, outside the (ε, δ) guarantee."""
-        from transformers import EarlyStoppingCallback
-
-        args = self.args
-        early = any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks)
-        best = bool(args.load_best_model_at_end)
-        metric = args.metric_for_best_model if (best or early) else None
-        eval_ds = self.eval_dataset
-        if eval_ds is None:
-            names = []
-        elif isinstance(eval_ds, dict):
-            names = list(eval_ds)
-        else:
-            names = ["eval_dataset"]
-        sizes = {}
-        for name, ds in (eval_ds.items() if isinstance(eval_ds, dict) else [("eval_dataset", eval_ds)] if eval_ds is not None else []):
-            with contextlib.suppress(TypeError):
-                sizes[name] = len(ds)
-        selected = best or early
-        report = {
-            "selected_on_eval_data": selected,
-            "load_best_model_at_end": best,
-            "early_stopping": early,
-            "metric_for_best_model": metric,
-            "eval_datasets": names if selected else [],
-            "eval_dataset_sizes": sizes if selected else {},
-        }
-        if selected:
-            report["note"] = (
-                "the released model was chosen (best checkpoint and/or early stopping) by its metric on the eval data; "
-                "this choice depends on the eval data and is outside the privacy guarantee, which covers only the "
-                "training data: if the eval data is private, it is not protected"
-            )
-        return report
+        """All numbers of the guarantee, as written to ``privacy.json`` and the model card (see :mod:`hf_dp.hub.report`)."""
+        return report.privacy_report(self) if self.args.dp_enabled else report.non_private_report(self)
 
     # ------------------------------------------------------------------------------------------------
     # saving
@@ -693,52 +583,11 @@ class DPTrainer(Trainer):
         with self._suffix_ctx():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
+    def _load_optimizer_and_scheduler(self, checkpoint):  # private HF API: see HF_PRIVATE_OVERRIDES
         taken_here = self.ledger.steps if self.args.dp_enabled else 0  # e.g. by an earlier train() of this trainer
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.args.dp_enabled:
-            marker = checkpointing.read_marker(checkpoint) or {}
-            steps, recorded = self.ledger.steps, marker.get("ledger_steps", self.state.global_step)
-            if steps != recorded or steps < self.state.global_step:
-                raise ValueError(
-                    f"refusing to resume from {checkpoint}: its privacy ledger records {steps} noisy steps but the "
-                    f"checkpoint is at global step {self.state.global_step} (marker: {recorded} ledger steps); was "
-                    "optimizer.pt saved (save_only_model must be False)?"
-                )
-            saved_data = marker.get("train_data")
-            if saved_data is not None and saved_data != self._train_data_info():
-                raise ValueError(
-                    f"refusing to resume from {checkpoint}: the training data differ from the data it was trained on "
-                    f"(checkpoint: {saved_data.get('num_samples')} examples, fingerprint {str(saved_data.get('sha256'))[:12]}…; "
-                    f"now: {self._train_data_info()['num_samples']} examples, fingerprint "
-                    f"{self._train_data_info()['sha256'][:12]}…). Resume with the same training set or start a new run."
-                )
-            self.resumed_ledger_steps = steps
-            # Steps taken past this checkpoint (by an interrupted run, as recorded in output_dir, or by this
-            # trainer) were computed with randomness that is gone; the steps resumed now draw fresh batches
-            # and noise, so those steps are a release of their own: they stay in the ledger.
-            taken = max(steps, taken_here)
-            spent = checkpointing.read_spent(self.args.output_dir)
-            if spent and spent.get("privacy_spec") == self.privacy_spec.as_dict():
-                taken = max(taken, int(spent["steps"]))
-            if self.args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-                # every rank's ledger must agree, also where only rank 0's output_dir holds the record
-                t = torch.tensor([taken], dtype=torch.long, device=self.args.device)
-                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-                taken = int(t.item())
-            if taken > steps:
-                self.ledger.add_steps(taken - steps)
-                logger.warning(
-                    "hf_dp: resuming from %s (%d noisy steps), but %d steps were already taken past it; they count "
-                    "toward epsilon (now %.4g), and the resumed steps draw fresh batches and noise",
-                    checkpoint, steps, taken - steps, self.get_epsilon(),
-                )
-            opt = self._dp_optimizer
-            if opt is not None and opt.max_epsilon is not None and opt._would_exceed_budget():
-                raise ValueError(
-                    f"refusing to resume from {checkpoint}: {self.ledger.steps} noisy steps were already taken "
-                    f"(epsilon {self.get_epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
-                )
+            checkpointing.reconcile_resumed_ledger(self, checkpoint, taken_here)
 
     def _train_data_info(self) -> dict:
         """N and a SHA-256 fingerprint of the training set (before any caching), recorded in checkpoint markers."""
@@ -746,7 +595,7 @@ class DPTrainer(Trainer):
             self._train_fingerprint = checkpointing.dataset_fingerprint(self._fingerprint_source)
         return {"num_samples": self.privacy_spec.dataset_size, "sha256": self._train_fingerprint}
 
-    def _save_checkpoint(self, model, trial):
+    def _save_checkpoint(self, model, trial):  # private HF API: see HF_PRIVATE_OVERRIDES
         # HF writes checkpoint-N in place, then rotates old checkpoints; we defer the rotation until the
         # completion marker is on disk, so a complete checkpoint exists at every instant.
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
@@ -795,9 +644,7 @@ class DPTrainer(Trainer):
             self._write_privacy_files(output_dir)
 
     def _write_privacy_files(self, output_dir: str, eval_results: dict | None = None) -> None:
-        from hf_dp.hub import write_privacy_artifacts
-
-        eval_results = eval_results if eval_results is not None else self._latest_eval_metrics()
+        eval_results = eval_results if eval_results is not None else report.latest_eval_metrics(self.state.log_history)
         write_privacy_artifacts(
             output_dir,
             self.privacy_report(),
@@ -807,13 +654,6 @@ class DPTrainer(Trainer):
             eval_results=eval_results,
             model_name=os.path.basename(os.path.normpath(self.args.output_dir)),
         )
-
-    def _latest_eval_metrics(self) -> dict:
-        for entry in reversed(self.state.log_history):
-            metrics = {k: v for k, v in entry.items() if k.startswith("eval_") and isinstance(v, (int, float))}
-            if metrics:
-                return metrics
-        return {}
 
     def create_model_card(self, *args, **kwargs):
         # hf_dp's card for non-private runs too (it says non-private, once): HF's card would replace it

@@ -283,7 +283,7 @@ def _spy_single_query(monkeypatch):
 def test_single_query_fast_path_of_the_first_token_block_is_exact(arch, monkeypatch):
     """With the first-token-only last block, the key/value projections take the factorised path (their
     output gradients are rank one per head) and norms and clipped sums still equal the per-example loop."""
-    from hf_dp.models.prefix_cache import first_token_forward
+    from hf_dp.models.first_token import first_token_forward
 
     config = _config(arch)
     model, _ = apply_trainable(_model(arch), "last_block")
@@ -306,7 +306,7 @@ def test_single_query_fast_path_of_the_first_token_block_is_exact(arch, monkeypa
 
 def test_single_query_fast_path_holds_with_attention_dropout(monkeypatch):
     """Attention dropout scales each key/value position by a per-head scalar: still rank one, still taken."""
-    from hf_dp.models.prefix_cache import first_token_forward
+    from hf_dp.models.first_token import first_token_forward
     from tests.test_models import _model as make
 
     config = _config("bert")

@@ -411,7 +411,7 @@ def test_real_minilm_sst2():
 def test_first_token_forward_full_model_same_logits_and_per_sample_grads(arch, mode):
     """first_token_forward (no cache): same logits, loss and Opacus per-sample gradients as the plain
     model, with padded rows; active for BERT/RoBERTa/ELECTRA, a no-op for DistilBERT."""
-    from hf_dp.models.prefix_cache import first_token_forward
+    from hf_dp.models.first_token import first_token_forward
 
     model, _ = apply_trainable(make_model(arch, dropout=0.0), mode)
     rows = make_rows(n=6, seed=4)
@@ -452,7 +452,7 @@ def test_first_token_forward_full_model_same_logits_and_per_sample_grads(arch, m
 
 
 def test_first_token_forward_off_when_the_head_reads_other_positions():
-    from hf_dp.models.prefix_cache import first_token_forward
+    from hf_dp.models.first_token import first_token_forward
 
     model, _ = apply_trainable(make_model("bert", dropout=0.0), "last_block")
     pooler = model.bert.pooler

@@ -19,7 +19,7 @@ backward pass captures, for every trainable layer, its input activations ``a`` a
   the B·T²·(d_in+d_out) multiply-adds of the ghost norms in theory, but on CPU the batched matmul was slower than
   ghost norms + one large matmul and needs B·d_in·d_out more floats (benchmarks/RESULTS.md §1), so it is off.
 
-* single-query attention (the first-token-only last block, :mod:`hf_dp.models.prefix_cache`): the key and
+* single-query attention (the first-token-only last block, :mod:`hf_dp.models.first_token`): the key and
   value projections see T positions but feed one query, so per example and head h their output gradient is
   rank one across positions, g_{t,h} = v_{t,h} q̂_hᵀ (q̂_h a unit vector: the query for keys, the head's output
   gradient for values). Then G_h = q̂_h (Σ_t v_{t,h} a_t)ᵀ = q̂_h w_hᵀ, ‖G‖² = Σ_h ‖w_h‖², and the clipped sum is

@@ -1,7 +1,9 @@
 """The optimizer registry: the single source of truth for DP optimizer names.
 
-``register`` is used as a class decorator by each optimizer file; the trainer, the argument
-parser, the recipes and the docs all read names from here.
+A leaf module: it imports nothing of hf_dp. ``register`` is used as a class decorator by each optimizer
+file; the package ``hf_dp.optim`` imports those files, so importing anything from ``hf_dp.optim`` (this
+module included) fills the registry. The trainer, the argument parser, the recipes and the docs all read
+names from here; :func:`hf_dp.optim.build.make_optimizer` builds an optimizer from a name.
 """
 
 from __future__ import annotations
@@ -32,12 +34,10 @@ def register(name: str, *, source: str, summary: str):
 
 
 def optimizer_names() -> tuple[str, ...]:
-    _load_builtin()
     return tuple(_REGISTRY)
 
 
 def get_entry(name: str) -> OptimizerEntry:
-    _load_builtin()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -45,51 +45,4 @@ def get_entry(name: str) -> OptimizerEntry:
 
 
 def is_dp_optimizer(name) -> bool:
-    _load_builtin()
     return str(getattr(name, "value", name)) in _REGISTRY
-
-
-def make_optimizer(
-    name: str,
-    params,
-    *,
-    noise_multiplier: float,
-    max_grad_norm: float,
-    expected_batch_size: float,
-    noise_seed: int | None = None,
-    secure_mode: bool = False,
-    ledger=None,
-    **hyperparameters,
-):
-    """Build DP optimizer ``name``: its update rule wrapped in the privatizer.
-
-    ``hyperparameters`` go to the update rule (lr, betas, eps, weight_decay, momentum, gamma, h1, h2,
-    …); σ, C and B go to the privatizer, which hands the rule the noise scale it needs.
-    """
-    from hf_dp.privacy.privatizer import PrivateOptimizer
-
-    rule_cls = get_entry(name).rule_cls
-    extra = {}
-    if hasattr(rule_cls, "privatizer_kwargs"):
-        extra = rule_cls.privatizer_kwargs(max_grad_norm=max_grad_norm, hyperparameters=hyperparameters)
-    rule = rule_cls(params, **hyperparameters)
-    return PrivateOptimizer(
-        rule,
-        noise_multiplier=noise_multiplier,
-        max_grad_norm=max_grad_norm,
-        expected_batch_size=expected_batch_size,
-        noise_seed=noise_seed,
-        secure_mode=secure_mode,
-        ledger=ledger,
-        **extra,
-    )
-
-
-_loaded = False
-
-
-def _load_builtin() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from . import dp_adam, dp_adambc, dp_adamw, dp_adamw_bc, dp_macadam, dp_sgd, dp_sgd_l2  # noqa: F401

@@ -1,0 +1,137 @@
+"""What ``privacy.json`` and the model card say about a run, read from a ``DPTrainer``.
+
+:func:`privacy_report` (a DP run: every number of the guarantee), :func:`non_private_report`
+(``--disable_dp``: says so, and records the optimizer and trainable set), and their parts. The trainer
+is passed in (duck-typed; this module does not import it); ``DPTrainer.privacy_report()`` calls these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from hf_dp import __version__
+from hf_dp.privacy.randomness import CSPRNG, SEEDED
+
+
+def _schedule(args, hyper: dict) -> dict:
+    hyper["weight_decay"] = args.weight_decay
+    hyper["lr"] = args.learning_rate
+    hyper["lr_scheduler_type"] = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    return hyper
+
+
+def privacy_report(trainer) -> dict:
+    """All numbers of the guarantee of a DP run, as written to ``privacy.json`` and the model card."""
+    args, spec = trainer.args, trainer.privacy_spec
+    steps = trainer.ledger.steps
+    rule = trainer._dp_optimizer.rule if trainer._dp_optimizer is not None else None
+    hyper = {}
+    if rule is not None:
+        g = rule.param_groups[0]
+        hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params" and isinstance(v, (int, float, tuple))}
+        hyper = _schedule(args, hyper)
+    return {
+        "hf_dp_version": __version__,
+        "differential_privacy": True,
+        "epsilon": trainer.get_epsilon(),
+        "delta": spec.delta,
+        "target_epsilon": spec.target_epsilon,
+        "accountant": spec.accountant,
+        "noise_multiplier": spec.noise_multiplier,
+        "max_grad_norm": spec.max_grad_norm,
+        "sample_rate": spec.sample_rate,
+        "expected_batch_size": spec.expected_batch_size,
+        "dataset_size": spec.dataset_size,
+        "steps": steps,
+        "planned_steps": spec.planned_steps,
+        "epochs": steps * spec.sample_rate,
+        "sampling": "poisson",
+        "unit_of_privacy": "one training example (add/remove adjacency)",
+        "secure_rng": trainer.randomness == CSPRNG,
+        "randomness": trainer.randomness,
+        "dp_seed": args.dp_seed if trainer.randomness == SEEDED else None,
+        "clipping": getattr(trainer, "clipping", None),
+        "cache_frozen_features": bool(trainer._prefix_cache),
+        "optimizer": {"name": str(args.optim), "hyperparameters": hyper},
+        "trainable": trainable_report(trainer),
+        "model_selection": model_selection_report(trainer),
+    }
+
+
+def trainable_report(trainer) -> dict:
+    info = trainer.trainable_info
+    return {
+        "mode": info.mode if info else trainer.args.trainable,
+        "trainable_params": info.num_trainable if info else None,
+        "total_params": info.num_total if info else None,
+        "names": list(info.trainable_names) if info else None,
+    }
+
+
+def non_private_report(trainer) -> dict:
+    """The report of a ``--disable_dp`` run: says so, and records the optimizer and trainable set."""
+    args = trainer.args
+    hyper: dict[str, Any] = {}
+    optimizer = getattr(trainer, "optimizer", None)
+    groups = getattr(optimizer, "param_groups", None)
+    if groups:
+        hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in groups[0].items()
+                 if k not in ("params", "lr", "initial_lr") and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)}
+    hyper = _schedule(args, hyper)
+    return {
+        "hf_dp_version": __version__,
+        "differential_privacy": False,
+        "steps": trainer.state.global_step,
+        "cache_frozen_features": bool(getattr(trainer, "_prefix_cache", False)),
+        "optimizer": {"name": str(getattr(args.optim, "value", args.optim)), "hyperparameters": hyper},
+        "trainable": trainable_report(trainer),
+        "model_selection": model_selection_report(trainer),
+    }
+
+
+def model_selection_report(trainer) -> dict:
+    """Which data chose the released model: the training run alone, or an eval set (best checkpoint /
+    early stopping). Such a selection depends on the eval data, outside the (ε, δ) guarantee."""
+    from transformers import EarlyStoppingCallback
+
+    args = trainer.args
+    early = any(isinstance(cb, EarlyStoppingCallback) for cb in trainer.callback_handler.callbacks)
+    best = bool(args.load_best_model_at_end)
+    metric = args.metric_for_best_model if (best or early) else None
+    eval_ds = trainer.eval_dataset
+    if eval_ds is None:
+        names = []
+    elif isinstance(eval_ds, dict):
+        names = list(eval_ds)
+    else:
+        names = ["eval_dataset"]
+    sizes = {}
+    for name, ds in (eval_ds.items() if isinstance(eval_ds, dict) else [("eval_dataset", eval_ds)] if eval_ds is not None else []):
+        with contextlib.suppress(TypeError):
+            sizes[name] = len(ds)
+    selected = best or early
+    report = {
+        "selected_on_eval_data": selected,
+        "load_best_model_at_end": best,
+        "early_stopping": early,
+        "metric_for_best_model": metric,
+        "eval_datasets": names if selected else [],
+        "eval_dataset_sizes": sizes if selected else {},
+    }
+    if selected:
+        report["note"] = (
+            "the released model was chosen (best checkpoint and/or early stopping) by its metric on the eval data; "
+            "this choice depends on the eval data and is outside the privacy guarantee, which covers only the "
+            "training data: if the eval data is private, it is not protected"
+        )
+    return report
+
+
+def latest_eval_metrics(log_history: list[dict]) -> dict:
+    """The ``eval_*`` numbers of the last log entry that has any (``{}`` if none)."""
+    for entry in reversed(log_history):
+        metrics = {k: v for k, v in entry.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+        if metrics:
+            return metrics
+    return {}
