@@ -28,7 +28,7 @@ Compute ∝ the number of per-example gradients, E·N, so a *fixed compute budge
 and then T = E·round(N/B) steps. Minimising σ/B alone is degenerate: the accountant makes σ/B fall monotonically in B
 at fixed E all the way to B = N (measured, ``recipes/README.md``), where only E steps remain. The planner minimises
 the standard bound for SGD on a convex C-Lipschitz loss with the privatized gradient (unbiased, second moment
-≤ C² + dσ²C²/B²; e.g. Bassily, Smith & Thakurta 2014, Thm 2.4's analysis; Bubeck 2015, Thm 6.1):
+≤ C² + dσ²C²/B²; as in the analysis of Bassily, Smith & Thakurta 2014; Bubeck 2015, §6.1):
 
     E[f(θ̄_T)] − f* ≤ D·C·√((1 + d·σ²/B²) / T)   (optimal constant step size),
 
