@@ -388,6 +388,15 @@ class DPTrainer(Trainer):
             self.ghost_clipper = GhostClipper(self.model, two_pass=self.clipping == "ghost_two_pass")
         else:
             self.grad_sampler = attach_grad_sampler(self.model)
+        # the planner's start-of-run block (hf_dp.plan): public quantities only, no extra calibration
+        from hf_dp.plan import run_block
+
+        d = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        block, warning = run_block(n=n, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
+                                   max_grad_norm=args.per_sample_max_grad_norm, params=d, epsilon=args.epsilon)
+        logger.info(block)
+        if warning:
+            logger.warning(warning)
 
     def _choose_clipping(self, world: int) -> str:
         """``ghost`` (one backward pass, hf_dp.models.ghost_clipping) where it applies, else Opacus hooks;

@@ -1,0 +1,213 @@
+"""The privacy–utility planner (hf_dp.plan): σ from the accountant, the steps arithmetic, the documented
+objective and warning, the CLI, and the start-of-run block of a DP run (public quantities only)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hf_dp import DPTrainer
+from hf_dp import plan as planner
+from hf_dp.plan import WARN_R_RUN, PlanRow, make_plan, planned_steps, recommend, run_block, split_batch
+from hf_dp.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
+from hf_dp.privacy.sampler import PoissonBatchSampler
+
+from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+N, EPS, DELTA = 1000, 3.0, 1e-5
+BATCHES = (50, 100, 200, 400)
+EPOCHS = (1, 2)
+ACC = "rdp"  # the grid tests use the faster accountant; the PRV path (the default) is checked on one row
+
+
+@pytest.fixture(autouse=True)
+def no_disk_cache(monkeypatch):
+    monkeypatch.setenv(planner.CACHE_ENV, "off")
+
+
+@pytest.fixture(scope="module")
+def grid():
+    os.environ[planner.CACHE_ENV] = "off"
+    try:
+        return make_plan(N, EPS, DELTA, batch_sizes=BATCHES, epochs=EPOCHS, params=20_000, accountant=ACC,
+                         disk_cache=False, min_steps=0)
+    finally:
+        del os.environ[planner.CACHE_ENV]
+
+
+def test_sigma_is_the_accountants_and_meets_the_target(grid):
+    assert len(grid.rows) == len(BATCHES) * len(EPOCHS)
+    for r in grid.rows:
+        q = r.batch_size / N
+        assert r.sample_rate == q
+        assert r.sigma == calibrate_noise_multiplier(EPS, DELTA, q, r.steps, ACC)
+        assert compute_epsilon(r.sigma, q, r.steps, DELTA, ACC) <= EPS
+    prv = planner.plan_row(N, EPS, DELTA, 200, 1, params=10, disk_cache=False)  # the default accountant
+    assert prv.sigma == calibrate_noise_multiplier(EPS, DELTA, 0.2, 5, "prv")
+    assert compute_epsilon(prv.sigma, 0.2, 5, DELTA, "prv") <= EPS
+
+
+def test_steps_arithmetic_matches_the_sampler(grid):
+    for r in grid.rows:
+        assert r.steps == math.ceil(r.epochs * PoissonBatchSampler.steps_for_epoch(r.batch_size / N))
+    # round(1/q) steps per epoch, as the trainer plans (e.g. N=8999, B=32 → 281 per epoch)
+    assert planned_steps(8999, 32, 10) == 2810 and planned_steps(8999, 2048, 3) == 12
+    assert planned_steps(67349, 1024, 3) == 3 * round(67349 / 1024)
+
+
+def test_noise_monotone_where_claimed(grid):
+    for e in EPOCHS:
+        rows = sorted((r for r in grid.rows if r.epochs == e), key=lambda r: r.batch_size)
+        # at fixed epochs: σ rises with B, σ/B falls, and so does the per-epoch noise σ/√(BN)
+        assert all(a.sigma < b.sigma for a, b in zip(rows, rows[1:]))
+        assert all(a.noise_per_step > b.noise_per_step for a, b in zip(rows, rows[1:]))
+        assert all(a.noise_per_epoch > b.noise_per_epoch for a, b in zip(rows, rows[1:]))
+    for b in BATCHES:  # at fixed B more epochs need a larger σ
+        one, two = (next(r for r in grid.rows if r.batch_size == b and r.epochs == e) for e in EPOCHS)
+        assert two.sigma > one.sigma
+
+
+def _brute_force(rows, d, min_steps=0):
+    best = None
+    for r in rows:
+        if r.steps < min_steps:
+            continue
+        value = math.sqrt((1 + d * r.sigma**2 / r.batch_size**2) / r.steps)
+        if best is None or (value, r.batch_size) < best[0]:
+            best = ((value, r.batch_size), r.batch_size)
+    return best[1]
+
+
+@pytest.mark.parametrize("d", [1, 100, 20_000, 10**6, 10**9])
+def test_recommendation_minimises_the_documented_bound(d):
+    plan = make_plan(N, EPS, DELTA, batch_sizes=BATCHES, epochs=EPOCHS, params=d, accountant=ACC, disk_cache=False,
+                     min_steps=0)
+    assert plan.budget_epochs == max(EPOCHS)
+    at_budget = [r for r in plan.rows if r.epochs == plan.budget_epochs]
+    assert plan.batch_size == _brute_force(at_budget, d)
+    for e, row in plan.best_per_epochs().items():
+        assert row.batch_size == _brute_force([r for r in plan.rows if r.epochs == e], d)
+
+
+def test_recommendation_grows_with_d_and_is_deterministic():
+    kw = dict(epochs=2, accountant=ACC, disk_cache=False, min_steps=0)
+    chosen = [recommend(N, EPS, DELTA, d, batch_sizes=BATCHES, **kw).batch_size for d in (1, 10**4, 10**6, 10**9)]
+    assert chosen == sorted(chosen) and chosen[0] == min(BATCHES) and chosen[-1] == max(BATCHES)
+    a = recommend(N, EPS, DELTA, 20_000, batch_sizes=BATCHES, **kw)
+    b = recommend(N, EPS, DELTA, 20_000, batch_sizes=tuple(reversed(BATCHES)), **kw)
+    assert (a.batch_size, a.choice.sigma, a.epochs) == (b.batch_size, b.choice.sigma, 2.0)
+    assert f"B = {a.batch_size}" in a.summary()
+
+
+@pytest.mark.parametrize("min_steps", [10, 20, 1000])
+def test_min_steps_floor(min_steps):
+    plan = make_plan(N, EPS, DELTA, batch_sizes=BATCHES, epochs=EPOCHS, params=10**9, accountant=ACC,
+                     disk_cache=False, min_steps=min_steps)
+    at_budget = [r for r in plan.rows if r.epochs == plan.budget_epochs]
+    if any(r.steps >= min_steps for r in at_budget):
+        assert plan.choice.steps >= min_steps
+        assert plan.batch_size == _brute_force(at_budget, 10**9, min_steps)
+    else:  # nothing qualifies: the candidate with most steps
+        assert plan.batch_size == min(BATCHES)
+
+
+def test_no_recommendation_without_d():
+    plan = make_plan(N, EPS, DELTA, batch_sizes=BATCHES, epochs=(1,), accountant=ACC, disk_cache=False)
+    assert plan.choice is None and "--params" in plan.summary()
+    assert not any(r.noisy for r in plan.rows)
+
+
+def _row_with_r_run(target: float) -> PlanRow:
+    sigma, b, t = 1.0, 100, 400  # R_run = √d·σ/(B√T) = √d/2000
+    d = int((target * b * math.sqrt(t) / sigma) ** 2)
+    return PlanRow(batch_size=b, epochs=40.0, steps=t, sample_rate=0.1, sigma=sigma, n=1000, params=d)
+
+
+@pytest.mark.parametrize("r_run, fires", [(0.5, False), (0.99, False), (1.02, True), (5.0, True)])
+def test_warning_fires_above_the_threshold_only(r_run, fires):
+    row = _row_with_r_run(r_run)
+    assert math.isclose(row.r_run, r_run, rel_tol=1e-3)
+    assert row.noisy is fires
+    assert math.isclose(row.r_run, row.r_step / math.sqrt(row.steps))
+    block, warning = run_block(n=row.n, batch_size=row.batch_size, steps=row.steps, sigma=row.sigma, delta=1e-5,
+                               accountant="prv", max_grad_norm=0.1, params=row.params, epsilon=None)
+    assert (warning is not None) is fires
+    assert "hf_dp plan" in block and f"σ = {row.sigma:.4g}" in block
+    if fires:
+        assert "noise-dominated" in warning and f"> {WARN_R_RUN:g}" in warning
+
+
+def test_cli_prints_the_table(capsys):
+    code = planner.main(["--n", str(N), "--epsilon", "3", "--delta", "1e-5", "--batch", "50,100,200",
+                         "--epochs", "1,2", "--params", "20000", "--accountant", ACC, "--min_steps", "0", "--no_cache"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "sigma/B" in out and "<- recommended" in out and "recommended at a budget of 2 epoch(s)" in out
+    for b in (50, 100, 200):
+        assert any(line.split()[:2] == ["2", str(b)] for line in out.splitlines())
+    assert planner.main(["--n", "10", "--epsilon", "3"]) == 2  # δ = 1e-5 < 1/N, but no batch fits N = 10
+    assert "error:" in capsys.readouterr().err
+
+
+def test_cli_module_runs(tmp_path):
+    env = dict(os.environ, **{planner.CACHE_ENV: str(tmp_path / "sigmas.json")})
+    cmd = [sys.executable, "-W", "ignore", "-m", "hf_dp.plan", "--n", "1000", "--epsilon", "3", "--batch", "200",
+           "--epochs", "1", "--accountant", "rdp"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+    assert "sigma/B" in out and "no recommendation" in out
+    # σ memoised on disk, keyed by public quantities only
+    cached = json.loads((tmp_path / "sigmas.json").read_text())
+    assert len(cached) == 1 and list(cached.values())[0] == calibrate_noise_multiplier(3.0, 1e-5, 0.2, 5, "rdp")
+
+
+def test_split_batch():
+    assert split_batch(2048) == (64, 32)
+    assert split_batch(32) == (32, 1)
+    assert split_batch(256, world_size=2, max_per_device=64) == (64, 2)
+    with pytest.raises(ValueError):
+        split_batch(100, world_size=3)
+
+
+def test_run_block_takes_public_quantities_only():
+    allowed = {"n", "batch_size", "steps", "sigma", "delta", "accountant", "max_grad_norm", "params", "epsilon"}
+    assert set(inspect.signature(run_block).parameters) == allowed
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_trainer_logs_the_block_at_start(tok, tmp_path, caplog, single_thread):
+    collator = make_collator(tok)
+    blocks = []
+    for seed in (0, 1):  # same N, different examples: the block must not change
+        ds = make_pair_dataset(tok, n=128, seed=seed)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_dp"):
+            trainer = DPTrainer(model=make_model(), args=dp_args(tmp_path / str(seed)), train_dataset=ds,
+                                data_collator=collator)
+        found = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_dp plan (public")]
+        assert len(found) == 1
+        blocks.append(found[0])
+    spec = trainer.privacy_spec
+    d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert blocks[0] == blocks[1]
+    assert f"σ = {spec.noise_multiplier:.4g}" in blocks[0] and f"N = 128, B = 16" in blocks[0]
+    assert f"T = {spec.planned_steps} steps" in blocks[0] and f"d = {d:,} trainable" in blocks[0]
+    # the block's cost on top of the trainer's own calibration
+    t0 = time.perf_counter()
+    for _ in range(20):
+        run_block(n=128, batch_size=16, steps=spec.planned_steps, sigma=spec.noise_multiplier, delta=1e-5,
+                  accountant="prv", max_grad_norm=1.0, params=d, epsilon=8.0)
+    assert (time.perf_counter() - t0) / 20 < 0.05
