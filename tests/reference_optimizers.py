@@ -268,3 +268,43 @@ class RefDPMacAdam:
             self.b = s_hat**0.25 * np.sqrt(np.sum(np.sqrt(s_hat)))
         self.m_hat_prev = m_hat
         return self.theta
+
+
+# ----------------------------------------------------------------------------------------------
+# the variant of seed 000's authors' public code (issue 17 §12): not the paper; --optim_args authors_code=true
+# ----------------------------------------------------------------------------------------------
+class RefAuthorsDPAdamW:
+    """The authors' code for DP-AdamW: ε0 OUTSIDE the root, weight decay applied to the already-updated θ:
+    θ̃ = θ_{t−1} − η_t m̂_t/(√v̂_t + ε0);  θ_t = (1 − η_tλ) θ̃."""
+
+    def __init__(self, theta0, lam, betas=(0.9, 0.999), eps0=1e-8):
+        self.theta = np.array(theta0, dtype=np.float64)
+        self.lam = np.asarray(lam, dtype=np.float64)
+        self.mom = _Moments(self.theta.size, *betas)
+        self.eps0 = eps0
+
+    def step(self, g, lr):
+        m_hat, v_hat = self.mom.update(g)
+        updated = self.theta - lr * m_hat / (np.sqrt(v_hat) + self.eps0)
+        self.theta = (1.0 - lr * self.lam) * updated
+        return self.theta
+
+
+class RefAuthorsDPAdamWBC:
+    """The authors' code for DP-AdamW-BC: γ = 1e-10 hard-coded, 1e-8 outside the clamped root, decay on the updated θ:
+    θ̃ = θ_{t−1} − η_t m̂_t/(√max(v̂_t − Φ, γ) + 1e-8);  θ_t = (1 − η_tλ) θ̃."""
+
+    def __init__(self, theta0, lam, phi, gamma=1e-10, betas=(0.9, 0.999)):
+        self.theta = np.array(theta0, dtype=np.float64)
+        self.lam = np.asarray(lam, dtype=np.float64)
+        self.mom = _Moments(self.theta.size, *betas)
+        self.phi, self.gamma = phi, gamma
+        self.clamp_rate = None
+
+    def step(self, g, lr):
+        m_hat, v_hat = self.mom.update(g)
+        corr = v_hat - self.phi
+        self.clamp_rate = float(np.mean(corr < self.gamma))
+        updated = self.theta - lr * m_hat / (np.sqrt(np.maximum(corr, self.gamma)) + 1e-8)
+        self.theta = (1.0 - lr * self.lam) * updated
+        return self.theta

@@ -127,6 +127,58 @@ def test_rule_matches_paper_reference(name, momentum, fused):
         assert 0.0 < np.mean(clamp_rates) < 1.0
 
 
+@pytest.mark.parametrize("name", ["dp_adamw", "dp_adamw_bc"])
+def test_authors_code_variant_matches_its_reference(name):
+    """``authors_code=True`` reproduces the update of seed 000's authors' public code (ε outside the root, decay of
+    the updated θ; for BC γ = 1e-10 and +1e-8 outside the root), in float64 against its own reference — and
+    differs from the paper's rule on the same g̃ (so the switch is not a no-op)."""
+    model = mlp()
+    groups = grouped(model)
+    params = flat_params(groups)
+    theta0, lam, betas = ref.flat(params), lam_vector(groups), (0.85, 0.99)
+    if name == "dp_adamw":
+        hyper = dict(lr=0.01, betas=betas, eps=1e-6)
+        reference, paper = ref.RefAuthorsDPAdamW(theta0, lam, betas=betas, eps0=1e-6), ref.RefDPAdamW(theta0, lam, betas=betas, eps0=1e-6)
+    else:
+        hyper = dict(lr=0.01, betas=betas)
+        reference, paper = ref.RefAuthorsDPAdamWBC(theta0, lam, PHI, betas=betas), ref.RefDPAdamWBC(theta0, lam, PHI, 1e-8, betas=betas)
+    opt = make_optimizer(name, groups, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=BATCH, noise_seed=1,
+                         authors_code=True, **hyper)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.rule, schedule)
+    lr0 = hyper["lr"]
+    rng = np.random.default_rng(11)
+    n = reference.theta.size
+    for k in range(25):
+        g = rng.normal(0.0, 1.0, n) * math.sqrt(PHI) + rng.normal(0.0, 0.08, n)
+        for p, gp in zip(params, ref.unflat(g, params)):
+            p.grad = gp
+        opt.rule.step()
+        sched.step()
+        expected = reference.step(g, lr0 * schedule(k))
+        paper.step(g, lr0 * schedule(k))
+        np.testing.assert_allclose(ref.flat(params), expected, rtol=1e-10, atol=1e-12)
+        np.testing.assert_array_equal(ref.flat([p.grad for p in params]), g)
+    assert np.abs(reference.theta - paper.theta).max() > 1e-6
+    if name == "dp_adamw_bc":
+        assert opt.rule.param_groups[0]["gamma"] == 1e-10
+
+
+def test_authors_code_is_refused_with_fused_and_reaches_the_rule_from_optim_args():
+    from hf_dp.optim.build import rule_hyperparameters
+
+    model = mlp()
+    with pytest.raises(ValueError, match="no fused kernel"):
+        make_optimizer("dp_adamw", model.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
+                       authors_code=True, fused=True)
+    with pytest.raises(ValueError, match="authors_code must be true or false"):
+        make_optimizer("dp_adamw", model.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
+                       authors_code=0.5)
+    kw = rule_hyperparameters("dp_adamw_bc", lr=1e-3, weight_decay=0.01, optim_args="authors_code=true")
+    assert kw["authors_code"] is True
+    rule = make_optimizer("dp_adamw_bc", model.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, **kw).rule
+    assert rule.authors_code and rule.param_groups[0]["gamma"] == 1e-10
+
+
 def test_bc_uses_phi_from_the_privatizer():
     """Φ in DP-AdamBC / DP-AdamW-BC is (σC/B)² of the privatizer; a different Φ would not match."""
     for name, R in (("dp_adambc", ref.RefDPAdamBC), ("dp_adamw_bc", ref.RefDPAdamWBC)):

@@ -36,6 +36,21 @@ class DecoupledWeightDecay(CoupledWeightDecay):
     :class:`CoupledWeightDecay`; what makes it decoupled is its place at the end of the chain."""
 
 
+class DecayOfUpdatedParams(Transform):
+    """u ← (1 − η_tλ)·u + λ·θ_{t−1}, so that the final θ ← θ − η_t·u gives θ_t = (1 − η_tλ)(θ_{t−1} − η_t·u_in):
+    weight decay applied to the *already-updated* parameters, as the public code of seed 000's authors does
+    (``--optim_args authors_code=true``; the paper decays θ_{t−1}: :class:`DecoupledWeightDecay`)."""
+
+    def __call__(self, updates, ctx):
+        wd = float(ctx.group.get("weight_decay", 0.0))
+        if wd == 0.0:
+            return updates
+        out = updates if ctx.is_temporary(updates) else torch._foreach_mul(updates, 1.0)
+        torch._foreach_mul_(out, 1.0 - float(ctx.group["lr"]) * wd)
+        torch._foreach_add_(out, ctx.params, alpha=wd)
+        return ctx.mark_temporary(out)
+
+
 class HeavyBall(Transform):
     """Heavy-ball momentum with ``torch.optim.SGD`` semantics (dampening 0): b_1 = u_1,
     b_t = μ·b_{t−1} + u_t, u ← b_t. A no-op when μ = 0."""
@@ -98,10 +113,13 @@ class AdamDenominator(Transform):
     folded into per-parameter scalars (one temporary list, no copies of m̂ or v̂).
     """
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, outer_eps: float = 0.0):
         if kind not in ("eps_outside", "eps_inside", "bias_corrected"):
             raise ValueError(f"unknown denominator {kind!r}")
         self.kind = kind
+        #: ``bias_corrected`` only: a constant added outside the clamped root, √max(v̂ − Φ, γ') + outer_eps
+        #: (0 in the papers; 1e-8 in the public code of seed 000's authors)
+        self.outer_eps = float(outer_eps)
 
     def __call__(self, updates, ctx):
         v, c1, c2 = ctx.extras["v"], ctx.extras["c1"], ctx.extras["c2"]
@@ -126,6 +144,8 @@ class AdamDenominator(Transform):
                 ctx.extras["numel"] = sum(d.numel() for d in den)
             torch._foreach_clamp_min_(den, floors)
             torch._foreach_sqrt_(den)
+            if self.outer_eps:  # c1·(√max(…) + e) = √max(c1²…) + c1·e
+                torch._foreach_add_(den, [a * self.outer_eps for a in c1])
         torch._foreach_div_(den, updates)  # den ← den / m, then invert: no second temporary list
         torch._foreach_reciprocal_(den)
         return ctx.mark_temporary(den)
