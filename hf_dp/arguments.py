@@ -20,10 +20,13 @@ Poisson sampling. Extra rule hyper-parameters (e.g. ``momentum`` of ``dp_sgd``) 
 ``--optim_args "momentum=0.9"`` (numbers, or true/false: ``"fused=false"`` makes DP-Adam/DP-AdamW/DP-MacAdam run
 their transform chain instead of torch's fused Adam/AdamW kernel).
 
-HF settings that would compute non-private quantities change for DP runs: ``max_grad_norm`` is set
-to 0 (HF would clip — and log the norm of — the *non-private* summed gradient; DP clipping is per
-example with C), ``fp16`` is refused (dynamic loss scaling skips steps based on private gradients;
-use bf16 or fp32) and so is ``include_num_input_tokens_seen`` (it would log Poisson batch sizes).
+What every ``TrainingArguments`` field means under DP — safe, adjusted or refused, with a reason — is one
+registry, :mod:`hf_dp.flags` (the table: ``docs/privacy_flags.md``); ``__post_init__`` enforces it for DP
+runs. E.g. ``max_grad_norm`` is set to 0 (HF would clip — and log the norm of — the *non-private* summed
+gradient; DP clipping is per example with C), ``fp16`` is refused (dynamic loss scaling skips steps based
+on private gradients; use bf16 or fp32), and so are ``include_num_input_tokens_seen`` (it would log Poisson
+batch sizes), ``auto_find_batch_size`` (it changes q mid-run) and ``hub_strategy`` checkpoint/all_checkpoints
+(they would upload checkpoints).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from hf_dp.flags import enforce
 from hf_dp.models import TRAINABLE_MODES
 from hf_dp.optim.registry import is_dp_optimizer, optimizer_names
 from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon
@@ -139,12 +143,9 @@ class DPTrainingArguments(TrainingArguments):
                 "or pass --disable_dp explicitly for a non-private baseline"
             )
         if dp_name is not None:
-            if self.fp16:
-                raise ValueError(
-                    "--fp16 is not supported with DP: dynamic loss scaling skips steps depending on private "
-                    "gradients; use --bf16 or fp32"
-                )
-            self.max_grad_norm = 0.0
+            # every TrainingArguments field's DP policy (hf_dp/flags.py, docs/privacy_flags.md), on the values as
+            # given: before HF's own processing (which would fail first on some, e.g. fp16 on a CPU)
+            enforce(self)
         super().__post_init__()
         if dp_name is not None:
             self.optim = dp_name
@@ -171,11 +172,6 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"--accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
         if self.trainable not in TRAINABLE_MODES:
             raise ValueError(f"--trainable must be one of {TRAINABLE_MODES}, got {self.trainable!r}")
-        if str(self.include_num_input_tokens_seen) not in ("no", "False", "None"):
-            raise ValueError(
-                "--include_num_input_tokens_seen logs how many tokens the Poisson-sampled batches held, which reveals "
-                "batch sizes computed from private data outside the DP mechanism; it is not allowed with DP"
-            )
         if self.first_token_only not in ("auto", "off"):
             raise ValueError(f"--first_token_only must be 'auto' or 'off', got {self.first_token_only!r}")
         if self.clipping not in ("auto", "ghost", "ghost_two_pass", "hooks"):
