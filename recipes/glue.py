@@ -202,10 +202,14 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
     for key, value in OPTIMIZER_DEFAULTS.get(_optim_name(peek.optim), {}).items():
         if key not in explicit:
             parser.set_defaults(**{key: value})
+    # HF's meaning: --save_steps N saves every N steps (HF's default strategy is "steps"; the recipe's is "no")
+    if "save_steps" in explicit and "save_strategy" not in explicit:
+        parser.set_defaults(save_strategy="steps")
     try:
         model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as exc:  # e.g. DPTrainingArguments' own checks
         raise RecipeError(str(exc)) from None
+    training_args._hf_dp_explicit = frozenset(explicit)  # which flags the user set (the planner needs it)
     return model_args, data_args, training_args
 
 
@@ -306,6 +310,75 @@ def summary_block(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _resume_argument(training_args):
+    """``--resume_from_checkpoint``: ``True``/``true`` = the newest complete checkpoint in output_dir (as HF), a path,
+    or None. Refuses to start a fresh run over an output_dir whose checkpoints record privacy already spent."""
+    from hf_dp import checkpointing
+
+    value = training_args.resume_from_checkpoint
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes"):
+        value = True
+    elif isinstance(value, str) and value.strip().lower() in ("false", "0", "no", ""):
+        value = None
+    if value is None and training_args.do_train and checkpointing.list_checkpoints(training_args.output_dir):
+        raise RecipeError(
+            f"--output_dir {training_args.output_dir} holds checkpoints of an earlier run (the privacy it spent is "
+            "recorded there); pass --resume_from_checkpoint True to continue it, or choose another --output_dir"
+        )
+    return value
+
+
+def _check_privacy_settings(training_args, n_train: int) -> None:
+    """The checks that need only N and the flags (δ < 1/N, B ≤ N, σ calibratable), before any expensive work."""
+    import math
+
+    from hf_dp.privacy.accounting import calibrate_noise_multiplier, check_delta
+    from hf_dp.privacy.sampler import PoissonBatchSampler
+
+    if not training_args.dp_enabled or not training_args.do_train:
+        return
+    if n_train <= 0:
+        raise RecipeError("the training set is empty")
+    b = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * max(1, training_args.world_size)
+    if b > n_train:
+        raise RecipeError(
+            f"the expected logical batch B = per_device_train_batch_size × gradient_accumulation_steps × world_size "
+            f"= {b} is larger than the training set (N = {n_train}); Poisson sampling needs q = B/N ≤ 1"
+        )
+    check_delta(training_args.delta, n_train)
+    if training_args.epsilon is not None:
+        q = b / n_train
+        steps = training_args.max_steps if training_args.max_steps > 0 else math.ceil(
+            training_args.num_train_epochs * PoissonBatchSampler.steps_for_epoch(q))
+        calibrate_noise_multiplier(training_args.epsilon, training_args.delta, q, steps, training_args.accountant)
+
+
+def _apply_plan(training_args, model, n_train: int) -> Optional[str]:
+    """When the user set none of the batch size, accumulation, epochs or steps: the planner's logical batch
+    (hf_dp.plan.recommend, at the protocol's epochs as the compute budget). Returns the line to print."""
+    explicit = getattr(training_args, "_hf_dp_explicit", frozenset())
+    keys = {"per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps"}
+    if not training_args.dp_enabled or training_args.epsilon is None or keys & explicit or not training_args.do_train:
+        return None
+    import copy
+
+    from hf_dp.models import apply_trainable
+    from hf_dp.plan import recommend, split_batch
+
+    probe = copy.deepcopy(model) if training_args.trainable == "lora" else model
+    d = apply_trainable(probe, training_args.trainable)[1].num_trainable
+    try:
+        plan = recommend(n_train, training_args.epsilon, training_args.delta, d, epochs=training_args.num_train_epochs,
+                         accountant=training_args.accountant)
+    except ValueError as exc:  # e.g. N smaller than every candidate batch: keep the protocol's batch
+        return f"planner: no recommendation ({exc}); keeping B = {training_args.per_device_train_batch_size}"
+    per_device, accum = split_batch(plan.batch_size, world_size=max(1, training_args.world_size))
+    training_args.per_device_train_batch_size = per_device
+    training_args.gradient_accumulation_steps = accum
+    lines = [f"planner (no batch size or epochs given): {plan.summary()}"] + list(plan.warnings())
+    return "\n".join(lines)
+
+
 def run(model_args, data_args, training_args) -> dict[str, Any]:
     """Load data and model, train with DP, evaluate, save; return the summary dict."""
     import transformers
@@ -328,8 +401,17 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         raise RecipeError("--do_eval needs validation data (dev.tsv in --data_dir, or --validation_file)")
     if training_args.do_predict and "test" not in raw:
         raise RecipeError("--do_predict needs test data (test.tsv in --data_dir, or --test_file)")
+    resume = _resume_argument(training_args)
+    n_train = len(raw["train"]) if "train" in raw else 0
+    if data_args.max_train_samples is not None:
+        n_train = min(n_train, data_args.max_train_samples)
+    _check_privacy_settings(training_args, n_train)  # before the model, tokenization and any caching
     info = label_info(raw, data_args.task_name)
     model, tokenizer, model_path = load_model_and_tokenizer(model_args, data_args, info)
+    planned = _apply_plan(training_args, model, n_train)
+    if planned:
+        print(planned, flush=True)
+        _check_privacy_settings(training_args, n_train)
     tokenized = preprocess(
         raw, tokenizer, task_name=data_args.task_name, max_seq_length=data_args.max_seq_length,
         pad_to_max_length=data_args.pad_to_max_length, max_train_samples=data_args.max_train_samples,
@@ -348,7 +430,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     )
     report: dict[str, Any] = {}
     if training_args.do_train:
-        train_result = trainer.train()
+        train_result = trainer.train(resume_from_checkpoint=resume)
         trainer.log_metrics("train", train_result.metrics)
         report = trainer.privacy_report()
     eval_metrics: dict[str, Any] = {}
@@ -408,6 +490,24 @@ def _predict(trainer, test_ds, info, data_args, training_args) -> None:
                 writer.write(f"{i}\t{p:3.3f}\n" if info.is_regression else f"{i}\t{info.label_list[p]}\n")
 
 
+def _raised_by_hf_dp(exc: BaseException) -> bool:
+    """True for a ValueError raised by hf_dp itself (its checks) or hf_dp's PrivacyBudgetExceeded."""
+    import traceback
+
+    from hf_dp.privacy.privatizer import PrivacyBudgetExceeded
+
+    if isinstance(exc, PrivacyBudgetExceeded):
+        return True
+    if not isinstance(exc, ValueError):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = str(Path(__file__).resolve().parents[1] / "hf_dp")
+    import hf_dp
+
+    roots = {package, str(Path(hf_dp.__file__).resolve().parent)}
+    return bool(frames) and any(str(Path(frames[-1].filename).resolve()).startswith(r) for r in roots)
+
+
 def main(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> int:
     """Entry point; returns the process exit code (0 ok, 2 for usage/data/model errors, shown without traceback)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
@@ -420,6 +520,11 @@ def main(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = 
         summary = run(model_args, data_args, training_args)
     except (DataLoadingError, RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError) as exc:
+        if not _raised_by_hf_dp(exc):
+            raise
+        print(f"error: {exc}", file=sys.stderr)  # hf_dp's own checks (docs/misuse.md): one line, no traceback
         return 2
     print(summary_block(summary), flush=True)
     return 0

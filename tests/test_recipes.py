@@ -200,6 +200,7 @@ def test_unloadable_model_is_a_clear_error(glue, tmp_path, capsys):
     data.write_text("sentence\tlabel\nfine .\t1\nbad .\t0\n")
     code, out, err = _run(glue, capsys, ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(data),
                                          "--model_name_or_path", str(tmp_path / "no_such_model"),
+                                         "--per_device_train_batch_size", "1",  # N = 2: passes the early privacy checks
                                          "--output_dir", str(tmp_path / "o")])
     assert code == 2 and "could not load model" in err and "minilm" in err and "Traceback" not in err
 
@@ -258,3 +259,91 @@ def test_yaml_config_defaults_cli_overrides(glue, tmp_path):
 def test_shipped_configs_parse(glue, name):
     model, data, args = glue.parse_args(["--config", str(RECIPES / "configs" / name)])
     assert data.task_name in ("qnli", "sst2")
+
+
+# ------------------------------------------------------------------------------------ resume, save_steps, early errors, planner
+def _sst2_files(tmp_path, n=96):
+    rows = ["sentence\tlabel"] + [f"{'good fun movie' if i % 2 else 'bad dull film'} {i} .\t{i % 2}" for i in range(n)]
+    f = tmp_path / "sst2_train.tsv"
+    f.write_text("\n".join(rows) + "\n")
+    return f
+
+
+def _tiny_argv(tiny_bert, data, out, *extra):
+    return ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(data), "--model_name_or_path", tiny_bert,
+            "--output_dir", str(out), "--noise_multiplier", "1.0", "--per_device_train_batch_size", "16", "--delta", "1e-3",
+            "--trainable", "all", "--logging_steps", "1", "--disable_tqdm", "true", "--dp_seed", "0", *extra]
+
+
+def test_resume_from_checkpoint_is_passed_through(glue, tiny_bert, tmp_path, capsys):
+    """Interrupt (a run planned for 2 steps) → --resume_from_checkpoint True to 4 steps: the same global step and ε as
+    an uninterrupted 4-step run (on 0b9495a the recipe ignored the flag and restarted at step 0)."""
+    from hf_dp.privacy.accounting import compute_epsilon
+
+    data = _sst2_files(tmp_path)
+    out = tmp_path / "run"
+    code, _, err = _run(glue, capsys, _tiny_argv(tiny_bert, data, out, "--max_steps", "2", "--save_steps", "2"))
+    assert code == 0, err[-3000:]
+    assert (out / "checkpoint-2" / "hf_dp_checkpoint.json").is_file()  # --save_steps alone saves (HF's meaning)
+    # a fresh run over that folder is refused: its checkpoints record privacy already spent
+    code, _, err = _run(glue, capsys, _tiny_argv(tiny_bert, data, out, "--max_steps", "4"))
+    assert code == 2 and "--resume_from_checkpoint True" in err.strip().splitlines()[-1]
+    code, _, err = _run(glue, capsys, _tiny_argv(tiny_bert, data, out, "--max_steps", "4", "--save_steps", "2",
+                                                 "--resume_from_checkpoint", "True"))
+    assert code == 0, err[-3000:]
+    privacy = json.loads((out / "privacy.json").read_text())
+    assert privacy["steps"] == 4
+    assert privacy["epsilon"] == pytest.approx(compute_epsilon(1.0, 16 / 96, 4, 1e-3, "prv"), rel=1e-12)
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+
+
+def test_privacy_errors_are_one_line_before_any_expensive_work(glue, tiny_bert, tmp_path, capsys, monkeypatch):
+    data = _sst2_files(tmp_path)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the privacy settings were checked")
+
+    monkeypatch.setattr(glue, "load_model_and_tokenizer", no_model)
+    for flags, expect in ((["--delta", "0.5"], "delta=0.5 is not below 1/N"),
+                          (["--per_device_train_batch_size", "200"], "larger than the training set (N = 96)")):
+        argv = _tiny_argv(tiny_bert, data, tmp_path / "o", "--max_steps", "2")
+        argv = argv[: argv.index("--delta")] + argv[argv.index("--delta") + 2:] if flags[0] == "--delta" else argv
+        code, out, err = _run(glue, capsys, argv + flags)
+        lines = err.strip().splitlines()
+        assert code == 2 and lines[-1].startswith("error:") and expect in lines[-1], err[-2000:]
+        assert "Traceback" not in err
+
+
+def test_trainer_value_errors_become_one_error_line(glue, tiny_bert, tmp_path, capsys):
+    data = _sst2_files(tmp_path)
+    # --cache_frozen_features with --trainable all: refused by DPTrainer itself (after model loading)
+    code, out, err = _run(glue, capsys, _tiny_argv(tiny_bert, data, tmp_path / "o", "--max_steps", "2", "--cache_frozen_features"))
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("error: --cache_frozen_features needs --trainable last_block"), err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_planner_chooses_the_batch_when_none_is_given(glue, tiny_bert, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_DP_PLAN_CACHE", "off")
+    data = _sst2_files(tmp_path, n=640)
+    argv = ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(data), "--model_name_or_path", tiny_bert,
+            "--output_dir", str(tmp_path / "o"), "--epsilon", "3", "--delta", "1e-4", "--trainable", "head",
+            "--num_train_epochs", "1", "--disable_tqdm", "true"]
+    _, _, args = glue.parse_args(argv)
+    assert "num_train_epochs" in args._hf_dp_explicit
+    assert glue._apply_plan(args, None, 640) is None  # epochs given: the user's plan stands
+    i = argv.index("--num_train_epochs")
+    _, _, args = glue.parse_args(argv[:i] + argv[i + 2:])  # neither batch size nor epochs: the planner decides
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_dp.plan import recommend
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
+    line = glue._apply_plan(args, model, 640)
+    assert line and line.startswith("planner (no batch size or epochs given):")
+    from hf_dp.models import apply_trainable
+
+    d = apply_trainable(model, "head")[1].num_trainable
+    plan = recommend(640, 3.0, 1e-4, d, epochs=args.num_train_epochs, disk_cache=False)
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == plan.batch_size
