@@ -161,12 +161,36 @@ def _load_one_file(split: str, path: str, cache_dir: str | None, task: GlueTask 
         raise DataLoadingError(f"{path}: unsupported extension {ext!r}; use one of {sorted(_EXTENSION_BUILDERS)}")
     builder = _EXTENSION_BUILDERS[ext]
     kwargs: dict[str, Any] = {}
+    if ext in (".tsv", ".csv"):
+        # text verbatim: pandas would read "n/a", "NA", "null", "None" and empty fields as missing values
+        kwargs.update(keep_default_na=False, na_filter=False)
     if ext == ".tsv":
         kwargs.update(delimiter="\t", quoting=csv.QUOTE_NONE)
-        if task is not None and task.column_names is not None:
+        headerless = task is not None and task.column_names is not None
+        if headerless:
             kwargs.update(column_names=list(task.column_names))
+        _check_tsv_rows(path, len(task.column_names) if headerless else None)
     ds = _load(builder, {split: path}, cache_dir, **kwargs)[split]
     return ds
+
+
+def _check_tsv_rows(path: str, expected: int | None) -> None:
+    """Every row of a TSV file has as many tab-separated fields as the header (or ``expected`` for GLUE's
+    headerless files): a short row would otherwise become missing (or silently shifted) text."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        for number, line in enumerate(f, start=1):
+            line = line.rstrip("\r\n")
+            if number == 1 and expected is None:
+                expected = line.count("\t") + 1
+                continue
+            if not line:
+                continue
+            fields = line.count("\t") + 1
+            if fields != expected:
+                raise DataLoadingError(
+                    f"{path}: line {number} has {fields} tab-separated field(s), expected {expected}"
+                    + (" (as the header)" if number > 1 else "")
+                )
 
 
 def load_raw_datasets(

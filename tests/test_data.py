@@ -345,3 +345,21 @@ def test_evaluate_glue_agrees_when_available():
         a, _ = load_metric_fn(task, backend="evaluate")
         b, _ = load_metric_fn(task, backend="sklearn")
         assert a(p, r) == pytest.approx(b(p, r))
+
+
+def test_glue_text_is_read_verbatim_and_short_rows_are_refused(tmp_path):
+    """MNLI-style rows whose text reads as "missing" (n/a, NA, null, None) are kept as text (on 0b9495a datasets'
+    csv reader made them None and tokenization died); a row with too few fields names its line."""
+    from hf_dp.data import DataLoadingError, load_raw_datasets
+
+    d = tmp_path / "RTE"
+    d.mkdir()
+    header = "index\tsentence1\tsentence2\tlabel\n"
+    (d / "train.tsv").write_text(header + "0\tn/a\tNA\tentailment\n1\tnull\tNone\tnot_entailment\n")
+    (d / "dev.tsv").write_text(header + "0\ta\tb\tentailment\n")
+    raw = load_raw_datasets(task_name="rte", data_dir=str(tmp_path))
+    rows = raw["train"].to_list()
+    assert [(r["sentence1"], r["sentence2"]) for r in rows] == [("n/a", "NA"), ("null", "None")]
+    (d / "train.tsv").write_text(header + "0\tn/a\tNA\tentailment\n1\tonly one field\n")
+    with pytest.raises(DataLoadingError, match=r"train.tsv: line 3 has 2 tab-separated field\(s\), expected 4"):
+        load_raw_datasets(task_name="rte", data_dir=str(tmp_path))
