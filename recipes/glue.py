@@ -198,8 +198,9 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
         tag = f"eps{eps:g}" if isinstance(eps, (int, float)) else "dp"
         layered["output_dir"] = os.path.join("runs", f"{peek.task_name or 'custom'}-{_optim_name(peek.optim)}-{tag}")
         parser.set_defaults(output_dir=layered["output_dir"])
-    # per-optimizer lr / weight decay unless given
-    for key, value in OPTIMIZER_DEFAULTS.get(_optim_name(peek.optim), {}).items():
+    # per-optimizer lr / weight decay unless given; a --disable_dp baseline with an HF optimizer takes the defaults of
+    # the DP optimizer of its family (adamw_* -> dp_adamw, sgd -> dp_sgd), so that the comparison means something
+    for key, value in OPTIMIZER_DEFAULTS.get(_dp_family(_optim_name(peek.optim)), {}).items():
         if key not in explicit:
             parser.set_defaults(**{key: value})
     # HF's meaning: --save_steps N saves every N steps (HF's default strategy is "steps"; the recipe's is "no")
@@ -215,6 +216,17 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
 
 def _optim_name(optim) -> str:
     return str(getattr(optim, "value", optim))
+
+
+def _dp_family(name: str) -> str:
+    """The DP optimizer whose recipe defaults an HF optimizer's baseline uses (the name itself for DP optimizers)."""
+    if name in OPTIMIZER_DEFAULTS:
+        return name
+    if name.startswith("adamw"):
+        return "dp_adamw"
+    if name.startswith("sgd"):
+        return "dp_sgd"
+    return name
 
 
 # ----------------------------------------------------------------------------------------------- model

@@ -347,3 +347,12 @@ def test_planner_chooses_the_batch_when_none_is_given(glue, tiny_bert, tmp_path,
     d = apply_trainable(model, "head")[1].num_trainable
     plan = recommend(640, 3.0, 1e-4, d, epochs=args.num_train_epochs, disk_cache=False)
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == plan.batch_size
+
+
+def test_disable_dp_baseline_uses_its_dp_familys_defaults(glue):
+    """On 0b9495a a --disable_dp adamw_torch baseline silently used HF's lr 5e-5 while dp_adamw used 1e-3."""
+    _, _, dp = glue.parse_args(["--task_name", "qnli", "--optim", "dp_adamw"])
+    _, _, base = glue.parse_args(["--task_name", "qnli", "--optim", "adamw_torch", "--disable_dp"])
+    assert (base.learning_rate, base.weight_decay) == (dp.learning_rate, dp.weight_decay) == (1e-3, 1e-5)
+    _, _, given = glue.parse_args(["--task_name", "qnli", "--optim", "adamw_torch", "--disable_dp", "--learning_rate", "2e-5"])
+    assert given.learning_rate == 2e-5
