@@ -173,7 +173,10 @@ def _check_eval_is_not_train(eval_dataset, train_dataset) -> None:
 
 
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
-    """Per-example loss with the problem type ``*ForSequenceClassification`` would use."""
+    """Per-example loss with the problem type ``*ForSequenceClassification`` would use, in float32 (float64 for a
+    float64 model)."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()
     num_labels = logits.shape[-1]
     problem = getattr(config, "problem_type", None)
     if problem is None:
@@ -184,10 +187,10 @@ def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torc
         else:
             problem = "multi_label_classification"
     if problem == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1), reduction="none")
+        return F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).view(-1), reduction="none")
     if problem == "single_label_classification":
-        return F.cross_entropy(logits.view(-1, num_labels).float(), labels.view(-1), reduction="none")
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").sum(-1)
+        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1), reduction="none")
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").sum(-1)
 
 
 class DPTrainer(Trainer):
@@ -395,6 +398,11 @@ class DPTrainer(Trainer):
                 reasons.append(str(e))
         if reasons and mode in ("ghost", "ghost_two_pass"):
             raise ValueError(f"--clipping {mode} cannot apply: " + "; ".join(reasons) + " (use --clipping hooks)")
+        if mode == "auto":  # one line, never a silent fallback
+            if reasons:
+                logger.info("hf_dp: --clipping auto chose hooks (Opacus per-sample gradients): ghost clipping cannot apply: %s", "; ".join(reasons))
+            else:
+                logger.info("hf_dp: --clipping auto chose ghost (one-backward ghost clipping): every trainable layer is supported")
         return "hooks" if reasons else ("ghost_two_pass" if mode == "ghost_two_pass" else "ghost")
 
     def _check_label_column(self) -> None:

@@ -121,8 +121,26 @@ class _GhostLinear(torch.autograd.Function):
         ctx.record.append((x, grad_out, ctx.head_size))
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ weight.t() if ctx.transposed else grad_out @ weight
+            w = weight.to(grad_out.dtype)  # under autocast the forward ran on a reduced-precision copy of the weight
+            grad_x = (grad_out @ w.t() if ctx.transposed else grad_out @ w).to(x.dtype)
         return grad_x, None, None, None, None, None
+
+
+def _work_dtype(*dtypes) -> torch.dtype:
+    """The precision of norms and clipped sums: float64 if any operand (input, output gradient, parameter) is
+    float64, else float32 — also under bf16 autocast, whose records are bf16 (never the default dtype)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+@contextmanager
+def _no_autocast():
+    """Norms and clipped sums in their own precision (float32/float64), also when called inside autocast."""
+    with torch.autocast("cpu", enabled=False):
+        if torch.cuda.is_available():
+            with torch.autocast("cuda", enabled=False):
+                yield
+        else:
+            yield
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -287,21 +305,21 @@ class GhostClipper:
 
     # ----- per-layer pieces ------------------------------------------------------------------------------
     @staticmethod
-    def _cat(records, scale):
+    def _cat(records, scale, dtype=torch.float32):
         xs = [_as_3d(r[0]) if r[0].dim() > 1 else r[0].unsqueeze(-1) for r in records]
-        gs = [_as_3d(r[1].float() if scale == 1.0 else r[1].float() / scale) for r in records]
+        gs = [_as_3d(r[1].to(dtype) if scale == 1.0 else r[1].to(dtype) / scale) for r in records]
         if len(records) == 1:
             return xs[0], gs[0]
         return torch.cat(xs, dim=1), torch.cat(gs, dim=1)
 
     @staticmethod
-    def _affine(affine: dict, p, transpose: bool = False):
-        """(o, s) for parameter p as float32 (s: None, a float, or a tensor), optionally transposed."""
+    def _affine(affine: dict, p, transpose: bool = False, dtype=torch.float32):
+        """(o, s) for parameter p in ``dtype`` (s: None, a float, or a tensor), optionally transposed."""
         o, sc = affine.get(p, (None, None))
         if o is not None:
-            o = o.float().t() if transpose else o.float()
+            o = o.to(dtype).t() if transpose else o.to(dtype)
         if torch.is_tensor(sc):
-            sc = sc.float().t() if transpose else sc.float()
+            sc = sc.to(dtype).t() if transpose else sc.to(dtype)
         return o, sc
 
     def _gram(self, a: torch.Tensor) -> torch.Tensor:
@@ -366,15 +384,16 @@ class GhostClipper:
         m = layer.module
         if not layer.records:
             raise ValueError(f"layer {type(m).__name__} recorded no backward pass; is every trainable layer used in the forward?")
+        dt = _work_dtype(*(t.dtype for r in layer.records for t in r[:2]), *(p.dtype for p in layer.params()))
         if layer.kind in ("linear", "conv1d"):
-            a, g = self._cat(layer.records, scale)
-            a = a.float()
+            a, g = self._cat(layer.records, scale, dt)
+            a = a.to(dt)
             B, T, d_in = a.shape
             d_out = g.shape[-1]
-            sq = torch.zeros(B, device=g.device)
+            sq = torch.zeros(B, device=g.device, dtype=dt)
             per_example = factored = None
             if m.weight.requires_grad:
-                o, sc = self._affine(affine, m.weight, transpose=layer.kind == "conv1d")  # as [d_out, d_in]
+                o, sc = self._affine(affine, m.weight, transpose=layer.kind == "conv1d", dtype=dt)  # as [d_out, d_in]
                 s2 = 1.0
                 if isinstance(sc, float):  # a scalar scale: ‖(G + o)s‖² = s²‖G + o‖²
                     s2, sc = sc * sc, None
@@ -411,9 +430,10 @@ class GhostClipper:
             gsum = None
             if m.bias is not None and m.bias.requires_grad:
                 gsum = g.sum(1)
-                sq = sq + self._dense_sq(gsum, *self._affine(affine, m.bias))
+                sq = sq + self._dense_sq(gsum, *self._affine(affine, m.bias, dtype=dt))
 
             def clipped(c, a=a, g=g, gsum=gsum, per_example=per_example, factored=factored):
+                c = c.to(dt)
                 out = {}
                 if factored is not None:  # Σ_i c_i Σ_h q̂_{i,h} w_{i,h}ᵀ, heads stacked along d_out
                     qhat, w = factored
@@ -432,18 +452,19 @@ class GhostClipper:
 
             return sq, clipped
         if layer.kind == "layernorm":
-            x, g = self._cat(layer.records, scale)
-            xhat = F.layer_norm(x.float(), m.normalized_shape, eps=m.eps)
-            sq = torch.zeros(g.shape[0], device=g.device)
+            x, g = self._cat(layer.records, scale, dt)
+            xhat = F.layer_norm(x.to(dt), m.normalized_shape, eps=m.eps)
+            sq = torch.zeros(g.shape[0], device=g.device, dtype=dt)
             gw = gb = None
             if m.weight is not None and m.weight.requires_grad:
                 gw = (g * xhat).sum(1)
-                sq = sq + self._dense_sq(gw, *self._affine(affine, m.weight))
+                sq = sq + self._dense_sq(gw, *self._affine(affine, m.weight, dtype=dt))
             if m.bias is not None and m.bias.requires_grad:
                 gb = g.sum(1)
-                sq = sq + self._dense_sq(gb, *self._affine(affine, m.bias))
+                sq = sq + self._dense_sq(gb, *self._affine(affine, m.bias, dtype=dt))
 
             def clipped(c, gw=gw, gb=gb):
+                c = c.to(dt)
                 out = {}
                 if gw is not None:
                     out[m.weight] = (gw * c.view(-1, 1)).sum(0).to(m.weight.dtype)
@@ -454,11 +475,11 @@ class GhostClipper:
             return sq, clipped
         # embedding: per-example gradient rows are sums of g over equal token ids
         ids = torch.cat([r[0].reshape(r[0].shape[0], -1) for r in layer.records], dim=1)
-        g = torch.cat([_as_3d(r[1].float() / scale) for r in layer.records], dim=1)
+        g = torch.cat([_as_3d(r[1].to(dt) / scale) for r in layer.records], dim=1)
         if m.padding_idx is not None:
             g = g * (ids != m.padding_idx).unsqueeze(-1)
         same = ids.unsqueeze(2) == ids.unsqueeze(1)
-        o, sc = self._affine(affine, m.weight)
+        o, sc = self._affine(affine, m.weight, dtype=dt)
         s2 = 1.0
         if isinstance(sc, float):
             s2, sc = sc * sc, None
@@ -470,7 +491,8 @@ class GhostClipper:
         sq = s2 * sq
 
         def clipped(c, ids=ids, g=g):
-            w = torch.zeros(m.weight.shape, device=g.device, dtype=torch.float32)
+            c = c.to(dt)
+            w = torch.zeros(m.weight.shape, device=g.device, dtype=dt)
             w.index_add_(0, ids.reshape(-1), (g * c.view(-1, 1, 1)).reshape(-1, g.shape[-1]))
             return {m.weight: w.to(m.weight.dtype)}
 
@@ -485,7 +507,8 @@ class GhostClipper:
                 raise ValueError("per-sample transform given for a parameter ghost clipping does not cover")
         self._grams: dict = {}
         try:
-            terms = [self._layer_terms(layer, loss_scale, affine) for layer in self.layers]
+            with _no_autocast():
+                terms = [self._layer_terms(layer, loss_scale, affine) for layer in self.layers]
         finally:
             self._grams = {}
         sq = terms[0][0]
@@ -515,9 +538,10 @@ class GhostClipper:
         sq, terms = self._collect(loss_scale, affine)
         c = clip_factors(sq, max_grad_norm)
         out: dict = {}
-        for _, fn in terms:
-            out.update(fn(c))
-        out = self._apply_affine(out, c, affine)
+        with _no_autocast():
+            for _, fn in terms:
+                out.update(fn(c))
+            out = self._apply_affine(out, c, affine)
         self.clear()
         return out
 
@@ -525,11 +549,12 @@ class GhostClipper:
     def _apply_affine(out: dict, c: torch.Tensor, affine: dict | None) -> dict:
         """Σ_i c_i v_i = (Σ_i c_i ∇ℓ_i + (Σ_i c_i)·o) ⊙ s for the parameters with a per-sample affine map."""
         for p, (o, sc) in (affine or {}).items():
-            v = out[p].float()
+            dt = _work_dtype(out[p].dtype, p.dtype)
+            v = out[p].to(dt)
             if o is not None:
-                v = v + c.sum() * o.float()
+                v = v + c.to(dt).sum() * o.to(dt)
             if sc is not None:
-                v = v * (sc if isinstance(sc, float) else sc.float())
+                v = v * (sc if isinstance(sc, float) else sc.to(dt))
             out[p] = v.to(out[p].dtype)
         return out
 

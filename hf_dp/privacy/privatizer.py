@@ -159,7 +159,10 @@ class PrivateOptimizer(DPOptimizer):
                 f"{len(missing)} trainable parameter(s) received no per-sample gradient in backward; "
                 "every trainable parameter must be used in the forward pass through a layer Opacus supports"
             )
+        # norms and sums in float32 at least: under bf16 autocast Opacus leaves bf16 per-sample gradients, whose
+        # norm and clip factor rounded to bf16 would let c_i·‖g_i‖ exceed C (by up to ~0.8%)
         flat = [self._get_flat_grad_sample(p) for p in params]
+        flat = [g.to(torch.promote_types(g.dtype, torch.float32)) for g in flat]
         if loss_scale != 1.0:
             if not loss_scale > 0:
                 raise ValueError(f"loss_scale must be > 0, got {loss_scale}")
