@@ -126,6 +126,23 @@ class _GhostLinear(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
+class _GhostEmbedding(torch.autograd.Function):
+    """y = weight[ids]; backward records (ids, dL/dy) and returns no weight gradient (the dense table-sized
+    gradient autograd would build is never used: the clipped sum is built from the records)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, record):
+        ctx.record = record
+        ctx.save_for_backward(ids)
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        ctx.record.append((ids, grad_out))
+        return None, None, None, None
+
+
 def _work_dtype(*dtypes) -> torch.dtype:
     """The precision of norms and clipped sums: float64 if any operand (input, output gradient, parameter) is
     float64, else float32 — also under bf16 autocast, whose records are bf16 (never the default dtype)."""
@@ -238,6 +255,15 @@ class GhostClipper:
                 if not (_m.training and torch.is_grad_enabled()):
                     return type(_m).forward(_m, x)
                 return _GhostLinear.apply(x, _m.weight, _m.bias, _rec, _tr, getattr(_hints, "head_size", None))
+
+            self._patched.append((m, m.__dict__.get("forward")))
+            m.forward = forward
+        elif layer.kind == "embedding":
+
+            def forward(ids, _m=m, _rec=layer.records):
+                if not (_m.training and torch.is_grad_enabled()):
+                    return type(_m).forward(_m, ids)
+                return _GhostEmbedding.apply(ids, _m.weight, _m.padding_idx, _rec)
 
             self._patched.append((m, m.__dict__.get("forward")))
             m.forward = forward
@@ -499,7 +525,7 @@ class GhostClipper:
         return sq, clipped
 
     # ----- public -----------------------------------------------------------------------------------------
-    def _collect(self, loss_scale: float, affine: dict | None = None):
+    def _collect(self, loss_scale: float, affine: dict | None = None, release: bool = False):
         self._budget = self.materialize_bytes
         if affine:
             owned = {id(p) for layer in self.layers for p in layer.params()}
@@ -508,7 +534,11 @@ class GhostClipper:
         self._grams: dict = {}
         try:
             with _no_autocast():
-                terms = [self._layer_terms(layer, loss_scale, affine) for layer in self.layers]
+                terms = []
+                for layer in self.layers:
+                    terms.append(self._layer_terms(layer, loss_scale, affine))
+                    if release:  # the terms keep what they need (a scaled copy of g, when loss_scale != 1)
+                        layer.records.clear()
         finally:
             self._grams = {}
         sq = terms[0][0]
@@ -535,12 +565,13 @@ class GhostClipper:
         """
         if self.two_pass:
             raise RuntimeError("a two-pass GhostClipper computes norms in norms_pass (see two_pass_clipped_sum)")
-        sq, terms = self._collect(loss_scale, affine)
+        sq, terms = self._collect(loss_scale, affine, release=True)
         c = clip_factors(sq, max_grad_norm)
         out: dict = {}
         with _no_autocast():
-            for _, fn in terms:
-                out.update(fn(c))
+            terms.reverse()
+            while terms:  # each layer's activations and output gradients are freed once its clipped sum exists
+                out.update(terms.pop()[1](c))
             out = self._apply_affine(out, c, affine)
         self.clear()
         return out
