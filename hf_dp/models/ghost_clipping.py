@@ -29,6 +29,10 @@ backward pass captures, for every trainable layer, its input activations ``a`` a
   generic path runs), and the contribution that is clipped and summed is exactly the factorised Ĝ_i whose norm
   is used, so a residual could only perturb the gradient, never the bound c_i‖Ĝ_i‖ ≤ C.
 
+Trainable embeddings go through a custom function too (:class:`_GhostEmbedding`): backward records the token ids
+and the output gradient and builds no dense, table-sized weight gradient. :meth:`GhostClipper.clipped_sum` frees
+each layer's records as soon as its clipped sum exists.
+
 So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
 Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients). Its memory:
 every layer's input (which autograd keeps until that layer's backward anyway) and output gradient stay
