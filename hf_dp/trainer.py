@@ -20,7 +20,10 @@ What it changes, and nothing else (each override calls ``super()``):
   (the Trainer's gradient-accumulation division, Accelerate, mixed precision) applied before the
   backward pass; per-sample gradients are divided by exactly that factor before clipping, so each
   example's clipped vector is clip_C(∇ℓ_i) whatever the Trainer does to the loss. ``num_items_in_batch``
-  is ignored. The returned loss is per rank, a mean over the expected logical batch.
+  is ignored. The returned loss is per rank, a mean over the expected logical batch. Under DDP the forward
+  runs in ``no_sync`` for every micro-batch (DDP all-reduces no raw gradient); each rank clips its own
+  examples and the privatizer all-reduces the noisy clipped sum once per logical batch. FSDP and DeepSpeed
+  are refused under DP (docs/fsdp.md).
 * ``log``: adds ``epsilon`` (spent so far) and drops HF's ``grad_norm`` (the norm of the
   *non-private* gradient). The logged training loss is **not** private (it is computed from the
   private batch); eval metrics are computed on the eval set.
@@ -149,6 +152,23 @@ class _EmptySafeCollator:
         return self.collate_fn(features)
 
 
+def _refuse_sharding(args, fsdp_enabled: bool = False, deepspeed_enabled: bool = False) -> None:
+    """Under DP, refuse FSDP and DeepSpeed (from the arguments, or from an Accelerate config): see docs/fsdp.md."""
+    if args.fsdp or args.fsdp_config or fsdp_enabled:
+        raise ValueError(
+            "--fsdp/--fsdp_config is not supported with DP: FSDP reduce-scatters the summed gradient of each shard "
+            "during backward, before hf_dp can clip each example's gradient and add the noise once; use several "
+            "processes with DDP (ghost clipping, --clipping auto) or --trainable last_block/lora to fit the model "
+            "(plan: docs/fsdp.md)"
+        )
+    if getattr(args, "deepspeed", None) or deepspeed_enabled:
+        raise ValueError(
+            "--deepspeed is not supported with DP: DeepSpeed's engine runs the backward, the gradient reduction, "
+            "the loss scaling and the optimizer step itself, bypassing hf_dp's per-example clipping and noise; use "
+            "several processes with DDP (ghost clipping, --clipping auto) (plan: docs/fsdp.md)"
+        )
+
+
 def _same_dataset(a, b) -> bool:
     """``a`` is ``b``: the same object, or 🤗 Datasets with the same ``_fingerprint`` (same data and transforms)."""
     if a is b:
@@ -191,7 +211,10 @@ def _check_eval_is_not_train(eval_dataset, train_dataset) -> None:
 
 
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
-    """Per-example loss with the problem type ``*ForSequenceClassification`` would use."""
+    """Per-example loss with the problem type ``*ForSequenceClassification`` would use, in float32 (float64 for a
+    float64 model)."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()
     num_labels = logits.shape[-1]
     problem = getattr(config, "problem_type", None)
     if problem is None:
@@ -202,10 +225,10 @@ def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torc
         else:
             problem = "multi_label_classification"
     if problem == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1), reduction="none")
+        return F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).view(-1), reduction="none")
     if problem == "single_label_classification":
-        return F.cross_entropy(logits.view(-1, num_labels).float(), labels.view(-1), reduction="none")
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").sum(-1)
+        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1), reduction="none")
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").sum(-1)
 
 
 class DPTrainer(Trainer):
@@ -226,6 +249,7 @@ class DPTrainer(Trainer):
                 raise ValueError("DPTrainer needs a model (model_init is not supported with DP)")
             if kwargs.get("optimizers", (None, None))[0] is not None or kwargs.get("optimizer_cls_and_kwargs"):
                 raise ValueError("DPTrainer builds its own DP optimizer from --optim; do not pass optimizers=")
+            _refuse_sharding(args)  # before HF's own FSDP checks (one process: "fsdp only works in distributed training")
         if model is not None:
             # --trainable applies to non-private baselines too, so that they train the same parameters
             lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
@@ -400,7 +424,10 @@ class DPTrainer(Trainer):
 
     def _choose_clipping(self, world: int) -> str:
         """``ghost`` (one backward pass, hf_dp.models.ghost_clipping) where it applies, else Opacus hooks;
-        ``ghost_two_pass`` only when asked for."""
+        ``ghost_two_pass`` only when asked for. Any number of processes: under DDP every engine runs its
+        forward/backward without DDP's gradient all-reduce (see :meth:`compute_loss`), and the privatizer
+        all-reduces the noisy clipped sum once per logical batch. FSDP and DeepSpeed are refused."""
+        _refuse_sharding(self.args, getattr(self, "is_fsdp_enabled", False), getattr(self, "is_deepspeed_enabled", False))
         mode = self.args.clipping
         if mode == "hooks":
             return "hooks"
@@ -413,8 +440,6 @@ class DPTrainer(Trainer):
         reasons = []
         if not get_entry(self.args.optim).rule_cls.ghost_compatible():
             reasons.append(f"{self.args.optim} transforms per-example gradients before clipping")
-        if world > 1:
-            reasons.append("several processes (DDP expects every parameter's gradient from backward)")
         if not reasons:
             try:
                 GhostClipper.check_supported(self.model)
@@ -422,6 +447,11 @@ class DPTrainer(Trainer):
                 reasons.append(str(e))
         if reasons and mode in ("ghost", "ghost_two_pass"):
             raise ValueError(f"--clipping {mode} cannot apply: " + "; ".join(reasons) + " (use --clipping hooks)")
+        if mode == "auto":  # one line, never a silent fallback
+            if reasons:
+                logger.info("hf_dp: --clipping auto chose hooks (Opacus per-sample gradients): ghost clipping cannot apply: %s", "; ".join(reasons))
+            else:
+                logger.info("hf_dp: --clipping auto chose ghost (one-backward ghost clipping): every trainable layer is supported")
         return "hooks" if reasons else ("ghost_two_pass" if mode == "ghost_two_pass" else "ghost")
 
     def _check_label_column(self) -> None:
@@ -502,7 +532,13 @@ class DPTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         empty = bool(inputs.pop(_EMPTY_KEY, False))
         labels = inputs.pop("labels")
-        outputs = model(**inputs)
+        # Under DDP the forward runs in no_sync for every micro-batch, the last one included: DDP's reducer then
+        # expects no gradient (ghost clipping leaves none for linear weights) and all-reduces nothing — it would
+        # only average the raw, unclipped gradients, which no DP engine uses. Each rank clips its own examples; the
+        # privatizer adds the noise on rank 0 and all-reduces the noisy sum once per logical batch.
+        sync = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
+        with sync:
+            outputs = model(**inputs)
         losses = per_example_loss(outputs.logits, labels, self.model.config)
         self._empty_micro_batch = empty
         if self.clipping == "ghost_two_pass" and not empty:

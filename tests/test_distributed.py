@@ -137,12 +137,10 @@ def _gloo_available() -> bool:
     return dist.is_available() and dist.is_gloo_available()
 
 
-@pytest.mark.distributed
-@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-@pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available")
-def test_two_process_gloo_run(tmp_path):
+def _launch(tmp_path, source: str, timeout: int = 240) -> None:
+    """Run ``source`` as a 2-process gloo job (torchrun) in ``tmp_path``; fail (or skip without gloo) on error."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=HERE, n=N, per_device=PER_DEVICE, ga=GA, steps=STEPS))
+    script.write_text(source)
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
     cmd = [
@@ -154,7 +152,7 @@ def test_two_process_gloo_run(tmp_path):
         cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
-        _, stderr = proc.communicate(timeout=240)
+        _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate()
@@ -164,6 +162,13 @@ def test_two_process_gloo_run(tmp_path):
         if "gloo" in low and ("not available" in low or "unsupported" in low):
             pytest.skip("gloo backend unusable here")
         pytest.fail(f"torchrun failed ({proc.returncode}):\n{stderr[-6000:]}")
+
+
+@pytest.mark.distributed
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available")
+def test_two_process_gloo_run(tmp_path):
+    _launch(tmp_path, WORKER.format(tests=HERE, n=N, per_device=PER_DEVICE, ga=GA, steps=STEPS))
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
 
@@ -246,3 +251,151 @@ def test_two_process_gloo_run(tmp_path):
     assert single.privacy_spec.as_dict() == r0["spec"]
     assert single.ledger.accountant.history == r0["history"]
     assert single.get_epsilon() == r0["epsilon"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# every clipping engine under DDP: ghost clipping with several processes
+# ------------------------------------------------------------------------------------------------------------------
+E_N, E_PER_DEVICE, E_GA, E_STEPS, E_SEED = 64, 1, 2, 4, 11
+ENGINES = ["hooks", "ghost", "ghost_two_pass", "auto"]
+
+ENGINE_WORKER = textwrap.dedent(
+    r"""
+    import logging, os, sys, warnings
+    warnings.filterwarnings("ignore")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    sys.path.insert(0, {tests!r})
+    import torch
+    torch.set_num_threads(1)
+    import transformers
+    transformers.logging.set_verbosity_error()
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import hf_dp.trainer as trainer_module
+    from hf_dp import DPTrainer
+    from hf_dp.privacy.privatizer import PrivateOptimizer
+    from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+
+    out = sys.argv[1]
+    rank = int(os.environ["RANK"])
+
+    reducer_calls = []  # DDP's own gradient all-reduce, bucket by bucket (a comm hook on every DDP made here)
+    orig_init = DDP.__init__
+    def init(self, *a, **kw):
+        orig_init(self, *a, **kw)
+        def counting(state, bucket):
+            reducer_calls.append(1)
+            return allreduce_hook(None, bucket)
+        self.register_comm_hook(None, counting)
+    DDP.__init__ = init
+
+    noise_calls = []
+    orig_add_noise = PrivateOptimizer.add_noise
+    def counting_add_noise(self):
+        noise_calls.append(1)
+        return orig_add_noise(self)
+    PrivateOptimizer.add_noise = counting_add_noise
+
+    placeholders = []
+    orig_call = trainer_module._EmptySafeCollator.__call__
+    def counting_call(self, features):
+        if len(features) == 0:
+            placeholders.append(1)
+        return orig_call(self, features)
+    trainer_module._EmptySafeCollator.__call__ = counting_call
+
+    auto_lines = []
+    class Grab(logging.Handler):
+        def emit(self, record):
+            if "--clipping auto" in record.getMessage():
+                auto_lines.append(record.getMessage())
+    logging.getLogger("hf_dp.trainer").addHandler(Grab(level=logging.INFO))
+    logging.getLogger("hf_dp.trainer").setLevel(logging.INFO)
+
+    tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
+    ds = make_pair_dataset(tok, n={n})
+    results = {{}}
+    for clipping in {engines!r} + ["non-private"]:
+        del reducer_calls[:], noise_calls[:], placeholders[:]
+        private = clipping != "non-private"
+        args = dp_args(
+            os.path.join(out, clipping), optim="dp_sgd" if private else "sgd", learning_rate=0.5, noise_multiplier=1.0, epsilon=None,
+            accountant="rdp", per_device_train_batch_size={per_device}, gradient_accumulation_steps={ga},
+            max_steps={steps}, logging_steps=100, ddp_backend="gloo", dp_seed={seed}, trainable="all",
+            clipping=clipping if private else "auto", disable_dp=not private,
+        )
+        model = make_model()
+        trainer = DPTrainer(model=model, args=args, train_dataset=ds, data_collator=make_collator(tok))
+        assert args.world_size == 2, args.world_size
+        trainer.train()
+        results[clipping] = dict(
+            params={{n: p.detach().clone() for n, p in model.named_parameters()}},
+            wrapped=type(trainer.model_wrapped).__name__,
+            reducer_calls=len(reducer_calls),
+            noise_calls=len(noise_calls),
+            placeholders=len(placeholders),
+            engine=getattr(trainer, "clipping", None),
+            epsilon=trainer.get_epsilon() if private else None,
+            spec=trainer.privacy_spec.as_dict() if private else None,
+            steps=trainer.state.global_step,
+        )
+    torch.save(dict(results=results, auto_lines=auto_lines), os.path.join(out, f"rank{{rank}}.pt"))
+    """
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available")
+def test_two_process_every_clipping_engine_trains_the_same_model(tmp_path):
+    """Ghost clipping (one and two passes) under DDP trains the model the Opacus hooks train, with the same dp_seed
+    (same Poisson draws and noise): no DDP gradient all-reduce, noise once on rank 0, ε of one process."""
+    _launch(tmp_path, ENGINE_WORKER.format(
+        tests=HERE, n=E_N, per_device=E_PER_DEVICE, ga=E_GA, steps=E_STEPS, seed=E_SEED, engines=ENGINES))
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    res0, res1 = r0["results"], r1["results"]
+    from helpers import make_model
+
+    init = dict(make_model().named_parameters())
+    for name in ENGINES:
+        a, b = res0[name], res1[name]
+        assert a["wrapped"] == "DistributedDataParallel" and a["steps"] == E_STEPS
+        assert a["engine"] == ("ghost" if name == "auto" else name)
+        for n in a["params"]:  # the same model on both ranks, trained
+            assert torch.equal(a["params"][n], b["params"][n]), f"{name}: {n} differs across ranks"
+        assert all(not torch.equal(a["params"][n], init[n]) for n in a["params"])
+        # DDP's reducer all-reduced nothing (every micro-batch's forward ran in no_sync); the privatizer's one
+        # all-reduce per logical batch carried the noisy clipped sum; the noise was drawn on rank 0 only
+        assert a["reducer_calls"] == b["reducer_calls"] == 0, name
+        assert a["noise_calls"] == E_STEPS and b["noise_calls"] == 0, name
+        # the same mechanism is accounted on both ranks, and as one process with the same global batch
+        assert a["spec"] == b["spec"] and a["epsilon"] == b["epsilon"]
+    assert res0["non-private"]["reducer_calls"] > 0  # the counting hook does see a plain DDP run's all-reduce
+    # empty micro-batches happened (placeholder row, zero loss) and did not break the step
+    assert sum(res0[e]["placeholders"] + res1[e]["placeholders"] for e in ENGINES) > 0
+    # same dp_seed ⇒ same draws and noise: every engine trains the model the hooks train (float rounding)
+    ref = res0["hooks"]["params"]
+    for name in ["ghost", "ghost_two_pass", "auto"]:
+        for n, p in res0[name]["params"].items():
+            torch.testing.assert_close(p, ref[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} vs hooks, {n}: {m}")
+    # --clipping auto chose ghost with two processes, and said so once per rank
+    assert len(r0["auto_lines"]) == len(r1["auto_lines"]) == 1 and "chose ghost" in r0["auto_lines"][0]
+
+    # ε equals a one-process run with the same global batch (per_device × 2, same GA)
+    from hf_dp import DPTrainer
+    from hf_dp.privacy.accounting import compute_epsilon
+    from helpers import dp_args, make_collator, make_pair_dataset, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok_single")
+    single = DPTrainer(
+        model=make_model(), train_dataset=make_pair_dataset(tok, n=E_N), data_collator=make_collator(tok),
+        args=dp_args(tmp_path / "single", optim="dp_sgd", noise_multiplier=1.0, epsilon=None, accountant="rdp",
+                     per_device_train_batch_size=E_PER_DEVICE * 2, gradient_accumulation_steps=E_GA, max_steps=E_STEPS,
+                     trainable="all"),
+    )  # fmt: skip
+    spec = single.privacy_spec.as_dict()
+    for name in ENGINES:
+        assert res0[name]["spec"] == spec
+        eps = compute_epsilon(spec["noise_multiplier"], spec["sample_rate"], E_STEPS, spec["delta"], spec["accountant"])
+        assert res0[name]["epsilon"] == pytest.approx(eps, rel=1e-12)

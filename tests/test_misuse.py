@@ -88,6 +88,12 @@ def _eval_set(kind, train):
 
 # id: (args overrides (a callable value gets the output_dir), train dataset factory, model factory, extra DPTrainer kwargs, exception, message regex)
 # keep in sync with docs/misuse.md (test_doc_table_lists_every_case checks the ids)
+FSDP_REFUSED = (
+    r"^--fsdp/--fsdp_config is not supported with DP: FSDP reduce-scatters the summed gradient of each shard during "
+    r"backward, before hf_dp can clip each example's gradient and add the noise once; use several processes with DDP "
+    r"\(ghost clipping, --clipping auto\) or --trainable last_block/lora to fit the model \(plan: docs/fsdp.md\)$"
+)
+
 CASES = {
     "epsilon-zero": ({"epsilon": 0.0, "noise_multiplier": None}, dataset, bert, {},
                      ValueError, r"^epsilon must be a finite number > 0, got 0\.0$"),
@@ -133,6 +139,8 @@ CASES = {
                            ValueError, r"^DP-MacAdam needs betas\[0\] \(--adam_beta1\) > 0: its bound refresh divides by κ_t ∝ β1 − β1\^t; got 0\.0$"),
     "two-pass-bf16": ({"bf16": True, "clipping": "ghost_two_pass"}, dataset, bert, {},
                       ValueError, r"^--clipping ghost_two_pass needs float32 training: its second backward sums the clipped per-example gradients in the autocast precision"),
+    "fsdp": ({"fsdp": "full_shard"}, dataset, bert, {}, ValueError, FSDP_REFUSED),
+    "fsdp-config": ({"fsdp_config": {"version": 2}}, dataset, bert, {}, ValueError, FSDP_REFUSED),
     "trainable-batchnorm": ({}, dataset, bert_with_batchnorm, {},
                             ValueError, r"^Cannot compute per-sample gradients for this model: classifier\.0 \(BatchNorm1d\) is trainable, but BatchNorm mixes the examples of a batch, so per-example gradients \(and DP\) are undefined; freeze it or replace it by GroupNorm/LayerNorm\.$"),
     "trainable-selects-nothing": ({"trainable": "head"}, dataset, bert_without_head, {},
@@ -173,6 +181,20 @@ CASES = {
                                      "cache_frozen_features_dir": lambda out: f"{out}/cache"}, dataset, bert, {},
                                     ValueError, r"^--cache_frozen_features_dir \S+/cache is inside --output_dir \S+, whose files are saved and pushed with the model, and the cache holds the hidden states of every training example; use a folder outside output_dir \(or, with --keep_frozen_features_cache, output_dir itself or a subfolder whose name starts with '_', which pushes skip\)$"),
 }
+
+
+def test_deepspeed_is_refused_by_the_trainer(tmp_path):
+    """Row `deepspeed` of docs/misuse.md. HF's arguments import deepspeed (not installed here) when it is given, so
+    the trainer's own refusal is checked with ``args.deepspeed`` set after the arguments were built."""
+    from hf_dp import DPTrainer, DPTrainingArguments
+
+    args = DPTrainingArguments(**{**BASE, "output_dir": str(tmp_path)})
+    args.deepspeed = {"train_micro_batch_size_per_gpu": 8}
+    with pytest.raises(ValueError) as info:
+        DPTrainer(model=bert(), args=args, train_dataset=dataset())
+    assert info.match(r"^--deepspeed is not supported with DP: DeepSpeed's engine runs the backward, the gradient reduction, "
+                      r"the loss scaling and the optimizer step itself, bypassing hf_dp's per-example clipping and noise; "), str(info.value)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -29,6 +29,10 @@ backward pass captures, for every trainable layer, its input activations ``a`` a
   generic path runs), and the contribution that is clipped and summed is exactly the factorised Ĝ_i whose norm
   is used, so a residual could only perturb the gradient, never the bound c_i‖Ĝ_i‖ ≤ C.
 
+Trainable embeddings go through a custom function too (:class:`_GhostEmbedding`): backward records the token ids
+and the output gradient and builds no dense, table-sized weight gradient. :meth:`GhostClipper.clipped_sum` frees
+each layer's records as soon as its clipped sum exists.
+
 So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
 Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients). Its memory:
 every layer's input (which autograd keeps until that layer's backward anyway) and output gradient stay
@@ -121,8 +125,43 @@ class _GhostLinear(torch.autograd.Function):
         ctx.record.append((x, grad_out, ctx.head_size))
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ weight.t() if ctx.transposed else grad_out @ weight
+            w = weight.to(grad_out.dtype)  # under autocast the forward ran on a reduced-precision copy of the weight
+            grad_x = (grad_out @ w.t() if ctx.transposed else grad_out @ w).to(x.dtype)
         return grad_x, None, None, None, None, None
+
+
+class _GhostEmbedding(torch.autograd.Function):
+    """y = weight[ids]; backward records (ids, dL/dy) and returns no weight gradient (the dense table-sized
+    gradient autograd would build is never used: the clipped sum is built from the records)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, record):
+        ctx.record = record
+        ctx.save_for_backward(ids)
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        ctx.record.append((ids, grad_out))
+        return None, None, None, None
+
+
+def _work_dtype(*dtypes) -> torch.dtype:
+    """The precision of norms and clipped sums: float64 if any operand (input, output gradient, parameter) is
+    float64, else float32 — also under bf16 autocast, whose records are bf16 (never the default dtype)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+@contextmanager
+def _no_autocast():
+    """Norms and clipped sums in their own precision (float32/float64), also when called inside autocast."""
+    with torch.autocast("cpu", enabled=False):
+        if torch.cuda.is_available():
+            with torch.autocast("cuda", enabled=False):
+                yield
+        else:
+            yield
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -223,6 +262,15 @@ class GhostClipper:
 
             self._patched.append((m, m.__dict__.get("forward")))
             m.forward = forward
+        elif layer.kind == "embedding":
+
+            def forward(ids, _m=m, _rec=layer.records):
+                if not (_m.training and torch.is_grad_enabled()):
+                    return type(_m).forward(_m, ids)
+                return _GhostEmbedding.apply(ids, _m.weight, _m.padding_idx, _rec)
+
+            self._patched.append((m, m.__dict__.get("forward")))
+            m.forward = forward
         else:
 
             def fwd_hook(module, args, out, _rec=layer.records):
@@ -287,21 +335,21 @@ class GhostClipper:
 
     # ----- per-layer pieces ------------------------------------------------------------------------------
     @staticmethod
-    def _cat(records, scale):
+    def _cat(records, scale, dtype=torch.float32):
         xs = [_as_3d(r[0]) if r[0].dim() > 1 else r[0].unsqueeze(-1) for r in records]
-        gs = [_as_3d(r[1].float() if scale == 1.0 else r[1].float() / scale) for r in records]
+        gs = [_as_3d(r[1].to(dtype) if scale == 1.0 else r[1].to(dtype) / scale) for r in records]
         if len(records) == 1:
             return xs[0], gs[0]
         return torch.cat(xs, dim=1), torch.cat(gs, dim=1)
 
     @staticmethod
-    def _affine(affine: dict, p, transpose: bool = False):
-        """(o, s) for parameter p as float32 (s: None, a float, or a tensor), optionally transposed."""
+    def _affine(affine: dict, p, transpose: bool = False, dtype=torch.float32):
+        """(o, s) for parameter p in ``dtype`` (s: None, a float, or a tensor), optionally transposed."""
         o, sc = affine.get(p, (None, None))
         if o is not None:
-            o = o.float().t() if transpose else o.float()
+            o = o.to(dtype).t() if transpose else o.to(dtype)
         if torch.is_tensor(sc):
-            sc = sc.float().t() if transpose else sc.float()
+            sc = sc.to(dtype).t() if transpose else sc.to(dtype)
         return o, sc
 
     def _gram(self, a: torch.Tensor) -> torch.Tensor:
@@ -366,15 +414,16 @@ class GhostClipper:
         m = layer.module
         if not layer.records:
             raise ValueError(f"layer {type(m).__name__} recorded no backward pass; is every trainable layer used in the forward?")
+        dt = _work_dtype(*(t.dtype for r in layer.records for t in r[:2]), *(p.dtype for p in layer.params()))
         if layer.kind in ("linear", "conv1d"):
-            a, g = self._cat(layer.records, scale)
-            a = a.float()
+            a, g = self._cat(layer.records, scale, dt)
+            a = a.to(dt)
             B, T, d_in = a.shape
             d_out = g.shape[-1]
-            sq = torch.zeros(B, device=g.device)
+            sq = torch.zeros(B, device=g.device, dtype=dt)
             per_example = factored = None
             if m.weight.requires_grad:
-                o, sc = self._affine(affine, m.weight, transpose=layer.kind == "conv1d")  # as [d_out, d_in]
+                o, sc = self._affine(affine, m.weight, transpose=layer.kind == "conv1d", dtype=dt)  # as [d_out, d_in]
                 s2 = 1.0
                 if isinstance(sc, float):  # a scalar scale: ‖(G + o)s‖² = s²‖G + o‖²
                     s2, sc = sc * sc, None
@@ -411,9 +460,10 @@ class GhostClipper:
             gsum = None
             if m.bias is not None and m.bias.requires_grad:
                 gsum = g.sum(1)
-                sq = sq + self._dense_sq(gsum, *self._affine(affine, m.bias))
+                sq = sq + self._dense_sq(gsum, *self._affine(affine, m.bias, dtype=dt))
 
             def clipped(c, a=a, g=g, gsum=gsum, per_example=per_example, factored=factored):
+                c = c.to(dt)
                 out = {}
                 if factored is not None:  # Σ_i c_i Σ_h q̂_{i,h} w_{i,h}ᵀ, heads stacked along d_out
                     qhat, w = factored
@@ -432,18 +482,19 @@ class GhostClipper:
 
             return sq, clipped
         if layer.kind == "layernorm":
-            x, g = self._cat(layer.records, scale)
-            xhat = F.layer_norm(x.float(), m.normalized_shape, eps=m.eps)
-            sq = torch.zeros(g.shape[0], device=g.device)
+            x, g = self._cat(layer.records, scale, dt)
+            xhat = F.layer_norm(x.to(dt), m.normalized_shape, eps=m.eps)
+            sq = torch.zeros(g.shape[0], device=g.device, dtype=dt)
             gw = gb = None
             if m.weight is not None and m.weight.requires_grad:
                 gw = (g * xhat).sum(1)
-                sq = sq + self._dense_sq(gw, *self._affine(affine, m.weight))
+                sq = sq + self._dense_sq(gw, *self._affine(affine, m.weight, dtype=dt))
             if m.bias is not None and m.bias.requires_grad:
                 gb = g.sum(1)
-                sq = sq + self._dense_sq(gb, *self._affine(affine, m.bias))
+                sq = sq + self._dense_sq(gb, *self._affine(affine, m.bias, dtype=dt))
 
             def clipped(c, gw=gw, gb=gb):
+                c = c.to(dt)
                 out = {}
                 if gw is not None:
                     out[m.weight] = (gw * c.view(-1, 1)).sum(0).to(m.weight.dtype)
@@ -454,11 +505,11 @@ class GhostClipper:
             return sq, clipped
         # embedding: per-example gradient rows are sums of g over equal token ids
         ids = torch.cat([r[0].reshape(r[0].shape[0], -1) for r in layer.records], dim=1)
-        g = torch.cat([_as_3d(r[1].float() / scale) for r in layer.records], dim=1)
+        g = torch.cat([_as_3d(r[1].to(dt) / scale) for r in layer.records], dim=1)
         if m.padding_idx is not None:
             g = g * (ids != m.padding_idx).unsqueeze(-1)
         same = ids.unsqueeze(2) == ids.unsqueeze(1)
-        o, sc = self._affine(affine, m.weight)
+        o, sc = self._affine(affine, m.weight, dtype=dt)
         s2 = 1.0
         if isinstance(sc, float):
             s2, sc = sc * sc, None
@@ -470,14 +521,15 @@ class GhostClipper:
         sq = s2 * sq
 
         def clipped(c, ids=ids, g=g):
-            w = torch.zeros(m.weight.shape, device=g.device, dtype=torch.float32)
+            c = c.to(dt)
+            w = torch.zeros(m.weight.shape, device=g.device, dtype=dt)
             w.index_add_(0, ids.reshape(-1), (g * c.view(-1, 1, 1)).reshape(-1, g.shape[-1]))
             return {m.weight: w.to(m.weight.dtype)}
 
         return sq, clipped
 
     # ----- public -----------------------------------------------------------------------------------------
-    def _collect(self, loss_scale: float, affine: dict | None = None):
+    def _collect(self, loss_scale: float, affine: dict | None = None, release: bool = False):
         self._budget = self.materialize_bytes
         if affine:
             owned = {id(p) for layer in self.layers for p in layer.params()}
@@ -485,7 +537,12 @@ class GhostClipper:
                 raise ValueError("per-sample transform given for a parameter ghost clipping does not cover")
         self._grams: dict = {}
         try:
-            terms = [self._layer_terms(layer, loss_scale, affine) for layer in self.layers]
+            with _no_autocast():
+                terms = []
+                for layer in self.layers:
+                    terms.append(self._layer_terms(layer, loss_scale, affine))
+                    if release:  # the terms keep what they need (a scaled copy of g, when loss_scale != 1)
+                        layer.records.clear()
         finally:
             self._grams = {}
         sq = terms[0][0]
@@ -512,12 +569,14 @@ class GhostClipper:
         """
         if self.two_pass:
             raise RuntimeError("a two-pass GhostClipper computes norms in norms_pass (see two_pass_clipped_sum)")
-        sq, terms = self._collect(loss_scale, affine)
+        sq, terms = self._collect(loss_scale, affine, release=True)
         c = clip_factors(sq, max_grad_norm)
         out: dict = {}
-        for _, fn in terms:
-            out.update(fn(c))
-        out = self._apply_affine(out, c, affine)
+        with _no_autocast():
+            terms.reverse()
+            while terms:  # each layer's activations and output gradients are freed once its clipped sum exists
+                out.update(terms.pop()[1](c))
+            out = self._apply_affine(out, c, affine)
         self.clear()
         return out
 
@@ -525,11 +584,12 @@ class GhostClipper:
     def _apply_affine(out: dict, c: torch.Tensor, affine: dict | None) -> dict:
         """Σ_i c_i v_i = (Σ_i c_i ∇ℓ_i + (Σ_i c_i)·o) ⊙ s for the parameters with a per-sample affine map."""
         for p, (o, sc) in (affine or {}).items():
-            v = out[p].float()
+            dt = _work_dtype(out[p].dtype, p.dtype)
+            v = out[p].to(dt)
             if o is not None:
-                v = v + c.sum() * o.float()
+                v = v + c.to(dt).sum() * o.to(dt)
             if sc is not None:
-                v = v * (sc if isinstance(sc, float) else sc.float())
+                v = v * (sc if isinstance(sc, float) else sc.to(dt))
             out[p] = v.to(out[p].dtype)
         return out
 

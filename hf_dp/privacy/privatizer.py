@@ -159,7 +159,10 @@ class PrivateOptimizer(DPOptimizer):
                 f"{len(missing)} trainable parameter(s) received no per-sample gradient in backward; "
                 "every trainable parameter must be used in the forward pass through a layer Opacus supports"
             )
+        # norms and sums in float32 at least: under bf16 autocast Opacus leaves bf16 per-sample gradients, whose
+        # norm and clip factor rounded to bf16 would let c_i·‖g_i‖ exceed C (by up to ~0.8%)
         flat = [self._get_flat_grad_sample(p) for p in params]
+        flat = [g.to(torch.promote_types(g.dtype, torch.float32)) for g in flat]
         if loss_scale != 1.0:
             if not loss_scale > 0:
                 raise ValueError(f"loss_scale must be > 0, got {loss_scale}")
@@ -243,23 +246,51 @@ class PrivateOptimizer(DPOptimizer):
             self.add_noise()  # p.grad = summed_grad + N(0, σ²C²)
         else:
             for p in params:
-                p.grad = p.summed_grad.view_as(p).clone()
-        if world > 1:
-            grads = [p.grad for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p))
-                offset += n
-        self.scale_grad()
-        self.rule.from_clip_space(params)
+                p.grad = p.summed_grad.view_as(p)
         for p in params:
             p.summed_grad = None
+        if world > 1:
+            self._all_reduce_grads(params)
+        self.scale_grad()
+        self.rule.from_clip_space(params)
         if self.ledger is not None:
             self.ledger.record_step()
         self.steps_taken += 1
+
+    #: largest all-reduce of :meth:`_all_reduce_grads` (bytes): small tensors are packed up to this size, so the
+    #: extra memory of the reduction is one bucket, not a flat copy of every gradient
+    all_reduce_bucket_bytes = 32 * 2**20
+
+    @staticmethod
+    def _all_reduce_grads(params) -> None:
+        """Sum ``p.grad`` over all ranks, in place: tensors of at least a bucket alone, smaller ones packed."""
+        bucket: list = []
+        size = 0
+
+        def flush():
+            nonlocal bucket, size
+            if len(bucket) == 1:
+                p = bucket[0]
+                if not p.grad.is_contiguous():  # e.g. a transposed (Conv1D) clipped sum
+                    p.grad = p.grad.contiguous()
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            elif bucket:
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                offset = 0
+                for p in bucket:
+                    n = p.grad.numel()
+                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                    offset += n
+            bucket, size = [], 0
+
+        for p in params:
+            nbytes = p.grad.numel() * p.grad.element_size()
+            if bucket and (size + nbytes > PrivateOptimizer.all_reduce_bucket_bytes or p.grad.dtype != bucket[0].grad.dtype):
+                flush()
+            bucket.append(p)
+            size += nbytes
+        flush()
 
     def step(self, closure=None):
         if closure is not None:

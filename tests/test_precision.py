@@ -1,0 +1,197 @@
+"""Precision: every clipping engine under bf16 autocast (norms and clipped sums in float32), float64 models and a
+float64 default dtype (norms and sums in float64), fp16 refused, and ``--clipping auto`` saying what it chose.
+
+Each test here failed on cb9584a: ghost clipping crashed under bf16 autocast (``expected m1 and m2 to have the
+same dtype``) and under ``torch.set_default_dtype(torch.float64)`` (``index_add_``: Float vs Double), computed a
+float64 model's norms and sums in float32, Opacus hooks clipped bf16 per-sample gradients with a norm rounded to
+bf16 (up to 0.8% over C), and ``--clipping auto`` chose its engine silently.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hf_dp.models import apply_trainable
+from hf_dp.models.ghost_clipping import GhostClipper, NORM_MARGIN
+from hf_dp.optim import make_optimizer
+from tests.test_models import _batch, _config, _model, _per_example_grads
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(single_thread):
+    yield
+
+
+@pytest.fixture
+def float64_default():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _ghost_sum(model, ids, mask, labels, clip, autocast=False):
+    gc = GhostClipper(model)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        F.cross_entropy(logits.float() if autocast else logits, labels, reduction="sum").backward()
+        out = gc.clipped_sum(clip)
+    finally:
+        gc.detach()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: g for p, g in out.items()}
+
+
+@pytest.mark.parametrize("arch,mode", [("bert", "all"), ("gpt2", "all"), ("bert", "last_block")])
+def test_ghost_under_bf16_autocast_clips_in_float32(arch, mode):
+    """Each example's clipped contribution is a float32 vector of norm ≤ C, and the sum is the float32 one up to bf16."""
+    config = _config(arch)
+    model, _ = apply_trainable(_model(arch), mode)
+    model.train()
+    ids, mask, labels = _batch(config, batch_size=4, seq_len=7)
+    ref = _ghost_sum(copy.deepcopy(model), ids, mask, labels, 1e9)  # float32, unclipped
+    clip = 0.5 * min(torch.sqrt(sum(g.pow(2).sum() for g in _ghost_sum(copy.deepcopy(model), ids[i:i + 1], mask[i:i + 1], labels[i:i + 1], 1e9).values())).item() for i in range(4))
+    for i in range(4):  # a batch of one: the clipped sum is that example's clipped gradient
+        one = _ghost_sum(model, ids[i:i + 1], mask[i:i + 1], labels[i:i + 1], clip, autocast=True)
+        assert all(g.dtype == torch.float32 for g in one.values())
+        norm = torch.sqrt(sum(g.double().pow(2).sum() for g in one.values())).item()
+        assert norm <= clip * (1 + 1e-6)
+        assert norm >= clip * (1 - 1e-3)  # clipped, so at C (within the margin)
+    got = _ghost_sum(model, ids, mask, labels, 1e9, autocast=True)
+    assert set(got) == set(ref)
+    flat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(d)])  # noqa: E731
+    assert (flat(got) - flat(ref)).norm() <= 0.05 * flat(ref).norm()  # bf16 forward/backward, float32 sums
+
+
+def _float64_check(model, config):
+    model.train()
+    ids, mask, labels = _batch(config, batch_size=4, seq_len=7)
+    per = _per_example_grads(copy.deepcopy(model), ids, mask, labels)
+    norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in per.values()]).sum(0).sqrt()
+    clip = float(norms.median())
+    c = (clip / (norms * (1 + NORM_MARGIN) + 1e-6)).clamp(max=1.0)  # ghost clipping's clip factor
+    got = _ghost_sum(model, ids, mask, labels, clip)
+    assert set(got) == set(per)
+    for name, g in per.items():
+        assert got[name].dtype == torch.float64
+        torch.testing.assert_close(got[name], torch.einsum("i,i...->...", c, g), rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("arch,mode", [("bert", "all"), ("gpt2", "all"), ("bert", "last_block")])
+def test_ghost_float64_model_sums_in_float64(arch, mode):
+    model, _ = apply_trainable(_model(arch).double(), mode)
+    _float64_check(model, _config(arch))
+
+
+@pytest.mark.parametrize("arch,mode", [("bert", "all"), ("bert", "last_block")])
+def test_ghost_with_float64_default_dtype(arch, mode, float64_default):
+    model, _ = apply_trainable(_model(arch), mode)
+    assert next(model.parameters()).dtype == torch.float64
+    _float64_check(model, _config(arch))
+
+
+def test_hooks_clip_bf16_per_sample_gradients_with_a_float32_norm():
+    """Opacus leaves bf16 per-sample gradients under autocast; a norm and clip factor rounded to bf16 overshoot C by up to ~0.8%."""
+    torch.manual_seed(0)
+    lin = nn.Linear(30, 10, bias=False)
+    g = torch.randn(1, 300, generator=torch.Generator().manual_seed(30)).bfloat16()  # bf16 norm and factor: 0.8% over C
+    C = 0.5 * float(g.double().norm())
+    opt = make_optimizer("dp_sgd", [lin.weight], noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=1, lr=0.1)
+    lin.weight.grad_sample = g.view(1, 10, 30)
+    assert opt.accumulate() == 1
+    s = lin.weight.summed_grad
+    assert s.dtype == torch.float32
+    assert s.double().norm().item() <= C * (1 + 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------- trainer
+
+
+def _train(tmp_path, model=None, **kw):
+    import transformers
+
+    from hf_dp import DPTrainer
+    from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+
+    transformers.logging.set_verbosity_error()
+    tok = make_tokenizer(tmp_path / "tok")
+    ds = make_pair_dataset(tok, n=64)
+    args = dp_args(tmp_path / "out", max_steps=2, per_device_train_batch_size=8, **kw)
+    trainer = DPTrainer(model=model if model is not None else make_model(), args=args, train_dataset=ds, data_collator=make_collator(tok))
+    model = trainer.model  # LoRA: the adapted model
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(not torch.equal(init[n], p) for n, p in model.named_parameters() if n in trained)
+    return trainer
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "hooks", "auto"])
+@pytest.mark.parametrize("trainable", ["all", "last_block", "lora"])
+def test_trainer_bf16_autocast_every_engine(tmp_path, clipping, trainable):
+    trainer = _train(tmp_path, bf16=True, clipping=clipping, trainable=trainable)
+    assert trainer.clipping == ("ghost" if clipping == "auto" else clipping)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "ghost_two_pass", "hooks"])
+def test_trainer_float64_default_dtype(tmp_path, clipping, float64_default):
+    trainer = _train(tmp_path, clipping=clipping, trainable="all")
+    assert trainer.clipping == clipping and next(trainer.model.parameters()).dtype == torch.float64
+
+
+def test_trainer_float64_model(tmp_path):
+    from tests.helpers import make_model
+
+    _train(tmp_path, model=make_model().double(), clipping="ghost", trainable="all")
+
+
+def test_two_pass_stays_refused_under_bf16(tmp_path):
+    with pytest.raises(ValueError, match="ghost_two_pass needs float32 training"):
+        _train(tmp_path, bf16=True, clipping="ghost_two_pass")
+
+
+def test_clipping_auto_logs_the_engine_and_why(tmp_path, caplog):
+    from hf_dp import DPTrainer
+    from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    ds = make_pair_dataset(tok, n=64)
+
+    def build(**kw):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_dp.trainer"):
+            t = DPTrainer(model=make_model(), args=dp_args(tmp_path / "o", max_steps=1, **kw), train_dataset=ds,
+                          data_collator=make_collator(tok))
+        lines = [r for r in caplog.records if r.name == "hf_dp.trainer" and "--clipping auto" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].levelno == logging.INFO, [r.getMessage() for r in caplog.records]
+        return t, lines[0].getMessage()
+
+    t, msg = build(bf16=True)
+    assert t.clipping == "ghost" and "ghost" in msg
+    from hf_dp.models.ghost_clipping import GhostClipper
+
+    def unsupported(model):
+        raise ValueError("ghost clipping does not support trainable layer x (Conv1d)")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GhostClipper, "check_supported", staticmethod(unsupported))
+        t, msg = build()
+    assert t.clipping == "hooks" and "hooks" in msg and "Conv1d" in msg
+    # an explicit choice is not re-announced
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_dp.trainer"):
+        DPTrainer(model=make_model(), args=dp_args(tmp_path / "o", max_steps=1, clipping="hooks"), train_dataset=ds,
+                  data_collator=make_collator(tok))
+    assert not [r for r in caplog.records if "--clipping auto" in r.getMessage()]
