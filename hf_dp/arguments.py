@@ -20,10 +20,14 @@ Poisson sampling. Extra rule hyper-parameters (e.g. ``momentum`` of ``dp_sgd``) 
 ``--optim_args "momentum=0.9"`` (numbers, or true/false: ``"fused=false"`` makes DP-Adam/DP-AdamW/DP-MacAdam run
 their transform chain instead of torch's fused Adam/AdamW kernel).
 
-HF settings that would compute non-private quantities change for DP runs: ``max_grad_norm`` is set
-to 0 (HF would clip — and log the norm of — the *non-private* summed gradient; DP clipping is per
-example with C), ``fp16`` is refused (dynamic loss scaling skips steps based on private gradients;
-use bf16 or fp32) and so is ``include_num_input_tokens_seen`` (it would log Poisson batch sizes).
+What every HF flag does under DP is decided by one registry, :data:`hf_dp.flags.FLAGS` (the table
+``docs/privacy_flags.md`` is generated from it): for a DP run ``__post_init__`` applies its refusals and
+adjustments before HF's own validation — e.g. ``max_grad_norm`` is set to 0 (HF would clip — and log
+the norm of — the *non-private* summed gradient; DP clipping is per example with C), ``fp16`` is
+refused (dynamic loss scaling skips steps based on private gradients; use bf16 or fp32) and so are
+``include_num_input_tokens_seen`` (it would log Poisson batch sizes), ``auto_find_batch_size``,
+``train_sampling_strategy`` other than random, ``hub_strategy checkpoint``, … A ``TrainingArguments``
+field the registry does not classify (a newer transformers) is refused with DP when set.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from hf_dp import flags
 from hf_dp.models import TRAINABLE_MODES
 from hf_dp.optim.registry import is_dp_optimizer, optimizer_names
 from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon
@@ -125,12 +130,9 @@ class DPTrainingArguments(TrainingArguments):
                 "or pass --disable_dp explicitly for a non-private baseline"
             )
         if dp_name is not None:
-            if self.fp16:
-                raise ValueError(
-                    "--fp16 is not supported with DP: dynamic loss scaling skips steps depending on private "
-                    "gradients; use --bf16 or fp32"
-                )
-            self.max_grad_norm = 0.0
+            # refusals and adjustments of HF's flags (fp16, max_grad_norm → 0, ...): hf_dp/flags.py, on the raw
+            # values, before HF's own validation (which would e.g. import deepspeed first)
+            flags.enforce(self)
         super().__post_init__()
         if dp_name is not None:
             self.optim = dp_name
@@ -157,16 +159,9 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"--accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
         if self.trainable not in TRAINABLE_MODES:
             raise ValueError(f"--trainable must be one of {TRAINABLE_MODES}, got {self.trainable!r}")
-        if str(self.include_num_input_tokens_seen) not in ("no", "False", "None"):
-            raise ValueError(
-                "--include_num_input_tokens_seen logs how many tokens the Poisson-sampled batches held, which reveals "
-                "batch sizes computed from private data outside the DP mechanism; it is not allowed with DP"
-            )
         if self.first_token_only not in ("auto", "off"):
             raise ValueError(f"--first_token_only must be 'auto' or 'off', got {self.first_token_only!r}")
         if self.clipping not in ("auto", "ghost", "ghost_two_pass", "hooks"):
             raise ValueError(f"--clipping must be one of auto, ghost, ghost_two_pass, hooks; got {self.clipping!r}")
         if self.bc_gamma is not None and not self.bc_gamma > 0:
             raise ValueError(f"--bc_gamma must be > 0, got {self.bc_gamma}")
-        if self.max_steps is not None and self.max_steps == 0:
-            raise ValueError("--max_steps 0 trains nothing")
