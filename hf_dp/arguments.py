@@ -20,13 +20,14 @@ Poisson sampling. Extra rule hyper-parameters (e.g. ``momentum`` of ``dp_sgd``) 
 ``--optim_args "momentum=0.9"`` (numbers, or true/false: ``"fused=false"`` makes DP-Adam/DP-AdamW/DP-MacAdam run
 their transform chain instead of torch's fused Adam/AdamW kernel).
 
-What every ``TrainingArguments`` field means under DP — safe, adjusted or refused, with a reason — is one
-registry, :mod:`hf_dp.flags` (the table: ``docs/privacy_flags.md``); ``__post_init__`` enforces it for DP
-runs. E.g. ``max_grad_norm`` is set to 0 (HF would clip — and log the norm of — the *non-private* summed
-gradient; DP clipping is per example with C), ``fp16`` is refused (dynamic loss scaling skips steps based
-on private gradients; use bf16 or fp32), and so are ``include_num_input_tokens_seen`` (it would log Poisson
-batch sizes), ``auto_find_batch_size`` (it changes q mid-run) and ``hub_strategy`` checkpoint/all_checkpoints
-(they would upload checkpoints).
+What every HF flag does under DP is decided by one registry, :data:`hf_dp.flags.FLAGS` (the table
+``docs/privacy_flags.md`` is generated from it): for a DP run ``__post_init__`` applies its refusals and
+adjustments before HF's own validation — e.g. ``max_grad_norm`` is set to 0 (HF would clip — and log
+the norm of — the *non-private* summed gradient; DP clipping is per example with C), ``fp16`` is
+refused (dynamic loss scaling skips steps based on private gradients; use bf16 or fp32) and so are
+``include_num_input_tokens_seen`` (it would log Poisson batch sizes), ``auto_find_batch_size``,
+``train_sampling_strategy`` other than random, ``hub_strategy checkpoint``, … A ``TrainingArguments``
+field the registry does not classify (a newer transformers) is refused with DP when set.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from hf_dp.flags import enforce
+from hf_dp import flags
 from hf_dp.models import TRAINABLE_MODES
 from hf_dp.optim.registry import is_dp_optimizer, optimizer_names
 from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon
@@ -143,9 +144,9 @@ class DPTrainingArguments(TrainingArguments):
                 "or pass --disable_dp explicitly for a non-private baseline"
             )
         if dp_name is not None:
-            # every TrainingArguments field's DP policy (hf_dp/flags.py, docs/privacy_flags.md), on the values as
-            # given: before HF's own processing (which would fail first on some, e.g. fp16 on a CPU)
-            enforce(self)
+            # refusals and adjustments of HF's flags (fp16, max_grad_norm → 0, ...): hf_dp/flags.py, on the raw
+            # values, before HF's own validation (which would e.g. import deepspeed first)
+            flags.enforce(self)
         super().__post_init__()
         if dp_name is not None:
             self.optim = dp_name
@@ -178,5 +179,3 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"--clipping must be one of auto, ghost, ghost_two_pass, hooks; got {self.clipping!r}")
         if self.bc_gamma is not None and not self.bc_gamma > 0:
             raise ValueError(f"--bc_gamma must be > 0, got {self.bc_gamma}")
-        if self.max_steps is not None and self.max_steps == 0:
-            raise ValueError("--max_steps 0 trains nothing")

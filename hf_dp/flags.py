@@ -1,312 +1,500 @@
-"""What every ``transformers.TrainingArguments`` field means for a DP run: one registry, the source of truth.
+"""What every ``transformers.TrainingArguments`` field does to the DP guarantee: one registry.
 
-Each field is ``safe`` (keeps its meaning; the reason says why that is compatible with the guarantee),
-``adjusted`` (hf_dp changes or narrows what it does, and says how), ``refused`` (a DP run with it set
-fails with one sentence), or ``refused when …`` (refused only at the values a predicate names). Refusals
-and adjustments apply to DP runs only (not with ``--disable_dp``); :class:`~hf_dp.arguments.DPTrainingArguments`
-enforces them from this registry (:func:`enforce`). ``docs/privacy_flags.md`` is generated from it::
+:data:`FLAGS` maps each dataclass field of ``TrainingArguments`` to one or more :class:`Rule` s. A rule
+has a status, a one-line reason, and optionally a condition (``when``: a predicate on the arguments,
+with its human-readable text). For a DP run :meth:`DPTrainingArguments.__post_init__
+<hf_dp.arguments.DPTrainingArguments.__post_init__>` calls :func:`enforce`, which takes each field's
+first rule whose condition holds (the last rule of a field is unconditional) and
 
-    python -m hf_dp.flags > docs/privacy_flags.md
+* ``refused``: raises ``ValueError(reason)`` — the reason *is* the error message (one sentence);
+* ``adjusted``: applies the rule's ``adjust`` (e.g. ``max_grad_norm`` → 0), or, when it has none,
+  DPTrainer changes what the flag does (the reason says how);
+* ``safe`` / ``outside``: nothing.
 
-and ``tests/test_flags.py`` fails when the installed transformers has a field the registry does not classify
-(or the doc is stale), so that "every HF flag keeps its meaning or is refused with a reason" stays true.
+Statuses (all for DP runs; ``--disable_dp`` runs are plain HF runs):
+
+* **refused** — the flag would break the guarantee or its accounting (non-private quantities of the
+  training data logged or uploaded, a sampling or loss the accountant does not describe, steps
+  skipped or replayed), or would be silently ignored by DPTrainer, or is not supported with
+  per-example clipping;
+* **adjusted** — DP changes the value or what the flag does;
+* **safe** — the released model and ``privacy.json`` keep the guarantee whatever the value;
+* **outside** — allowed, the model keeps the guarantee, but what the flag produces (logs of the
+  training loss, checkpoints, choices made on the eval set) is *not* covered by it.
+
+Fields that ``TrainingArguments`` gains in a newer transformers release are not in the registry:
+:func:`enforce` refuses them under DP when they differ from their default (nobody has checked what
+they do), and ``tests/test_flags.py`` fails until they are classified here.
+
+``python -m hf_dp.flags --markdown > docs/privacy_flags.md`` writes the table (a test checks that the
+committed file is this output).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-SAFE, ADJUSTED, REFUSED, REFUSED_WHEN = "safe", "adjusted", "refused", "refused when"
+REFUSED, ADJUSTED, SAFE, OUTSIDE = "refused", "adjusted", "safe", "outside"
+STATUSES = (REFUSED, ADJUSTED, SAFE, OUTSIDE)
+STATUS_TEXT = {REFUSED: "**refused**", ADJUSTED: "adjusted", SAFE: "safe", OUTSIDE: "outside the guarantee"}
+REGENERATE = "python -m hf_dp.flags --markdown > docs/privacy_flags.md"
 
 
-@dataclass(frozen=True)
-class Policy:
+class Rule(NamedTuple):
     status: str
-    reason: str
-    #: for ``refused``/``refused when``: args -> True if the run must be refused
-    refuse_if: Callable[[Any], bool] | None = None
-    #: the ValueError message (one sentence)
-    message: str | None = None
-    #: for ``refused when``: the values, in words, for the table
-    when: str | None = None
+    reason: str  # one line; for ``refused`` the full error message (one sentence)
+    when: str | None = None  # human-readable condition; None: unconditional (a field's last rule)
+    applies: Callable[[Any], bool] | None = None  # the condition, on the raw arguments (before HF's __post_init__)
+    adjust: Callable[[Any], None] | None = None  # for ``adjusted``: the change made to the arguments
 
 
-def _safe(reason: str) -> Policy:
-    return Policy(SAFE, reason)
+# ---------------------------------------------------------------------------------------------------
+# predicates: they see the raw values (strings, enums, bools, lists), before HF normalises them
+# ---------------------------------------------------------------------------------------------------
+def _v(x):
+    return getattr(x, "value", x)
 
 
-def _adjusted(reason: str) -> Policy:
-    return Policy(ADJUSTED, reason)
+def _true(name: str) -> Callable[[Any], bool]:
+    return lambda a: bool(getattr(a, name, False))
 
 
-def _refused_when(when: str, reason: str, refuse_if: Callable[[Any], bool], message: str) -> Policy:
-    return Policy(REFUSED_WHEN, reason, refuse_if, message, when)
+def _set(name: str) -> Callable[[Any], bool]:
+    return lambda a: getattr(a, name, None) is not None
 
 
-def _set(value) -> bool:
-    """True if a flag is on (not None/False/empty/0/'no')."""
-    v = getattr(value, "value", value)
-    return v not in (None, False, "", 0, 0.0, "no", "False", "None", [], {})
+def _reporters(a) -> list[str]:
+    r = getattr(a, "report_to", None)
+    if r is None:
+        return []
+    r = [r] if isinstance(r, str) else list(r)
+    r = [str(_v(x)) for x in r]
+    if "all" in r:
+        from transformers.integrations import get_available_reporting_integrations
+
+        r = list(get_available_reporting_integrations())
+    return [x for x in r if x != "none"]
 
 
-_EVAL = "evaluation only (the eval set is not protected by ε and is never the training set: refused)"
-_SPEED = "speed or memory of the same computation"
-_META = "metadata or I/O of the run; nothing computed from the private data"
-_NOT_PRIVATE_LOG = "the logged training loss is computed from private batches without noise: not private, never part of the card's guarantee"
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(os.path.expanduser(path)), os.path.abspath(os.path.expanduser(folder))
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
-POLICIES: dict[str, Policy] = {
-    # ---- output, batch, schedule ------------------------------------------------------------------
-    "output_dir": _safe(_META + "; checkpoints there are not a release (README: what is stored on disk)"),
-    "per_device_train_batch_size": _adjusted("the *expected* per-device batch of Poisson sampling: B = per_device × gradient_accumulation_steps × world_size, q = B/N; physical batches fluctuate around it"),
-    "num_train_epochs": _adjusted("an epoch is round(1/q) Poisson steps (one expected pass over the data); σ is calibrated for the planned steps"),
-    "max_steps": _safe("the planned number of noisy steps: σ is calibrated for it with --epsilon"),
-    "learning_rate": _safe("a public hyper-parameter of the update rule (post-processing)"),
-    "lr_scheduler_type": _safe("the schedule of η: post-processing of the noisy gradients"),
-    "lr_scheduler_kwargs": _safe("the schedule of η: post-processing of the noisy gradients"),
-    "warmup_steps": _safe("the schedule of η: post-processing of the noisy gradients"),
-    "optim": _adjusted("redefined by DPTrainingArguments: a DP optimizer name (dp_adamw, …); HF names only with --disable_dp"),
-    "optim_args": _safe("extra hyper-parameters of the DP update rule (numbers or true/false)"),
-    "weight_decay": _safe("HF's decay / no-decay groups, applied by the DP update rule to θ (post-processing)"),
-    "adam_beta1": _safe("update-rule hyper-parameter (post-processing)"),
-    "adam_beta2": _safe("update-rule hyper-parameter (post-processing)"),
-    "adam_epsilon": _safe("update-rule hyper-parameter (post-processing)"),
-    "optim_target_modules": _refused_when(
-        "set", "only HF's GaLore/APOLLO-style optimizers read it; a DP optimizer would silently ignore it",
-        lambda a: _set(a.optim_target_modules),
-        "--optim_target_modules selects modules for HF's GaLore/APOLLO optimizers, which are not DP optimizers; choose the trained parameters with --trainable",
-    ),
-    "gradient_accumulation_steps": _adjusted("splits one Poisson-sampled logical batch into micro-batches; clipping per example, noise once per logical batch"),
-    "average_tokens_across_devices": _adjusted("no effect on the DP loss: hf_dp divides Σ ℓ_i by the expected batch, never by token counts (num_items_in_batch is ignored)"),
-    "max_grad_norm": _adjusted("set to 0: HF would clip (and log the norm of) the non-private summed gradient; DP clips each example to C (--per_sample_max_grad_norm)"),
-    "label_smoothing_factor": _refused_when(
-        "> 0", "hf_dp computes each example's loss itself (cross-entropy without label smoothing)",
-        lambda a: bool(a.label_smoothing_factor),
-        "--label_smoothing_factor is not applied by DPTrainer's per-example loss (plain cross-entropy); drop it under DP",
-    ),
-    # ---- precision, compilation, kernels -------------------------------------------------------------
-    "bf16": _safe("bf16 autocast; per-example norms and clipped sums are computed in float32"),
-    "fp16": _refused_when(
-        "set", "dynamic loss scaling skips steps depending on private gradients (a data-dependent decision outside the mechanism)",
-        lambda a: bool(a.fp16),
-        "--fp16 is not supported with DP: dynamic loss scaling skips steps depending on private gradients; use --bf16 or fp32",
-    ),
-    "bf16_full_eval": _safe(_EVAL),
-    "fp16_full_eval": _safe(_EVAL),
-    "tf32": _safe(_SPEED + " (TF32 matmuls on Ampere GPUs)"),
-    "activation_checkpointing": _refused_when(
-        "set", "recomputed forward passes re-run the per-example clipping engines' capture hooks; not supported or tested with DP",
-        lambda a: _set(a.activation_checkpointing),
-        "--activation_checkpointing is not supported with DP: recomputed forward passes re-run the per-example clipping hooks",
-    ),
-    "activation_checkpointing_kwargs": _safe("read only with activation_checkpointing, which is refused"),
-    "gradient_checkpointing": _refused_when(
-        "set", "recomputed forward passes re-run the per-example clipping engines' capture hooks; not supported or tested with DP",
-        lambda a: bool(a.gradient_checkpointing),
-        "--gradient_checkpointing is not supported with DP: recomputed forward passes re-run the per-example clipping hooks",
-    ),
-    "gradient_checkpointing_kwargs": _safe("read only with gradient_checkpointing, which is refused"),
-    "torch_compile": _refused_when(
-        "set", "compiled graphs and the per-example clipping hooks are not tested together: clipping could be skipped silently",
-        lambda a: bool(a.torch_compile),
-        "--torch_compile is not supported with DP: the per-example clipping engines rely on module hooks that compilation is not tested with",
-    ),
-    "torch_compile_backend": _safe("read only with torch_compile, which is refused"),
-    "torch_compile_mode": _safe("read only with torch_compile, which is refused"),
-    "use_liger_kernel": _refused_when(
-        "set", "Liger kernels replace layers and the loss (fused linear cross-entropy) that per-example clipping hooks into",
-        lambda a: bool(a.use_liger_kernel),
-        "--use_liger_kernel is not supported with DP: its fused kernels replace the layers and loss that per-example clipping needs",
-    ),
-    "liger_kernel_config": _safe("read only with use_liger_kernel, which is refused"),
-    "use_cache": _safe("the model's key/value cache at generation; no effect on classification training"),
-    "neftune_noise_alpha": _refused_when(
-        "set", "NEFTune's embedding noise is not part of the DP mechanism (it counts for nothing in ε) and is skipped with the frozen-prefix cache",
-        lambda a: _set(a.neftune_noise_alpha),
-        "--neftune_noise_alpha is not supported with DP: its embedding noise is not the DP noise and counts for nothing in epsilon",
-    ),
-    "torch_empty_cache_steps": _safe(_SPEED),
-    "auto_find_batch_size": _refused_when(
-        "set", "it shrinks the batch after an out-of-memory error, changing B and q mid-run while the accountant assumes one q",
-        lambda a: bool(a.auto_find_batch_size),
-        "--auto_find_batch_size changes the batch size mid-run, so the sampling rate q the accountant uses would be wrong; set the batch size yourself",
-    ),
-    # ---- logging -------------------------------------------------------------------------------------------
-    "logging_strategy": _safe("when to log; ε is added to every log, HF's grad_norm dropped; " + _NOT_PRIVATE_LOG),
-    "logging_steps": _safe("when to log; ε is added to every log, HF's grad_norm dropped; " + _NOT_PRIVATE_LOG),
-    "logging_first_step": _safe("when to log; " + _NOT_PRIVATE_LOG),
-    "log_on_each_node": _safe(_META),
-    "logging_nan_inf_filter": _safe("only what the logged loss shows; " + _NOT_PRIVATE_LOG),
-    "include_num_input_tokens_seen": _refused_when(
-        "not 'no'", "it logs how many tokens the Poisson batches held: batch sizes computed from private data outside the mechanism",
-        lambda a: str(getattr(a.include_num_input_tokens_seen, "value", a.include_num_input_tokens_seen)) not in ("no", "False", "None"),
-        "--include_num_input_tokens_seen logs how many tokens the Poisson-sampled batches held, which reveals batch sizes computed from private data outside the DP mechanism; it is not allowed with DP",
-    ),
-    "log_level": _safe(_META),
-    "log_level_replica": _safe(_META),
-    "disable_tqdm": _safe(_META),
-    "report_to": _safe("trackers receive the logs: ε and eval metrics, and the training loss, which " + _NOT_PRIVATE_LOG.split(": ", 1)[1]),
-    "run_name": _safe(_META),
-    "project": _safe(_META),
-    "trackio_space_id": _safe(_META),
-    "trackio_bucket_id": _safe(_META),
-    "trackio_static_space_id": _safe(_META),
-    # ---- evaluation -------------------------------------------------------------------------------------------
-    "eval_strategy": _safe(_EVAL),
-    "eval_steps": _safe(_EVAL),
-    "eval_delay": _safe(_EVAL),
-    "per_device_eval_batch_size": _safe(_EVAL),
-    "prediction_loss_only": _safe(_EVAL),
-    "eval_on_start": _safe(_EVAL),
-    "eval_do_concat_batches": _safe(_EVAL),
-    "eval_use_gather_object": _safe(_EVAL),
-    "eval_accumulation_steps": _safe(_EVAL),
-    "include_for_metrics": _safe(_EVAL),
-    "batch_eval_metrics": _safe(_EVAL),
-    # ---- saving, Hub ----------------------------------------------------------------------------------------------
-    "save_only_model": _safe("the model alone is DP; a checkpoint without optimizer.pt holds no ledger, so resuming from it is refused"),
-    "save_strategy": _safe("checkpoints get hf_dp's completion marker and ledger; they are not a release"),
-    "save_steps": _safe("checkpoints get hf_dp's completion marker and ledger; they are not a release"),
-    "save_on_each_node": _safe(_META),
-    "save_total_limit": _safe("old checkpoints are rotated only after the newest one's completion marker is written"),
-    "enable_jit_checkpoint": _safe("the checkpoint on termination goes through DPTrainer's checkpoint path (ledger + marker)"),
-    "push_to_hub": _safe("pushes output_dir's final model, card and privacy.json; HF's push skips checkpoint-* and _* (the kept prefix cache)"),
-    "hub_token": _safe(_META),
-    "hub_private_repo": _safe(_META),
-    "hub_model_id": _safe(_META),
-    "hub_strategy": _refused_when(
-        "checkpoint or all_checkpoints",
-        "those upload checkpoint folders, whose trainer_state.json holds the non-private training loss and whose marker a fingerprint of the training data; every_save and end push the final folder only",
-        lambda a: str(getattr(a.hub_strategy, "value", a.hub_strategy)) in ("checkpoint", "all_checkpoints"),
-        "--hub_strategy checkpoint/all_checkpoints would upload checkpoint folders, which hold the non-private training loss (trainer_state.json) and a fingerprint of the training data; use every_save or end, which push the final model only",
-    ),
-    "hub_always_push": _safe(_META),
-    "hub_revision": _safe(_META),
-    "load_best_model_at_end": _safe("model selection on the eval set: outside the guarantee, and the card says which data selected the model; the eval set may not be the training set"),
-    "metric_for_best_model": _safe("model selection on the eval set: outside the guarantee (stated in the card)"),
-    "greater_is_better": _safe("model selection on the eval set: outside the guarantee (stated in the card)"),
-    "ignore_data_skip": _safe("every step's Poisson draw is fresh, so skipping or not after a resume replays nothing"),
-    "restore_callback_states_from_checkpoint": _safe("callback state (e.g. early stopping counters)"),
-    # ---- seeds, devices -----------------------------------------------------------------------------------------------
-    "full_determinism": _safe("HF's global RNGs and kernels; DP sampling and noise do not use them (OS entropy, or --dp_seed)"),
-    "seed": _safe("HF's global RNGs (initialisation, dropout); DP sampling and noise do not use them (OS entropy, or --dp_seed)"),
-    "data_seed": _refused_when(
-        "set", "it seeds HF's train sampler, which Poisson sampling replaces; a reproducible DP run needs --dp_seed (recorded in the card)",
-        lambda a: a.data_seed is not None,
-        "--data_seed seeds HF's train sampler, which DP's Poisson sampling replaces; use --dp_seed for a reproducible run",
-    ),
-    "use_cpu": _safe(_SPEED),
-    "accelerator_config": _safe("hf_dp's training loader is not prepared by Accelerate (each rank draws its own Poisson shard), so batch splitting/dispatching applies to evaluation only"),
-    "parallelism_config": _refused_when(
-        "set", "tensor/context/sequence parallelism splits examples across devices; per-example clipping is not supported there",
-        lambda a: _set(a.parallelism_config),
-        "--parallelism_config (tensor/context parallelism) is not supported with DP: per-example clipping needs each example on one device",
-    ),
-    # ---- data loading --------------------------------------------------------------------------------------------------
-    "dataloader_drop_last": _adjusted("applies to evaluation only: a Poisson batch is never dropped (every noisy step is what was drawn, possibly empty)"),
-    "dataloader_num_workers": _safe(_SPEED + "; the Poisson batch sampler runs in the main process"),
-    "dataloader_pin_memory": _safe(_SPEED),
-    "dataloader_persistent_workers": _safe(_SPEED),
-    "dataloader_prefetch_factor": _safe(_SPEED + "; prefetched draws are fresh randomness whether trained on or not"),
-    "dataloader_multiprocessing_context": _safe(_SPEED),
-    "dataloader_in_order": _safe(_SPEED),
-    "remove_unused_columns": _safe("which dataset columns reach the model"),
-    "label_names": _safe("which input keys are labels"),
-    "train_sampling_strategy": _refused_when(
-        "not 'random'", "Poisson sampling (what the accountant assumes) replaces HF's train sampler: 'random' is adjusted to it, other strategies cannot apply",
-        lambda a: str(getattr(a.train_sampling_strategy, "value", a.train_sampling_strategy)) != "random",
-        "--train_sampling_strategy must stay 'random' with DP: Poisson sampling, which the accountant assumes, replaces HF's train sampler",
-    ),
-    "length_column_name": _safe("read only by the sampling strategies that are refused"),
-    # ---- distributed ----------------------------------------------------------------------------------------------------
-    "ddp_find_unused_parameters": _safe("DDP wrapping; clipped sums are all-reduced once per logical batch after the noise"),
-    "ddp_bucket_cap_mb": _safe(_SPEED),
-    "ddp_broadcast_buffers": _safe(_SPEED),
-    "ddp_static_graph": _safe(_SPEED),
-    "ddp_backend": _safe(_SPEED),
-    "ddp_timeout": _safe(_META),
-    "fsdp": _refused_when(
-        "set", "per-example clipping is not implemented for sharded parameters (docs/fsdp.md)",
-        lambda a: _set(a.fsdp),
-        "--fsdp is not supported with DP: per-example clipping is not implemented for sharded parameters",
-    ),
-    "fsdp_config": _refused_when(
-        "set together with fsdp", "read only with fsdp (per-example clipping is not implemented for sharded parameters: docs/fsdp.md)",
-        lambda a: _set(a.fsdp_config) and _set(a.fsdp),
-        "--fsdp_config is not supported with DP: per-example clipping is not implemented for sharded parameters",
-    ),
-    "deepspeed": _refused_when(
-        "set", "DeepSpeed takes over the optimizer step and gradient reduction; DP with it is neither implemented nor tested",
-        lambda a: _set(a.deepspeed),
-        "--deepspeed is not supported with DP: it takes over the optimizer step and gradient reduction that the DP mechanism needs",
-    ),
-    "debug": _refused_when(
-        "set", "underflow/overflow debugging prints statistics of activations computed from private examples",
-        lambda a: _set(a.debug),
-        "--debug prints statistics of activations computed from private examples outside the DP mechanism; it is not allowed with DP",
-    ),
-    "skip_memory_metrics": _safe(_META),
-    "do_train": _safe("read by scripts only"),
-    "do_eval": _safe("read by scripts only"),
-    "do_predict": _safe("read by scripts only"),
-    "resume_from_checkpoint": _safe("read by scripts; DPTrainer.train(resume_from_checkpoint=…) resumes only complete checkpoints and continues ε"),
-    "local_rank": _safe(_META),
+
+def _tensorboard_pushed(a) -> bool:
+    if not a.push_to_hub or "tensorboard" not in _reporters(a):
+        return False
+    logdir = os.environ.get("TENSORBOARD_LOGGING_DIR")  # HF's TensorBoardCallback; default output_dir/runs/<run>
+    return logdir is None or _inside(logdir, a.output_dir or "trainer_output")
+
+
+def _trackio_synced(a) -> bool:
+    return bool(a.push_to_hub) and "trackio" in _reporters(a) and getattr(a, "trackio_static_space_id", None) is not False
+
+
+def _tokens_seen(a) -> bool:
+    return str(_v(a.include_num_input_tokens_seen)) not in ("no", "False", "None")
+
+
+def _debug_options(a) -> list[str]:
+    d = getattr(a, "debug", None) or []
+    return d.split() if isinstance(d, str) else [str(_v(x)) for x in d]
+
+
+def _set_max_grad_norm_zero(a) -> None:
+    a.max_grad_norm = 0.0
+
+
+_EVAL = "only affects evaluation on eval_dataset (keep it disjoint from the training set: the guarantee covers the training set)"
+_EVAL_LOADER = ("speed of loading the same batches; the DP training loader (DPTrainer.get_train_dataloader) passes only "
+                "num_workers and pin_memory, so this applies to the evaluation loaders")
+_TRAIN_LOSS = "the logged training loss is an average over the private Poisson batch without noise (not private)"
+_SELECTION = ("the kept model is chosen on eval-set metrics: the eval set is not protected, and for the training set this is "
+              "post-processing of DP checkpoints (epsilon unchanged) only if the eval set holds no training example")
+_HOOKS = "hf_dp's per-example clipping records activations and gradients through module hooks"
+
+# --------------------------------------------------------------------------------------------------
+# the registry: one entry per dataclass field of transformers.TrainingArguments (checked by tests/test_flags.py)
+# --------------------------------------------------------------------------------------------------
+FLAGS: dict[str, tuple[Rule, ...]] = {
+    # ---- output, batch, schedule -----------------------------------------------------------------
+    "output_dir": (Rule(SAFE, "where the release (model, privacy.json, card) and the non-private artefacts (checkpoints, logs) are "
+                              "written; push_to_hub uploads it without checkpoint-* and _*"),),
+    "per_device_train_batch_size": (Rule(ADJUSTED, "becomes the expected per-device micro-batch: B = per_device_train_batch_size × "
+                                                   "gradient_accumulation_steps × world_size sets q = B/N, and each Poisson batch's "
+                                                   "size fluctuates around it"),),
+    "num_train_epochs": (Rule(ADJUSTED, "an epoch is round(1/q) Poisson steps (one pass in expectation; an example may be drawn "
+                                        "0, 1 or more times); with --epsilon it plans the steps sigma is calibrated for"),),
+    "max_steps": (Rule(REFUSED, "--max_steps 0 trains nothing", "== 0", lambda a: a.max_steps is not None and a.max_steps == 0),
+                  Rule(SAFE, "the number of noisy steps; with --epsilon, sigma is calibrated for it and no step beyond the budget is taken")),
+    "learning_rate": (Rule(SAFE, "step size of the DP update rule: post-processing of the noisy gradient"),),
+    "lr_scheduler_type": (Rule(OUTSIDE, "the learning rate follows eval-set metrics (metric_for_best_model): not private for the "
+                                        "eval set; post-processing for the training set if the eval set holds no training example",
+                               "reduce_lr_on_plateau or greedy",
+                               lambda a: str(_v(a.lr_scheduler_type)) in ("reduce_lr_on_plateau", "greedy")),
+                          Rule(SAFE, "the learning rate depends on the step count only: post-processing")),
+    "lr_scheduler_kwargs": (Rule(SAFE, "parameters of the learning-rate schedule: post-processing"),),
+    "warmup_steps": (Rule(SAFE, "part of the learning-rate schedule (a function of the step count): post-processing"),),
+    # ---- optimizer ---------------------------------------------------------------------------------------------------
+    "optim": (Rule(ADJUSTED, "redefined by DPTrainingArguments: takes the DP update rules of hf_dp.optim (default dp_adamw); "
+                             "HF's names are refused unless --disable_dp (checked before the rules of this table)"),),
+    "optim_args": (Rule(SAFE, "extra hyper-parameters of the DP update rule (e.g. momentum=0.9, fused=false): post-processing"),),
+    "weight_decay": (Rule(SAFE, "applied by the DP update rule to HF's decay parameter group: a function of the parameters only"),),
+    "adam_beta1": (Rule(SAFE, "hyper-parameter of the DP update rule (moments of the noisy gradient): post-processing"),),
+    "adam_beta2": (Rule(SAFE, "hyper-parameter of the DP update rule (moments of the noisy gradient): post-processing"),),
+    "adam_epsilon": (Rule(SAFE, "hyper-parameter of the DP update rule: post-processing"),),
+    "optim_target_modules": (Rule(REFUSED, "--optim_target_modules selects the modules of GaLore/APOLLO optimizers, which are not DP "
+                                           "update rules, so it would be silently ignored; with DP choose the trained parameters "
+                                           "with --trainable", "set", _set("optim_target_modules")),
+                             Rule(SAFE, "unset (default)")),
+    "gradient_accumulation_steps": (Rule(SAFE, "each Poisson logical batch is split into this many micro-batches; clipping is per "
+                                               "example and the noise is added once per logical batch"),),
+    "average_tokens_across_devices": (Rule(SAFE, "only changes num_items_in_batch, which DPTrainer's per-example loss ignores; the "
+                                                 "gathered count stays inside the process group and is not logged"),),
+    "max_grad_norm": (Rule(ADJUSTED, "set to 0 with DP: HF would clip — and log the norm of — the non-private summed gradient; DP "
+                                     "clips each example's gradient to --per_sample_max_grad_norm",
+                           adjust=_set_max_grad_norm_zero),),
+    "label_smoothing_factor": (Rule(REFUSED, "--label_smoothing_factor is not supported with DP: DPTrainer computes each example's "
+                                             "loss itself, without label smoothing, so it would be silently ignored in training",
+                                    "≠ 0", lambda a: bool(a.label_smoothing_factor)),
+                               Rule(SAFE, "0 (default): no smoothing")),
+    # ---- precision, memory, kernels ------------------------------------------------------------------------------------
+    "bf16": (Rule(SAFE, "bf16 autocast of the same computation, without loss scaling or skipped steps; clipping norms are computed "
+                        "in float32 (ghost_two_pass, which would sum in bf16, is refused by DPTrainer)"),),
+    "fp16": (Rule(REFUSED, "--fp16 is not supported with DP: dynamic loss scaling skips steps depending on private gradients; use "
+                           "--bf16 or fp32", "True", _true("fp16")),
+             Rule(SAFE, "False (default)")),
+    "bf16_full_eval": (Rule(SAFE, "precision of evaluation outside train() only"),),
+    "fp16_full_eval": (Rule(SAFE, "precision of evaluation outside train() only (no loss scaling in evaluation)"),),
+    "tf32": (Rule(SAFE, "TF32 matmuls on Ampere+ GPUs: precision of the same computation"),),
+    "activation_checkpointing": (Rule(REFUSED, "--activation_checkpointing (--gradient_checkpointing) is not supported with DP: "
+                                               f"{_HOOKS}, and the forward recomputed during backward would run them again, which "
+                                               "has not been verified to keep each example's clipping exact",
+                                      "True", _true("activation_checkpointing")),
+                                 Rule(SAFE, "off (default)")),
+    "activation_checkpointing_kwargs": (Rule(SAFE, "only read with activation_checkpointing, which is refused with DP"),),
+    "gradient_checkpointing": (Rule(REFUSED, "--gradient_checkpointing (--activation_checkpointing) is not supported with DP: "
+                                             f"{_HOOKS}, and the forward recomputed during backward would run them again, which has "
+                                             "not been verified to keep each example's clipping exact",
+                                    "True", _true("gradient_checkpointing")),
+                               Rule(SAFE, "off (default; deprecated alias of activation_checkpointing)")),
+    "gradient_checkpointing_kwargs": (Rule(SAFE, "only read with activation_checkpointing, which is refused with DP"),),
+    "torch_compile": (Rule(REFUSED, f"--torch_compile is not supported with DP: {_HOOKS}, which torch.compile has not been "
+                                    "verified to preserve (a skipped hook would leave an example unclipped)",
+                           "True", _true("torch_compile")),
+                      Rule(SAFE, "False (default)")),
+    "torch_compile_backend": (Rule(REFUSED, f"--torch_compile_backend turns on torch.compile, which is not supported with DP: {_HOOKS}, "
+                                            "which torch.compile has not been verified to preserve (a skipped hook would leave an "
+                                            "example unclipped)", "set", _set("torch_compile_backend")),
+                              Rule(SAFE, "unset (default)")),
+    "torch_compile_mode": (Rule(REFUSED, f"--torch_compile_mode turns on torch.compile, which is not supported with DP: {_HOOKS}, "
+                                         "which torch.compile has not been verified to preserve (a skipped hook would leave an "
+                                         "example unclipped)", "set", _set("torch_compile_mode")),
+                           Rule(SAFE, "unset (default)")),
+    "use_liger_kernel": (Rule(REFUSED, "--use_liger_kernel is not supported with DP: Liger replaces model layers and the loss by "
+                                       "fused kernels that hf_dp's per-example clipping does not know",
+                              "True", _true("use_liger_kernel")),
+                         Rule(SAFE, "False (default)")),
+    "liger_kernel_config": (Rule(SAFE, "only read with use_liger_kernel, which is refused with DP"),),
+    "use_cache": (Rule(SAFE, "the model's KV-cache flag: the training forward pass computes the same outputs"),),
+    "neftune_noise_alpha": (Rule(REFUSED, "--neftune_noise_alpha is not supported with DP: NEFTune scales its embedding noise by the "
+                                          "padded length of the whole batch, so one example changes the other examples' gradients "
+                                          "and the per-example bound C no longer holds (its noise adds nothing to the guarantee)",
+                                 "set", _set("neftune_noise_alpha")),
+                            Rule(SAFE, "unset (default)")),
+    "torch_empty_cache_steps": (Rule(SAFE, "empties the device cache every k steps: memory only"),),
+    "auto_find_batch_size": (Rule(REFUSED, "--auto_find_batch_size is not supported with DP: after an out-of-memory error it restarts "
+                                           "training with a smaller batch, so the steps already taken and q = B/N would no longer be "
+                                           "what the accountant describes; choose --per_device_train_batch_size and "
+                                           "--gradient_accumulation_steps that fit",
+                                  "True", _true("auto_find_batch_size")),
+                             Rule(SAFE, "False (default)")),
+    # ---- logging ---------------------------------------------------------------------------------------------------------
+    "logging_strategy": (Rule(OUTSIDE, f"when the training loss is logged: {_TRAIN_LOSS}; DPTrainer drops grad_norm and adds epsilon"),),
+    "logging_steps": (Rule(OUTSIDE, f"how often the training loss is logged: {_TRAIN_LOSS}"),),
+    "logging_first_step": (Rule(OUTSIDE, f"logs the first step's training loss: {_TRAIN_LOSS}"),),
+    "log_on_each_node": (Rule(SAFE, "which processes print the logs (their content is set by logging_strategy)"),),
+    "logging_nan_inf_filter": (Rule(OUTSIDE, f"replaces a NaN/Inf training loss in the logs by the running mean: {_TRAIN_LOSS}; "
+                                             "training itself is unchanged"),),
+    "include_num_input_tokens_seen": (Rule(REFUSED, "--include_num_input_tokens_seen logs how many tokens the Poisson-sampled batches "
+                                                    "held, which reveals batch sizes computed from private data outside the DP "
+                                                    "mechanism; it is not allowed with DP",
+                                           "all, non_padding or True", _tokens_seen),
+                                      Rule(SAFE, "no (default)")),
+    "log_level": (Rule(SAFE, "verbosity of HF's log messages (settings and counts such as N, not the data)"),),
+    "log_level_replica": (Rule(SAFE, "verbosity of HF's log messages on replica processes"),),
+    "disable_tqdm": (Rule(SAFE, "progress bar or printed logs (the same logs as logging_strategy)"),),
+    "report_to": (Rule(REFUSED, "--report_to tensorboard with --push_to_hub is not allowed with DP: TensorBoard writes the "
+                                "non-private training loss under output_dir/runs, which push_to_hub uploads with the model; set "
+                                "TENSORBOARD_LOGGING_DIR outside output_dir, or drop one of the two",
+                       "tensorboard, with push_to_hub and the TensorBoard folder inside output_dir", _tensorboard_pushed),
+                  Rule(REFUSED, "--report_to trackio with --push_to_hub is not allowed with DP: every push syncs the Trackio "
+                                "logs, with the non-private training loss, to a Hub Space (public unless --hub_private_repo) that "
+                                "the model card links to; pass --trackio_static_space_id False, or drop one of the two",
+                       "trackio, with push_to_hub and trackio_static_space_id not False", _trackio_synced),
+                  Rule(OUTSIDE, f"sends the logs to the chosen trackers: {_TRAIN_LOSS}; treat tracker runs as private data")),
+    "run_name": (Rule(SAFE, "name of the run in the trackers"),),
+    "project": (Rule(SAFE, "Trackio project name"),),
+    "trackio_space_id": (Rule(OUTSIDE, f"with --report_to trackio, the logs go live to this Hub Space (public unless "
+                                       f"--hub_private_repo): {_TRAIN_LOSS}"),),
+    "trackio_bucket_id": (Rule(OUTSIDE, f"the Hub bucket holding the Trackio logs: {_TRAIN_LOSS}"),),
+    "trackio_static_space_id": (Rule(OUTSIDE, f"the static Hub Space of the Trackio logs (False: none; see report_to): {_TRAIN_LOSS}"),),
+    # ---- evaluation --------------------------------------------------------------------------------------------------------
+    "eval_strategy": (Rule(SAFE, f"when evaluation runs; {_EVAL}"),),
+    "eval_steps": (Rule(SAFE, _EVAL),),
+    "eval_delay": (Rule(SAFE, _EVAL),),
+    "per_device_eval_batch_size": (Rule(SAFE, "batch size of evaluation (and of building the frozen-feature cache): computes the same "
+                                              "outputs"),),
+    "prediction_loss_only": (Rule(SAFE, _EVAL),),
+    "eval_on_start": (Rule(SAFE, _EVAL),),
+    "eval_do_concat_batches": (Rule(SAFE, _EVAL),),
+    "eval_use_gather_object": (Rule(SAFE, _EVAL),),
+    "eval_accumulation_steps": (Rule(SAFE, _EVAL),),
+    "include_for_metrics": (Rule(SAFE, _EVAL),),
+    "batch_eval_metrics": (Rule(SAFE, _EVAL),),
+    # ---- saving, Hub ------------------------------------------------------------------------------------------------------
+    "save_only_model": (Rule(SAFE, "checkpoints without optimizer.pt carry no privacy ledger; DPTrainer refuses to resume from them "
+                                   "(docs/misuse.md), so epsilon is never reset"),),
+    "save_strategy": (Rule(OUTSIDE, "checkpoints are not part of the DP release: their trainer_state.json logs the non-private "
+                                    "training loss (and with 'best' the kept checkpoint is chosen on eval-set metrics); keep them "
+                                    "private (Hub pushes skip checkpoint-*)"),),
+    "save_steps": (Rule(SAFE, "when checkpoints are written (see save_strategy); the ledger in each one counts every noisy step"),),
+    "save_on_each_node": (Rule(SAFE, "which nodes write checkpoints (see save_strategy)"),),
+    "save_total_limit": (Rule(SAFE, "how many checkpoints are kept; DPTrainer rotates only after a checkpoint's completion marker "
+                                    "is written"),),
+    "enable_jit_checkpoint": (Rule(REFUSED, "--enable_jit_checkpoint is not supported with DP: HF writes its SIGTERM checkpoint "
+                                            "next to an in-progress sentinel file that hf_dp's completion marker records and HF then "
+                                            "deletes, so the checkpoint could never be resumed; use --save_strategy steps",
+                                   "True", _true("enable_jit_checkpoint")),
+                              Rule(SAFE, "False (default)")),
+    "push_to_hub": (Rule(SAFE, "uploads output_dir except checkpoint-* and _* (HF's ignore_patterns): the DP model, tokenizer, "
+                               "training_args.bin, privacy.json and card — and whatever else you write there (trainer_state.json "
+                               "or *_results.json carry the non-private training loss)"),),
+    "hub_token": (Rule(SAFE, "credential for the Hub"),),
+    "hub_private_repo": (Rule(SAFE, "visibility of the model repo (and of Trackio Spaces)"),),
+    "hub_model_id": (Rule(SAFE, "name of the model repo"),),
+    "hub_strategy": (Rule(REFUSED, "--hub_strategy checkpoint/all_checkpoints is not allowed with DP: it uploads checkpoint folders, "
+                                   "whose trainer_state.json logs the non-private training loss and whose optimizer and RNG state "
+                                   "are not part of the DP release; use --hub_strategy every_save or end",
+                          "checkpoint or all_checkpoints",
+                          lambda a: str(_v(a.hub_strategy)) in ("checkpoint", "all_checkpoints")),
+                     Rule(SAFE, "every_save (default) or end: pushes output_dir, whose checkpoint-* and _* HF's uploads ignore")),
+    "hub_always_push": (Rule(SAFE, "whether a push waits for the previous one (what is pushed: see hub_strategy)"),),
+    "hub_revision": (Rule(SAFE, "branch or revision pushed to"),),
+    "load_best_model_at_end": (Rule(OUTSIDE, _SELECTION),),
+    "metric_for_best_model": (Rule(OUTSIDE, _SELECTION),),
+    "greater_is_better": (Rule(OUTSIDE, _SELECTION),),
+    # ---- resuming, randomness ----------------------------------------------------------------------------------------------
+    "ignore_data_skip": (Rule(SAFE, "whether HF fast-forwards the data loader on resume; hf_dp's Poisson draws are fresh for every "
+                                    "step after a resume, so no batch is replayed either way"),),
+    "restore_callback_states_from_checkpoint": (Rule(SAFE, "restores callbacks' state on resume; the privacy ledger is restored from "
+                                                           "the checkpoint either way"),),
+    "full_determinism": (Rule(SAFE, "seeds HF's global RNGs and picks deterministic kernels; hf_dp's Poisson sampling and noise use "
+                                    "their own generators (--dp_seed or OS entropy)"),),
+    "seed": (Rule(SAFE, "seeds HF's global RNGs (new heads' initialisation, dropout); hf_dp's Poisson sampling and noise use their "
+                        "own generators (--dp_seed or OS entropy)"),),
+    "data_seed": (Rule(REFUSED, "--data_seed seeds HF's train sampler, which DP's Poisson sampling replaces, so it would be silently "
+                                "ignored; use --dp_seed for a reproducible run (recorded in the card)",
+                       "set", _set("data_seed")),
+                  Rule(SAFE, "None (default)")),
+    # ---- devices, data loading -------------------------------------------------------------------------------------------------
+    "use_cpu": (Rule(SAFE, "the device: same computation"),),
+    "accelerator_config": (Rule(SAFE, "Accelerate settings of the loaders Accelerate prepares (evaluation: the DP training loader is "
+                                      "DPTrainer's own) and of gradient syncing; DPTrainer measures and undoes any loss scaling"),),
+    "parallelism_config": (Rule(REFUSED, "--parallelism_config is not supported with DP: tensor, context, sequence or sharded "
+                                         "parallelism splits each example's computation across processes, so no process holds a "
+                                         "whole example's gradient to clip", "set", _set("parallelism_config")),
+                           Rule(SAFE, "unset (default)")),
+    "dataloader_drop_last": (Rule(SAFE, "DP training batches are Poisson draws of random size (no last incomplete batch to drop), so "
+                                        "it applies to the evaluation loaders only"),),
+    "dataloader_num_workers": (Rule(SAFE, "speed of loading the same batches (the Poisson draw happens in the main process)"),),
+    "dataloader_pin_memory": (Rule(SAFE, "speed of moving the same batches to the device"),),
+    "dataloader_persistent_workers": (Rule(SAFE, _EVAL_LOADER),),
+    "dataloader_prefetch_factor": (Rule(SAFE, _EVAL_LOADER),),
+    "dataloader_multiprocessing_context": (Rule(SAFE, _EVAL_LOADER),),
+    "dataloader_in_order": (Rule(SAFE, _EVAL_LOADER),),
+    "remove_unused_columns": (Rule(SAFE, "which dataset columns reach the model (training and evaluation alike)"),),
+    "label_names": (Rule(REFUSED, "--label_names other than labels is not supported with DP: DPTrainer computes each example's loss "
+                                  "from the 'labels' column", "set to anything but ['labels']",
+                         lambda a: a.label_names is not None and list(a.label_names) != ["labels"]),
+                    Rule(SAFE, "unset (default) or ['labels']")),
+    "train_sampling_strategy": (Rule(REFUSED, "--train_sampling_strategy other than random is not allowed with DP: DPTrainer draws "
+                                              "every batch by Poisson sampling at rate q = B/N, as the accountant assumes, so HF's "
+                                              "sampler choice would be silently ignored",
+                                     "not random", lambda a: str(_v(a.train_sampling_strategy)) != "random"),
+                                Rule(ADJUSTED, "random (default): replaced by Poisson sampling at rate q = B/N (each example joins "
+                                               "each step's batch independently with probability q)")),
+    "length_column_name": (Rule(SAFE, "only read by the group_by_length/batch_rebalance samplers, refused with DP"),),
+    # ---- distributed -------------------------------------------------------------------------------------------------------------
+    "ddp_find_unused_parameters": (Rule(SAFE, "DDP wrapper option: communication only; the noise is added once per logical batch"),),
+    "ddp_bucket_cap_mb": (Rule(SAFE, "DDP wrapper option: communication only"),),
+    "ddp_broadcast_buffers": (Rule(SAFE, "DDP wrapper option: communication only (trainable BatchNorm is refused by DPTrainer)"),),
+    "ddp_static_graph": (Rule(SAFE, "DDP wrapper option: communication only"),),
+    "ddp_backend": (Rule(SAFE, "process-group backend: communication only"),),
+    "ddp_timeout": (Rule(SAFE, "process-group timeout"),),
+    "fsdp": (Rule(REFUSED, "--fsdp/--fsdp_config is not supported with DP: FSDP reduce-scatters the summed gradient of each shard "
+                           "during backward, before hf_dp can clip each example's gradient and add the noise once; use several "
+                           "processes with DDP (ghost clipping, --clipping auto) or --trainable last_block/lora to fit the model "
+                           "(plan: docs/fsdp.md)", "set", _true("fsdp")),
+             Rule(SAFE, "unset (default)")),
+    "fsdp_config": (Rule(REFUSED, "--fsdp/--fsdp_config is not supported with DP: FSDP reduce-scatters the summed gradient of each "
+                                  "shard during backward, before hf_dp can clip each example's gradient and add the noise once; use "
+                                  "several processes with DDP (ghost clipping, --clipping auto) or --trainable last_block/lora to fit "
+                                  "the model (plan: docs/fsdp.md)", "set", _true("fsdp_config")),
+                    Rule(SAFE, "unset (default)")),
+    "deepspeed": (Rule(REFUSED, "--deepspeed is not supported with DP: DeepSpeed's engine runs the backward, the gradient reduction, "
+                                "the loss scaling and the optimizer step itself, bypassing hf_dp's per-example clipping and noise; "
+                                "use several processes with DDP (ghost clipping, --clipping auto) (plan: docs/fsdp.md)",
+                       "set", _true("deepspeed")),
+                  Rule(SAFE, "unset (default)")),
+    "local_rank": (Rule(SAFE, "launcher bookkeeping; the world size enters B"),),
+    # ---- misc ------------------------------------------------------------------------------------------------------------------------
+    "debug": (Rule(REFUSED, "--debug underflow_overflow is not allowed with DP: it prints activation statistics of the private batch "
+                            "and stops training when one overflows, a decision on private data outside the DP mechanism",
+                   "includes underflow_overflow", lambda a: "underflow_overflow" in _debug_options(a)),
+              Rule(SAFE, "empty (default) or tpu_metrics_debug: performance metrics")),
+    "skip_memory_metrics": (Rule(REFUSED, "--skip_memory_metrics False is not allowed with DP: the logged peak memory of training grows "
+                                          "with the largest Poisson batch and its padded length, statistics of private data outside "
+                                          "the DP mechanism",
+                                 "False", lambda a: not a.skip_memory_metrics),
+                            Rule(SAFE, "True (default): no memory metrics")),
+    "do_train": (Rule(SAFE, "not used by Trainer (scripts only)"),),
+    "do_eval": (Rule(SAFE, "not used by Trainer (scripts only)"),),
+    "do_predict": (Rule(SAFE, "not used by Trainer (scripts only)"),),
+    "resume_from_checkpoint": (Rule(SAFE, "not used by Trainer (scripts pass it to train()); DPTrainer resumes only from complete hf_dp "
+                                          "checkpoints with the same privacy settings (docs/misuse.md)"),),
 }
 
 
-def refusals(args) -> list[str]:
-    """The messages of every refused flag set in ``args`` (a DP run), in field order."""
-    out = []
-    for name, policy in POLICIES.items():
-        if policy.refuse_if is not None and hasattr(args, name) and policy.refuse_if(args):
-            out.append(policy.message)
-    return out
+# --------------------------------------------------------------------------------------------------
+# enforcement
+# --------------------------------------------------------------------------------------------------
+def hf_fields() -> list[dataclasses.Field]:
+    from transformers import TrainingArguments
+
+    return list(dataclasses.fields(TrainingArguments))
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def rule_for(args, name: str) -> Rule:
+    """The rule of field ``name`` that applies to ``args`` (the first whose condition holds)."""
+    for rule in FLAGS[name]:
+        if rule.applies is None or rule.applies(args):
+            return rule
+    raise AssertionError(f"hf_dp.flags: the last rule of {name} must be unconditional")
 
 
 def enforce(args) -> None:
-    """Raise the first refusal (ValueError, one sentence) for a DP run; adjust what the registry adjusts."""
-    found = refusals(args)
-    if found:
-        raise ValueError(found[0])
-    args.max_grad_norm = 0.0
+    """Apply the registry to DP arguments (raw values, before ``TrainingArguments.__post_init__``):
+    raise the first refusal, apply the adjustments, refuse unclassified fields set to a non-default value."""
+    for f in hf_fields():
+        if f.name not in FLAGS:
+            default = _default(f)
+            if default is not dataclasses.MISSING and getattr(args, f.name, default) != default:
+                import transformers
+
+                raise ValueError(
+                    f"--{f.name} is a TrainingArguments field of transformers {transformers.__version__} that hf_dp has not "
+                    "classified for privacy (hf_dp/flags.py), so it is not allowed with DP until it is"
+                )
+            continue
+        rule = rule_for(args, f.name)
+        if rule.status == REFUSED:
+            raise ValueError(rule.reason)
+        if rule.status == ADJUSTED and rule.adjust is not None:
+            rule.adjust(args)
 
 
-def unclassified(fields=None) -> list[str]:
-    """``TrainingArguments`` fields of the installed transformers that the registry does not classify."""
-    from transformers import TrainingArguments
+# --------------------------------------------------------------------------------------------------
+# the table
+# --------------------------------------------------------------------------------------------------
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
 
-    names = [f.name for f in dataclasses.fields(TrainingArguments)] if fields is None else fields
-    return [n for n in names if n not in POLICIES]
+
+def _status_cell(rule: Rule, after_conditions: bool) -> str:
+    s = STATUS_TEXT[rule.status]
+    if rule.when:
+        return f"{s} when {rule.when}"
+    return f"{s} otherwise" if after_conditions else s
 
 
 def markdown() -> str:
-    """``docs/privacy_flags.md``: the registry as a table."""
     import transformers
-    from transformers import TrainingArguments
 
-    names = [f.name for f in dataclasses.fields(TrainingArguments)]
-    counts = {s: sum(1 for n in names if POLICIES[n].status == s) for s in (SAFE, ADJUSTED, REFUSED_WHEN, REFUSED)}
+    from hf_dp.arguments import DPTrainingArguments
+
+    fields = hf_fields()
+    counts = {s: sum(any(r.status == s for r in FLAGS.get(f.name, ())) for f in fields) for s in STATUSES}
+    always_safe = sum(all(r.status == SAFE for r in FLAGS.get(f.name, ())) for f in fields)
     lines = [
-        "# Every `TrainingArguments` flag under DP",
+        "# What each `TrainingArguments` flag does under DP",
         "",
-        "<!-- generated by `python -m hf_dp.flags > docs/privacy_flags.md` from `hf_dp/flags.py`; do not edit -->",
+        f"<!-- Generated from hf_dp/flags.py (FLAGS); do not edit. Regenerate: {REGENERATE} -->",
         "",
-        f"Generated from the registry in `hf_dp/flags.py` for transformers {transformers.__version__}: all {len(names)} fields of",
-        f"`TrainingArguments` — {counts[SAFE]} safe, {counts[ADJUSTED]} adjusted, {counts[REFUSED_WHEN] + counts[REFUSED]} refused (at the values given).",
-        "Refusals are one `ValueError` sentence from `DPTrainingArguments` (DP runs only; `--disable_dp` runs keep HF's behaviour).",
-        "`tests/test_flags.py` fails when a transformers release adds a field nobody classified, or when this file is stale.",
+        f"Generated by `{REGENERATE}` from the registry `hf_dp.flags.FLAGS` for **transformers "
+        f"{transformers.__version__}**, whose `TrainingArguments` has {len(fields)} fields; every one is classified. "
+        "`DPTrainingArguments` enforces the refusals and adjustments from the same registry (DP runs only: with "
+        "`--disable_dp` every flag is plain HF). `tests/test_flags.py` fails when this file differs from the generated "
+        "output, when a transformers release adds a field the registry does not classify, and when the registry names a "
+        "field that does not exist; an unclassified field set to a non-default value is refused with DP.",
         "",
-        "| flag | under DP | why |",
-        "| --- | --- | --- |",
+        "With DP, a flag is",
+        "",
+        "* **refused** — `DPTrainingArguments` raises `ValueError` with the sentence in the Reason column: the flag would "
+        "break the guarantee or its accounting (non-private statistics of the training data logged or uploaded, a "
+        "sampling or loss the accountant does not describe, steps skipped or replayed), would be silently ignored by "
+        "DPTrainer, or is not supported with per-example clipping;",
+        "* **adjusted** — DP changes its value or what it does (the reason says how);",
+        "* **safe** — the released model and `privacy.json` keep the guarantee whatever its value;",
+        "* **outside the guarantee** — allowed, and the model keeps the guarantee, but what the flag produces (logs of "
+        "the training loss, checkpoints, choices made on eval-set metrics) is not covered by it: treat it as private data.",
+        "",
+        "A field with a condition (\"when …\") has one row per case; the first case that holds applies.",
+        "",
+        f"Of the {len(fields)} fields, {counts[REFUSED]} are refused in some case, {counts[ADJUSTED]} adjusted (in some "
+        f"case), {counts[OUTSIDE]} outside the guarantee (in some case), and {always_safe} safe in every case.",
+        "",
+        "| Field | HF default | With DP | Reason (for a refusal: the error message) |",
+        "|---|---|---|---|",
     ]
-    for n in names:
-        p = POLICIES[n]
-        status = f"refused when {p.when}" if p.status == REFUSED_WHEN else p.status
-        lines.append(f"| `--{n}` | {status} | {p.reason} |")
+    for f in fields:
+        default = _default(f)
+        shown = "—" if default is dataclasses.MISSING else f"`{_v(default)!r}`"
+        for i, rule in enumerate(FLAGS.get(f.name, ())):
+            name = f"`{f.name}`" if i == 0 else "″"
+            lines.append(f"| {name} | {shown if i == 0 else ''} | {_status_cell(rule, i > 0)} | {_cell(rule.reason)} |")
+    hf_names = {f.name for f in fields}
+    extra = [f for f in dataclasses.fields(DPTrainingArguments) if f.name not in hf_names]
+    lines += [
+        "",
+        "## Flags added by `DPTrainingArguments`",
+        "",
+        "These are not `TrainingArguments` fields (the completeness test is over those; `--optim` above is redefined); "
+        "`DPTrainingArguments` and `DPTrainer` validate them — see `--help` and docs/misuse.md: "
+        + ", ".join(f"`{f.name}`" for f in extra) + ".",
+    ]
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # pragma: no cover - exercised by tests/test_flags.py through markdown()
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv != ["--markdown"]:
+        print(f"usage: {REGENERATE}", file=sys.stderr)
+        return 2
     sys.stdout.write(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
