@@ -604,6 +604,12 @@ class DPTrainer(Trainer):
         if self.args.dp_enabled and self.args.should_save and self.ledger.steps > 0:
             checkpointing.write_spent(self.args.output_dir, self.ledger.steps, self.get_epsilon(), self.privacy_spec.as_dict())
 
+    def floating_point_ops(self, inputs) -> int:
+        """0 under DP: HF adds 6·params·(tokens of every private Poisson batch, padding included) into
+        ``state.total_flos``, logged as ``total_flos`` and saved in ``trainer_state.json`` — a statistic of the
+        batch sizes and lengths outside the mechanism, like ``include_num_input_tokens_seen``."""
+        return 0 if self.args.dp_enabled else super().floating_point_ops(inputs)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.args.dp_enabled:
             logs.pop("grad_norm", None)  # norm of the non-private gradient: never logged

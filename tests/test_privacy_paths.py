@@ -250,3 +250,13 @@ def test_target_epsilon_stops_a_resumed_run_instead_of_exceeding_it(ds, collator
     again = _trainer(_args(out, **kw), ds, collator)
     with pytest.raises(ValueError, match="target epsilon"):
         again.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+
+
+def test_total_flos_reveals_nothing_about_the_private_batches(ds, collator, tmp_path):
+    """HF sums 6·params·numel(input_ids) of every batch into total_flos (logged, saved in trainer_state.json): a function
+    of the Poisson batch sizes and their padded lengths. On 0b9495a it was > 0 for a DP run."""
+    trainer = _trainer(_args(tmp_path, max_steps=3, save_strategy="steps", save_steps=3), ds, collator)
+    result = trainer.train()
+    assert trainer.state.total_flos == 0 and result.metrics.get("total_flos", 0) == 0
+    state = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["total_flos"] == 0
