@@ -48,7 +48,6 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 import transformers
 from packaging import version
 from torch.utils.data import DataLoader
@@ -74,6 +73,12 @@ from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise
 from hf_dp.privacy.privatizer import PrivateOptimizer
 from hf_dp.privacy.randomness import SEEDED, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
+from hf_dp.models.loss import per_example_loss
+from hf_dp.training_data import EMPTY_KEY as _EMPTY_KEY
+from hf_dp.training_data import EmptySafeCollator as _EmptySafeCollator
+from hf_dp.training_data import PoissonDataLoader as _PoissonDataLoader
+from hf_dp.training_data import check_eval_is_not_train as _check_eval_is_not_train
+from hf_dp.training_data import refuse_sharding as _refuse_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +102,6 @@ HF_PRIVATE_CALLS = (
     "_set_signature_columns_if_needed / _signature_columns: keep the cached-states column through HF's column removal",
     "_get_output_dir(trial): the checkpoint folder _save_checkpoint writes",
 )
-_EMPTY_KEY = "_hf_dp_empty_batch"
 
 
 def _check_transformers_version() -> None:
@@ -107,13 +111,6 @@ def _check_transformers_version() -> None:
             f"hf_dp {__version__} supports transformers >=5.0,<6; found {transformers.__version__}. "
             "Install a supported version: pip install 'transformers>=5,<6'"
         )
-
-
-class _PoissonDataLoader(DataLoader):
-    """A DataLoader whose epoch reaches the Poisson sampler (HF calls ``set_epoch`` each epoch)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
 
 
 class _BudgetGuard(TrainerCallback):
@@ -132,103 +129,6 @@ class _BudgetGuard(TrainerCallback):
             )
             control.should_training_stop = True
         return control
-
-
-class _EmptySafeCollator:
-    """Poisson batches can be empty. An empty micro-batch becomes one placeholder row (the first
-    example) whose loss is multiplied by 0, so every rank still runs forward/backward (DDP stays in
-    step); DPTrainer then discards what its backward left, so it adds nothing to the clipped sum (a
-    zero gradient alone would not do for rules with a per-sample offset such as DP-SGD-L2's λθ)."""
-
-    def __init__(self, collate_fn, dataset):
-        self.collate_fn = collate_fn
-        self.dataset = dataset
-
-    def __call__(self, features):
-        if len(features) == 0:
-            batch = self.collate_fn([self.dataset[0]])
-            batch[_EMPTY_KEY] = True
-            return batch
-        return self.collate_fn(features)
-
-
-def _refuse_sharding(args, fsdp_enabled: bool = False, deepspeed_enabled: bool = False) -> None:
-    """Under DP, refuse FSDP and DeepSpeed (from the arguments, or from an Accelerate config): see docs/fsdp.md."""
-    if args.fsdp or args.fsdp_config or fsdp_enabled:
-        raise ValueError(
-            "--fsdp/--fsdp_config is not supported with DP: FSDP reduce-scatters the summed gradient of each shard "
-            "during backward, before hf_dp can clip each example's gradient and add the noise once; use several "
-            "processes with DDP (ghost clipping, --clipping auto) or --trainable last_block/lora to fit the model "
-            "(plan: docs/fsdp.md)"
-        )
-    if getattr(args, "deepspeed", None) or deepspeed_enabled:
-        raise ValueError(
-            "--deepspeed is not supported with DP: DeepSpeed's engine runs the backward, the gradient reduction, "
-            "the loss scaling and the optimizer step itself, bypassing hf_dp's per-example clipping and noise; use "
-            "several processes with DDP (ghost clipping, --clipping auto) (plan: docs/fsdp.md)"
-        )
-
-
-def _same_dataset(a, b) -> bool:
-    """``a`` is ``b``: the same object, or 🤗 Datasets with the same ``_fingerprint`` (same data and transforms)."""
-    if a is b:
-        return True
-    fa, fb = getattr(a, "_fingerprint", None), getattr(b, "_fingerprint", None)
-    return fa is not None and fa == fb
-
-
-def _subset_base(ds):
-    """``(base, indices)`` of a (nested) ``torch.utils.data.Subset``, else ``(ds, None)``."""
-    indices = None
-    while isinstance(ds, torch.utils.data.Subset):
-        idx = list(ds.indices)
-        indices = idx if indices is None else [idx[i] for i in indices]
-        ds = ds.dataset
-    return ds, indices
-
-
-def _check_eval_is_not_train(eval_dataset, train_dataset) -> None:
-    """Refuse (under DP) an eval set that is the training set, contains it, or is a ``Subset`` overlapping it.
-
-    Detected: the same object, the same 🤗 Datasets fingerprint (any value of an eval dict), and
-    ``torch.utils.data.Subset`` views of the same base dataset whose indices overlap. Not detectable in
-    general: a ``select``/``shuffle``/``filter``/``train_test_split`` of the training set (new fingerprint) or
-    a copy of its rows; keeping evaluation data disjoint from the training data is the user's job."""
-    if eval_dataset is None or train_dataset is None:
-        return
-    train_base, train_idx = _subset_base(train_dataset)
-    for ds in eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]:
-        base, idx = _subset_base(ds)
-        same = _same_dataset(ds, train_dataset) or (
-            _same_dataset(base, train_base)
-            and (idx is None or train_idx is None or not set(idx).isdisjoint(train_idx))
-        )
-        if same:
-            raise ValueError(
-                "the eval dataset is (or overlaps) the private training set, so its metrics and any model selection or "
-                "early stopping on them would publish non-private statistics of the training data; evaluate on held-out data"
-            )
-
-
-def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
-    """Per-example loss with the problem type ``*ForSequenceClassification`` would use, in float32 (float64 for a
-    float64 model)."""
-    if logits.dtype != torch.float64:
-        logits = logits.float()
-    num_labels = logits.shape[-1]
-    problem = getattr(config, "problem_type", None)
-    if problem is None:
-        if num_labels == 1:
-            problem = "regression"
-        elif labels.dtype in (torch.long, torch.int):
-            problem = "single_label_classification"
-        else:
-            problem = "multi_label_classification"
-    if problem == "regression":
-        return F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).view(-1), reduction="none")
-    if problem == "single_label_classification":
-        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1), reduction="none")
-    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").sum(-1)
 
 
 class DPTrainer(Trainer):
