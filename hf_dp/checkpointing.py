@@ -74,6 +74,25 @@ def _list_files(folder: str) -> list[str]:
     return sorted(out)
 
 
+def _umask_mode() -> int:
+    """0666 minus the process umask: the mode an ordinary ``open(..., "w")`` gives (``mkstemp`` gives 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def apply_umask(folder: str, patterns) -> None:
+    """Give the files of ``folder`` matching ``patterns`` that are readable by their owner only (0600, as some
+    writers create them) the mode the user's umask gives an ordinary file."""
+    import fnmatch
+
+    mode = _umask_mode()
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and any(fnmatch.fnmatch(name, p) for p in patterns) and os.stat(path).st_mode & 0o077 == 0:
+            os.chmod(path, mode)
+
+
 def remove_marker(folder: str) -> None:
     """Delete a stale marker before a checkpoint folder is (re)written."""
     path = os.path.join(folder, MARKER_NAME)
@@ -107,6 +126,7 @@ def write_marker(folder: str, info: dict[str, Any] | None = None, hash_files: bo
             json.dump(marker, f, indent=2, sort_keys=True, default=str)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, os.path.join(folder, MARKER_NAME))
     except BaseException:
         if os.path.exists(tmp):
@@ -276,6 +296,7 @@ def write_spent(output_dir: str, steps: int, epsilon: float, spec: dict) -> None
     try:
         with os.fdopen(fd, "w") as f:
             json.dump({"steps": int(steps), "epsilon": float(epsilon), "privacy_spec": spec}, f, sort_keys=True, default=str)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, os.path.join(output_dir, SPENT_NAME))
     except BaseException:
         if os.path.exists(tmp):

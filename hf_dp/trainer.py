@@ -131,6 +131,13 @@ class _BudgetGuard(TrainerCallback):
         return control
 
 
+def _hub_id_or_none(name: str | None) -> str | None:
+    """``name`` if it reads as a Hub id (``org/model`` or ``model``), ``None`` for a local path (never in a card)."""
+    if not name or os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name) or name.count("/") > 1:
+        return None
+    return name
+
+
 class DPTrainer(Trainer):
     """``transformers.Trainer`` with differential privacy (see the module docstring).
 
@@ -593,17 +600,19 @@ class DPTrainer(Trainer):
             super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:  # non-private runs too: their card says so and records what was trained
             self._write_privacy_files(output_dir)
+            checkpointing.apply_umask(output_dir, ("*.safetensors", "*.bin"))  # HF writes the weights 0600
 
     def _write_privacy_files(self, output_dir: str, eval_results: dict | None = None) -> None:
         eval_results = eval_results if eval_results is not None else report.latest_eval_metrics(self.state.log_history)
         write_privacy_artifacts(
             output_dir,
             self.privacy_report(),
-            base_model=getattr(self.model.config, "_name_or_path", None) or None,
+            base_model=getattr(self, "base_model_id", None) or _hub_id_or_none(getattr(self.model.config, "_name_or_path", None)),
             task_name=getattr(self, "task_name", None),
             dataset_name=getattr(self, "dataset_name", None),
             eval_results=eval_results,
             model_name=os.path.basename(os.path.normpath(self.args.output_dir)),
+            data_description=getattr(self, "data_description", None),
         )
 
     def create_model_card(self, *args, **kwargs):

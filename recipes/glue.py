@@ -285,7 +285,7 @@ def load_model_and_tokenizer(model_args: ModelArguments, data_args: DataTraining
 def _data_description(data_args: DataTrainingArguments, n_train: int) -> str:
     task = get_task(data_args.task_name)
     if data_args.data_dir:
-        return (f"GLUE {task.folder} from local files in the GLUE layout ({data_args.data_dir}), "
+        return (f"GLUE {task.folder} from local files in the GLUE layout (not the Hub dataset), "
                 f"{n_train:,} training examples")
     if data_args.train_file:
         return f"local file {os.path.basename(data_args.train_file)}, {n_train:,} training examples"
@@ -440,6 +440,15 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         eval_dataset=tokenized["validation"] if training_args.do_eval else None,
         processing_class=tokenizer, data_collator=collator, compute_metrics=compute_metrics,
     )
+    # the card fields, for checkpoint cards and the final card alike (no local paths; a Hub dataset only if one was used)
+    base = model_args.model_name_or_path
+    trainer.base_model_id = "sentence-transformers/all-MiniLM-L6-v2" if base.lower() in MODEL_PRESETS else (
+        None if os.path.exists(base) else base)
+    trainer.task_name = data_args.task_name
+    from_hub = not (data_args.data_dir or data_args.train_file)
+    trainer.dataset_name = (data_args.dataset_name or ("nyu-mll/glue" if data_args.task_name else None)) if from_hub else None
+    if training_args.do_train:
+        trainer.data_description = _data_description(data_args, len(tokenized["train"]))
     report: dict[str, Any] = {}
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=resume)
@@ -457,13 +466,10 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         out = training_args.output_dir
         trainer.save_model(out)
         # (re)write the card with everything the recipe knows: base model, task, data and eval results
-        base = model_args.model_name_or_path
-        base_model = "sentence-transformers/all-MiniLM-L6-v2" if base.lower() in MODEL_PRESETS else base
         write_privacy_artifacts(
-            out, report, base_model=base_model, task_name=data_args.task_name,
-            dataset_name=data_args.dataset_name or ("nyu-mll/glue" if data_args.task_name else None),
-            eval_results=eval_metrics or None,
-            data_description=_data_description(data_args, len(tokenized["train"])),
+            out, report, base_model=trainer.base_model_id, task_name=data_args.task_name,
+            dataset_name=trainer.dataset_name, eval_results=eval_metrics or None,
+            data_description=trainer.data_description,
         )
     metric_name = main_metric_name(data_args.task_name, info.is_regression)
     summary = {

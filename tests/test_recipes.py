@@ -356,3 +356,34 @@ def test_disable_dp_baseline_uses_its_dp_familys_defaults(glue):
     assert (base.learning_rate, base.weight_decay) == (dp.learning_rate, dp.weight_decay) == (1e-3, 1e-5)
     _, _, given = glue.parse_args(["--task_name", "qnli", "--optim", "adamw_torch", "--disable_dp", "--learning_rate", "2e-5"])
     assert given.learning_rate == 2e-5
+
+
+def test_cards_name_no_local_path_no_unused_hub_dataset_and_no_epsilon_metric(glue, tiny_bert, tmp_path, capsys):
+    """Issue 17 §7: on 0b9495a the card listed ε as a model-index metric, named the local data folder and
+    `datasets: nyu-mll/glue` for local files, checkpoint cards had `base_model: <local path>`, and
+    hf_dp_epsilon_spent.json / the marker were written 0600 whatever the umask."""
+    import stat
+
+    import yaml
+
+    data = _sst2_files(tmp_path)
+    out = tmp_path / "run"
+    old = os.umask(0o022)
+    try:
+        code, _, err = _run(glue, capsys, _tiny_argv(tiny_bert, data, out, "--max_steps", "2", "--save_steps", "2",
+                                                     "--eval_strategy", "steps", "--eval_steps", "2"))
+    finally:
+        os.umask(old)
+    assert code == 0, err[-3000:]
+    for card_path in (out / "README.md", out / "checkpoint-2" / "README.md"):
+        text = card_path.read_text()
+        front = yaml.safe_load(text.split("---")[1])
+        assert "datasets" not in front, card_path
+        assert str(tmp_path) not in text and tiny_bert not in text, card_path
+        assert front.get("base_model") in (None, "sentence-transformers/all-MiniLM-L6-v2"), card_path
+        for entry in front.get("model-index", []):
+            for result in entry["results"]:
+                assert all(m["type"] != "epsilon" for m in result["metrics"]), card_path
+        assert "local files" in text, card_path
+    for f in (out / "hf_dp_epsilon_spent.json", out / "checkpoint-2" / "hf_dp_checkpoint.json", out / "model.safetensors"):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f

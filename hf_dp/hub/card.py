@@ -87,15 +87,18 @@ def _metric_items(eval_results: dict | None) -> list[tuple[str, Any]]:
     """``[(metric, value)]`` for numeric eval results, without the ``eval_`` prefix or bookkeeping keys."""
     items = []
     for key, value in (eval_results or {}).items():
-        if key in _NOT_RESULTS or not isinstance(value, (int, float)) or isinstance(value, bool):
-            continue
+        if key in _NOT_RESULTS or not key.startswith("eval_") or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue  # only eval_* keys are results: epsilon (added to every log) is the guarantee, not a metric
         items.append((key[len("eval_"):] if key.startswith("eval_") else key, value))
     return items
 
 
-def _dataset_fields(task_name: str | None, dataset_name: str | None) -> tuple[str | None, str | None, str]:
-    """(hub dataset id for the card metadata, config, human description)."""
+def _dataset_fields(task_name: str | None, dataset_name: str | None, local_data: bool = False) -> tuple[str | None, str | None, str]:
+    """(hub dataset id for the card metadata, config, human description). ``local_data``: the data did not come from
+    the Hub, so no Hub dataset is named (not even GLUE's for a GLUE task)."""
     task = task_name.lower().replace("-", "") if task_name else None
+    if local_data and dataset_name is None:
+        return None, None, (f"GLUE {task.upper()} from local files" if task in _GLUE_TASKS else "local files")
     if dataset_name is None and task in _GLUE_TASKS:
         dataset_name = "nyu-mll/glue"
     config = task if task in _GLUE_TASKS and dataset_name in ("nyu-mll/glue", "glue") else None
@@ -118,9 +121,10 @@ def build_front_matter(
     license: str,
     model_name: str,
     eval_split: str = "validation",
+    local_data: bool = False,
 ) -> dict:
     """The YAML metadata block of the card (Hub model-card conventions + a ``differential_privacy`` section)."""
-    ds_id, ds_config, _ = _dataset_fields(task_name, dataset_name)
+    ds_id, ds_config, local_name = _dataset_fields(task_name, dataset_name, local_data)
     meta: dict[str, Any] = {"license": license, "library_name": "transformers"}
     if base_model:
         meta["base_model"] = base_model
@@ -144,7 +148,7 @@ def build_front_matter(
         if name != "loss"
     ]
     if metrics:
-        dataset: dict[str, Any] = {"name": f"GLUE {ds_config.upper()}" if ds_config else (ds_id or "unknown")}
+        dataset: dict[str, Any] = {"name": f"GLUE {ds_config.upper()}" if ds_config else (ds_id or (local_name if local_data else "unknown"))}
         if ds_id:
             dataset["type"] = ds_id
         if ds_config:
@@ -201,11 +205,12 @@ def render_model_card(
     model_name = model_name or (
         f"{base_model.rstrip('/').split('/')[-1]}-{'dp-' if dp else ''}{task_name}" if base_model and task_name else "hf_dp-model"
     )
+    local_data = bool(data_description) and dataset_name is None
     front = build_front_matter(
         report, base_model=base_model, task_name=task_name, dataset_name=dataset_name, eval_results=eval_results,
-        license=license, model_name=model_name, eval_split=eval_split,
+        license=license, model_name=model_name, eval_split=eval_split, local_data=local_data,
     )
-    _, _, dataset_desc = _dataset_fields(task_name, dataset_name)
+    _, _, dataset_desc = _dataset_fields(task_name, dataset_name, local_data)
     if data_description:
         dataset_desc = data_description
     opt = report.get("optimizer") or {}
