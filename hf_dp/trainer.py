@@ -386,7 +386,7 @@ class DPTrainer(Trainer):
             batch_sampler=self._dp_sampler,
             collate_fn=_EmptySafeCollator(base.collate_fn, dataset),
             num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
+            pin_memory=self.args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
         )
 
     # ------------------------------------------------------------------------------------------------

@@ -260,3 +260,20 @@ def test_total_flos_reveals_nothing_about_the_private_batches(ds, collator, tmp_
     assert trainer.state.total_flos == 0 and result.metrics.get("total_flos", 0) == 0
     state = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["total_flos"] == 0
+
+
+def test_a_dp_run_on_cpu_logs_no_spurious_warnings(ds, collator, tmp_path):
+    """Issue 17 §11: Opacus' "Optimal order is the largest alpha" (about the RDP bound the PRV accountant uses only to
+    size its domain) and torch's pin_memory warning on a CPU-only machine were printed on every run."""
+    import warnings
+
+    from hf_dp.privacy.accounting import compute_epsilon
+
+    compute_epsilon.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _trainer(_args(tmp_path, epsilon=3.0, noise_multiplier=None, max_steps=3, delta=1e-3), ds, collator)
+        trainer.train()
+        compute_epsilon(20.0, 0.01, 10, 1e-5, "prv")  # large sigma: the internal RDP bound's optimum is the largest order
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "Optimal order" in m or "pin_memory" in m], messages

@@ -13,8 +13,10 @@ probability ``q``; the sum of its clipped gradient (norm ≤ C) over the batch r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 
 ACCOUNTANTS = ("prv", "rdp")
@@ -54,6 +56,17 @@ def check_sample_rate(q: float) -> float:
     return float(q)
 
 
+@contextlib.contextmanager
+def _quiet(accountant: str):
+    """Opacus' PRV accountant sizes its domain with an RDP bound and warns "Optimal order is the largest alpha" about
+    that internal bound, which does not affect the PRV ε: silenced for ``prv`` only (for ``rdp`` it is about the ε
+    reported, so it stays)."""
+    with warnings.catch_warnings():
+        if accountant == "prv":
+            warnings.filterwarnings("ignore", message="Optimal order is the")
+        yield
+
+
 def make_accountant(name: str = "prv"):
     """A fresh Opacus accountant (``prv`` or ``rdp``)."""
     from opacus.accountants import create_accountant
@@ -72,7 +85,8 @@ def compute_epsilon(
         return math.inf
     acc = make_accountant(accountant)
     acc.history = [(float(noise_multiplier), float(sample_rate), int(steps))]
-    return float(acc.get_epsilon(delta=delta))
+    with _quiet(accountant):
+        return float(acc.get_epsilon(delta=delta))
 
 
 @functools.lru_cache(maxsize=256)
@@ -96,16 +110,17 @@ def calibrate_noise_multiplier(
     if steps <= 0:
         raise ValueError(f"the number of steps must be positive, got {steps}")
     try:
-        sigma = float(
-            get_noise_multiplier(
-                target_epsilon=target_epsilon,
-                target_delta=delta,
-                sample_rate=sample_rate,
-                steps=int(steps),
-                accountant=_check_accountant(accountant),
-                epsilon_tolerance=epsilon_tolerance,
+        with _quiet(accountant):
+            sigma = float(
+                get_noise_multiplier(
+                    target_epsilon=target_epsilon,
+                    target_delta=delta,
+                    sample_rate=sample_rate,
+                    steps=int(steps),
+                    accountant=_check_accountant(accountant),
+                    epsilon_tolerance=epsilon_tolerance,
+                )
             )
-        )
     except ValueError as e:  # Opacus says "The privacy budget is too low."
         raise ValueError(
             f"cannot reach epsilon={target_epsilon} at delta={delta:g} with q={sample_rate:.4g} "
@@ -181,7 +196,8 @@ class PrivacyLedger:
             else:
                 acc = make_accountant(self.spec.accountant)
                 acc.history = list(self.accountant.history)
-                eps = float(acc.get_epsilon(delta=self.spec.delta))
+                with _quiet(self.spec.accountant):
+                    eps = float(acc.get_epsilon(delta=self.spec.delta))
             self._cache = (steps, eps)
         return self._cache[1]
 
