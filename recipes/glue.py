@@ -434,6 +434,9 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     compute_metrics = build_compute_metrics(data_args.task_name, is_regression=info.is_regression)
     logger.info("metrics implementation: %s", compute_metrics.implementation)
 
+    # --push_to_hub: train and save locally first, push the saved folder at the end (a failed push loses nothing)
+    push = bool(training_args.push_to_hub)
+    training_args.push_to_hub = False
     trainer = DPTrainer(
         model=model, args=training_args,
         train_dataset=tokenized["train"] if training_args.do_train else None,
@@ -471,6 +474,9 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
             dataset_name=trainer.dataset_name, eval_results=eval_metrics or None,
             data_description=trainer.data_description,
         )
+    pushed = None
+    if push and out is not None and trainer.is_world_process_zero():
+        pushed = _push_folder(out, training_args)
     metric_name = main_metric_name(data_args.task_name, info.is_regression)
     summary = {
         "task": data_args.task_name or "custom",
@@ -488,8 +494,33 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         "wall_time": time.perf_counter() - start,
         "output_dir": out,
         "report": report,
+        "push": pushed,
     }
     return summary
+
+
+def _push_folder(folder: str, training_args) -> dict:
+    """Upload the saved release folder (model, tokenizer, card, privacy.json; never checkpoint-* or _* files) to the
+    Hub. Returns ``{"ok": True, "repo": …}`` or ``{"ok": False, "repo": …, "error": …, "command": …}`` (no network,
+    offline mode, no token…): the folder stays on disk and the command pushes it later."""
+    import shlex
+
+    repo = training_args.hub_model_id or os.path.basename(os.path.normpath(folder))
+    ignore = ["checkpoint-*", "_*", "runs/*"]
+    command = (f"python -c \"from huggingface_hub import HfApi; api = HfApi(); api.create_repo({repo!r}, exist_ok=True, "
+               f"private={bool(training_args.hub_private_repo)}); api.upload_folder(repo_id={repo!r}, folder_path="
+               f"{os.path.abspath(folder)!r}, ignore_patterns={ignore!r})\"")
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=training_args.hub_token)
+        api.create_repo(repo, exist_ok=True, private=bool(training_args.hub_private_repo))
+        api.upload_folder(repo_id=repo, folder_path=folder, ignore_patterns=ignore, revision=training_args.hub_revision)
+        return {"ok": True, "repo": repo}
+    except Exception as exc:  # any failure of the push: the trained model is saved; say how to push it later
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return {"ok": False, "repo": repo, "error": f"{type(exc).__name__}: {first}", "command": command,
+                "folder": shlex.quote(os.path.abspath(folder))}
 
 
 def _predict(trainer, test_ds, info, data_args, training_args) -> None:
@@ -545,6 +576,14 @@ def main(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = 
         print(f"error: {exc}", file=sys.stderr)  # hf_dp's own checks (docs/misuse.md): one line, no traceback
         return 2
     print(summary_block(summary), flush=True)
+    push = summary.get("push")
+    if push and not push["ok"]:
+        print(f"error: the model was trained and saved to {summary['output_dir']}, but pushing it to the Hub repo "
+              f"{push['repo']} failed ({push['error']}); push the saved folder later with: {push['command']}",
+              file=sys.stderr)
+        return 3
+    if push:
+        print(f"pushed {summary['output_dir']} to the Hub repo {push['repo']}", flush=True)
     return 0
 
 

@@ -387,3 +387,44 @@ def test_cards_name_no_local_path_no_unused_hub_dataset_and_no_epsilon_metric(gl
         assert "local files" in text, card_path
     for f in (out / "hf_dp_epsilon_spent.json", out / "checkpoint-2" / "hf_dp_checkpoint.json", out / "model.safetensors"):
         assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+
+
+def test_push_without_network_trains_saves_and_says_how_to_push_later(glue, tiny_bert, tmp_path, capsys, monkeypatch):
+    """Issue 17 §4: on 0b9495a --push_to_hub without network died with a raw traceback before training."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = _sst2_files(tmp_path)
+    out = tmp_path / "run"
+    code, stdout, err = _run(glue, capsys, _tiny_argv(tiny_bert, data, out, "--max_steps", "2", "--push_to_hub",
+                                                     "--hub_model_id", "someone/tiny-dp"))
+    assert code == 3, err[-3000:]
+    assert (out / "model.safetensors").is_file() and (out / "privacy.json").is_file()  # trained and saved
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: the model was trained and saved to {out}") and "someone/tiny-dp" in line
+    assert "upload_folder" in line and "Traceback" not in err
+    assert "hf_dp summary" in stdout
+
+
+def test_push_uploads_the_saved_release_folder_without_checkpoints(glue, tiny_bert, tmp_path, capsys, monkeypatch):
+    import fnmatch
+    from types import SimpleNamespace
+
+    from huggingface_hub import HfApi
+
+    uploads = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: SimpleNamespace(repo_id=repo_id))
+
+    def fake_upload(self, *, repo_id, folder_path, ignore_patterns=None, **kw):
+        names = [n for n in os.listdir(folder_path) if not any(fnmatch.fnmatch(n, p) for p in ignore_patterns or [])]
+        uploads.append((repo_id, sorted(names)))
+
+    monkeypatch.setattr(HfApi, "upload_folder", fake_upload)
+    data = _sst2_files(tmp_path)
+    out = tmp_path / "run"
+    code, stdout, err = _run(glue, capsys, _tiny_argv(tiny_bert, data, out, "--max_steps", "2", "--save_steps", "2",
+                                                     "--push_to_hub", "--hub_model_id", "someone/tiny-dp"))
+    assert code == 0, err[-3000:]
+    assert (out / "checkpoint-2").is_dir()
+    (repo, names), = uploads
+    assert repo == "someone/tiny-dp" and {"model.safetensors", "privacy.json", "README.md"} <= set(names)
+    assert not [n for n in names if n.startswith(("checkpoint-", "_"))]
+    assert "pushed" in stdout
