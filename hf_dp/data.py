@@ -30,6 +30,10 @@ class DataLoadingError(ValueError):
     """A dataset could not be loaded or failed validation; the message says what to do."""
 
 
+#: the split name of MNLI's mismatched evaluation set (local dev_mismatched.tsv or the Hub's validation_mismatched)
+MISMATCHED = "validation_mismatched"
+
+
 @dataclass(frozen=True)
 class GlueTask:
     """What hf_dp needs to know about one GLUE task."""
@@ -47,6 +51,9 @@ class GlueTask:
     rename: dict[str, str] = field(default_factory=dict)
     # None = the TSV has a header row; otherwise the column names to use (CoLA has no header)
     column_names: tuple[str, ...] | None = None
+    # MNLI's second evaluation set (run_glue evaluates both): local file, Hub split; kept as split "validation_mismatched"
+    dev_mismatched_file: str | None = None
+    mismatched_split: str | None = None
 
     @property
     def is_regression(self) -> bool:
@@ -82,6 +89,7 @@ GLUE_TASKS: dict[str, GlueTask] = {
         "mnli", "premise", "hypothesis", ("entailment", "neutral", "contradiction"), ("accuracy",), "MNLI",
         dev_file="dev_matched.tsv", test_file="test_matched.tsv", validation_split="validation_matched",
         rename={"sentence1": "premise", "sentence2": "hypothesis", "gold_label": "label"},
+        dev_mismatched_file="dev_mismatched.tsv", mismatched_split="validation_mismatched",
     ),
     "qnli": GlueTask("qnli", "question", "sentence", ("entailment", "not_entailment"), ("accuracy",), "QNLI"),
     "rte": GlueTask("rte", "sentence1", "sentence2", ("entailment", "not_entailment"), ("accuracy",), "RTE"),
@@ -227,6 +235,11 @@ def load_raw_datasets(
                 raise DataLoadingError(
                     f"{path} not found: --data_dir expects the GLUE layout DIR/{task.folder}/{{train.tsv,{task.dev_file}}}"
                 )
+        if task.dev_mismatched_file and validation_file is None:
+            path = os.path.join(folder, task.dev_mismatched_file)
+            if os.path.isfile(path):
+                parts[MISMATCHED] = _load_one_file(MISMATCHED, path, cache_dir, task)
+                sources[MISMATCHED] = path
         raw = datasets.DatasetDict(parts)
     elif train_file is not None or validation_file is not None or test_file is not None:
         explicit = {"train": train_file, "validation": validation_file, "test": test_file}
@@ -256,7 +269,8 @@ def load_raw_datasets(
         if task is not None and task.validation_split in raw and task.validation_split != "validation":
             raw["validation"] = raw[task.validation_split]
             sources["validation"] = f"{name}[{task.validation_split}]"
-        raw = datasets.DatasetDict({k: v for k, v in raw.items() if k in ("train", "validation", "test")})
+        keep = ("train", "validation", "test") + ((task.mismatched_split,) if task is not None and task.mismatched_split else ())
+        raw = datasets.DatasetDict({k: v for k, v in raw.items() if k in keep})
     return _normalize(raw, task, sources)
 
 
@@ -469,7 +483,7 @@ def preprocess(
                 result["labels"] = batch["label"]
         return result
 
-    limits = {"train": max_train_samples, "validation": max_eval_samples, "test": max_predict_samples}
+    limits = {"train": max_train_samples, "validation": max_eval_samples, MISMATCHED: max_eval_samples, "test": max_predict_samples}
     out = {}
     for split, ds in raw.items():
         limit = limits.get(split)

@@ -460,6 +460,9 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     eval_metrics: dict[str, Any] = {}
     if training_args.do_eval:
         eval_metrics = trainer.evaluate()
+        if "validation_mismatched" in tokenized:  # MNLI: both evaluation sets, named as run_glue does (…_mm)
+            mm = trainer.evaluate(eval_dataset=tokenized["validation_mismatched"])
+            eval_metrics.update({f"{k}_mm": v for k, v in mm.items() if k.startswith("eval_")})
         trainer.log_metrics("eval", eval_metrics)
     if training_args.do_predict:
         _predict(trainer, tokenized["test"], info, data_args, training_args)

@@ -428,3 +428,29 @@ def test_push_uploads_the_saved_release_folder_without_checkpoints(glue, tiny_be
     assert repo == "someone/tiny-dp" and {"model.safetensors", "privacy.json", "README.md"} <= set(names)
     assert not [n for n in names if n.startswith(("checkpoint-", "_"))]
     assert "pushed" in stdout
+
+
+def test_mnli_evaluates_matched_and_mismatched(glue, tiny_bert, tmp_path, capsys):
+    """Issue 17 §6: on 0b9495a only dev_matched.tsv was read. Both are evaluated, as run_glue does (…_mm)."""
+    folder = tmp_path / "glue" / "MNLI"
+    folder.mkdir(parents=True)
+    labels = ("entailment", "neutral", "contradiction")
+    header = "index\tsentence1\tsentence2\tgold_label\n"
+
+    def rows(n, offset):
+        return header + "".join(f"{i}\tthe movie {i + offset} .\tn/a\t{labels[i % 3]}\n" for i in range(n))
+
+    (folder / "train.tsv").write_text(rows(96, 0))
+    (folder / "dev_matched.tsv").write_text(rows(12, 1000))
+    (folder / "dev_mismatched.tsv").write_text(rows(9, 2000))
+    out = tmp_path / "run"
+    argv = ["--task_name", "mnli", "--data_dir", str(tmp_path / "glue"), "--model_name_or_path", tiny_bert,
+            "--output_dir", str(out), "--noise_multiplier", "1.0", "--per_device_train_batch_size", "16", "--delta", "1e-3",
+            "--max_steps", "2", "--disable_tqdm", "true", "--ignore_mismatched_sizes", "true"]  # 3 labels, tiny_bert has 2
+    code, _, err = _run(glue, capsys, argv)
+    assert code == 0, err[-3000:]
+    privacy = json.loads((out / "privacy.json").read_text())
+    ev = privacy["eval"]
+    assert "eval_accuracy" in ev and "eval_accuracy_mm" in ev
+    assert ev["eval_accuracy_mm"] * 9 == pytest.approx(round(ev["eval_accuracy_mm"] * 9))  # a fraction of the 9 mismatched rows
+    assert ev["eval_accuracy"] * 12 == pytest.approx(round(ev["eval_accuracy"] * 12))  # of the 12 matched rows
