@@ -177,9 +177,41 @@ def _load_one_file(split: str, path: str, cache_dir: str | None, task: GlueTask 
         headerless = task is not None and task.column_names is not None
         if headerless:
             kwargs.update(column_names=list(task.column_names))
+            _check_no_header(path, task)
         _check_tsv_rows(path, len(task.column_names) if headerless else None)
+    if ext == ".json":
+        _check_json_layout(path)
     ds = _load(builder, {split: path}, cache_dir, **kwargs)[split]
     return ds
+
+
+def _check_no_header(path: str, task: "GlueTask") -> None:
+    """GLUE's CoLA files have no header row: a first line naming the columns would be read as an example."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = f.readline().rstrip("\r\n").split("\t")
+    names = {"label", "sentence", "source", "original_label", "index"}
+    if any(field.strip().lower() in names for field in first):
+        raise DataLoadingError(
+            f"{path}: the first line looks like a header ({first}); GLUE's {task.folder} file is headerless "
+            f"(columns {list(task.column_names)}): remove the header line"
+        )
+
+
+def _check_json_layout(path: str) -> None:
+    """A ``.json`` file must be a list of records, a dict of columns, or JSON Lines — not a dict of records keyed by
+    id (``datasets`` would fail with a message listing every key)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError:
+        return  # JSON Lines (or invalid JSON: datasets' own message)
+    if isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()):
+        raise DataLoadingError(
+            f"{path}: a JSON object of {len(data)} records keyed by id; use JSON Lines (one object per line), a JSON "
+            "list of objects, or an object of columns (each a list)"
+        )
 
 
 def _check_tsv_rows(path: str, expected: int | None) -> None:

@@ -252,6 +252,11 @@ def load_model_and_tokenizer(model_args: ModelArguments, data_args: DataTraining
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     model_path = resolve_model_path(model_args.model_name_or_path)
+    for flag, value in (("--model_name_or_path", model_path), ("--config_name", model_args.config_name),
+                        ("--tokenizer_name", model_args.tokenizer_name)):
+        if value and (os.path.isabs(value) or value.startswith((".", "~")) or value.count("/") > 1) and not os.path.exists(
+                os.path.expanduser(value)):
+            raise RecipeError(f"{flag} {value}: no such folder (a local path that does not exist, not a Hub id)")
     common = dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
                   trust_remote_code=model_args.trust_remote_code)
     try:
