@@ -284,24 +284,64 @@ def _update_hash(h, obj) -> None:
 SPENT_NAME = "hf_dp_epsilon_spent.json"
 
 
-def write_spent(output_dir: str, steps: int, epsilon: float, spec: dict) -> None:
-    """Record (atomically) that the run in ``output_dir`` has taken ``steps`` noisy steps (ε spent).
+MECHANISM_FIELDS = ("noise_multiplier", "max_grad_norm", "sample_rate", "expected_batch_size", "dataset_size", "delta", "accountant")
 
-    Written before any ε is logged and before a checkpoint is written, so that a run resumed from an
-    older checkpoint counts the steps the interrupted run took past it (they were computed with
-    randomness that is gone; the resumed steps are new releases).
+
+def same_mechanism(a: dict | None, b: dict | None) -> bool:
+    """The two privacy specs describe the same mechanism (σ, C, q, B, N, δ, accountant; not the planned steps or target)."""
+    from hf_dp.privacy.accounting import _same
+
+    return bool(a) and bool(b) and all(_same(a.get(k), b.get(k)) for k in MECHANISM_FIELDS)
+
+
+def write_spent(output_dir: str, steps: int, epsilon: float, spec: dict, run_id: str | None = None) -> None:
+    """Record (atomically) that run ``run_id`` in ``output_dir`` has taken ``steps`` noisy steps (ε spent).
+
+    Written after every step, before any ε is logged, before a checkpoint or a model is saved, so that a run
+    resumed from an older checkpoint counts the steps the interrupted run took past it (they were computed with
+    randomness that is gone; the resumed steps are new releases). The record of the same run never goes down.
     """
     os.makedirs(output_dir, exist_ok=True)
+    old = read_spent(output_dir)
+    if old and run_id is not None and old.get("run_id") == run_id and int(old["steps"]) > steps:
+        return
     fd, tmp = tempfile.mkstemp(prefix=".hf_dp_tmp", suffix=".json", dir=output_dir)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"steps": int(steps), "epsilon": float(epsilon), "privacy_spec": spec}, f, sort_keys=True, default=str)
+            json.dump({"steps": int(steps), "epsilon": float(epsilon), "privacy_spec": spec, "run_id": run_id}, f,
+                      sort_keys=True, default=str)
         os.chmod(tmp, _umask_mode())
         os.replace(tmp, os.path.join(output_dir, SPENT_NAME))
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def steps_already_taken(checkpoint: str, output_dir: str, marker: dict) -> int:
+    """The most noisy steps the run of ``checkpoint`` is known to have taken: its records of steps taken (in
+    ``output_dir`` and in the checkpoint's own parent folder) and the markers of its sibling checkpoints, counted
+    when they belong to the same run (``run_id``; without one, the same mechanism)."""
+    run_id, spec, data = marker.get("run_id"), marker.get("privacy_spec"), marker.get("train_data")
+
+    def same_run(info: dict | None) -> bool:
+        if not info:
+            return False
+        if run_id is not None and info.get("run_id") is not None:
+            return info.get("run_id") == run_id
+        return same_mechanism(info.get("privacy_spec"), spec)
+
+    taken = int(marker.get("ledger_steps") or 0)
+    parent = os.path.dirname(os.path.abspath(checkpoint))
+    for folder in {os.path.abspath(output_dir), parent}:
+        rec = read_spent(folder)
+        if same_run(rec):
+            taken = max(taken, int(rec["steps"]))
+    for sibling in list_checkpoints(parent):
+        m = read_marker(sibling)
+        if m and same_run(m) and (data is None or m.get("train_data") in (None, data)):
+            taken = max(taken, int(m.get("ledger_steps") or 0))
+    return taken
 
 
 def read_spent(output_dir: str) -> dict | None:
@@ -339,10 +379,9 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
     # Steps taken past this checkpoint (by an interrupted run, as recorded in output_dir, or by this
     # trainer) were computed with randomness that is gone; the steps resumed now draw fresh batches
     # and noise, so those steps are a release of their own: they stay in the ledger.
-    taken = max(steps, taken_here)
-    spent = read_spent(trainer.args.output_dir)
-    if spent and spent.get("privacy_spec") == trainer.privacy_spec.as_dict():
-        taken = max(taken, int(spent["steps"]))
+    if marker.get("run_id"):
+        trainer.run_id = marker["run_id"]  # the resumed trainer continues that run's record
+    taken = max(steps, taken_here, steps_already_taken(checkpoint, trainer.args.output_dir, marker))
     import torch.distributed as dist
 
     if trainer.args.world_size > 1 and dist.is_available() and dist.is_initialized():

@@ -46,6 +46,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 
 import torch
 import transformers
@@ -121,6 +122,7 @@ class _BudgetGuard(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._record_spent()  # every step taken is on record before any output of it is written
         opt = self.trainer._dp_optimizer
         if opt is not None and opt.max_epsilon is not None and state.global_step < state.max_steps and opt._would_exceed_budget():
             logger.warning(
@@ -307,6 +309,9 @@ class DPTrainer(Trainer):
             rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: self.ledger.steps,
         )
         self._dp_noise_seed = args.dp_seed
+        #: the run's lineage: a random id (no randomness is derived from it) written with every record of steps taken;
+        #: a resumed trainer takes its checkpoint's, so that the steps of the same run are counted across resumes
+        self.run_id = secrets.token_hex(8)
         self._dp_optimizer: PrivateOptimizer | None = None
         self._loss_scale: float | None = None
         self._empty_micro_batch = False
@@ -509,7 +514,8 @@ class DPTrainer(Trainer):
 
     def _record_spent(self) -> None:
         if self.args.dp_enabled and self.args.should_save and self.ledger.steps > 0:
-            checkpointing.write_spent(self.args.output_dir, self.ledger.steps, self.get_epsilon(), self.privacy_spec.as_dict())
+            checkpointing.write_spent(self.args.output_dir, self.ledger.steps, self.get_epsilon(), self.privacy_spec.as_dict(),
+                                      run_id=self.run_id)
 
     def floating_point_ops(self, inputs) -> int:
         """0 under DP: HF adds 6·params·(tokens of every private Poisson batch, padding included) into
@@ -538,6 +544,17 @@ class DPTrainer(Trainer):
         # only complete checkpoints (with hf_dp's marker) are resumed from; see hf_dp.checkpointing
         resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         self.resumed_from = resume_from_checkpoint
+        if self.args.dp_enabled and self._dp_optimizer is not None:
+            # an interrupted step's clipped sums (e.g. an exception between micro-batches) never reach a later step
+            self._dp_optimizer.discard_pending()
+            if self.ghost_clipper is not None:
+                self.ghost_clipper.clear()
+            opt = self._dp_optimizer
+            if resume_from_checkpoint is None and opt.max_epsilon is not None and opt._would_exceed_budget():
+                raise ValueError(
+                    f"refusing to train: {self.ledger.steps} noisy steps were already taken (epsilon "
+                    f"{self.get_epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
+                )
         with self._suffix_ctx():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
@@ -582,7 +599,7 @@ class DPTrainer(Trainer):
         if self.args.dp_enabled:
             info.update(
                 ledger_steps=self.ledger.steps, epsilon=self.get_epsilon(), privacy_spec=self.privacy_spec.as_dict(),
-                train_data=self._train_data_info(),
+                train_data=self._train_data_info(), run_id=self.run_id,
             )
         return info
 
@@ -599,6 +616,7 @@ class DPTrainer(Trainer):
         else:
             super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:  # non-private runs too: their card says so and records what was trained
+            self._record_spent()
             self._write_privacy_files(output_dir)
             checkpointing.apply_umask(output_dir, ("*.safetensors", "*.bin"))  # HF writes the weights 0600
 

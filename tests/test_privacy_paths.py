@@ -101,7 +101,8 @@ def test_resume_with_ignore_data_skip_draws_new_batches(dp_seed, drawn, ds, coll
     resumed = _trainer(_args(tmp_path / "resumed", dp_seed=dp_seed, max_steps=6, ignore_data_skip=True), ds, collator)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
     after = list(drawn[:3])  # HF skips nothing: these are the batches of steps 4..6
-    assert resumed.state.global_step == 6 and resumed.ledger.steps == 6
+    # run 1 took 6 steps (its record sits next to checkpoint-3): 3 of them past the checkpoint stay counted
+    assert resumed.state.global_step == 6 and resumed.ledger.steps == 6 + 3
     assert after != original[:3]  # old main: exactly the first three batches again
     assert sum(a == b for a, b in zip(after, original[:3])) <= 1
 
@@ -277,3 +278,94 @@ def test_a_dp_run_on_cpu_logs_no_spurious_warnings(ds, collator, tmp_path):
         compute_epsilon(20.0, 0.01, 10, 1e-5, "prv")  # large sigma: the internal RDP bound's optimum is the largest order
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "Optimal order" in m or "pin_memory" in m], messages
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# the review of the above (stop 14): steps past a checkpoint counted from every record of the run
+# ---------------------------------------------------------------------------------------------------
+def _six_steps(out, ds, collator, **kw):
+    t = _trainer(_args(out, max_steps=6, save_strategy="steps", save_steps=2, save_total_limit=None, **kw), ds, collator)
+    t.train()
+    return t
+
+
+def test_resume_into_another_output_dir_counts_the_runs_later_steps(ds, collator, tmp_path):
+    out = tmp_path / "run"
+    _six_steps(out, ds, collator)
+    resumed = _trainer(_args(tmp_path / "elsewhere", max_steps=6), ds, collator)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.ledger.steps == 6 + 4  # the record next to the checkpoint
+    (out / "hf_dp_epsilon_spent.json").unlink()  # without the record: the run's later checkpoints still say 6
+    again = _trainer(_args(tmp_path / "elsewhere2", max_steps=6), ds, collator)
+    again.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert again.ledger.steps == 6 + 4
+
+
+def test_resume_with_another_max_steps_counts_the_runs_later_steps(ds, collator, tmp_path):
+    out = tmp_path / "run"
+    _six_steps(out, ds, collator)
+    resumed = _trainer(_args(out, max_steps=8), ds, collator)  # planned steps differ: the same mechanism all the same
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.state.global_step == 8 and resumed.ledger.steps == 6 + 6
+
+
+def test_a_saved_model_is_on_record_before_it_is_written(ds, collator, tmp_path):
+    from transformers import TrainerCallback
+
+    out = tmp_path / "run"
+
+    class SnapshotThenCrash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 5:
+                trainer.save_model(str(tmp_path / "snapshot"))
+                raise KeyboardInterrupt
+
+    trainer = _trainer(_args(out, max_steps=8, save_strategy="steps", save_steps=4), ds, collator, callbacks=[SnapshotThenCrash()])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert json.loads((tmp_path / "snapshot" / "privacy.json").read_text())["steps"] == 5
+    resumed = _trainer(_args(out, max_steps=8), ds, collator)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert resumed.ledger.steps == 5 + 4
+
+
+def test_an_interrupted_steps_clipped_sum_never_reaches_a_later_step(ds, collator, tmp_path):
+    from transformers import TrainerCallback
+
+    class InterruptMidStep(TrainerCallback):
+        calls = 0
+
+        def on_substep_end(self, args, state, control, **kw):  # after a micro-batch that is not the last one
+            InterruptMidStep.calls += 1
+            if state.global_step == 2:
+                raise KeyboardInterrupt
+
+    trainer = _trainer(_args(tmp_path, max_steps=4, gradient_accumulation_steps=2, per_device_train_batch_size=8),
+                       ds, collator, callbacks=[InterruptMidStep()])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    opt = trainer._dp_optimizer
+    assert any(getattr(p, "summed_grad", None) is not None for p in opt.params)  # the interrupted step's half sum
+    seen = []
+    original = type(opt).add_clipped_sum
+
+    def spy(self, clipped):
+        seen.append(all(getattr(p, "summed_grad", None) is None for p in self.params))
+        return original(self, clipped)
+
+    type(opt).add_clipped_sum = spy
+    trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks if not isinstance(c, InterruptMidStep)]
+    try:
+        trainer.train()
+    finally:
+        type(opt).add_clipped_sum = original
+    assert seen and seen[0], "the first micro-batch of the next train() found an earlier step's clipped sum"
+
+
+def test_a_second_train_with_the_budget_spent_is_refused_before_any_step(ds, collator, tmp_path):
+    trainer = _trainer(_args(tmp_path, epsilon=6.0, noise_multiplier=None, max_steps=4), ds, collator)
+    trainer.train()
+    with pytest.raises(ValueError, match="refusing to train: 4 noisy steps were already taken"):
+        trainer.train()
+    assert trainer.ledger.steps == 4

@@ -349,14 +349,22 @@ def uninterrupted(ds128, collator, tmp_path_factory):
 @pytest.mark.parametrize("dp_seed", [None, 11])
 @pytest.mark.parametrize("checkpoint", ["checkpoint-5", "checkpoint-8", "checkpoint-13"])
 def test_resume_continues_the_ledger_with_fresh_randomness(checkpoint, dp_seed, uninterrupted, ds128, collator, tmp_path):
+    import shutil
+
     full_dir, full, full_model = uninterrupted
     assert full.state.global_step == 16
-    ckpt = os.path.join(full_dir, checkpoint)
+    # resumed from its own folder, the finished run's 16 steps are all counted: the budget is spent
+    refused = _trainer(make_model(seed=99), _resume_args(tmp_path / "refused", dp_seed=dp_seed), ds128, collator)
+    with pytest.raises(ValueError, match="16 noisy steps were already taken"):
+        refused.train(resume_from_checkpoint=os.path.join(full_dir, checkpoint))
+    # the checkpoint alone (copied: nothing records later steps), as if the run had stopped there
+    ckpt = str(tmp_path / "copy" / checkpoint)
+    shutil.copytree(os.path.join(full_dir, checkpoint), ckpt)
     # the checkpoint holds no seed and no generator state (sampler: only N and q)
     saved = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=False)["hf_dp"]
     assert set(saved) == {"steps_taken", "ledger", "sampler"} and set(saved["sampler"]) == {"num_samples", "sample_rate"}
     model = make_model(seed=99)  # weights come from the checkpoint
-    trainer = _trainer(model, _resume_args(tmp_path, dp_seed=dp_seed), ds128, collator)
+    trainer = _trainer(model, _resume_args(tmp_path / "out", dp_seed=dp_seed), ds128, collator)
     trainer.train(resume_from_checkpoint=ckpt)
     assert trainer.state.global_step == 16
     assert trainer.ledger.accountant.history == full.ledger.accountant.history == [(full.privacy_spec.noise_multiplier, 1 / 8, 16)]

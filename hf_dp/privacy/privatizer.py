@@ -303,9 +303,15 @@ class PrivateOptimizer(DPOptimizer):
             self.step_hook(self)
         return self.rule.step()
 
-    def zero_grad(self, set_to_none: bool = True):
+    def discard_pending(self) -> None:
+        """Drop clipped sums and per-sample gradients of a logical batch that was never stepped (an interrupted
+        step): they must not be added into a later step's sum (two draws in one step: up to 2C per example)."""
         for p in self.params:
             p.grad_sample = None
+            p.summed_grad = None
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.discard_pending()  # as Opacus' DPOptimizer.zero_grad: HF calls it after each step, never between micro-batches
         self.rule.zero_grad(set_to_none)
 
     # ----- state ----------------------------------------------------------------------------------------
@@ -330,6 +336,7 @@ class PrivateOptimizer(DPOptimizer):
                 raise ValueError("the checkpoint has no privacy ledger; refusing to resume with epsilon reset to 0")
             self.ledger.load_state_dict(extra["ledger"])
         self.rule.load_state_dict(state_dict["rule"])
+        self.discard_pending()
         self.generator = None  # a new noise stream from the next step (never the stream of a saved state)
         self.steps_taken = int(extra.get("steps_taken", 0))
         if self.sampler is not None and extra.get("sampler") is not None:
