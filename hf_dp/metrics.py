@@ -11,7 +11,7 @@ metric script (e.g. a checkout of huggingface/evaluate's ``metrics/glue``), whic
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -134,3 +134,54 @@ def main_metric_name(task_name: str | None, is_regression: bool | None = None) -
     if task is not None:
         return {"mrpc": "f1", "qqp": "f1", "cola": "matthews_correlation", "stsb": "pearson"}.get(task.name, "accuracy")
     return "mse" if is_regression else "accuracy"
+
+
+def constant_baseline(labels, metrics: dict[str, Any], *, label_names: list[str] | None = None,
+                      prefix: str = "eval_") -> dict[str, Any] | None:
+    """How the evaluated model compares with the best *constant* predictor on the same evaluation labels.
+
+    ``labels``: the evaluation set's class labels (ints; -1 = unlabelled, ignored). ``metrics``: the evaluation
+    results (``eval_accuracy``, ``eval_matthews_correlation`` ...). Returns None for regression, for an evaluation
+    set without labels, or when no comparable metric was computed. Otherwise a dict with ``majority_rate`` (the
+    share of the most frequent class: the accuracy of always predicting it), ``majority_label``, and, per compared
+    metric, the model's value and the constant predictor's (accuracy: the majority rate; Matthews correlation: 0);
+    ``at_or_below`` is True when the model does no better than the constant predictor on any compared metric.
+
+    Only the evaluation labels are used — never the training data's label counts, which are private.
+    """
+    arr = np.asarray(list(labels) if not isinstance(labels, np.ndarray) else labels)
+    if arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        return None
+    arr = arr[arr >= 0]
+    if arr.size == 0:
+        return None
+    values, counts = np.unique(arr, return_counts=True)
+    top = int(values[int(np.argmax(counts))])
+    rate = float(counts.max() / arr.size)
+    compared: dict[str, dict[str, float]] = {}
+    for name, constant in (("accuracy", rate), ("matthews_correlation", 0.0)):
+        value = metrics.get(prefix + name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            compared[name] = {"model": float(value), "constant": constant}
+    if not compared:
+        return None
+    name = label_names[top] if label_names and 0 <= top < len(label_names) else str(top)
+    return {
+        "majority_label": name, "majority_rate": rate, "eval_examples": int(arr.size), "compared": compared,
+        "at_or_below": any(c["model"] <= c["constant"] + 1e-12 for c in compared.values()),
+    }
+
+
+def baseline_sentence(baseline: dict[str, Any] | None) -> str | None:
+    """One plain sentence for summaries and cards; None when there is nothing to compare."""
+    if not baseline:
+        return None
+    parts = []
+    for name, c in baseline["compared"].items():
+        what = (f"always predicting the most frequent class ('{baseline['majority_label']}', {c['constant']:.4f} of the "
+                f"evaluation set)" if name == "accuracy" else "a constant prediction (0)")
+        rel = "at or below" if c["model"] <= c["constant"] + 1e-12 else "above"
+        parts.append(f"{name} {c['model']:.4f} is {rel} {what}")
+    verdict = ("NO BETTER THAN A CONSTANT PREDICTOR: the model has not learned the task. " if baseline["at_or_below"]
+               else "")
+    return verdict + "; ".join(parts) + "."

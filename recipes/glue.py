@@ -30,7 +30,7 @@ if (_REPO / "hf_dp").is_dir() and str(_REPO) not in sys.path:
 import yaml  # noqa: E402
 
 from hf_dp.data import GLUE_TASKS, DataLoadingError, get_task, label_info, load_raw_datasets, preprocess  # noqa: E402
-from hf_dp.metrics import build_compute_metrics, main_metric_name  # noqa: E402
+from hf_dp.metrics import baseline_sentence, build_compute_metrics, constant_baseline, main_metric_name  # noqa: E402
 
 logger = logging.getLogger("hf_dp.recipes.glue")
 
@@ -317,6 +317,7 @@ def summary_block(s: dict[str, Any]) -> str:
         ("sampling rate q", _fmt(s.get("sample_rate"))),
         ("steps", _fmt(s.get("steps"))),
         (s.get("metric_name", "metric"), _fmt(s.get("metric"))),
+        *([("constant baseline", baseline_sentence(s["baseline"]))] if s.get("baseline") else []),
         ("wall time", f"{s.get('wall_time', 0.0):.1f} s"),
         ("saved to", s.get("output_dir") or "not saved"),
     ]
@@ -472,6 +473,11 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     if training_args.do_predict:
         _predict(trainer, tokenized["test"], info, data_args, training_args)
 
+    baseline = None
+    if eval_metrics and not info.is_regression and "labels" in tokenized["validation"].column_names:
+        # the best constant predictor on the evaluation labels (never the private training labels' counts)
+        baseline = constant_baseline(tokenized["validation"]["labels"], eval_metrics, label_names=info.label_list)
+
     out = None
     if training_args.do_train:
         out = training_args.output_dir
@@ -480,7 +486,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         write_privacy_artifacts(
             out, report, base_model=trainer.base_model_id, task_name=data_args.task_name,
             dataset_name=trainer.dataset_name, eval_results=eval_metrics or None,
-            data_description=trainer.data_description,
+            data_description=trainer.data_description, baseline=baseline,
         )
     pushed = None
     if push and out is not None and trainer.is_world_process_zero():
@@ -499,6 +505,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         "metric_name": metric_name,
         "metric": eval_metrics.get(f"eval_{metric_name}"),
         "eval": eval_metrics,
+        "baseline": baseline,
         "wall_time": time.perf_counter() - start,
         "output_dir": out,
         "report": report,

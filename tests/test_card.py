@@ -223,3 +223,33 @@ def test_non_private_run_card_and_privacy_json_say_non_private_once(tmp_path):
         assert "`last_block`" in body and "Not recorded" not in body
         assert f"{info.num_trainable:,}" in body
     assert "# bert-tiny-sst2\n" in render_model_card(privacy, base_model="bert-tiny", task_name="sst2")
+
+
+@pytest.mark.parametrize("labels,accuracy,warned", [
+    ([0] * 55 + [1] * 45, 0.55, True),     # exactly the majority rate: no better than always predicting class 0
+    ([0] * 55 + [1] * 45, 0.495, True),    # below it (the old main job: 0.4959 against 0.5054)
+    ([0] * 55 + [1] * 45, 0.61, False),    # above it
+    ([1] * 10 + [-1] * 90, 0.9, True),     # unlabelled rows (-1) do not count: the rate is 1.0
+])
+def test_constant_baseline_in_card_and_privacy_json(tmp_path, labels, accuracy, warned):
+    """Issue 16 §1: the card says plainly when the model is no better than the majority class of the evaluation set."""
+    from hf_dp.metrics import constant_baseline
+
+    ev = {**EVAL, "eval_accuracy": accuracy}
+    base = constant_baseline(labels, ev, label_names=["entailment", "not_entailment"])
+    expected_rate = max(labels.count(0), labels.count(1)) / sum(1 for x in labels if x >= 0)
+    assert base["majority_rate"] == pytest.approx(expected_rate) and base["at_or_below"] is warned
+    write_privacy_artifacts(tmp_path, REPORT, **{**KW, "eval_results": ev}, baseline=base)
+    card = (tmp_path / "README.md").read_text()
+    assert ("does no better than a constant predictor" in card) is warned
+    assert f"{expected_rate:.4f} of the evaluation set" in card
+    assert json.loads((tmp_path / "privacy.json").read_text())["eval_baseline"]["at_or_below"] is warned
+
+
+def test_constant_baseline_mcc_and_nothing_to_compare():
+    from hf_dp.metrics import constant_baseline
+
+    assert constant_baseline([0, 1, 1], {"eval_matthews_correlation": 0.0})["at_or_below"] is True
+    assert constant_baseline([0, 1, 1], {"eval_matthews_correlation": 0.2})["at_or_below"] is False
+    assert constant_baseline([0.3, 1.2], {"eval_pearson": 0.5}) is None  # regression
+    assert constant_baseline([0, 1], {"eval_loss": 0.5}) is None  # no comparable metric

@@ -477,3 +477,23 @@ def test_data_layout_messages_are_short_and_say_what_to_do(glue, tiny_bert, tmp_
     code, out, err = _run(glue, capsys, argv + ["--model_name_or_path", tiny_bert, "--output_dir", str(tmp_path / "o")])
     line = err.strip().splitlines()[-1]
     assert code == 2 and line.startswith("error:") and expect in line and len(line) < 400, line[:500]
+
+
+def test_summary_and_card_say_plainly_when_no_better_than_the_majority_class(glue, tiny_bert, tmp_path, capsys):
+    """Issue 16 §1: a run that ends at or below the majority-class rate says so in the summary, the card and
+    privacy.json. The evaluation file here has one class only (majority rate 1.0), so no model can beat it."""
+    data = _sst2_files(tmp_path)
+    dev = tmp_path / "dev_one_class.tsv"
+    dev.write_text("sentence\tlabel\n" + "".join(f"good fun movie {i} .\t1\n" for i in range(20)))
+    out = tmp_path / "run"
+    argv = _tiny_argv(tiny_bert, data, out, "--max_steps", "2")
+    argv[argv.index("--validation_file") + 1] = str(dev)
+    code, stdout, err = _run(glue, capsys, argv)
+    assert code == 0, err[-3000:]
+    line = _summary(stdout)["constant baseline"]
+    assert line.startswith("NO BETTER THAN A CONSTANT PREDICTOR") and "'positive', 1.0000 of the evaluation set" in line
+    privacy = json.loads((out / "privacy.json").read_text())
+    assert privacy["eval_baseline"]["majority_rate"] == 1.0 and privacy["eval_baseline"]["at_or_below"] is True
+    assert privacy["eval_baseline"]["compared"]["accuracy"]["model"] == privacy["eval"]["eval_accuracy"]
+    card = (out / "README.md").read_text()
+    assert "does no better than a constant predictor" in card and "Do not use it as a classifier" in card

@@ -197,8 +197,14 @@ def render_model_card(
     model_name: str | None = None,
     eval_split: str = "validation",
     data_description: str | None = None,
+    baseline: dict | None = None,
 ) -> str:
-    """Render the README.md model card for a privacy report produced by ``DPTrainer.privacy_report()``."""
+    """Render the README.md model card for a privacy report produced by ``DPTrainer.privacy_report()``.
+
+    ``baseline``: :func:`hf_dp.metrics.constant_baseline` of the evaluation results; the card says plainly when the
+    model does no better than a constant predictor."""
+    from hf_dp.metrics import baseline_sentence
+
     import jinja2
 
     dp = _is_dp(report)
@@ -229,7 +235,7 @@ def render_model_card(
         r=report, title=model_name, base_model=base_model, task_name=task_name, dataset_desc=dataset_desc,
         eval_rows=eval_rows, eval_split=eval_split, optimizer_name=_optimizer_name(report),
         optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=dp, num=_num, pct=_pct,
-        selection=_selection(report),
+        selection=_selection(report), baseline=baseline, baseline_sentence=baseline_sentence(baseline),
     )
 
 
@@ -245,13 +251,15 @@ def write_privacy_artifacts(output_dir: str | os.PathLike, report: dict, **card_
     """Write ``privacy.json`` (the report, plus eval results under ``"eval"``) and ``README.md`` (the card).
 
     ``card_kwargs`` are passed to :func:`render_model_card` (base_model, task_name, dataset_name, eval_results,
-    license, model_name). Returns the paths written.
+    license, model_name, baseline; the baseline comparison is also stored under ``"eval_baseline"``). Returns the paths written.
     """
     os.makedirs(output_dir, exist_ok=True)
     payload = dict(report)
     eval_results = card_kwargs.get("eval_results")
     if eval_results is not None:
         payload["eval"] = dict(eval_results)
+    if card_kwargs.get("baseline"):
+        payload["eval_baseline"] = dict(card_kwargs["baseline"])
     privacy_path = os.path.join(output_dir, "privacy.json")
     with open(privacy_path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2, sort_keys=False)
