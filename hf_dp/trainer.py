@@ -185,11 +185,11 @@ class DPTrainer(Trainer):
         self._check_cache_dir()
         self._prefix_cache = True
         self._raw_collator = self.data_collator  # HF's resolved collator (tokenizer padding)
-        self.train_dataset = self._cache_dataset(self.train_dataset)  # same N: q and δ unchanged
+        self.train_dataset = self._cache_dataset(self.train_dataset, "train")  # same N: q and δ unchanged
         if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self._cache_dataset(v) for k, v in self.eval_dataset.items()}
+            self.eval_dataset = {k: self._cache_dataset(v, f"eval {k}") for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
-            self.eval_dataset = self._cache_dataset(self.eval_dataset)
+            self.eval_dataset = self._cache_dataset(self.eval_dataset, "eval")
         self.data_collator = CachedFeaturesCollator()
         self._set_signature_columns_if_needed()  # else HF's column removal drops the cached key
         if CACHED_HIDDEN_KEY not in self._signature_columns:
@@ -215,13 +215,13 @@ class DPTrainer(Trainer):
                 "subfolder whose name starts with '_', which pushes skip)"
             )
 
-    def _cache_dataset(self, dataset):
+    def _cache_dataset(self, dataset, name: str = "dataset"):
         if dataset is None or isinstance(dataset, CachedFeatures):
             return dataset
         return build_prefix_cache(
             self.model, dataset, self._raw_collator, batch_size=self.args.per_device_eval_batch_size,
             dtype=getattr(torch, self.args.cache_frozen_features_dtype), cache_dir=self.args.cache_frozen_features_dir,
-            keep_file=self.args.keep_frozen_features_cache,
+            keep_file=self.args.keep_frozen_features_cache, progress=not self.args.disable_tqdm, name=name,
         )
 
     def _suffix_ctx(self):
@@ -234,13 +234,13 @@ class DPTrainer(Trainer):
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         if self._prefix_cache and eval_dataset is not None and not isinstance(eval_dataset, (str, dict)):
-            eval_dataset = self._cache_dataset(eval_dataset)
+            eval_dataset = self._cache_dataset(eval_dataset, metric_key_prefix)
         with self._suffix_ctx():
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
         if self._prefix_cache:
-            test_dataset = self._cache_dataset(test_dataset)
+            test_dataset = self._cache_dataset(test_dataset, metric_key_prefix)
         with self._suffix_ctx():
             return super().predict(test_dataset, ignore_keys, metric_key_prefix)
 

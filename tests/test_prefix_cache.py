@@ -566,3 +566,22 @@ def test_in_memory_cache_writes_no_file(tmp_path, monkeypatch):
     assert os.listdir(work) == [] and os.listdir(tmp_path / "tmp") == []
     out = trainer.args.output_dir
     assert not os.path.isdir(out) or not [f for _, _, fs in os.walk(out) for f in fs if f.startswith("_hf_dp_prefix_")]
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_cache_build_shows_progress_and_logs_rows_per_second(tmp_path, capsys, caplog, disable_tqdm):
+    """Issue 16 §1: building the cache is never silent — a tqdm bar per cached set (unless --disable_tqdm, like HF's
+    bars) and one INFO line with rows, rows/s and the cache's size."""
+    import logging
+    import re
+
+    with caplog.at_level(logging.INFO, logger="hf_dp.models.prefix_cache"):
+        trainer, *_ = _cache_trainer(tmp_path, "run", 32, 48, disable_tqdm=disable_tqdm)
+    err = capsys.readouterr().err
+    for name, n in (("train", 32), ("eval", 48)):
+        bar = re.search(rf"Caching the frozen prefix \({name}\): 100%\S* {n}/{n}", err)
+        assert (bar is None) is disable_tqdm, err[-2000:]
+        (line,) = [r.getMessage() for r in caplog.records if f"prefix cache ({name})" in r.getMessage()]
+        size = trainer.train_dataset.nbytes if name == "train" else trainer.eval_dataset.nbytes
+        assert re.search(rf"{n} rows in \d+\.\d s \(\d+ rows/s\), \d+(\.\d+)? (KiB|MiB|GiB|B) of float32 states in memory", line), line
+        assert f"{size / 2**10:.2f} KiB" in line or f"{size} B" in line or f"{size / 2**20:.2f} MiB" in line, (line, size)

@@ -64,8 +64,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import tempfile
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -78,6 +80,8 @@ from torch import nn
 from .architecture import PrefixCacheError, _arch, _device, _hidden_arg
 from .freezing import find_blocks
 from .suffix import CACHED_HIDDEN_KEY, run_suffix, suffix_forward
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CACHED_HIDDEN_KEY",
@@ -127,6 +131,13 @@ def _model_input_keys(model: nn.Module) -> set[str]:
 
 def _uint_dtype(itemsize: int):
     return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 def _remove_quietly(path: str) -> None:
@@ -281,6 +292,8 @@ def build_prefix_cache(
     cache_dir: str | os.PathLike | None = None,
     sort_by_length: bool = True,
     keep_file: bool = False,
+    progress: bool = False,
+    name: str = "dataset",
 ) -> CachedFeatures:
     """Run the frozen prefix of ``model`` once over ``dataset`` and cache the input of the last block.
 
@@ -303,6 +316,10 @@ def build_prefix_cache(
             cache is still in dataset order).  The states are written into a buffer preallocated from a
             first pass over the rows' lengths (no second copy in memory).
         keep_file: keep the ``cache_dir`` file after the cache is gone (its path is ``CachedFeatures.path``).
+        progress: show a tqdm progress bar over the rows (the trainer passes ``not args.disable_tqdm``).
+        name: what is cached (``train``, ``eval`` ...), for the bar and the log line.
+
+    Logs one INFO line when done: rows, seconds, rows/s, the cache's size and where it lives.
 
     Returns:
         :class:`CachedFeatures` with ``L_i = attention_mask[i].sum()`` positions per example.
@@ -359,6 +376,10 @@ def build_prefix_cache(
     num_batches = 0
     was_training = model.training
     handle = last.register_forward_pre_hook(capture, with_kwargs=True)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=n, desc=f"Caching the frozen prefix ({name})", unit=" rows", disable=not progress)
+    t0 = time.perf_counter()
     try:
         model.eval()
         with torch.no_grad():
@@ -420,6 +441,7 @@ def build_prefix_cache(
                         labels_all = torch.zeros((n, *labels.shape[1:]), dtype=labels.dtype)
                     labels_all[torch.tensor(idx)] = labels
                     label_batches += 1
+                bar.update(len(idx))
         if label_batches not in (0, num_batches):
             raise ValueError("build_prefix_cache: some collated batches have labels and some do not")
         if mm is not None:
@@ -431,6 +453,7 @@ def build_prefix_cache(
             storage = torch.from_numpy(mm).view(dtype)[:total]
         done = True
     finally:
+        bar.close()
         handle.remove()
         model.train(was_training)
         if fobj is not None:
@@ -439,6 +462,10 @@ def build_prefix_cache(
                 _remove_quietly(path)
     features = CachedFeatures(storage, offsets, labels_all, path=path if keep_file else None,
                               file_backed=fobj is not None)
+    seconds = time.perf_counter() - t0
+    where = f"file-backed in {cache_dir}" if fobj is not None else "in memory"
+    logger.info("hf_dp prefix cache (%s): %s rows in %.1f s (%.0f rows/s), %s of %s states %s", name, f"{n:,}", seconds,
+                n / max(seconds, 1e-9), _size(features.nbytes), str(dtype).replace("torch.", ""), where)
     if fobj is not None and not keep_file and not unlinked:
         weakref.finalize(features, _remove_quietly, path)  # runs on garbage collection or at exit
         warnings.warn(f"could not unlink the open prefix cache file {path}; it is removed when the cache is released")
