@@ -385,6 +385,9 @@ def _apply_plan(training_args, model, n_train: int) -> Optional[str]:
 
     probe = copy.deepcopy(model) if training_args.trainable == "lora" else model
     d = apply_trainable(probe, training_args.trainable)[1].num_trainable
+    # calibrating σ for every candidate can take ~20 s on a cold cache: say what is happening
+    print(f"planner: calibrating σ for each candidate logical batch at {training_args.num_train_epochs:g} epoch(s), "
+          f"N = {n_train:,}, d = {d:,} (public quantities only) ...", flush=True)
     try:
         plan = recommend(n_train, training_args.epsilon, training_args.delta, d, epochs=training_args.num_train_epochs,
                          accountant=training_args.accountant)

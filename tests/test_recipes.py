@@ -341,8 +341,11 @@ def test_planner_chooses_the_batch_when_none_is_given(glue, tiny_bert, tmp_path,
     from hf_dp.plan import recommend
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
+    capsys.readouterr()
     line = glue._apply_plan(args, model, 640)
     assert line and line.startswith("planner (no batch size or epochs given):")
+    # the σ calibration (up to ~20 s on a cold cache) is announced before it starts, not silent (issue 16 §1)
+    assert capsys.readouterr().out.startswith("planner: calibrating σ for each candidate logical batch at 10 epoch(s)")
     from hf_dp.models import apply_trainable
 
     d = apply_trainable(model, "head")[1].num_trainable
