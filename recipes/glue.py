@@ -64,6 +64,9 @@ PROTOCOL_DEFAULTS: dict[str, Any] = {
     "seed": 42,
 }
 
+# --trainable modes whose frozen prefix the recipe caches unless --cache_frozen_features false
+CACHEABLE_TRAINABLE = ("last_block", "head")
+
 # Per-optimizer learning rate / weight decay used when neither the command line nor the YAML sets them.
 # Sources and caveats: recipes/README.md ("Optimizer defaults").
 OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
@@ -203,6 +206,10 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
     for key, value in OPTIMIZER_DEFAULTS.get(_dp_family(_optim_name(peek.optim)), {}).items():
         if key not in explicit:
             parser.set_defaults(**{key: value})
+    # the frozen prefix is cached when it can be (last_block/head): the same per-example gradients, minutes instead of an
+    # hour on CPU (benchmarks/RESULTS.md §3); the prefix then runs once in eval mode. --cache_frozen_features false: off
+    if "cache_frozen_features" not in explicit and getattr(peek, "trainable", None) in CACHEABLE_TRAINABLE:
+        parser.set_defaults(cache_frozen_features=True)
     # HF's meaning: --save_steps N saves every N steps (HF's default strategy is "steps"; the recipe's is "no")
     if "save_steps" in explicit and "save_strategy" not in explicit:
         parser.set_defaults(save_strategy="steps")
