@@ -64,6 +64,15 @@ PROTOCOL_DEFAULTS: dict[str, Any] = {
     "seed": 42,
 }
 
+# Learning rates for the planner's large logical batches (a few dozen to a few hundred steps), used when the planner
+# chooses the batch and --learning_rate is not given. Chosen on tune splits carved from the *training* rows, never on
+# GLUE dev: dp_adamw on QNLI at the planner's B = 1,024 (benchmarks/RESULTS.md §1, lr grid 1e-3 … 3e-2), the others at
+# B = 256 / 64 steps (§4). OPTIMIZER_DEFAULTS stay the protocol's values for a batch size you give yourself.
+PLANNED_LR: dict[str, float] = {
+    "dp_adamw": 1e-2, "dp_adamw_bc": 1e-2, "dp_adam": 1e-2, "dp_adambc": 3e-3, "dp_sgd": 40.0, "dp_sgd_l2": 40.0,
+    "dp_macadam": 1e-2,
+}
+
 # --trainable modes whose frozen prefix the recipe caches unless --cache_frozen_features false
 CACHEABLE_TRAINABLE = ("last_block", "head")
 
@@ -403,7 +412,13 @@ def _apply_plan(training_args, model, n_train: int) -> Optional[str]:
     per_device, accum = split_batch(plan.batch_size, world_size=max(1, training_args.world_size))
     training_args.per_device_train_batch_size = per_device
     training_args.gradient_accumulation_steps = accum
-    lines = [f"planner (no batch size or epochs given): {plan.summary()}"] + list(plan.warnings())
+    lines = [f"planner (no batch size or epochs given): {plan.summary()}"]
+    optim = _optim_name(training_args.optim)
+    if "learning_rate" not in explicit and optim in PLANNED_LR:
+        training_args.learning_rate = PLANNED_LR[optim]
+        lines.append(f"planner: learning rate {PLANNED_LR[optim]:g} for {optim} at the planner's batch "
+                     "(chosen on tune splits of training data, recipes/README.md; --learning_rate overrides)")
+    lines += list(plan.warnings())
     return "\n".join(lines)
 
 

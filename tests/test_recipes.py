@@ -351,6 +351,14 @@ def test_planner_chooses_the_batch_when_none_is_given(glue, tiny_bert, tmp_path,
     d = apply_trainable(model, "head")[1].num_trainable
     plan = recommend(640, 3.0, 1e-4, d, epochs=args.num_train_epochs, disk_cache=False)
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == plan.batch_size
+    # the planner's batch comes with the large-batch learning rate of its optimizer, unless one is given
+    assert args.learning_rate == glue.PLANNED_LR["dp_adamw"] != glue.OPTIMIZER_DEFAULTS["dp_adamw"]["learning_rate"]
+    assert "planner: learning rate 0.01 for dp_adamw" in line
+    _, _, args = glue.parse_args(argv[:i] + argv[i + 2:] + ["--learning_rate", "2e-3"])
+    glue._apply_plan(args, model, 640)
+    assert args.learning_rate == 2e-3
+    _, _, args = glue.parse_args(argv)  # a user-given plan keeps the protocol's learning rate
+    assert glue._apply_plan(args, model, 640) is None and args.learning_rate == 1e-3
 
 
 def test_disable_dp_baseline_uses_its_dp_familys_defaults(glue):

@@ -1,0 +1,134 @@
+"""How the main job's defaults were chosen (issue 16 §1): epochs, batch and learning rate, on a tune split of QNLI *train*.
+
+The main job (``recipes/qnli.py --optim dp_adamw --epsilon 3``: all-MiniLM-L6-v2, last block + pooler + head, frozen
+prefix cached, C = 0.1, δ = 1e-5, PRV) gets its logical batch from the planner (``hf_dp.plan.recommend``) at a number
+of epochs E. What is left is E (the compute budget) and the learning rate. This script trains on a *fit* part of the
+QNLI training rows and scores on a *tune* part carved from the same training rows (``train_test_split(0.1, seed=0)``,
+as ``qnli_optimizers.py``); GLUE dev is also scored and recorded, but never used to choose anything.
+
+Each row: E, the planner's B for the fit set's N at E, lr, seed → tune/dev accuracy, ε, σ, steps, training seconds.
+Results are appended to ``--out`` as JSON lines as each run finishes (a rerun skips finished rows); ``--report``
+prints the markdown table.
+
+    nohup python benchmarks/main_job_tuning.py --epochs 10,20 --lrs 1e-3,3e-3,1e-2,3e-2 &
+    python benchmarks/main_job_tuning.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job_tuning.jsonl"
+
+
+def _load(out: str) -> list[dict]:
+    if not os.path.exists(out):
+        return []
+    with open(out) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _key(r: dict) -> tuple:
+    return (r["task"], r["epochs"], r["lr"], r["seed"], r["epsilon_target"], r.get("lr_rule"))
+
+
+def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params: int) -> dict:
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_dp import DPTrainer, DPTrainingArguments
+    from hf_dp.metrics import build_compute_metrics
+    from hf_dp.plan import recommend, split_batch
+    from qnli_optimizers import _commit, _minilm_path
+
+    n = len(data.train)
+    plan = recommend(n, epsilon, 1e-5, params, epochs=epochs)
+    per_device, accum = split_batch(plan.batch_size)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2)
+    args = DPTrainingArguments(
+        output_dir=f"/tmp/hf_dp_mjt/{epochs}_{lr}_{seed}", per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accum, per_device_eval_batch_size=256, num_train_epochs=epochs,
+        learning_rate=lr, weight_decay=1e-5, lr_scheduler_type="constant", warmup_steps=0,
+        logging_steps=10, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, seed=seed,
+        disable_tqdm=True, cache_frozen_features=True, trainable="last_block", dataloader_num_workers=0,
+        optim="dp_adamw", epsilon=epsilon, delta=1e-5, per_sample_max_grad_norm=0.1, dp_seed=seed,
+    )
+    trainer = DPTrainer(model=model, args=args, train_dataset=data.train, compute_metrics=build_compute_metrics(data.task))
+    t0 = time.time()
+    trainer.train()
+    train_s = time.time() - t0
+    tune = trainer.evaluate(eval_dataset=data.tune, metric_key_prefix="tune")
+    dev = trainer.evaluate(eval_dataset=data.dev, metric_key_prefix="dev")
+    rep = trainer.privacy_report()
+    return {
+        "task": data.task, "epochs": epochs, "batch": plan.batch_size, "lr": lr, "seed": seed, "epsilon_target": epsilon,
+        "tune_accuracy": tune["tune_accuracy"], "dev_accuracy": dev["dev_accuracy"], "train_seconds": train_s,
+        "steps": trainer.state.global_step, "epsilon": rep["epsilon"], "sigma": rep["noise_multiplier"],
+        "sizes": data.sizes, "commit": _commit(),
+    }
+
+
+def report(out: str) -> None:
+    rows = _load(out)
+    print("| task | E | B (planner) | steps | σ | lr | seeds | tune acc % | GLUE dev acc % (not used to choose) | train s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["task"], r["epochs"], r["lr"], r["epsilon_target"]), []).append(r)
+    sd = lambda xs: f" ± {statistics.stdev(xs):.1f}" if len(xs) > 1 else ""  # noqa: E731
+    for (task, e, lr, _eps), g in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        tune = [100 * r["tune_accuracy"] for r in g]
+        dev = [100 * r["dev_accuracy"] for r in g]
+        print(f"| {task} | {e:g} | {g[0]['batch']} | {g[0]['steps']} | {g[0]['sigma']:.3f} | {lr:g} | "
+              f"{','.join(str(r['seed']) for r in g)} | {statistics.mean(tune):.1f}{sd(tune)} | "
+              f"{statistics.mean(dev):.1f}{sd(dev)} | {statistics.mean(r['train_seconds'] for r in g):.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--task", default="qnli")
+    ap.add_argument("--epochs", default="10,20")
+    ap.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--epsilon", type=float, default=3.0)
+    ap.add_argument("--max_length", type=int, default=128)
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--report", action="store_true")
+    a = ap.parse_args()
+    if a.report:
+        report(a.out)
+        return
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_dp.models import apply_trainable
+    from qnli_optimizers import Data, _minilm_path
+
+    params = apply_trainable(AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2),
+                             "last_block")[1].num_trainable
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    done = {_key(r) for r in _load(a.out)}
+    data = Data(a.task, a.max_length, 0.1, None)
+    print(f"cached {data.sizes} in {data.cache_seconds:.0f}s; d = {params}", flush=True)
+    for e in [float(x) for x in a.epochs.split(",")]:
+        for lr in [float(x) for x in a.lrs.split(",")]:
+            for seed in [int(s) for s in a.seeds.split(",")]:
+                if (a.task, e, lr, seed, a.epsilon, None) in done:
+                    continue
+                rec = run_one(data, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params)
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                print(json.dumps({k: rec[k] for k in ("epochs", "batch", "lr", "seed", "tune_accuracy", "dev_accuracy",
+                                                      "epsilon", "train_seconds")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
