@@ -37,10 +37,46 @@ def _load(out: str) -> list[dict]:
 
 
 def _key(r: dict) -> tuple:
-    return (r["task"], r["epochs"], r["lr"], r["seed"], r["epsilon_target"], r.get("lr_rule"))
+    return (r["task"], r.get("trainable", "last_block"), bool(r.get("full_train")), r["epochs"], r["lr"], r["seed"],
+            r["epsilon_target"])
 
 
-def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params: int) -> dict:
+class Data:
+    """Tokenized fit / tune / GLUE-dev splits (fit + tune carved from train, or ``full_train``: fit = every training
+    row, no tune split), with their frozen-prefix caches when the trainable set allows one."""
+
+    def __init__(self, task: str, max_length: int, tune_fraction: float, *, cache: bool, full_train: bool = False):
+        import datasets
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+        from hf_dp.data import load_raw_datasets, preprocess
+        from hf_dp.models import apply_trainable
+        from hf_dp.models.prefix_cache import build_prefix_cache
+        from qnli_optimizers import SHARED, _minilm_path
+
+        self.task = task
+        tok = AutoTokenizer.from_pretrained(_minilm_path())
+        self.collator = DataCollatorWithPadding(tok)
+        raw = load_raw_datasets(task_name=task, data_dir=str(SHARED / "data" / "glue"))
+        parts = {"validation": raw["validation"]}
+        if full_train:
+            parts["train"] = raw["train"]
+        else:
+            split = raw["train"].train_test_split(test_size=tune_fraction, seed=0)
+            parts["train"], parts["tune"] = split["train"], split["test"]
+        tokd = {k: preprocess(datasets.DatasetDict({"validation": v}), tok, task_name=task, max_seq_length=max_length)["validation"]
+                for k, v in parts.items()}
+        t0 = time.time()
+        if cache:
+            model, _ = apply_trainable(AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2), "last_block")
+            tokd = {k: build_prefix_cache(model, v, self.collator, batch_size=128, progress=True, name=k) for k, v in tokd.items()}
+        self.cache_seconds = time.time() - t0
+        self.train, self.tune, self.dev = tokd["train"], tokd.get("tune"), tokd["validation"]
+        self.cached = cache
+        self.sizes = {k: len(v) for k, v in tokd.items()}
+
+
+def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params: int, trainable: str = "last_block") -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -59,19 +95,21 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
         gradient_accumulation_steps=accum, per_device_eval_batch_size=256, num_train_epochs=epochs,
         learning_rate=lr, weight_decay=1e-5, lr_scheduler_type="constant", warmup_steps=0,
         logging_steps=10, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, seed=seed,
-        disable_tqdm=True, cache_frozen_features=True, trainable="last_block", dataloader_num_workers=0,
+        disable_tqdm=True, cache_frozen_features=data.cached, trainable=trainable, dataloader_num_workers=0,
         optim="dp_adamw", epsilon=epsilon, delta=1e-5, per_sample_max_grad_norm=0.1, dp_seed=seed,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=data.train, compute_metrics=build_compute_metrics(data.task))
+    trainer = DPTrainer(model=model, args=args, train_dataset=data.train, compute_metrics=build_compute_metrics(data.task),
+                        data_collator=None if data.cached else data.collator)
     t0 = time.time()
     trainer.train()
     train_s = time.time() - t0
-    tune = trainer.evaluate(eval_dataset=data.tune, metric_key_prefix="tune")
+    tune = trainer.evaluate(eval_dataset=data.tune, metric_key_prefix="tune") if data.tune is not None else {}
     dev = trainer.evaluate(eval_dataset=data.dev, metric_key_prefix="dev")
     rep = trainer.privacy_report()
     return {
-        "task": data.task, "epochs": epochs, "batch": plan.batch_size, "lr": lr, "seed": seed, "epsilon_target": epsilon,
-        "tune_accuracy": tune["tune_accuracy"], "dev_accuracy": dev["dev_accuracy"], "train_seconds": train_s,
+        "task": data.task, "trainable": trainable, "full_train": data.tune is None, "epochs": epochs, "batch": plan.batch_size,
+        "lr": lr, "seed": seed, "epsilon_target": epsilon, "params": params,
+        "tune_accuracy": tune.get("tune_accuracy"), "dev_accuracy": dev["dev_accuracy"], "train_seconds": train_s,
         "steps": trainer.state.global_step, "epsilon": rep["epsilon"], "sigma": rep["noise_multiplier"],
         "sizes": data.sizes, "commit": _commit(),
     }
@@ -79,18 +117,20 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
 
 def report(out: str) -> None:
     rows = _load(out)
-    print("| task | E | B (planner) | steps | σ | lr | seeds | tune acc % | GLUE dev acc % (not used to choose) | train s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| task | trainable | train rows | E | B (planner) | steps | σ | lr | seeds | tune acc % | GLUE dev acc % | train s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["task"], r["epochs"], r["lr"], r["epsilon_target"]), []).append(r)
+        groups.setdefault((r["task"], r.get("trainable", "last_block"), bool(r.get("full_train")), r["epochs"], r["lr"],
+                           r["epsilon_target"]), []).append(r)
     sd = lambda xs: f" ± {statistics.stdev(xs):.1f}" if len(xs) > 1 else ""  # noqa: E731
-    for (task, e, lr, _eps), g in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
-        tune = [100 * r["tune_accuracy"] for r in g]
+    for (task, trainable, full, e, lr, _eps), g in sorted(groups.items(), key=lambda kv: kv[0][:5]):
+        tune = [100 * r["tune_accuracy"] for r in g if r.get("tune_accuracy") is not None]
         dev = [100 * r["dev_accuracy"] for r in g]
-        print(f"| {task} | {e:g} | {g[0]['batch']} | {g[0]['steps']} | {g[0]['sigma']:.3f} | {lr:g} | "
-              f"{','.join(str(r['seed']) for r in g)} | {statistics.mean(tune):.1f}{sd(tune)} | "
-              f"{statistics.mean(dev):.1f}{sd(dev)} | {statistics.mean(r['train_seconds'] for r in g):.0f} |")
+        print(f"| {task} | {trainable} | {g[0]['sizes']['train']:,} | {e:g} | {g[0]['batch']} | {g[0]['steps']} | "
+              f"{g[0]['sigma']:.3f} | {lr:g} | {','.join(str(r['seed']) for r in g)} | "
+              f"{(f'{statistics.mean(tune):.1f}' + sd(tune)) if tune else '—'} | {statistics.mean(dev):.1f}{sd(dev)} | "
+              f"{statistics.mean(r['train_seconds'] for r in g):.0f} |")
 
 
 def main() -> None:
@@ -101,6 +141,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--epsilon", type=float, default=3.0)
     ap.add_argument("--max_length", type=int, default=128)
+    ap.add_argument("--trainable", default="last_block", help="last_block and head are cached; all and lora are not")
+    ap.add_argument("--full_train", action="store_true", help="train on every training row (no tune split): final runs "
+                    "of a configuration already chosen on the tune split")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--report", action="store_true")
     a = ap.parse_args()
@@ -110,20 +153,20 @@ def main() -> None:
     from transformers import AutoModelForSequenceClassification
 
     from hf_dp.models import apply_trainable
-    from qnli_optimizers import Data, _minilm_path
+    from qnli_optimizers import _minilm_path
 
     params = apply_trainable(AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2),
-                             "last_block")[1].num_trainable
+                             a.trainable)[1].num_trainable
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     done = {_key(r) for r in _load(a.out)}
-    data = Data(a.task, a.max_length, 0.1, None)
-    print(f"cached {data.sizes} in {data.cache_seconds:.0f}s; d = {params}", flush=True)
+    data = Data(a.task, a.max_length, 0.1, cache=a.trainable in ("last_block", "head"), full_train=a.full_train)
+    print(f"data {data.sizes}, cached: {data.cached} ({data.cache_seconds:.0f}s); d = {params}", flush=True)
     for e in [float(x) for x in a.epochs.split(",")]:
         for lr in [float(x) for x in a.lrs.split(",")]:
             for seed in [int(s) for s in a.seeds.split(",")]:
-                if (a.task, e, lr, seed, a.epsilon, None) in done:
+                if (a.task, a.trainable, a.full_train, e, lr, seed, a.epsilon) in done:
                     continue
-                rec = run_one(data, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params)
+                rec = run_one(data, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params, trainable=a.trainable)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(json.dumps({k: rec[k] for k in ("epochs", "batch", "lr", "seed", "tune_accuracy", "dev_accuracy",
