@@ -84,8 +84,9 @@ def load_metric_fn(
         except Exception as exc:  # Hub unreachable, script missing, ...
             if backend == "evaluate":
                 raise RuntimeError(f"evaluate.load({path!r}, {config!r}) failed: {exc}") from exc
+            # the first line of the reason, whole (never cut mid-word)
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            desc = f"scikit-learn/scipy (evaluate.load({path!r}) unavailable: {reason[:120]})"
+            desc = f"scikit-learn/scipy (evaluate.load({path!r}) unavailable: {reason})"
         else:
             def via_evaluate(p, r, _m=metric):
                 return {k: float(v) for k, v in _m.compute(predictions=p, references=r).items()}

@@ -114,6 +114,22 @@ def _check_transformers_version() -> None:
         )
 
 
+@contextlib.contextmanager
+def _library_bars_off():
+    """transformers' own progress bars ("Writing model shards" at every checkpoint save, "Loading weights" when a
+    checkpoint is loaded) are off while the training bar is on screen, so they do not interleave with it; the
+    previous setting is restored afterwards (``transformers.utils.logging.enable/disable_progress_bar``)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 class _BudgetGuard(TrainerCallback):
     """Stops training (as HF's own stop) once the next step would exceed the target ε — e.g. after a
     resume that counted steps an interrupted run took past its checkpoint."""
@@ -555,7 +571,7 @@ class DPTrainer(Trainer):
                     f"refusing to train: {self.ledger.steps} noisy steps were already taken (epsilon "
                     f"{self.get_epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
                 )
-        with self._suffix_ctx():
+        with self._suffix_ctx(), _library_bars_off():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _load_optimizer_and_scheduler(self, checkpoint):  # private HF API: see HF_PRIVATE_OVERRIDES

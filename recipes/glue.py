@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -463,7 +464,6 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     )
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(tokenizer)
     compute_metrics = build_compute_metrics(data_args.task_name, is_regression=info.is_regression)
-    logger.info("metrics implementation: %s", compute_metrics.implementation)
 
     # --push_to_hub: train and save locally first, push the saved folder at the end (a failed push loses nothing)
     push = bool(training_args.push_to_hub)
@@ -597,6 +597,33 @@ def _raised_by_hf_dp(exc: BaseException) -> bool:
     return bool(frames) and any(str(Path(frames[-1].filename).resolve()).startswith(r) for r in roots)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class _StripAnsi(logging.Filter):
+    """Drops terminal escape codes from records going to a handler whose stream is not a terminal (a log file, a pipe):
+    transformers' model-load report puts its bold title in raw escape codes whatever the stream."""
+
+    def __init__(self, handler: logging.Handler):
+        super().__init__()
+        self.handler = handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        stream = getattr(self.handler, "stream", None)
+        if stream is not None and not (hasattr(stream, "isatty") and stream.isatty()):
+            text = record.getMessage()
+            if "\x1b[" in text:
+                record.msg, record.args = _ANSI.sub("", text), None
+        return True
+
+
+def _plain_text_logs() -> None:
+    for name in ("", "transformers"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _StripAnsi) for f in handler.filters):
+                handler.addFilter(_StripAnsi(handler))
+
+
 def main(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> int:
     """Entry point; returns the process exit code (0 ok, 2 for usage/data/model errors, shown without traceback)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
@@ -605,6 +632,7 @@ def main(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = 
         import transformers
 
         transformers.utils.logging.set_verbosity_warning()
+        _plain_text_logs()
         model_args, data_args, training_args = parse_args(argv, defaults)
         summary = run(model_args, data_args, training_args)
     except (DataLoadingError, RecipeError) as exc:

@@ -519,3 +519,26 @@ def test_frozen_prefix_is_cached_by_default_where_it_can_be(glue):
     assert glue.parse_args(base + ["--cache_frozen_features", "false"])[2].cache_frozen_features is False
     for mode in ("all", "lora", "bias"):
         assert glue.parse_args(base + ["--trainable", mode])[2].cache_frozen_features is False
+
+
+@needs_minilm
+def test_log_to_a_file_has_no_escape_codes_and_each_message_once_and_whole(glue, tmp_path):
+    """Issue 17 §11: with the output going to a file (not a terminal), transformers' model-load report has no raw ANSI
+    codes; the metrics-implementation message is printed once, with the whole first line of its reason."""
+    data = _sst2_files(tmp_path, n=64)
+    proc = _subprocess("glue.py", "--task_name", "sst2", "--train_file", str(data), "--validation_file", str(data),
+                       "--model_name_or_path", "minilm", "--output_dir", str(tmp_path / "o"), "--max_steps", "1",
+                       "--max_seq_length", "32", "--per_device_train_batch_size", "16", "--delta", "1e-3",
+                       "--noise_multiplier", "1.0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout + proc.stderr
+    assert "LOAD REPORT" in text  # MiniLM's classifier head is new: the report is printed
+    assert "\x1b[" not in text
+    lines = [ln for ln in text.splitlines() if "hf_dp metrics: using" in ln or "metrics implementation" in ln]
+    assert len(lines) == 1, lines
+    try:
+        import evaluate
+
+        evaluate.load("glue", "sst2")
+    except Exception as exc:  # offline: the fallback, with the reason's whole first line
+        assert str(exc).strip().splitlines()[0] in lines[0]

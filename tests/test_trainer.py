@@ -606,3 +606,28 @@ def test_bad_setups_fail_before_training(tok, ds128, collator, tmp_path):
     # plain TrainingArguments are refused
     with pytest.raises(TypeError, match=r"DPTrainingArguments"):
         DPTrainer(model=make_model(), args=transformers.TrainingArguments(str(tmp_path), use_cpu=True), train_dataset=ds128)
+
+
+def test_checkpoint_saves_print_no_bars_inside_the_training_bar(tmp_path, capsys):
+    """Issue 17 §11: transformers' "Writing model shards" bar of every checkpoint save interleaved with the training
+    bar. Inside train() the library's bars are off; the training bar stays and the setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    from hf_dp import DPTrainer
+    from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    args = dp_args(tmp_path / "out", max_steps=3, save_strategy="steps", save_steps=1, disable_tqdm=False, epsilon=None,
+                   noise_multiplier=1.0)
+    trainer = DPTrainer(model=make_model(), args=args, train_dataset=make_pair_dataset(tok, n=64),
+                        data_collator=make_collator(tok))
+    capsys.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    trainer.train()
+    err = capsys.readouterr().err
+    assert os.path.isdir(tmp_path / "out" / "checkpoint-3")  # three saves happened
+    assert "3/3" in err  # the training bar is shown
+    assert "Writing model shards" not in err and "Loading weights" not in err
+    assert hf_logging.is_progress_bar_enabled()  # restored
+    trainer.save_model(str(tmp_path / "final"))  # outside train(): the library's own behaviour
+    assert "Writing model shards" in capsys.readouterr().err
