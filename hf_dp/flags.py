@@ -394,6 +394,29 @@ def rule_for(args, name: str) -> Rule:
     raise AssertionError(f"hf_dp.flags: the last rule of {name} must be unconditional")
 
 
+_PLAIN_STATUS = {REFUSED: "refused", ADJUSTED: "adjusted", SAFE: "safe", OUTSIDE: "outside the guarantee"}
+
+
+def help_note(name: str) -> str | None:
+    """A ``--help`` note for a DP run, from the registry: None when the field is plainly safe; otherwise its
+    statuses, conditions and reasons, e.g. ``[DP: adjusted — set to 0 with DP: …]`` or
+    ``[DP: refused if True — …; otherwise safe]``. A field nobody classified says so."""
+    rules = FLAGS.get(name)
+    if rules is None:
+        return "[DP: not classified by hf_dp: refused under DP unless left at its default]"
+    if all(r.status == SAFE for r in rules):
+        return None
+    parts = []
+    for i, r in enumerate(rules):
+        if r.when is not None:
+            parts.append(f"{_PLAIN_STATUS[r.status]} if {r.when} — {r.reason}")
+        elif i == 0:
+            parts.append(f"{_PLAIN_STATUS[r.status]} — {r.reason}")
+        else:  # the unconditional last rule after conditions: its reason is just the default value
+            parts.append(f"otherwise {_PLAIN_STATUS[r.status]}")
+    return "[DP: " + "; ".join(parts) + "]"
+
+
 def enforce(args) -> None:
     """Apply the registry to DP arguments (raw values, before ``TrainingArguments.__post_init__``):
     raise the first refusal, apply the adjustments, refuse unclassified fields set to a non-default value."""

@@ -157,13 +157,22 @@ def _extract_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
+    """The flag values of a ``--config`` file: YAML, or JSON for a ``.json`` file."""
     if not os.path.isfile(path):
         raise RecipeError(f"config file {path} does not exist")
     with open(path, encoding="utf-8") as f:
-        try:
-            values = yaml.safe_load(f) or {}
-        except yaml.YAMLError as exc:
-            raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+        if path.lower().endswith(".json"):
+            import json
+
+            try:
+                values = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise RecipeError(f"{path}: not valid JSON: {exc}") from None
+        else:
+            try:
+                values = yaml.safe_load(f) or {}
+            except yaml.YAMLError as exc:
+                raise RecipeError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(values, dict):
         raise RecipeError(f"{path}: expected a mapping of flag names to values, got {type(values).__name__}")
     return {str(k).lstrip("-"): v for k, v in values.items()}
@@ -188,6 +197,10 @@ def make_parser():
 def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None):
     """Parse ``argv``: recipe defaults < ``defaults`` (e.g. qnli.py) < YAML ``--config`` < command line."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].lower().endswith(ARGS_FILE_SUFFIXES) and not argv[0].startswith("-"):
+        argv = ["--config", argv[0]]  # run_glue's `python run_glue.py args.json`: the file's values are the arguments
+    want_help = any(a in ("-h", "--help") for a in argv)
+    argv = [a for a in argv if a not in ("-h", "--help")]
     config_path, argv = _extract_config(argv)
     parser = make_parser()
     dests = {a.dest for a in parser._actions}
@@ -223,12 +236,100 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
     # HF's meaning: --save_steps N saves every N steps (HF's default strategy is "steps"; the recipe's is "no")
     if "save_steps" in explicit and "save_strategy" not in explicit:
         parser.set_defaults(save_strategy="steps")
+    if want_help:  # after every default above is in place: --help shows the values this command line would use
+        print(format_help(parser, peek))
+        raise SystemExit(0)
     try:
         model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as exc:  # e.g. DPTrainingArguments' own checks
         raise RecipeError(str(exc)) from None
     training_args._hf_dp_explicit = frozenset(explicit)  # which flags the user set (the planner needs it)
     return model_args, data_args, training_args
+
+
+ARGS_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+# the HF flags a recipe user sets most, shown in their own group right after the DP, data and model groups
+TRAINING_ESSENTIALS = ("output_dir", "optim", "learning_rate", "weight_decay", "per_device_train_batch_size",
+                       "gradient_accumulation_steps", "num_train_epochs", "max_steps", "seed", "do_train", "do_eval",
+                       "do_predict", "save_strategy", "save_steps", "resume_from_checkpoint", "push_to_hub",
+                       "hub_model_id", "disable_tqdm")
+
+_EFFECTIVE_NOTES = {
+    "output_dir": "(recipe default: runs/<task>-<optim>-eps<ε>, shown for this command line)",
+    "learning_rate": "(recipe default depends on --optim — " + ", ".join(
+        f"{k} {v['learning_rate']:g}" for k, v in OPTIMIZER_DEFAULTS.items()) + "; shown for this command line. When the "
+        "planner chooses the batch: " + ", ".join(f"{k} {v:g}" for k, v in PLANNED_LR.items()) + ")",
+    "weight_decay": "(recipe default depends on --optim — " + ", ".join(
+        f"{k} {v['weight_decay']:g}" for k, v in OPTIMIZER_DEFAULTS.items()) + "; shown for this command line)",
+    "per_device_train_batch_size": "(with --epsilon and none of the batch size, accumulation, epochs or max_steps "
+                                   "given, the planner chooses the logical batch; see recipes/README.md)",
+    "num_train_epochs": "(the compute budget at which the planner chooses the batch when no batch size is given)",
+    "cache_frozen_features": "(recipe default: True for --trainable last_block/head, else False)",
+}
+
+
+def format_help(parser, peek) -> str:
+    """``--help``: hf_dp's DP flags, then data, model and the essential training flags with the recipe's effective
+    defaults, then the other TrainingArguments flags, each marked with what it does under DP (hf_dp/flags.py)."""
+    import argparse
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from hf_dp import DPTrainingArguments
+    from hf_dp.flags import help_note
+
+    hf_names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    dp_names = {f.name for f in dataclasses.fields(DPTrainingArguments)} - hf_names
+    groups = {
+        "dp": parser.add_argument_group("hf_dp: differential privacy and speed"),
+        "data": parser.add_argument_group("data (as run_glue, plus --data_dir)"),
+        "model": parser.add_argument_group("model (as run_glue)"),
+        "recipe": parser.add_argument_group("recipe"),
+        "train": parser.add_argument_group(
+            "training (transformers TrainingArguments; defaults shown are the recipe's for this command line)"),
+        "hf": parser.add_argument_group(
+            "other transformers TrainingArguments ([DP: ...] = what the flag does under DP, from hf_dp/flags.py; "
+            "unmarked = safe)"),
+    }
+    groups["recipe"].add_argument("--config", metavar="FILE.yaml", help="YAML (or JSON) file of flag values; every "
+                                  "command-line flag overrides it. A single .json/.yaml/.yml argument is the same as "
+                                  "--config FILE (run_glue's `python run_glue.py args.json`)")
+    data_names = {f.name for f in dataclasses.fields(DataTrainingArguments)}
+    model_names = {f.name for f in dataclasses.fields(ModelArguments)}
+    for action in list(parser._actions):
+        if isinstance(action, argparse._HelpAction) or action.dest == "config":
+            continue
+        name = action.dest
+        if name in dp_names:
+            key = "dp"
+        elif name in data_names:
+            key = "data"
+        elif name in model_names:
+            key = "model"
+        elif name in TRAINING_ESSENTIALS:
+            key = "train"
+        elif name in hf_names:
+            key = "hf"
+        else:
+            continue
+        for group in parser._action_groups:
+            if action in group._group_actions:
+                group._group_actions.remove(action)
+        groups[key]._group_actions.append(action)
+        notes = [_EFFECTIVE_NOTES.get(name)]
+        if name in hf_names and getattr(peek, "disable_dp", False) is False:
+            notes.append(help_note(name))
+        extra = " ".join(n for n in notes if n)
+        if extra:
+            action.help = f"{action.help or ''} {extra}".strip().replace("%", "%%") if "%(default)" not in (action.help or "") else f"{action.help} {extra}"
+    order = [groups[k] for k in ("dp", "data", "model", "recipe", "train", "hf")]
+    parser._action_groups = order + [g for g in parser._action_groups if g not in order and g._group_actions]
+    parser.usage = ("python recipes/glue.py [--config FILE.yaml] [flags]   |   python recipes/glue.py args.json|args.yaml")
+    parser.description = ("Differentially private GLUE fine-tuning (run_glue's flags plus hf_dp's). Defaults are the "
+                          "recipe's effective values for this command line; see recipes/README.md.")
+    return parser.format_help()
 
 
 def _optim_name(optim) -> str:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -542,3 +543,55 @@ def test_log_to_a_file_has_no_escape_codes_and_each_message_once_and_whole(glue,
         evaluate.load("glue", "sst2")
     except Exception as exc:  # offline: the fallback, with the reason's whole first line
         assert str(exc).strip().splitlines()[0] in lines[0]
+
+
+def _help(glue, capsys, *argv):
+    with pytest.raises(SystemExit) as exc:
+        glue.parse_args(list(argv) + ["--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_groups_first_effective_defaults_and_dp_marks(glue, capsys):
+    """Issue 17 §8: DP, data and model groups come first; defaults are the recipe's effective ones for the command
+    line (lr/weight decay of --optim, the output_dir pattern, the cached prefix); HF flags that DP changes are marked
+    from the registry (hf_dp/flags.py); --config is listed."""
+    from hf_dp.flags import help_note
+
+    text = _help(glue, capsys, "--task_name", "qnli")
+    heads = [ln for ln in text.splitlines() if ln and not ln.startswith(" ") and ln.endswith(":")]
+    assert [h.split(" ")[0] for h in heads[:5]] == ["hf_dp:", "data", "model", "recipe:", "training"]
+    pos = {f: text.index(f"\n  {f} ") for f in ("--epsilon", "--task_name", "--model_name_or_path", "--config",
+                                                  "--learning_rate", "--max_grad_norm")}
+    assert list(pos) == sorted(pos, key=pos.get)
+    entries = {e.split()[0]: " ".join(e.split()) for e in re.split(r"\n  (?=--)", text)[1:]}  # argparse wraps lines
+
+    def entry(flag):
+        return entries[flag]
+
+    assert "(default: 0.001)" in entry("--learning_rate") and "(default: 1e-05)" in entry("--weight_decay")
+    assert "(default: runs/qnli-dp_adamw-eps3)" in entry("--output_dir")
+    assert "(default: True)" in entry("--cache_frozen_features")
+    assert help_note("max_grad_norm").startswith("[DP: adjusted") and "[DP: adjusted" in entry("--max_grad_norm")
+    assert "[DP: refused if True" in entry("--fp16")
+    sgd = {e.split()[0]: " ".join(e.split()) for e in re.split(r"\n  (?=--)", _help(glue, capsys, "--task_name", "sst2",
+                                                                                  "--optim", "dp_sgd", "--epsilon", "1"))[1:]}
+    assert "(default: 40.0)" in sgd["--learning_rate"] and "(default: runs/sst2-dp_sgd-eps1)" in sgd["--output_dir"]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
+def test_an_args_file_as_the_sole_argument(glue, tmp_path, suffix):
+    """Issue 17 §8: `python recipes/glue.py args.json` (or .yaml) as in run_glue: the file's values are the arguments,
+    they count as given (the planner keeps a batch size from the file), and an unknown key is one error."""
+    values = {"task_name": "sst2", "data_dir": "x", "model_name_or_path": "minilm", "per_device_train_batch_size": 64,
+              "learning_rate": 3e-3, "output_dir": str(tmp_path / "o")}
+    path = tmp_path / f"args{suffix}"
+    path.write_text(json.dumps(values) if suffix == ".json" else yaml.safe_dump(values))
+    model_args, data_args, args = glue.parse_args([str(path)])
+    assert (data_args.task_name, model_args.model_name_or_path) == ("sst2", "minilm")
+    assert (args.per_device_train_batch_size, args.learning_rate, args.output_dir) == (64, 3e-3, str(tmp_path / "o"))
+    assert {"per_device_train_batch_size", "learning_rate"} <= args._hf_dp_explicit
+    assert glue._apply_plan(args, None, 1000) is None  # a batch size was given (in the file): no planner
+    path.write_text(json.dumps({**values, "learning_rte": 1}) if suffix == ".json" else yaml.safe_dump({**values, "learning_rte": 1}))
+    with pytest.raises(glue.RecipeError, match=r"unknown option\(s\) \['learning_rte'\]"):
+        glue.parse_args([str(path)])
