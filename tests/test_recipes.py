@@ -595,3 +595,10 @@ def test_an_args_file_as_the_sole_argument(glue, tmp_path, suffix):
     path.write_text(json.dumps({**values, "learning_rte": 1}) if suffix == ".json" else yaml.safe_dump({**values, "learning_rte": 1}))
     with pytest.raises(glue.RecipeError, match=r"unknown option\(s\) \['learning_rte'\]"):
         glue.parse_args([str(path)])
+
+
+def test_an_args_file_that_is_not_json_is_one_error_line(glue, tmp_path, capsys):
+    bad = tmp_path / "args.json"
+    bad.write_text('{"task_name": "sst2",}')
+    code, _, err = _run(glue, capsys, [str(bad)])
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {bad}: not valid JSON:")
