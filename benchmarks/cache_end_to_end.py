@@ -26,15 +26,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_io import load_jsonl  # noqa: E402
 SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "cache_end_to_end.jsonl"
 
-
-def _load(out: str) -> list[dict]:
-    if not os.path.exists(out):
-        return []
-    with open(out) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _parse_summary(text: str) -> dict:
@@ -79,7 +75,7 @@ def _key(r: dict) -> tuple:
 
 
 def report(out: str) -> None:
-    rows = _load(out)
+    rows = load_jsonl(out)
     scales = sorted({(r["epochs"], r["batch"], r["max_train_samples"]) for r in rows}, key=str)
     for epochs, batch, n in scales:
         rs = [r for r in rows if (r["epochs"], r["batch"], r["max_train_samples"]) == (epochs, batch, n)]
@@ -125,7 +121,7 @@ def main():
         report(a.out)
         return
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    done = {_key(r) for r in _load(a.out)}
+    done = {_key(r) for r in load_jsonl(a.out)}
     for seed in [int(s) for s in a.seeds.split(",")]:
         for mode in a.modes.split(","):
             key = (mode, seed, a.epochs, a.batch, a.max_train_samples)

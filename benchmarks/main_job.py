@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_io import git_commit, load_jsonl  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job.jsonl"
 
 
@@ -77,27 +79,14 @@ def run_one(seed: int) -> dict:
         "learning_rate": (privacy.get("optimizer") or {}).get("hyperparameters", {}).get("lr"),
         "majority_rate": (privacy.get("eval_baseline") or {}).get("majority_rate"),
         "train_runtime": num((re.findall(r"'train_runtime': '?([0-9.]+)'?", text) or [None])[-1]),
-        "load_before": load_before, "load_after": os.getloadavg()[0], "commit": _commit(),
+        "load_before": load_before, "load_after": os.getloadavg()[0], "commit": git_commit(),
     }
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return None
-
-
-def _load(out: str) -> list[dict]:
-    if not os.path.exists(out):
-        return []
-    with open(out) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def report(out: str) -> None:
-    rows = _load(out)
+    rows = load_jsonl(out)
     print("| seed | wall s | of which training s | QNLI dev accuracy % | ε spent | B | steps | σ | lr | load avg before/after | commit |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

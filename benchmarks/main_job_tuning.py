@@ -26,14 +26,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_io import git_commit, load_jsonl  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job_tuning.jsonl"
 
-
-def _load(out: str) -> list[dict]:
-    if not os.path.exists(out):
-        return []
-    with open(out) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _key(r: dict) -> tuple:
@@ -83,7 +78,7 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
     from hf_dp import DPTrainer, DPTrainingArguments
     from hf_dp.metrics import build_compute_metrics
     from hf_dp.plan import recommend, split_batch
-    from qnli_optimizers import _commit, _minilm_path
+    from qnli_optimizers import _minilm_path
 
     n = len(data.train)
     plan = recommend(n, epsilon, 1e-5, params, epochs=epochs)
@@ -111,12 +106,12 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
         "lr": lr, "seed": seed, "epsilon_target": epsilon, "params": params,
         "tune_accuracy": tune.get("tune_accuracy"), "dev_accuracy": dev["dev_accuracy"], "train_seconds": train_s,
         "steps": trainer.state.global_step, "epsilon": rep["epsilon"], "sigma": rep["noise_multiplier"],
-        "sizes": data.sizes, "commit": _commit(),
+        "sizes": data.sizes, "commit": git_commit(),
     }
 
 
 def report(out: str) -> None:
-    rows = _load(out)
+    rows = load_jsonl(out)
     print("| task | trainable | train rows | E | B (planner) | steps | σ | lr | seeds | tune acc % | GLUE dev acc % | train s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     groups: dict = {}
@@ -158,7 +153,7 @@ def main() -> None:
     params = apply_trainable(AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2),
                              a.trainable)[1].num_trainable
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    done = {_key(r) for r in _load(a.out)}
+    done = {_key(r) for r in load_jsonl(a.out)}
     data = Data(a.task, a.max_length, 0.1, cache=a.trainable in ("last_block", "head"), full_train=a.full_train)
     print(f"data {data.sizes}, cached: {data.cached} ({data.cache_seconds:.0f}s); d = {params}", flush=True)
     for e in [float(x) for x in a.epochs.split(",")]:

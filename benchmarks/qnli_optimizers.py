@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_io import git_commit, load_jsonl  # noqa: E402
 SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
 
 # lr grids (B=256, C=0.1). Sources: seed 004 (QNLI, B=256, C=0.1, σ=0.4: DP-SGD lr ~40 on the mean of
@@ -119,7 +121,7 @@ def run_one(data: Data, optim: str, hyper: dict, epsilon: float | None, seed: in
     rec = {
         "task": data.task, "optim": optim, "hyper": hyper, "epsilon_target": epsilon, "seed": seed, "epochs": epochs, "batch": batch,
         "tune_accuracy": tune.get("tune_accuracy"), "dev_accuracy": dev.get("dev_accuracy"), "train_seconds": train_s,
-        "steps": trainer.state.global_step, "sizes": data.sizes, "commit": _commit(),
+        "steps": trainer.state.global_step, "sizes": data.sizes, "commit": git_commit(),
     }
     if private:
         rep = trainer.privacy_report()
@@ -130,28 +132,14 @@ def run_one(data: Data, optim: str, hyper: dict, epsilon: float | None, seed: in
     return rec
 
 
-def _commit() -> str | None:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return None
-
 
 def _key(r: dict) -> tuple:
     return (r["task"], r["optim"], json.dumps(r["hyper"], sort_keys=True), r["epsilon_target"], r["seed"], r["epochs"], r["batch"])
 
 
-def _load(out: str) -> list[dict]:
-    if not os.path.exists(out):
-        return []
-    with open(out) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
 
 def main_run(a) -> None:
-    done = {_key(r) for r in _load(a.out)}
+    done = {_key(r) for r in load_jsonl(a.out)}
     data = Data(a.task, a.max_length, a.tune_fraction, a.max_train)
     print(f"cached {data.sizes} in {data.cache_seconds:.0f}s", flush=True)
 
@@ -168,7 +156,7 @@ def main_run(a) -> None:
     optims = a.optims.split(",")
     grid = GRID
     if a.grid_from:  # transfer: each optimizer's best hyper-parameters on another task's tune split
-        src = [r for r in _load(a.grid_from) if r["epsilon_target"] in (3.0, None) and r["seed"] == 0]
+        src = [r for r in load_jsonl(a.grid_from) if r["epsilon_target"] in (3.0, None) and r["seed"] == 0]
         best_src = _best_per_optim(src)
         grid = {o: [best_src[o]["hyper"]] for o in optims if o in best_src}
         print("grid transferred from", a.grid_from, json.dumps(grid), flush=True)
@@ -177,7 +165,7 @@ def main_run(a) -> None:
             go(optim, hyper, 3.0, 0)
     if a.stage1_only:
         return
-    best = _best_per_optim([r for r in _load(a.out) if r["task"] == a.task and r["epsilon_target"] == 3.0 and r["seed"] == 0])
+    best = _best_per_optim([r for r in load_jsonl(a.out) if r["task"] == a.task and r["epsilon_target"] == 3.0 and r["seed"] == 0])
     top2 = sorted((o for o in best if o != "nonprivate_adamw"), key=lambda o: -best[o]["tune_accuracy"])[:2]
     print("best two:", top2, flush=True)
     for optim in top2:  # stage 2
@@ -196,7 +184,7 @@ def _best_per_optim(rows: list[dict]) -> dict:
 
 
 def report(out: str, png: str | None) -> None:
-    rows = _load(out)
+    rows = load_jsonl(out)
     for task in sorted({r["task"] for r in rows}):
         rs = [r for r in rows if r["task"] == task]
         print(f"\n### {task.upper()} (train {rs[0]['sizes']['train']:,} / tune {rs[0]['sizes']['tune']:,} / GLUE dev {rs[0]['sizes']['dev']:,}), B={rs[0]['batch']}, {rs[0]['epochs']} epochs\n")

@@ -1,0 +1,27 @@
+"""Small helpers shared by the benchmark scripts: JSON-lines result files and the commit a row ran on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The rows of a JSON-lines results file ([] when it does not exist yet)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def git_commit() -> str | None:
+    """The short hash of this checkout's HEAD (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return None
