@@ -294,12 +294,14 @@ def same_mechanism(a: dict | None, b: dict | None) -> bool:
     return bool(a) and bool(b) and all(_same(a.get(k), b.get(k)) for k in MECHANISM_FIELDS)
 
 
-def write_spent(output_dir: str, steps: int, epsilon: float, spec: dict, run_id: str | None = None) -> None:
+def write_spent(output_dir: str, steps: int, epsilon: float | None, spec: dict, run_id: str | None = None) -> None:
     """Record (atomically) that run ``run_id`` in ``output_dir`` has taken ``steps`` noisy steps (ε spent).
 
     Written after every step, before any ε is logged, before a checkpoint or a model is saved, so that a run
     resumed from an older checkpoint counts the steps the interrupted run took past it (they were computed with
     randomness that is gone; the resumed steps are new releases). The record of the same run never goes down.
+    ``epsilon`` may be None (not computed yet at that step: the per-step record makes no accountant call); the step
+    count is what resumes use.
     """
     os.makedirs(output_dir, exist_ok=True)
     old = read_spent(output_dir)
@@ -308,7 +310,8 @@ def write_spent(output_dir: str, steps: int, epsilon: float, spec: dict, run_id:
     fd, tmp = tempfile.mkstemp(prefix=".hf_dp_tmp", suffix=".json", dir=output_dir)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"steps": int(steps), "epsilon": float(epsilon), "privacy_spec": spec, "run_id": run_id}, f,
+            json.dump({"steps": int(steps), "epsilon": None if epsilon is None else float(epsilon), "privacy_spec": spec,
+                       "run_id": run_id}, f,
                       sort_keys=True, default=str)
         os.chmod(tmp, _umask_mode())
         os.replace(tmp, os.path.join(output_dir, SPENT_NAME))

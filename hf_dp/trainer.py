@@ -138,7 +138,9 @@ class _BudgetGuard(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer._record_spent()  # every step taken is on record before any output of it is written
+        # every step taken is on record before any output of it is written; ε only if already known (an accountant
+        # call per step costs 0.1-0.5 s with PRV; saves and logs compute it)
+        self.trainer._record_spent(compute_epsilon=False)
         opt = self.trainer._dp_optimizer
         if opt is not None and opt.max_epsilon is not None and state.global_step < state.max_steps and opt._would_exceed_budget():
             logger.warning(
@@ -528,9 +530,12 @@ class DPTrainer(Trainer):
             return math.inf
         return self.ledger.get_epsilon()  # the ledger counts every noisy step, an interrupted run's included
 
-    def _record_spent(self) -> None:
+    def _record_spent(self, compute_epsilon: bool = True) -> None:
+        """Write the record of steps taken (the count is what resumes rely on; ε is informative, and with
+        ``compute_epsilon=False`` written only when the ledger already has it)."""
         if self.args.dp_enabled and self.args.should_save and self.ledger.steps > 0:
-            checkpointing.write_spent(self.args.output_dir, self.ledger.steps, self.get_epsilon(), self.privacy_spec.as_dict(),
+            eps = self.get_epsilon() if compute_epsilon else self.ledger.cached_epsilon()
+            checkpointing.write_spent(self.args.output_dir, self.ledger.steps, eps, self.privacy_spec.as_dict(),
                                       run_id=self.run_id)
 
     def floating_point_ops(self, inputs) -> int:

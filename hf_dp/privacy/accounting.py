@@ -187,6 +187,13 @@ class PrivacyLedger:
     def epsilon_after(self, steps: int) -> float:
         return compute_epsilon(self.spec.noise_multiplier, self.spec.sample_rate, steps, self.spec.delta, self.spec.accountant)
 
+    def cached_epsilon(self) -> float | None:
+        """ε for the current step count if already computed (no accountant call), else None."""
+        steps = self.steps
+        if steps == 0:
+            return 0.0
+        return self._cache[1] if self._cache is not None and self._cache[0] == steps else None
+
     def get_epsilon(self) -> float:
         """ε spent so far at the spec's δ (0 before the first step)."""
         steps = self.steps
