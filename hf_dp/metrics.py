@@ -146,7 +146,8 @@ def constant_baseline(labels, metrics: dict[str, Any], *, label_names: list[str]
     set without labels, or when no comparable metric was computed. Otherwise a dict with ``majority_rate`` (the
     share of the most frequent class: the accuracy of always predicting it), ``majority_label``, and, per compared
     metric, the model's value and the constant predictor's (accuracy: the majority rate; Matthews correlation: 0);
-    ``at_or_below`` is True when the model does no better than the constant predictor on any compared metric.
+    ``at_or_below`` is True when the model does no better than the constant predictor on any compared metric;
+    ``sentence`` says so in plain words (for the summary and the card).
 
     Only the evaluation labels are used — never the training data's label counts, which are private.
     """
@@ -167,16 +168,16 @@ def constant_baseline(labels, metrics: dict[str, Any], *, label_names: list[str]
     if not compared:
         return None
     name = label_names[top] if label_names and 0 <= top < len(label_names) else str(top)
-    return {
+    baseline = {
         "majority_label": name, "majority_rate": rate, "eval_examples": int(arr.size), "compared": compared,
         "at_or_below": any(c["model"] <= c["constant"] + 1e-12 for c in compared.values()),
     }
+    baseline["sentence"] = _baseline_sentence(baseline)
+    return baseline
 
 
-def baseline_sentence(baseline: dict[str, Any] | None) -> str | None:
-    """One plain sentence for summaries and cards; None when there is nothing to compare."""
-    if not baseline:
-        return None
+def _baseline_sentence(baseline: dict[str, Any]) -> str:
+    """One plain sentence for summaries and cards (``constant_baseline(...)["sentence"]``)."""
     parts = []
     for name, c in baseline["compared"].items():
         what = (f"always predicting the most frequent class ('{baseline['majority_label']}', {c['constant']:.4f} of the "

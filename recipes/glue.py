@@ -31,7 +31,7 @@ if (_REPO / "hf_dp").is_dir() and str(_REPO) not in sys.path:
 import yaml  # noqa: E402
 
 from hf_dp.data import GLUE_TASKS, DataLoadingError, get_task, label_info, load_raw_datasets, preprocess  # noqa: E402
-from hf_dp.metrics import baseline_sentence, build_compute_metrics, constant_baseline, main_metric_name  # noqa: E402
+from hf_dp.metrics import build_compute_metrics, constant_baseline, main_metric_name  # noqa: E402
 
 logger = logging.getLogger("hf_dp.recipes.glue")
 
@@ -321,9 +321,9 @@ def format_help(parser, peek) -> str:
         notes = [_EFFECTIVE_NOTES.get(name)]
         if name in hf_names and getattr(peek, "disable_dp", False) is False:
             notes.append(help_note(name))
-        extra = " ".join(n for n in notes if n)
+        extra = " ".join(n for n in notes if n).replace("%", "%%")  # argparse formats help with %
         if extra:
-            action.help = f"{action.help or ''} {extra}".strip().replace("%", "%%") if "%(default)" not in (action.help or "") else f"{action.help} {extra}"
+            action.help = f"{action.help or ''} {extra}".strip()
     order = [groups[k] for k in ("dp", "data", "model", "recipe", "train", "hf")]
     parser._action_groups = order + [g for g in parser._action_groups if g not in order and g._group_actions]
     parser.usage = ("python recipes/glue.py [--config FILE.yaml] [flags]   |   python recipes/glue.py args.json|args.yaml")
@@ -435,7 +435,7 @@ def summary_block(s: dict[str, Any]) -> str:
         ("sampling rate q", _fmt(s.get("sample_rate"))),
         ("steps", _fmt(s.get("steps"))),
         (s.get("metric_name", "metric"), _fmt(s.get("metric"))),
-        *([("constant baseline", baseline_sentence(s["baseline"]))] if s.get("baseline") else []),
+        *([("constant baseline", s["baseline"]["sentence"])] if s.get("baseline") else []),
         ("wall time", f"{s.get('wall_time', 0.0):.1f} s"),
         ("saved to", s.get("output_dir") or "not saved"),
     ]

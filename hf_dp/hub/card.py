@@ -203,8 +203,6 @@ def render_model_card(
 
     ``baseline``: :func:`hf_dp.metrics.constant_baseline` of the evaluation results; the card says plainly when the
     model does no better than a constant predictor."""
-    from hf_dp.metrics import baseline_sentence
-
     import jinja2
 
     dp = _is_dp(report)
@@ -235,7 +233,7 @@ def render_model_card(
         r=report, title=model_name, base_model=base_model, task_name=task_name, dataset_desc=dataset_desc,
         eval_rows=eval_rows, eval_split=eval_split, optimizer_name=_optimizer_name(report),
         optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=dp, num=_num, pct=_pct,
-        selection=_selection(report), baseline=baseline, baseline_sentence=baseline_sentence(baseline),
+        selection=_selection(report), baseline=baseline,
     )
 
 
