@@ -33,19 +33,19 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job_tuning.jsonl"
 
 def _key(r: dict) -> tuple:
     return (r["task"], r.get("trainable", "last_block"), bool(r.get("full_train")), r["epochs"], r["lr"], r["seed"],
-            r["epsilon_target"])
+            r["epsilon_target"], r.get("scheduler", "constant"))
 
 
 class Data:
     """Tokenized fit / tune / GLUE-dev splits (fit + tune carved from train, or ``full_train``: fit = every training
     row, no tune split), with their frozen-prefix caches when the trainable set allows one."""
 
-    def __init__(self, task: str, max_length: int, tune_fraction: float, *, cache: bool, full_train: bool = False):
+    def __init__(self, task: str, max_length: int, tune_fraction: float, *, trainable: str, full_train: bool = False):
         import datasets
         from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
         from hf_dp.data import load_raw_datasets, preprocess
-        from hf_dp.models import apply_trainable
+        from hf_dp.models import apply_trainable, suffix_blocks
         from hf_dp.models.prefix_cache import build_prefix_cache
         from qnli_optimizers import SHARED, _minilm_path
 
@@ -62,16 +62,20 @@ class Data:
         tokd = {k: preprocess(datasets.DatasetDict({"validation": v}), tok, task_name=task, max_seq_length=max_length)["validation"]
                 for k, v in parts.items()}
         t0 = time.time()
+        k = suffix_blocks(trainable)  # None: no frozen prefix to cache (all, lora, bias)
+        cache = k is not None
         if cache:
-            model, _ = apply_trainable(AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2), "last_block")
-            tokd = {k: build_prefix_cache(model, v, self.collator, batch_size=128, progress=True, name=k) for k, v in tokd.items()}
+            model, _ = apply_trainable(AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2), trainable)
+            tokd = {name: build_prefix_cache(model, v, self.collator, batch_size=128, progress=True, name=name, suffix_blocks=k)
+                    for name, v in tokd.items()}
         self.cache_seconds = time.time() - t0
         self.train, self.tune, self.dev = tokd["train"], tokd.get("tune"), tokd["validation"]
         self.cached = cache
         self.sizes = {k: len(v) for k, v in tokd.items()}
 
 
-def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params: int, trainable: str = "last_block") -> dict:
+def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params: int, trainable: str = "last_block",
+            scheduler: str = "constant") -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -88,7 +92,7 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
     args = DPTrainingArguments(
         output_dir=f"/tmp/hf_dp_mjt/{epochs}_{lr}_{seed}", per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accum, per_device_eval_batch_size=256, num_train_epochs=epochs,
-        learning_rate=lr, weight_decay=1e-5, lr_scheduler_type="constant", warmup_steps=0,
+        learning_rate=lr, weight_decay=1e-5, lr_scheduler_type=scheduler, warmup_steps=0,
         logging_steps=10, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, seed=seed,
         disable_tqdm=True, cache_frozen_features=data.cached, trainable=trainable, dataloader_num_workers=0,
         optim="dp_adamw", epsilon=epsilon, delta=1e-5, per_sample_max_grad_norm=0.1, dp_seed=seed,
@@ -103,7 +107,7 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
     rep = trainer.privacy_report()
     return {
         "task": data.task, "trainable": trainable, "full_train": data.tune is None, "epochs": epochs, "batch": plan.batch_size,
-        "lr": lr, "seed": seed, "epsilon_target": epsilon, "params": params,
+        "lr": lr, "scheduler": scheduler, "seed": seed, "epsilon_target": epsilon, "params": params,
         "tune_accuracy": tune.get("tune_accuracy"), "dev_accuracy": dev["dev_accuracy"], "train_seconds": train_s,
         "steps": trainer.state.global_step, "epsilon": rep["epsilon"], "sigma": rep["noise_multiplier"],
         "sizes": data.sizes, "commit": git_commit(),
@@ -112,18 +116,18 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
 
 def report(out: str) -> None:
     rows = load_jsonl(out)
-    print("| task | trainable | train rows | E | B (planner) | steps | σ | lr | seeds | tune acc % | GLUE dev acc % | train s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| task | trainable | train rows | E | B (planner) | steps | σ | lr | schedule | seeds | tune acc % | GLUE dev acc % | train s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["task"], r.get("trainable", "last_block"), bool(r.get("full_train")), r["epochs"], r["lr"],
-                           r["epsilon_target"]), []).append(r)
+                           r.get("scheduler", "constant"), r["epsilon_target"]), []).append(r)
     sd = lambda xs: f" ± {statistics.stdev(xs):.1f}" if len(xs) > 1 else ""  # noqa: E731
-    for (task, trainable, full, e, lr, _eps), g in sorted(groups.items(), key=lambda kv: kv[0][:5]):
+    for (task, trainable, full, e, lr, sched, _eps), g in sorted(groups.items(), key=lambda kv: kv[0][:6]):
         tune = [100 * r["tune_accuracy"] for r in g if r.get("tune_accuracy") is not None]
         dev = [100 * r["dev_accuracy"] for r in g]
         print(f"| {task} | {trainable} | {g[0]['sizes']['train']:,} | {e:g} | {g[0]['batch']} | {g[0]['steps']} | "
-              f"{g[0]['sigma']:.3f} | {lr:g} | {','.join(str(r['seed']) for r in g)} | "
+              f"{g[0]['sigma']:.3f} | {lr:g} | {sched} | {','.join(str(r['seed']) for r in g)} | "
               f"{(f'{statistics.mean(tune):.1f}' + sd(tune)) if tune else '—'} | {statistics.mean(dev):.1f}{sd(dev)} | "
               f"{statistics.mean(r['train_seconds'] for r in g):.0f} |")
 
@@ -136,7 +140,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--epsilon", type=float, default=3.0)
     ap.add_argument("--max_length", type=int, default=128)
-    ap.add_argument("--trainable", default="last_block", help="last_block and head are cached; all and lora are not")
+    ap.add_argument("--trainable", default="last_block", help="last_block, last_k:K and head are cached; all and lora are not")
+    ap.add_argument("--scheduler", default="constant", help="HF lr_scheduler_type (constant, linear, cosine, ...)")
     ap.add_argument("--full_train", action="store_true", help="train on every training row (no tune split): final runs "
                     "of a configuration already chosen on the tune split")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
@@ -154,14 +159,15 @@ def main() -> None:
                              a.trainable)[1].num_trainable
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     done = {_key(r) for r in load_jsonl(a.out)}
-    data = Data(a.task, a.max_length, 0.1, cache=a.trainable in ("last_block", "head"), full_train=a.full_train)
+    data = Data(a.task, a.max_length, 0.1, trainable=a.trainable, full_train=a.full_train)
     print(f"data {data.sizes}, cached: {data.cached} ({data.cache_seconds:.0f}s); d = {params}", flush=True)
     for e in [float(x) for x in a.epochs.split(",")]:
         for lr in [float(x) for x in a.lrs.split(",")]:
             for seed in [int(s) for s in a.seeds.split(",")]:
-                if (a.task, a.trainable, a.full_train, e, lr, seed, a.epsilon) in done:
+                if (a.task, a.trainable, a.full_train, e, lr, seed, a.epsilon, a.scheduler) in done:
                     continue
-                rec = run_one(data, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params, trainable=a.trainable)
+                rec = run_one(data, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params, trainable=a.trainable,
+                              scheduler=a.scheduler)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(json.dumps({k: rec[k] for k in ("epochs", "batch", "lr", "seed", "tune_accuracy", "dev_accuracy",

@@ -7,8 +7,8 @@ Every HF flag keeps its meaning. Added flags (all parsed by ``HfArgumentParser``
   names are refused unless ``--disable_dp`` is given: a run is never silently non-private.
 * ``--epsilon`` (target ε) or ``--noise_multiplier`` (σ), exactly one; ``--delta`` (1e-5; must be
   below 1/N, checked by the trainer once N is known); ``--per_sample_max_grad_norm`` (C);
-  ``--accountant`` (``prv`` | ``rdp``); ``--trainable`` (``last_block`` | ``head`` | ``all`` |
-  ``lora`` | ``bias``); ``--bc_gamma`` (γ' of the BC variants); ``--macadam_h1/--macadam_h2``;
+  ``--accountant`` (``prv`` | ``rdp``); ``--trainable`` (``last_block`` | ``last_k:K`` | ``head`` |
+  ``all`` | ``lora`` | ``bias``); ``--bc_gamma`` (γ' of the BC variants); ``--macadam_h1/--macadam_h2``;
   ``--secure_rng``; ``--dp_seed``; ``--disable_dp``; ``--clipping`` (``auto`` | ``ghost`` | ``ghost_two_pass`` |
   ``hooks``: the per-example clipping engine); ``--cache_frozen_features`` (train the suffix from a cache of the frozen prefix).
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from hf_dp import flags
-from hf_dp.models import TRAINABLE_MODES
+from hf_dp.models import check_trainable
 from hf_dp.optim.registry import is_dp_optimizer, optimizer_names
 from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon
 
@@ -66,7 +66,8 @@ class DPTrainingArguments(TrainingArguments):
     accountant: str = field(default="prv", metadata={"help": "Privacy accountant: prv (tight) or rdp.", "choices": list(ACCOUNTANTS)})
     trainable: str = field(
         default="last_block",
-        metadata={"help": "Which parameters train: last_block (+pooler+head), head, all, lora, bias.", "choices": list(TRAINABLE_MODES)},
+        metadata={"help": "Which parameters train: last_block (+pooler+head), last_k:K (the last K blocks +pooler+head), "
+                          "head, all, lora, bias."},
     )
     lora_r: int = field(default=8, metadata={"help": "LoRA rank (with --trainable lora)."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (with --trainable lora)."})
@@ -101,8 +102,8 @@ class DPTrainingArguments(TrainingArguments):
     cache_frozen_features: bool = field(
         default=False,
         metadata={
-            "help": "Compute the frozen prefix (everything below the last block) once per example and train the suffix "
-            "from that cache (needs --trainable last_block/head). Privacy is unchanged; the frozen prefix runs in eval "
+            "help": "Compute the frozen prefix (everything below the trained blocks: the last block, or the last K with "
+            "last_k:K) once per example and train the suffix from that cache (needs --trainable last_block, last_k:K or head). Privacy is unchanged; the frozen prefix runs in eval "
             "mode (no dropout)."
         },
     )
@@ -171,8 +172,7 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"--per_sample_max_grad_norm (C) must be a finite number > 0, got {c!r}")
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"--accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
-        if self.trainable not in TRAINABLE_MODES:
-            raise ValueError(f"--trainable must be one of {TRAINABLE_MODES}, got {self.trainable!r}")
+        check_trainable(self.trainable)
         if self.first_token_only not in ("auto", "off"):
             raise ValueError(f"--first_token_only must be 'auto' or 'off', got {self.first_token_only!r}")
         if self.clipping not in ("auto", "ghost", "ghost_two_pass", "hooks"):

@@ -198,8 +198,9 @@ class DPTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------
     def _enable_prefix_cache(self) -> None:
         info = self.trainable_info
-        if info is None or info.mode not in ("last_block", "head"):
-            raise ValueError("--cache_frozen_features needs --trainable last_block (or head): the cached prefix must be frozen")
+        if info is None or info.suffix_blocks is None:
+            raise ValueError("--cache_frozen_features needs --trainable last_block (or last_k:K, or head): the cached "
+                             "prefix must be frozen")
         self._check_cache_dir()
         self._prefix_cache = True
         self._raw_collator = self.data_collator  # HF's resolved collator (tokenizer padding)
@@ -234,12 +235,18 @@ class DPTrainer(Trainer):
             )
 
     def _cache_dataset(self, dataset, name: str = "dataset"):
+        k = self.trainable_info.suffix_blocks
+        if isinstance(dataset, CachedFeatures) and dataset.suffix_blocks != k:
+            raise ValueError(
+                f"the {name} dataset is a prefix cache of the input of the last {dataset.suffix_blocks} block(s), but "
+                f"--trainable {self.trainable_info.mode} runs the last {k} from the cache; build it with suffix_blocks={k}"
+            )
         if dataset is None or isinstance(dataset, CachedFeatures):
             return dataset
         return build_prefix_cache(
             self.model, dataset, self._raw_collator, batch_size=self.args.per_device_eval_batch_size,
             dtype=getattr(torch, self.args.cache_frozen_features_dtype), cache_dir=self.args.cache_frozen_features_dir,
-            keep_file=self.args.keep_frozen_features_cache, progress=not self.args.disable_tqdm, name=name,
+            keep_file=self.args.keep_frozen_features_cache, progress=not self.args.disable_tqdm, name=name, suffix_blocks=k,
         )
 
     def _suffix_ctx(self):
@@ -247,7 +254,8 @@ class DPTrainer(Trainer):
         the first-token-only last block (``--first_token_only auto``), or the model unchanged."""
         auto = getattr(self.args, "first_token_only", "auto") == "auto"
         if self._prefix_cache:
-            return suffix_forward(self.model, first_token_only=None if auto else False)
+            return suffix_forward(self.model, first_token_only=None if auto else False,
+                                  suffix_blocks=self.trainable_info.suffix_blocks)
         return first_token_forward(self.model) if auto else contextlib.nullcontext()
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):

@@ -74,8 +74,6 @@ PLANNED_LR: dict[str, float] = {
     "dp_macadam": 1e-2,
 }
 
-# --trainable modes whose frozen prefix the recipe caches unless --cache_frozen_features false
-CACHEABLE_TRAINABLE = ("last_block", "head")
 
 # Per-optimizer learning rate / weight decay used when neither the command line nor the YAML sets them.
 # Sources and caveats: recipes/README.md ("Optimizer defaults").
@@ -88,6 +86,17 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
     "dp_sgd_l2": {"learning_rate": 40.0, "weight_decay": 1e-5},
     "dp_macadam": {"learning_rate": 1e-3, "weight_decay": 0.0},
 }
+
+
+def _cacheable(trainable) -> bool:
+    """Whether the recipe caches the frozen prefix of this --trainable mode by default (unless --cache_frozen_features
+    false): where a prefix stays frozen (``hf_dp.models.suffix_blocks``)."""
+    from hf_dp.models import suffix_blocks
+
+    try:
+        return suffix_blocks(trainable) is not None
+    except ValueError:
+        return False  # an invalid mode is refused with its own error when the arguments are checked
 
 
 class RecipeError(ValueError):
@@ -229,9 +238,10 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
     for key, value in OPTIMIZER_DEFAULTS.get(_dp_family(_optim_name(peek.optim)), {}).items():
         if key not in explicit:
             parser.set_defaults(**{key: value})
-    # the frozen prefix is cached when it can be (last_block/head): the same per-example gradients, minutes instead of an
-    # hour on CPU (benchmarks/RESULTS.md §3); the prefix then runs once in eval mode. --cache_frozen_features false: off
-    if "cache_frozen_features" not in explicit and getattr(peek, "trainable", None) in CACHEABLE_TRAINABLE:
+    # the frozen prefix is cached when it can be (last_block, last_k:K, head: hf_dp.models.suffix_blocks): the same
+    # per-example gradients, minutes instead of an hour on CPU (benchmarks/RESULTS.md §3); the prefix then runs once in
+    # eval mode. --cache_frozen_features false: off
+    if "cache_frozen_features" not in explicit and _cacheable(getattr(peek, "trainable", None)):
         parser.set_defaults(cache_frozen_features=True)
     # HF's meaning: --save_steps N saves every N steps (HF's default strategy is "steps"; the recipe's is "no")
     if "save_steps" in explicit and "save_strategy" not in explicit:
@@ -265,7 +275,7 @@ _EFFECTIVE_NOTES = {
     "per_device_train_batch_size": "(with --epsilon and none of the batch size, accumulation, epochs or max_steps "
                                    "given, the planner chooses the logical batch; see recipes/README.md)",
     "num_train_epochs": "(the compute budget at which the planner chooses the batch when no batch size is given)",
-    "cache_frozen_features": "(recipe default: True for --trainable last_block/head, else False)",
+    "cache_frozen_features": "(recipe default: True for --trainable last_block, last_k:K and head, else False)",
 }
 
 

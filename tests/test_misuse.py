@@ -156,7 +156,11 @@ CASES = {
     "model-init": ({}, dataset, lambda: None, {"model_init": bert},
                    ValueError, r"^DPTrainer needs a model \(model_init is not supported with DP\)$"),
     "unknown-trainable-mode": ({"trainable": "decoder"}, dataset, bert, {},
-                               ValueError, r"^--trainable must be one of \('last_block', 'head', 'all', 'bias', 'lora'\), got 'decoder'$"),
+                               ValueError, r"^--trainable must be one of last_block, last_k:K, head, all, bias, lora \(K = 1, 2, \.\.\.\), got 'decoder'$"),
+    "trainable-last-k-not-a-number": ({"trainable": "last_k:two"}, dataset, bert, {},
+                                      ValueError, r"^--trainable last_k:two: K in last_k:K must be a whole number >= 1 \(e\.g\. last_k:2\), got 'two'$"),
+    "trainable-last-k-too-deep": ({"trainable": "last_k:9"}, dataset, bert, {},
+                                  ValueError, r"^--trainable last_k:9: BertForSequenceClassification has 2 blocks \(bert\.encoder\.layer\); K must be between 1 and 2"),
     "unknown-accountant": ({"accountant": "gdp"}, dataset, bert, {},
                            ValueError, r"^--accountant must be one of \('prv', 'rdp'\), got 'gdp'$"),
     # HF flags refused under DP by the registry hf_dp/flags.py (docs/privacy_flags.md)

@@ -148,6 +148,35 @@ def test_last_block_selects_last_block_pooler_and_head(arch):
     assert info.last_block is not None and prefixes[0].startswith(info.last_block + ".")
 
 
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert", "electra", "mpnet", "deberta-v2", "gpt2"])
+def test_last_k_selects_the_last_k_blocks_and_what_follows(arch):
+    """--trainable last_k:K: the last K blocks plus what last_block adds after them (pooler, head, final norms);
+    last_k:1 is last_block; last_k:N_LAYERS trains every block and nothing computed before them."""
+    names = [n for n, _ in _model(arch).named_parameters()]
+    _, one = apply_trainable(_model(arch), "last_k:1")
+    _, last = apply_trainable(_model(arch), "last_block")
+    assert one.trainable_names == last.trainable_names and one.suffix_blocks == last.suffix_blocks == 1
+    _, two = apply_trainable(_model(arch), "last_k:2")
+    block = EXPECTED_LAST_BLOCK_PREFIXES[arch][0]  # e.g. "bert.encoder.layer.{LAST}."
+    below = block.replace(f".{LAST}.", f".{LAST - 1}.")
+    assert set(two.trainable_names) == set(last.trainable_names) | {n for n in names if n.startswith(below)}
+    assert any(n.startswith(below) for n in two.trainable_names)
+    assert two.suffix_blocks == 2 and two.mode == "last_k:2" and two.last_block == below[:-1]
+    assert two.summary().endswith("[last_k:2]")
+    _, every = apply_trainable(_model(arch), f"last_k:{N_LAYERS}")
+    first = block.replace(f".{LAST}.", ".0.")
+    assert any(n.startswith(first) for n in every.trainable_names)
+    assert every.num_trainable < every.num_total  # the embeddings stay frozen
+    with pytest.raises(ValueError, match=rf"last_k:{N_LAYERS + 1}: .* has {N_LAYERS} blocks"):
+        apply_trainable(_model(arch), f"last_k:{N_LAYERS + 1}")
+
+
+@pytest.mark.parametrize("mode", ["last_k:0", "last_k:", "last_k:two", "last_k:-1", "last_k:02", "last_k:K", "last_k:2.0"])
+def test_last_k_needs_a_whole_number(mode):
+    with pytest.raises(ValueError, match="K in last_k:K must be a whole number >= 1|--trainable must be one of"):
+        apply_trainable(_model("bert"), mode)
+
+
 def test_summary_format():
     info = TrainableInfo(mode="last_block", trainable_names=["a"], num_trainable=1234, num_total=5678)
     assert info.summary() == "trainable 1,234 / 5,678 params (21.7%) [last_block]"
@@ -187,9 +216,9 @@ def test_lora_mode_returns_peft_model_with_adapters_and_head():
 
 
 def test_unknown_mode_raises():
-    with pytest.raises(ValueError, match="Unknown trainable mode 'everything'"):
+    with pytest.raises(ValueError, match=r"--trainable must be one of last_block, last_k:K, head, all, bias, lora \(K = 1, 2, ...\), got 'everything'"):
         apply_trainable(_model("bert"), "everything")
-    assert set(TRAINABLE_MODES) == {"last_block", "head", "all", "bias", "lora"}
+    assert set(TRAINABLE_MODES) == {"last_block", "last_k:K", "head", "all", "bias", "lora"}
 
 
 def test_mode_selecting_nothing_raises_without_touching_flags():

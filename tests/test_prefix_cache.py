@@ -114,12 +114,18 @@ def cached_batch(cache: CachedFeatures, idx=None) -> dict:
 # ------------------------------------------------------------------------------------------ forward
 
 
+MODES = [("last_block", 1), ("last_k:2", 2), ("last_k:3", 3)]  # (--trainable, the blocks run from the cache)
+
+
+@pytest.mark.parametrize("mode,k", MODES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_suffix_logits_match_full_eval_model(arch):
-    model, _ = apply_trainable(make_model(arch), "last_block")
+def test_suffix_logits_match_full_eval_model(arch, mode, k):
+    model, info = apply_trainable(make_model(arch), mode)
+    assert info.suffix_blocks == k
     rows = make_rows()
     collate = PadCollator(pad_id(model))
-    cache = build_prefix_cache(model, rows, collate, batch_size=4)
+    cache = build_prefix_cache(model, rows, collate, batch_size=4, suffix_blocks=k)
+    assert cache.suffix_blocks == k
     assert model.training  # restored
     full = collate(rows)
     model.eval()
@@ -127,25 +133,27 @@ def test_suffix_logits_match_full_eval_model(arch):
         ref = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"], labels=full["labels"])
         batch = cached_batch(cache)
         assert batch[CACHED_HIDDEN_KEY].shape[1] == full["input_ids"].shape[1]
-        with suffix_forward(model):
+        with suffix_forward(model, suffix_blocks=k):
             got = model(**batch)  # labels included: the model's own loss
         torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(got.loss, ref.loss, atol=1e-5, rtol=0)
         # a sub-batch with a smaller max length (less padding than the full batch) gives the same logits
-        got_sub = run_suffix(model, {k: v for k, v in cached_batch(cache, [1, 3]).items() if k != "labels"})
+        got_sub = run_suffix(model, {n: v for n, v in cached_batch(cache, [1, 3]).items() if n != "labels"}, suffix_blocks=k)
         torch.testing.assert_close(got_sub.logits, ref.logits[[1, 3]], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("mode,k", MODES[:2])
 @pytest.mark.parametrize("first_token", [None, False])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_per_sample_grads_match_full_model(arch, first_token):
+def test_per_sample_grads_match_full_model(arch, first_token, mode, k):
     """Opacus per-sample gradients via the cache == those of the full model (dropout 0, so the
     train-mode prefix equals the eval-mode prefix the cache was built with) -- with the automatic
-    first-token-only last block (BERT, RoBERTa, ELECTRA) and without it."""
-    model, info = apply_trainable(make_model(arch, dropout=0.0), "last_block")
+    first-token-only last block (BERT, RoBERTa, ELECTRA) and without it; the last block or the last two
+    (``last_k:2``: the cache holds the input of the second-to-last block)."""
+    model, info = apply_trainable(make_model(arch, dropout=0.0), mode)
     rows = make_rows(n=6, seed=3)
     collate = PadCollator(pad_id(model))
-    cache = build_prefix_cache(model, rows, collate, batch_size=4)
+    cache = build_prefix_cache(model, rows, collate, batch_size=4, suffix_blocks=k)
     handle = attach_grad_sampler(model)
     try:
         model.train()
@@ -158,8 +166,9 @@ def test_per_sample_grads_match_full_model(arch, first_token):
 
         batch = cached_batch(cache)
         labels = batch.pop("labels")
-        with suffix_forward(model, first_token_only=first_token) as plan:
+        with suffix_forward(model, first_token_only=first_token, suffix_blocks=k) as plan:
             assert plan.first_token_only == (arch != "distilbert" and first_token is None)
+            assert plan.suffix_blocks == k
             logits_c = model(**batch).logits
             F.cross_entropy(logits_c, labels, reduction="sum").backward()
         torch.testing.assert_close(logits_c, logits, atol=1e-5, rtol=0)

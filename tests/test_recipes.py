@@ -512,11 +512,12 @@ def test_summary_and_card_say_plainly_when_no_better_than_the_majority_class(glu
 
 
 def test_frozen_prefix_is_cached_by_default_where_it_can_be(glue):
-    """Issue 16 §1: the main job's command needs no --cache_frozen_features; an explicit false turns it off, and modes
-    with a trainable prefix (all, lora, bias) are not cached."""
+    """Issue 16 §1: the main job's command needs no --cache_frozen_features (nor does last_k:K); an explicit false turns
+    it off, and modes with a trainable prefix (all, lora, bias) are not cached."""
     base = ["--task_name", "qnli", "--data_dir", "x", "--model_name_or_path", "minilm"]
     assert glue.parse_args(base)[2].cache_frozen_features is True
     assert glue.parse_args(base + ["--trainable", "head"])[2].cache_frozen_features is True
+    assert glue.parse_args(base + ["--trainable", "last_k:2"])[2].cache_frozen_features is True
     assert glue.parse_args(base + ["--cache_frozen_features", "false"])[2].cache_frozen_features is False
     for mode in ("all", "lora", "bias"):
         assert glue.parse_args(base + ["--trainable", mode])[2].cache_frozen_features is False

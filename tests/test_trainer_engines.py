@@ -103,7 +103,7 @@ def test_frozen_prefix_cache_trains_the_same_model(tmp_path, clipping):
 def test_cache_requires_a_frozen_prefix(tmp_path):
     tok = make_tokenizer(tmp_path / "tok")
     ds = make_pair_dataset(tok, n=64)
-    with pytest.raises(ValueError, match="--cache_frozen_features needs --trainable last_block"):
+    with pytest.raises(ValueError, match=r"--cache_frozen_features needs --trainable last_block \(or last_k:K, or head\)"):
         DPTrainer(model=make_model(), args=dp_args(tmp_path / "c", trainable="all", cache_frozen_features=True), train_dataset=ds, data_collator=make_collator(tok))
 
 
@@ -191,3 +191,35 @@ def test_empty_micro_batch_contributes_nothing(tmp_path, clipping):
     assert all(s is None for s in summed_after(placeholder))
     if clipping == "ghost_two_pass":
         assert all(p.grad is None for p in opt.params)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "hooks"])
+def test_last_k_prefix_cache_trains_the_same_model(tmp_path, clipping):
+    """--trainable last_k:2 (every block of the tiny 2-block model; the cache holds the embeddings' output): training
+    from the cache == training the full model, with both clipping engines; the two blocks really train."""
+    t_cache, p_cache, m_cache = _train(tmp_path, "k2cache", clipping=clipping, trainable="last_k:2", cache_frozen_features=True)
+    t_full, p_full, m_full = _train(tmp_path, "k2full", clipping=clipping, trainable="last_k:2")
+    assert t_cache._prefix_cache and t_cache.train_dataset.suffix_blocks == 2
+    assert t_cache.trainable_info.suffix_blocks == 2
+    _assert_same(p_cache, p_full)
+    assert t_cache.get_epsilon() == t_full.get_epsilon()
+    assert m_cache["eval_loss"] == pytest.approx(m_full["eval_loss"], rel=1e-4)
+    before = make_model(seed=0).state_dict()
+    for name in ("bert.encoder.layer.0.attention.self.query.weight", "bert.encoder.layer.1.output.dense.weight"):
+        assert not torch.allclose(p_cache[name], before[name]), name  # trained
+    torch.testing.assert_close(p_cache["bert.embeddings.word_embeddings.weight"], before["bert.embeddings.word_embeddings.weight"])
+
+
+def test_a_prefix_cache_built_for_other_blocks_is_refused(tmp_path):
+    """A CachedFeatures passed as the training set must hold the input of the blocks --trainable runs from the cache."""
+    from hf_dp.models import apply_trainable
+    from hf_dp.models.prefix_cache import build_prefix_cache
+
+    tok = make_tokenizer(tmp_path / "tok")
+    ds = make_pair_dataset(tok, n=64)
+    model, _ = apply_trainable(make_model(), "last_block")
+    cache = build_prefix_cache(model, ds, make_collator(tok), suffix_blocks=1)
+    with pytest.raises(ValueError, match=r"the train dataset is a prefix cache of the input of the last 1 block\(s\), but "
+                                         r"--trainable last_k:2 runs the last 2 from the cache"):
+        DPTrainer(model=make_model(), args=dp_args(tmp_path / "x", trainable="last_k:2", cache_frozen_features=True),
+                  train_dataset=cache)

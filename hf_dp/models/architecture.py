@@ -4,9 +4,10 @@
 * :func:`_discover` runs one eval-mode dummy forward (:func:`_dummy_ids`: 2 x 8 tokens, one row
   right-padded) with hooks and returns a :class:`_Plan`: the blocks (from
   :func:`hf_dp.models.freezing.find_blocks`), the modules that run before them (embeddings,
-  projections), a block's output structure, the last block's input, and whether the first-token-only
-  last block applies.  It raises :class:`PrefixCacheError` when a block runs more than once (ALBERT),
-  a parameter computed before the last block is trainable, or the structure is unknown.
+  projections), a block's output structure, the input of the first suffix block (the last block, or the
+  K-th last with ``suffix_blocks=K``), and whether the first-token-only last block applies.  It raises
+  :class:`PrefixCacheError` when a block runs more than once (ALBERT), a parameter computed before the
+  first suffix block is trainable, or the structure is unknown.
 * :func:`_first_token_structure_ok` / :func:`_first_token_supported`: is the last block a BERT-style
   layer (:data:`_FIRST_TOKEN_LAYERS`) *and* do the logits read position 0 of its output only (probed by
   perturbing positions 1..)?  Supporting a new model family for the first-token block starts here.
@@ -96,6 +97,7 @@ class _Plan:
     pad_id: int
     filler_id: int
     first_token_only: bool = False  # run the last block for position 0 only (see _first_token_block)
+    suffix_blocks: int = 1  # the cache holds the input of blocks[-suffix_blocks]; those blocks run from it
     state: dict = field(default_factory=lambda: {"hidden": None, "mask": None})
 
 
@@ -122,13 +124,15 @@ def _dummy_ids(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     return input_ids, mask, pad, filler
 
 
-def _discover(model: nn.Module, first_token_only: bool | None = None) -> tuple[_Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Learn the structure from one eval-mode dummy forward; return the plan, the last block's input,
-    the dummy mask and the reference logits."""
+def _discover(model: nn.Module, first_token_only: bool | None = None,
+              suffix_blocks: int = 1) -> tuple[_Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Learn the structure from one eval-mode dummy forward; return the plan, the input of the first suffix
+    block (``blocks[-suffix_blocks]``), the dummy mask and the reference logits."""
     try:
         blocks_name, blocks = find_blocks(model)
     except ValueError as e:
         raise PrefixCacheError(f"{_arch(model)}: {e}") from e
+    k = _check_suffix_blocks(model, blocks, blocks_name, suffix_blocks)
     base = _base_model(model)
     input_ids, mask, pad, filler = _dummy_ids(model)
     batch, seq = input_ids.shape
@@ -153,7 +157,7 @@ def _discover(model: nn.Module, first_token_only: bool | None = None) -> tuple[_
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     handles += [m.register_forward_hook(post) for _, m in children]
     handles.append(blocks[0].register_forward_hook(post))
-    handles.append(blocks[-1].register_forward_pre_hook(capture_last, with_kwargs=True))
+    handles.append(blocks[len(blocks) - k].register_forward_pre_hook(capture_last, with_kwargs=True))
     try:
         reference = _eval_logits(model, input_ids=input_ids, attention_mask=mask)
     finally:
@@ -171,8 +175,8 @@ def _discover(model: nn.Module, first_token_only: bool | None = None) -> tuple[_
     hidden, key = captured.get("hidden"), captured.get("key")
     if hidden is None or hidden.shape[:2] != (batch, seq):
         raise PrefixCacheError(
-            f"{_arch(model)}: could not identify the [batch, seq_len, hidden] input of the last block "
-            f"{blocks_name}.{len(blocks) - 1}; frozen-prefix caching is not supported for this architecture."
+            f"{_arch(model)}: could not identify the [batch, seq_len, hidden] input of the block "
+            f"{blocks_name}.{len(blocks) - k}; frozen-prefix caching is not supported for this architecture."
         )
 
     # output structure of a block
@@ -204,10 +208,10 @@ def _discover(model: nn.Module, first_token_only: bool | None = None) -> tuple[_
             )
         input_modules.append((name, m, int(out.shape[-1]), out.dtype))
 
-    # every trainable parameter must be computed at or after the last block
-    last = blocks[-1]
-    start = order[id(last)]
-    suffix = {id(p) for p in last.parameters()}
+    # every trainable parameter must be computed at or after the first suffix block
+    first = blocks[len(blocks) - k]
+    start = order[id(first)]
+    suffix = {id(p) for b in list(blocks)[len(blocks) - k:] for p in b.parameters()}
     for module in model.modules():
         if order.get(id(module), -1) > start:
             suffix.update(id(p) for p in module.parameters(recurse=False))
@@ -215,9 +219,10 @@ def _discover(model: nn.Module, first_token_only: bool | None = None) -> tuple[_
     if prefix_trainable:
         shown = ", ".join(prefix_trainable[:5]) + (", ..." if len(prefix_trainable) > 5 else "")
         raise PrefixCacheError(
-            f"{_arch(model)}: {len(prefix_trainable)} trainable parameter(s) are computed before the last block "
-            f"({shown}); the cached prefix would be stale. Frozen-prefix caching needs trainable='last_block' "
-            "(or 'head')."
+            f"{_arch(model)}: {len(prefix_trainable)} trainable parameter(s) are computed before the block "
+            f"{blocks_name}.{len(blocks) - k} where the cached prefix ends ({shown}); the cached prefix would be stale. "
+            "Frozen-prefix caching needs trainable='last_block', 'last_k:K' (the cache then ends below the last K "
+            "blocks) or 'head'."
         )
 
     first_token = first_token_only is not False and _first_token_supported(model, blocks[-1], input_ids, mask, reference)
@@ -238,8 +243,19 @@ def _discover(model: nn.Module, first_token_only: bool | None = None) -> tuple[_
         pad_id=pad,
         filler_id=filler,
         first_token_only=first_token,
+        suffix_blocks=k,
     )
     return plan, hidden, mask, reference
+
+
+def _check_suffix_blocks(model: nn.Module, blocks: nn.ModuleList, blocks_name: str, suffix_blocks) -> int:
+    """``suffix_blocks`` as an int in 1..len(blocks), else :class:`PrefixCacheError`."""
+    if isinstance(suffix_blocks, bool) or not isinstance(suffix_blocks, int) or not 1 <= suffix_blocks <= len(blocks):
+        raise PrefixCacheError(
+            f"{_arch(model)}: suffix_blocks must be a whole number between 1 and {len(blocks)} (its blocks "
+            f"{blocks_name}), got {suffix_blocks!r}."
+        )
+    return suffix_blocks
 
 
 # Layer classes whose forward is (self-attention -> attention.output(ctx, h) -> feed_forward_chunk), all

@@ -7,6 +7,12 @@ model and re-enables gradients for one of the modes in :data:`TRAINABLE_MODES`:
     The last transformer block, plus every parameter-holding module that is
     first *called* after the last block starts (pooler, GPT-2's ``ln_f``, the
     classification head).  This is the setting of the DP-AdamW paper.
+``last_k:K`` (``K`` = 1, 2, ... up to the number of blocks)
+    The last ``K`` transformer blocks, plus every parameter-holding module
+    first called after the first of them starts (pooler, head, ...).
+    ``last_k:1`` trains what ``last_block`` trains.  With the frozen-prefix
+    cache the prefix is cached below these ``K`` blocks
+    (:attr:`TrainableInfo.suffix_blocks`).
 ``head``
     Only the classification head, i.e. every parameter that is not a
     parameter of ``model.base_model`` (e.g. BERT's ``classifier``,
@@ -60,9 +66,38 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-TRAINABLE_MODES: tuple[str, ...] = ("last_block", "head", "all", "bias", "lora")
+TRAINABLE_MODES: tuple[str, ...] = ("last_block", "last_k:K", "head", "all", "bias", "lora")
+"""The ``--trainable`` modes; ``last_k:K`` stands for ``last_k:1``, ``last_k:2``, ... (see :func:`check_trainable`)."""
 
-__all__ = ["TRAINABLE_MODES", "TrainableInfo", "apply_trainable", "find_blocks", "head_parameter_names"]
+__all__ = ["TRAINABLE_MODES", "TrainableInfo", "apply_trainable", "check_trainable", "find_blocks",
+           "head_parameter_names", "suffix_blocks"]
+
+_LAST_K = "last_k:"
+
+
+def check_trainable(mode) -> str:
+    """``mode`` if it is a ``--trainable`` mode (:data:`TRAINABLE_MODES`, ``last_k:K`` with an integer ``K >= 1``),
+    else ``ValueError`` naming the valid modes.  (Whether ``K`` fits the model is checked by :func:`apply_trainable`.)"""
+    if isinstance(mode, str) and mode in TRAINABLE_MODES and mode != "last_k:K":
+        return mode
+    if isinstance(mode, str) and mode.startswith(_LAST_K):
+        k = mode[len(_LAST_K):]
+        if k.isdigit() and int(k) >= 1 and k == str(int(k)):
+            return mode
+        raise ValueError(f"--trainable {mode}: K in last_k:K must be a whole number >= 1 (e.g. last_k:2), got {k!r}")
+    raise ValueError(f"--trainable must be one of {', '.join(TRAINABLE_MODES)} (K = 1, 2, ...), got {mode!r}")
+
+
+def suffix_blocks(mode: str) -> int | None:
+    """How many trailing transformer blocks ``mode`` trains in full (and a frozen-prefix cache must stop before):
+    1 for ``last_block`` and ``head`` (whose cache stops before the last block, which then runs frozen), ``K`` for
+    ``last_k:K``; ``None`` for the modes that train parameters of every block (``all``, ``bias``, ``lora``)."""
+    check_trainable(mode)
+    if mode in ("last_block", "head"):
+        return 1
+    if mode.startswith(_LAST_K):
+        return int(mode[len(_LAST_K):])
+    return None
 
 
 @dataclass
@@ -77,8 +112,11 @@ class TrainableInfo:
         num_total: number of scalar parameters of the returned model (shared
             parameters counted once; for ``lora`` this includes the adapters and
             PEFT's trainable copies of the head).
-        last_block: for ``last_block``, the qualified name of the block module
-            that was unfrozen, else ``None``.
+        last_block: for ``last_block`` / ``last_k:K``, the qualified name of the
+            first block module that was unfrozen (the last block for
+            ``last_block``), else ``None``.
+        suffix_blocks: :func:`suffix_blocks` of the mode: the number of trailing
+            blocks a frozen-prefix cache stops before (``None``: no cache possible).
     """
 
     mode: str
@@ -86,6 +124,7 @@ class TrainableInfo:
     num_trainable: int = 0
     num_total: int = 0
     last_block: str | None = None
+    suffix_blocks: int | None = None
 
     @property
     def fraction(self) -> float:
@@ -186,22 +225,27 @@ def _first_call_order(model: nn.Module) -> dict[int, int]:
     return order
 
 
-def _select_last_block(model: nn.Module) -> tuple[set[int], str]:
+def _select_last_blocks(model: nn.Module, k: int = 1) -> tuple[set[int], str]:
     block_list_name, blocks = find_blocks(model)
-    last = blocks[-1]
-    last_name = f"{block_list_name}.{len(blocks) - 1}"
-    order = _first_call_order(model)
-    if id(last) not in order:
+    if not 1 <= k <= len(blocks):
         raise ValueError(
-            f"The last block {last_name} of {type(model).__name__} was not called during a dummy "
+            f"--trainable last_k:{k}: {type(model).__name__} has {len(blocks)} blocks ({block_list_name}); "
+            f"K must be between 1 and {len(blocks)} (last_k:{len(blocks)} trains every block, i.e. all but the embeddings)."
+        )
+    first = blocks[len(blocks) - k]
+    first_name = f"{block_list_name}.{len(blocks) - k}"
+    order = _first_call_order(model)
+    if any(id(b) not in order for b in list(blocks)[len(blocks) - k:]):
+        raise ValueError(
+            f"The block {first_name} of {type(model).__name__} was not called during a dummy "
             "forward pass; cannot determine what comes after it. Use another --trainable mode."
         )
-    start = order[id(last)]
-    selected = {id(p) for p in last.parameters()}
+    start = order[id(first)]
+    selected = {id(p) for b in list(blocks)[len(blocks) - k:] for p in b.parameters()}
     for module in model.modules():
         if order.get(id(module), -1) > start:
             selected.update(id(p) for p in module.parameters(recurse=False))
-    return selected, last_name
+    return selected, first_name
 
 
 # Query/value projections for architectures that PEFT's default mapping
@@ -276,7 +320,7 @@ def apply_trainable(
         model: a transformers ``PreTrainedModel`` (typically ``*ForSequenceClassification``).
             Modified in place (``requires_grad`` flags; for ``lora`` PEFT also
             injects adapter layers into it).
-        trainable: one of :data:`TRAINABLE_MODES` (see the module docstring).
+        trainable: one of :data:`TRAINABLE_MODES` (``last_k:2`` etc.; see the module docstring).
         lora_config: only for ``lora``: a ``peft.LoraConfig`` (used as is, except
             that ``modules_to_save`` defaults to the head modules when unset), a
             dict of ``LoraConfig`` keyword arguments (defaults ``r=8,
@@ -292,10 +336,7 @@ def apply_trainable(
             blocks cannot be found, or the mode selects no parameter (for the
             non-LoRA modes this is raised before any flag is changed).
     """
-    if trainable not in TRAINABLE_MODES:
-        raise ValueError(
-            f"Unknown trainable mode {trainable!r}; expected one of {', '.join(TRAINABLE_MODES)}."
-        )
+    check_trainable(trainable)
     if lora_config is not None and trainable != "lora":
         raise ValueError(f"lora_config is only used with trainable='lora', not {trainable!r}.")
 
@@ -315,8 +356,8 @@ def apply_trainable(
                 bias = module._parameters.get("bias")
                 if isinstance(bias, nn.Parameter):
                     selected.add(id(bias))
-        else:  # last_block
-            selected, last_block_name = _select_last_block(model)
+        else:  # last_block, last_k:K
+            selected, last_block_name = _select_last_blocks(model, suffix_blocks(trainable))
         if not selected:
             raise ValueError(
                 f"trainable={trainable!r} selects no parameter of {type(model).__name__}; "
@@ -334,5 +375,6 @@ def apply_trainable(
         num_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         num_total=sum(p.numel() for p in model.parameters()),
         last_block=last_block_name,
+        suffix_blocks=suffix_blocks(trainable),
     )
     return model, info

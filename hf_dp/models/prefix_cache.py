@@ -1,17 +1,18 @@
 """Frozen-prefix caching: compute the frozen part of the network once, train the suffix from a cache.
 
 With ``--trainable last_block`` (or ``head``) everything computed *before* the last transformer block
-is a fixed function of the input.  :func:`build_prefix_cache` runs the model once over a dataset (in
-eval mode, under ``torch.no_grad()``) and stores, for every example, the hidden states that enter the
-last block.  Training then runs only the trainable suffix (last block, pooler, head) from these
-states, under the :func:`suffix_forward` context manager.
+is a fixed function of the input (with ``--trainable last_k:K``: everything before the last K blocks).
+:func:`build_prefix_cache` runs the model once over a dataset (in eval mode, under ``torch.no_grad()``)
+and stores, for every example, the hidden states that enter the last block (``suffix_blocks=K``: the
+K-th last block).  Training then runs only the trainable suffix (those blocks, pooler, head) from these
+states, under the :func:`suffix_forward` context manager (given the same ``suffix_blocks``).
 
 Privacy is unchanged: the cache is a function of the (public) frozen weights and one example only; each
 training step still computes one per-example gradient per sampled example, clips and noises it.
 
 **The one semantic difference**: the frozen prefix runs in *eval mode* (no dropout in the embeddings
 and in the frozen blocks), once.  Without the cache, ``model.train()`` also applies dropout in the
-frozen blocks at every step.  Dropout of the trainable suffix (last block, head) is unaffected.
+frozen blocks at every step.  Dropout of the trainable suffix (its blocks, head) is unaffected.
 
 Pieces
 ------
@@ -33,9 +34,9 @@ Pieces
     the structure comes from :func:`hf_dp.models.architecture._discover`; the last block runs for
     position 0 only where that is exact (:mod:`hf_dp.models.first_token`).
 
-Supported trainable modes: ``last_block`` (the intended one) and ``head`` (the last block then runs
-frozen from the cache; correct but less savings).  Other modes train parameters of the prefix and are
-rejected.
+Supported trainable modes: ``last_block`` (the intended one), ``last_k:K`` (``suffix_blocks=K``) and ``head``
+(the last block then runs frozen from the cache; correct but less savings).  Other modes train parameters of
+the prefix and are rejected.
 
 Cache files (``cache_dir``)
 ---------------------------
@@ -77,7 +78,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .architecture import PrefixCacheError, _arch, _device, _hidden_arg
+from .architecture import PrefixCacheError, _arch, _check_suffix_blocks, _device, _hidden_arg
 from .freezing import find_blocks
 from .suffix import CACHED_HIDDEN_KEY, run_suffix, suffix_forward
 
@@ -175,10 +176,12 @@ class CachedFeatures(torch.utils.data.Dataset):
         labels: ``[N, ...]`` tensor or ``None`` if the collated batches had no labels.
         path: the kept memmap file (``keep_file=True``), else ``None`` (in memory, or an unlinked file).
         file_backed: whether ``hidden`` is a memory map of a file (kept or unlinked).
+        suffix_blocks: the states are the input of ``blocks[-suffix_blocks]`` (pass the same value to
+            :func:`suffix_forward`).
     """
 
     def __init__(self, hidden: torch.Tensor, offsets: torch.Tensor, labels: torch.Tensor | None = None,
-                 path: str | None = None, file_backed: bool | None = None):
+                 path: str | None = None, file_backed: bool | None = None, suffix_blocks: int = 1):
         if hidden.dim() != 2 or offsets.dim() != 1 or int(offsets[-1]) != hidden.shape[0]:
             raise ValueError("CachedFeatures: hidden must be [sum(L_i), H] and offsets [N+1] ending at sum(L_i)")
         if labels is not None and labels.shape[0] != offsets.shape[0] - 1:
@@ -188,6 +191,7 @@ class CachedFeatures(torch.utils.data.Dataset):
         self.labels = labels
         self.path = path
         self.file_backed = path is not None if file_backed is None else file_backed
+        self.suffix_blocks = suffix_blocks
 
     def __len__(self) -> int:
         return self.offsets.shape[0] - 1
@@ -294,14 +298,16 @@ def build_prefix_cache(
     keep_file: bool = False,
     progress: bool = False,
     name: str = "dataset",
+    suffix_blocks: int = 1,
 ) -> CachedFeatures:
-    """Run the frozen prefix of ``model`` once over ``dataset`` and cache the input of the last block.
+    """Run the frozen prefix of ``model`` once over ``dataset`` and cache the input of the last block
+    (of ``blocks[-suffix_blocks]``).
 
     Args:
         model: a ``*ForSequenceClassification`` model (any trainable mode; the prefix = everything before
-            the last block found by :func:`hf_dp.models.freezing.find_blocks`).  Run in eval mode under
+            the first suffix block, ``blocks[-suffix_blocks]`` of :func:`hf_dp.models.freezing.find_blocks`).  Run in eval mode under
             ``torch.no_grad()``; its training mode is restored afterwards.  The forward pass stops at the
-            last block (the block and head are not computed).
+            first suffix block (the suffix is not computed).
         dataset: indexable rows (``datasets.Dataset``, list of dicts, ...) with tokenized, unpadded (or
             right-padded) ``input_ids``.  Keys that the model's forward does not accept (text columns,
             ``idx``) are dropped before ``collate_fn``; ``label`` / ``label_ids`` / ``labels`` are kept.
@@ -318,6 +324,7 @@ def build_prefix_cache(
         keep_file: keep the ``cache_dir`` file after the cache is gone (its path is ``CachedFeatures.path``).
         progress: show a tqdm progress bar over the rows (the trainer passes ``not args.disable_tqdm``).
         name: what is cached (``train``, ``eval`` ...), for the bar and the log line.
+        suffix_blocks: K: cache the input of ``blocks[-K]`` (1: the last block; ``--trainable last_k:K``).
 
     Logs one INFO line when done: rows, seconds, rows/s, the cache's size and where it lives.
 
@@ -329,10 +336,10 @@ def build_prefix_cache(
             example is not right-padded.
     """
     try:
-        _, blocks = find_blocks(model)
+        blocks_name, blocks = find_blocks(model)
     except ValueError as e:
         raise PrefixCacheError(f"{_arch(model)}: {e}") from e
-    last = blocks[-1]
+    last = blocks[len(blocks) - _check_suffix_blocks(model, blocks, blocks_name, suffix_blocks)]
     n = len(dataset)
     if n == 0:
         raise ValueError("build_prefix_cache: empty dataset")
@@ -361,7 +368,7 @@ def build_prefix_cache(
         calls[0] += 1
         hidden, _ = _hidden_arg(args, kwargs)
         if hidden is None:
-            raise PrefixCacheError(f"{_arch(model)}: could not find the hidden_states argument of the last block.")
+            raise PrefixCacheError(f"{_arch(model)}: could not find the hidden_states argument of the first suffix block.")
         captured.append(hidden)
         raise _StopForward
 
@@ -416,11 +423,11 @@ def build_prefix_cache(
                 except _StopForward:
                     pass
                 if calls[0] != 1:
-                    raise PrefixCacheError(f"{_arch(model)}: the last block was not called during the forward pass.")
+                    raise PrefixCacheError(f"{_arch(model)}: the first suffix block was not called during the forward pass.")
                 hidden = captured[0]
                 if hidden.shape[:2] != mask.shape:
                     raise PrefixCacheError(
-                        f"{_arch(model)}: the last block's input has shape {tuple(hidden.shape)}, expected "
+                        f"{_arch(model)}: the first suffix block's input has shape {tuple(hidden.shape)}, expected "
                         f"[batch, seq_len, hidden] = [{mask.shape[0]}, {mask.shape[1]}, ...]."
                     )
                 if storage is None:
@@ -461,7 +468,7 @@ def build_prefix_cache(
             if not done and not unlinked:  # a failed build leaves no (partial) file, kept or not
                 _remove_quietly(path)
     features = CachedFeatures(storage, offsets, labels_all, path=path if keep_file else None,
-                              file_backed=fobj is not None)
+                              file_backed=fobj is not None, suffix_blocks=suffix_blocks)
     seconds = time.perf_counter() - t0
     where = f"file-backed in {cache_dir}" if fobj is not None else "in memory"
     logger.info("hf_dp prefix cache (%s): %s rows in %.1f s (%.0f rows/s), %s of %s states %s", name, f"{n:,}", seconds,

@@ -1,7 +1,9 @@
-"""The suffix forward: run a model from cached hidden states (the input of its last block), skipping the prefix.
+"""The suffix forward: run a model from cached hidden states (the input of its last block, or of its K-th last block
+with ``suffix_blocks=K``), skipping the prefix.
 
 Used with :mod:`hf_dp.models.prefix_cache`, whose :class:`~hf_dp.models.prefix_cache.CachedFeatures`
-hold, per example, the states that enter the last block.  Inside :func:`suffix_forward`,
+hold, per example, the states that enter the first suffix block (``blocks[-K]``; K = 1 unless
+``--trainable last_k:K``).  Inside :func:`suffix_forward`,
 ``model(hf_dp_cached_hidden=h, attention_mask=m, [labels=...])`` returns the output the full model would
 return (with an eval-mode prefix) while skipping the prefix.  Outside the context (and inside it, for
 calls without ``hf_dp_cached_hidden``) the model is unchanged.
@@ -14,9 +16,9 @@ How the suffix forward works (generic, the model's own code still runs; the stru
   the attention mask, and the other inputs as given.
 * The modules of the base model that run before the blocks (``embeddings``, ELECTRA's
   ``embeddings_project``) return a zero placeholder of their real output shape/dtype; the frozen blocks
-  ``blocks[:-1]`` return their input unchanged in the output structure a real call returns (learned
-  from one real call); a forward pre-hook on the last block replaces its ``hidden_states`` input by
-  the cached states.  The last block, pooler and head then run normally (in train mode if the model
+  ``blocks[:-K]`` return their input unchanged in the output structure a real call returns (learned
+  from one real call); a forward pre-hook on ``blocks[-K]`` replaces its ``hidden_states`` input by
+  the cached states.  The last K blocks, pooler and head then run normally (in train mode if the model
   is), so Opacus' per-sample-gradient hooks on them work as usual.
 * **First-token-only last block** (automatic where it is exact, :mod:`hf_dp.models.first_token`): the
   last block runs for position 0 only when the head reads nothing else (``first_token_only``).
@@ -97,7 +99,7 @@ class _Patches:
         current, key = _hidden_arg(args, kwargs)
         if current is None or current.shape[:2] != cached.shape[:2]:
             raise RuntimeError(
-                f"suffix_forward: the last block received {None if current is None else tuple(current.shape)}, "
+                f"suffix_forward: the first suffix block received {None if current is None else tuple(current.shape)}, "
                 f"expected [{cached.shape[0]}, {cached.shape[1]}, ...]"
             )
         cached = cached.to(device=current.device, dtype=current.dtype)
@@ -159,10 +161,12 @@ class _Patches:
         try:
             self.handles.append(self.model.register_forward_pre_hook(self._top_pre_hook, with_kwargs=True, prepend=True))
             self.handles.append(self.model.register_forward_hook(self._top_post_hook, always_call=True))
-            self.handles.append(self.plan.blocks[-1].register_forward_pre_hook(self._last_pre_hook, with_kwargs=True))
+            blocks = list(self.plan.blocks)
+            first = len(blocks) - self.plan.suffix_blocks
+            self.handles.append(blocks[first].register_forward_pre_hook(self._last_pre_hook, with_kwargs=True))
             for _, module, dim, dtype in self.plan.input_modules:
                 self._override(module, lambda orig, d=dim, t=dtype: self._make_input_forward(orig, d, t))
-            for block in list(self.plan.blocks)[:-1]:
+            for block in blocks[:first]:
                 self._override(block, self._make_block_forward)
             if self.plan.first_token_only:
                 self._override(self.plan.blocks[-1], self._make_first_token_forward)
@@ -197,10 +201,15 @@ def _self_check(model: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, refe
 
 
 @contextlib.contextmanager
-def suffix_forward(model: nn.Module, verify: bool = True, first_token_only: bool | None = None) -> Iterator[_Plan]:
+def suffix_forward(model: nn.Module, verify: bool = True, first_token_only: bool | None = None,
+                   suffix_blocks: int = 1) -> Iterator[_Plan]:
     """Context under which ``model(hf_dp_cached_hidden=..., attention_mask=...)`` runs only the suffix.
 
-    Re-entrant (a nested ``with`` on the same model reuses the active patches).  On entry, checks the
+    ``suffix_blocks`` (K): the cached states are the input of ``blocks[-K]``, and the last K blocks run from them
+    (1: the last block; ``--trainable last_k:K`` caches below K blocks).  It must be the value the cache was built
+    with (:attr:`~hf_dp.models.prefix_cache.CachedFeatures.suffix_blocks`).
+
+    Re-entrant (a nested ``with`` on the same model with the same ``suffix_blocks`` reuses the active patches).  On entry, checks the
     architecture and (``verify=True``) compares the cached path with the full model on a dummy batch;
     raises :class:`PrefixCacheError` when caching would be wrong (see the module docstring).  Calls
     without ``hf_dp_cached_hidden`` run the full model, unchanged.  Everything is removed on exit.
@@ -210,13 +219,18 @@ def suffix_forward(model: nn.Module, verify: bool = True, first_token_only: bool
     """
     entry = _ACTIVE_SUFFIX.get(model)
     if entry is not None:
+        if entry[0].plan.suffix_blocks != suffix_blocks:
+            raise PrefixCacheError(
+                f"suffix_forward(suffix_blocks={suffix_blocks}) inside an active suffix_forward(suffix_blocks="
+                f"{entry[0].plan.suffix_blocks}) on the same model"
+            )
         entry[1] += 1
         try:
             yield entry[0].plan
         finally:
             entry[1] -= 1
         return
-    plan, hidden, mask, reference = _discover(model, first_token_only)
+    plan, hidden, mask, reference = _discover(model, first_token_only, suffix_blocks)
     patches = _Patches(model, plan)
     patches.install()
     _ACTIVE_SUFFIX[model] = [patches, 1]
@@ -229,7 +243,7 @@ def suffix_forward(model: nn.Module, verify: bool = True, first_token_only: bool
         patches.remove()
 
 
-def run_suffix(model: nn.Module, batch: dict):
+def run_suffix(model: nn.Module, batch: dict, suffix_blocks: int = 1):
     """``model(**batch)`` for a batch of :class:`CachedFeaturesCollator` under :func:`suffix_forward`."""
-    with suffix_forward(model):
+    with suffix_forward(model, suffix_blocks=suffix_blocks):
         return model(**batch)
