@@ -326,7 +326,9 @@ def build_prefix_cache(
         name: what is cached (``train``, ``eval`` ...), for the bar and the log line.
         suffix_blocks: K: cache the input of ``blocks[-K]`` (1: the last block; ``--trainable last_k:K``).
 
-    Logs one INFO line when done: rows, seconds, rows/s, the cache's size and where it lives.
+    Logs one INFO line when done: rows, seconds, rows/s, the cache's size and where it lives.  The size is the
+    dataset's total token count times the hidden size: for a private training set a non-private statistic in the
+    logs, like HF's logged training loss (README, "Not private").
 
     Returns:
         :class:`CachedFeatures` with ``L_i = attention_mask[i].sum()`` positions per example.
