@@ -26,7 +26,7 @@ heap grows past the warm-up's depends on fragmentation — the same non-private 
 live bytes, as ``torch.cuda.max_memory_allocated`` would on a GPU), 2 steps after 1 warm-up, untimed (mmap is
 slower). The report's **live** peak is that run's peak RSS over its post-warm-up RSS — the memory the step
 needs — and "RSS growth" the default allocator's (``--no_live`` skips the second run).
-``--cached`` times only the trainable suffix fed from the frozen-prefix cache (item (c), last_block). Every
+``--cached`` times only the trainable suffix fed from the frozen-prefix cache (item (c), last_block or last_k:K). Every
 mode (non-private included) runs the last block for the first position only, as DPTrainer does by
 default (``--first_token_only auto``); ``--no_first_token`` runs it over all positions. Ratios are against ``nonprivate`` of
 the same config, measured in the same run.
@@ -87,10 +87,11 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
         from hf_dp.models.prefix_cache import CachedFeaturesCollator, build_prefix_cache, suffix_forward
 
         rows = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(batch)]
-        feats = build_prefix_cache(model, rows, lambda r: {k: torch.stack([x[k] for x in r]) for k in r[0]}, batch_size=batch)
+        feats = build_prefix_cache(model, rows, lambda r: {k: torch.stack([x[k] for x in r]) for k in r[0]}, batch_size=batch,
+                                   suffix_blocks=info.suffix_blocks)
         b = CachedFeaturesCollator()([feats[i] for i in range(batch)])
         inputs = {k: v for k, v in b.items() if k != "labels"}
-        ctx = suffix_forward(model, first_token_only=None if first_token else False)
+        ctx = suffix_forward(model, first_token_only=None if first_token else False, suffix_blocks=info.suffix_blocks)
         ctx.__enter__()
     elif first_token:  # the full model with the first-token-only last block (DPTrainer's default), for every mode
         from hf_dp.models.first_token import first_token_forward
@@ -198,7 +199,7 @@ def main():
     ap.add_argument("--configs", default="last_block,all")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "MODE"))
-    ap.add_argument("--cached", action="store_true", help="(c) time only the suffix, from the frozen-prefix cache (last_block)")
+    ap.add_argument("--cached", action="store_true", help="(c) time only the suffix, from the frozen-prefix cache (last_block, last_k:K)")
     ap.add_argument("--no_first_token", action="store_true", help="run the last block over all positions (first_token_only off) in every mode")
     ap.add_argument("--no_live", action="store_true", help="skip the live-memory subprocesses (MALLOC_MMAP_THRESHOLD_)")
     ap.add_argument("--out", default=None, help="append raw JSON lines here as they come")
