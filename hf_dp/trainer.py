@@ -86,11 +86,11 @@ logger = logging.getLogger(__name__)
 _MIN_TRANSFORMERS = "5.0.0"
 
 # Private transformers API DPTrainer depends on: the one list to re-check on a transformers upgrade.
-# Checked against transformers 5.23.0 (the version the tests run on; _check_transformers_version admits
+# Checked against transformers 5.23.0 and 5.24.0 (5.24 changed neither method; _check_transformers_version admits
 # >=5.0,<6). Everything else DPTrainer overrides is public — __init__, get_train_dataloader,
 # create_optimizer, compute_loss, training_step, log, train, evaluate, predict, save_model,
 # create_model_card — and the budget stop is a TrainerCallback (_BudgetGuard).
-HF_PRIVATE_API_CHECKED_WITH = ("5.23.0",)
+HF_PRIVATE_API_CHECKED_WITH = ("5.23.0", "5.24.0")
 HF_PRIVATE_OVERRIDES = {
     # method: why no public hook serves
     "_save_checkpoint": "the completion marker must be written after HF's files and before old checkpoints are "
