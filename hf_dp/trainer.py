@@ -63,9 +63,11 @@ from hf_dp.models import apply_trainable, assert_grad_samples_complete, attach_g
 from hf_dp.models.ghost_clipping import GhostClipper, clip_factors
 from hf_dp.models.prefix_cache import (
     CACHED_HIDDEN_KEY,
+    PREFIX_SIGNATURE_KEY,
     CachedFeatures,
     CachedFeaturesCollator,
     build_prefix_cache,
+    prefix_signature,
     suffix_forward,
 )
 from hf_dp.models.first_token import first_token_forward
@@ -186,6 +188,7 @@ class DPTrainer(Trainer):
         if args.dp_enabled:
             _check_eval_is_not_train(self.eval_dataset, self.train_dataset)
         self._prefix_cache = False
+        self._expected_prefix_signature: str | None = None
         if args.cache_frozen_features:
             self._enable_prefix_cache()
         if args.dp_enabled:
@@ -204,15 +207,19 @@ class DPTrainer(Trainer):
         self._check_cache_dir()
         self._prefix_cache = True
         self._raw_collator = self.data_collator  # HF's resolved collator (tokenizer padding)
+        evals = self.eval_dataset.items() if isinstance(self.eval_dataset, dict) else [("", self.eval_dataset)]
+        for name, ds in [("train", self.train_dataset)] + [(f"eval {k}".strip(), v) for k, v in evals]:
+            self._check_given_cache(ds, name)  # every given cache, before any (slow) build
         self.train_dataset = self._cache_dataset(self.train_dataset, "train")  # same N: q and δ unchanged
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {k: self._cache_dataset(v, f"eval {k}") for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = self._cache_dataset(self.eval_dataset, "eval")
         self.data_collator = CachedFeaturesCollator()
-        self._set_signature_columns_if_needed()  # else HF's column removal drops the cached key
-        if CACHED_HIDDEN_KEY not in self._signature_columns:
-            self._signature_columns.append(CACHED_HIDDEN_KEY)
+        self._set_signature_columns_if_needed()  # else HF's column removal drops the cached keys
+        for key in (CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY):
+            if key not in self._signature_columns:
+                self._signature_columns.append(key)
 
     def _check_cache_dir(self) -> None:
         """A ``--cache_frozen_features_dir`` inside ``output_dir`` only where a push cannot upload its files.
@@ -234,13 +241,29 @@ class DPTrainer(Trainer):
                 "subfolder whose name starts with '_', which pushes skip)"
             )
 
-    def _cache_dataset(self, dataset, name: str = "dataset"):
+    def _check_given_cache(self, dataset, name: str) -> None:
+        """A :class:`CachedFeatures` passed in must be a cache of this model's frozen prefix, cut where the trainable
+        suffix starts (same K, same depth, same frozen weights: its ``prefix_signature``)."""
+        if not isinstance(dataset, CachedFeatures):
+            return
         k = self.trainable_info.suffix_blocks
-        if isinstance(dataset, CachedFeatures) and dataset.suffix_blocks != k:
+        if dataset.suffix_blocks != k:
             raise ValueError(
                 f"the {name} dataset is a prefix cache of the input of the last {dataset.suffix_blocks} block(s), but "
                 f"--trainable {self.trainable_info.mode} runs the last {k} from the cache; build it with suffix_blocks={k}"
             )
+        if dataset.prefix_signature is not None:
+            if self._expected_prefix_signature is None:
+                self._expected_prefix_signature = prefix_signature(self.model, k)
+            if dataset.prefix_signature != self._expected_prefix_signature:
+                raise ValueError(
+                    f"the {name} dataset is a prefix cache of {dataset.prefix_signature}, but this model's cached prefix "
+                    f"is {self._expected_prefix_signature} (another model, depth or checkpoint); rebuild it from this model"
+                )
+
+    def _cache_dataset(self, dataset, name: str = "dataset"):
+        k = self.trainable_info.suffix_blocks
+        self._check_given_cache(dataset, name)
         if dataset is None or isinstance(dataset, CachedFeatures):
             return dataset
         return build_prefix_cache(

@@ -171,7 +171,8 @@ def test_last_k_selects_the_last_k_blocks_and_what_follows(arch):
         apply_trainable(_model(arch), f"last_k:{N_LAYERS + 1}")
 
 
-@pytest.mark.parametrize("mode", ["last_k:0", "last_k:", "last_k:two", "last_k:-1", "last_k:02", "last_k:K", "last_k:2.0"])
+@pytest.mark.parametrize("mode", ["last_k:0", "last_k:", "last_k:two", "last_k:-1", "last_k:02", "last_k:K", "last_k:2.0",
+                                  "last_k:\u00b2", "last_k:\u0662"])  # '²', Arabic-Indic 2: str.isdigit() is True
 def test_last_k_needs_a_whole_number(mode):
     with pytest.raises(ValueError, match="K in last_k:K must be a whole number >= 1|--trainable must be one of"):
         apply_trainable(_model("bert"), mode)

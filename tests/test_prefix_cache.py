@@ -594,3 +594,55 @@ def test_cache_build_shows_progress_and_logs_rows_per_second(tmp_path, capsys, c
         size = trainer.train_dataset.nbytes if name == "train" else trainer.eval_dataset.nbytes
         assert re.search(rf"{n} rows in \d+\.\d s \(\d+ rows/s\), \d+(\.\d+)? (KiB|MiB|GiB|B) of float32 states in memory", line), line
         assert f"{size / 2**10:.2f} KiB" in line or f"{size} B" in line or f"{size / 2**20:.2f} MiB" in line, (line, size)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_batch_of_a_cache_built_for_other_blocks_is_refused_by_the_suffix(arch):
+    """Review of 1ba8099: run_suffix / suffix_forward default to suffix_blocks=1, and a batch of a K = 2 cache run
+    there gave wrong logits (off by ~1.9 on MiniLM) with no error.  Each collated batch now carries its cache's prefix
+    signature, and the suffix refuses one that is not its model's."""
+    model = make_model(arch, dropout=0.0)
+    apply_trainable(model, "last_block")
+    rows = make_rows()
+    cache = build_prefix_cache(model, rows, PadCollator(pad_id(model)), batch_size=4, suffix_blocks=2)
+    batch = {k: v for k, v in cached_batch(cache).items() if k != "labels"}
+    with pytest.raises(PrefixCacheError, match=r"this batch comes from a prefix cache of .*\[1\] of 3 blocks.*but the "
+                                               r"model runs from the input of .*\[2\] of 3 blocks"):
+        run_suffix(model, batch)
+    got = run_suffix(model, batch, suffix_blocks=2).logits  # the right K: as before
+    model.eval()
+    ids = PadCollator(pad_id(model))(rows)
+    want = model(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"]).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_collator_refuses_rows_of_different_caches():
+    model = make_model("bert", dropout=0.0)
+    rows = make_rows()
+    k1 = build_prefix_cache(model, rows, PadCollator(0), batch_size=4, suffix_blocks=1)
+    k2 = build_prefix_cache(model, rows, PadCollator(0), batch_size=4, suffix_blocks=2)
+    assert k1.prefix_signature != k2.prefix_signature
+    assert build_prefix_cache(model, rows[:3], PadCollator(0), suffix_blocks=1).prefix_signature == k1.prefix_signature
+    with pytest.raises(PrefixCacheError, match="mixes rows of prefix caches built differently"):
+        CachedFeaturesCollator()([k1[0], k2[1]])
+
+
+@pytest.mark.parametrize("k", [0, 4, -1, True, "2", 1.0])
+def test_suffix_blocks_out_of_range_or_not_an_int_is_refused(k):
+    model = make_model("bert", dropout=0.0)
+    with pytest.raises(PrefixCacheError, match=r"suffix_blocks must be a whole number between 1 and 3"):
+        build_prefix_cache(model, make_rows(3), PadCollator(0), suffix_blocks=k)
+    with pytest.raises(PrefixCacheError, match=r"suffix_blocks must be a whole number between 1 and 3"):
+        with suffix_forward(model, suffix_blocks=k):
+            pass
+
+
+def test_nested_suffix_forward_with_another_k_is_refused():
+    model = make_model("bert", dropout=0.0)
+    apply_trainable(model, "last_block")
+    with suffix_forward(model, suffix_blocks=1):
+        with suffix_forward(model, suffix_blocks=1):  # re-entrant with the same K
+            pass
+        with pytest.raises(PrefixCacheError, match=r"suffix_forward\(suffix_blocks=2\) inside an active suffix_forward\(suffix_blocks=1\)"):
+            with suffix_forward(model, suffix_blocks=2):
+                pass

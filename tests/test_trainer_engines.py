@@ -10,11 +10,11 @@ from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset,
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 
 
-def _train(tmp_path, name, **overrides):
+def _train(tmp_path, name, model_kw=None, **overrides):
     tok = make_tokenizer(tmp_path / "tok")
     ds = make_pair_dataset(tok, n=128)
     trainer = DPTrainer(
-        model=make_model(seed=0),
+        model=make_model(seed=0, **(model_kw or {})),
         args=dp_args(tmp_path / name, num_train_epochs=1, **overrides),
         train_dataset=ds,
         eval_dataset=ds.select(range(32)),
@@ -193,21 +193,26 @@ def test_empty_micro_batch_contributes_nothing(tmp_path, clipping):
         assert all(p.grad is None for p in opt.params)
 
 
+@pytest.mark.parametrize("layers", [2, 3])
 @pytest.mark.parametrize("clipping", ["ghost", "hooks"])
-def test_last_k_prefix_cache_trains_the_same_model(tmp_path, clipping):
-    """--trainable last_k:2 (every block of the tiny 2-block model; the cache holds the embeddings' output): training
-    from the cache == training the full model, with both clipping engines; the two blocks really train."""
-    t_cache, p_cache, m_cache = _train(tmp_path, "k2cache", clipping=clipping, trainable="last_k:2", cache_frozen_features=True)
-    t_full, p_full, m_full = _train(tmp_path, "k2full", clipping=clipping, trainable="last_k:2")
+def test_last_k_prefix_cache_trains_the_same_model(tmp_path, clipping, layers):
+    """--trainable last_k:2 (with 2 layers every block: the cache holds the embeddings' output; with 3 the cache holds
+    block 0's output): training from the cache == training the full model, with both clipping engines; the two last
+    blocks really train, what is below them does not."""
+    kw = dict(model_kw={"num_hidden_layers": layers}, clipping=clipping, trainable="last_k:2")
+    t_cache, p_cache, m_cache = _train(tmp_path, "k2cache", cache_frozen_features=True, **kw)
+    t_full, p_full, m_full = _train(tmp_path, "k2full", **kw)
     assert t_cache._prefix_cache and t_cache.train_dataset.suffix_blocks == 2
     assert t_cache.trainable_info.suffix_blocks == 2
     _assert_same(p_cache, p_full)
     assert t_cache.get_epsilon() == t_full.get_epsilon()
     assert m_cache["eval_loss"] == pytest.approx(m_full["eval_loss"], rel=1e-4)
-    before = make_model(seed=0).state_dict()
-    for name in ("bert.encoder.layer.0.attention.self.query.weight", "bert.encoder.layer.1.output.dense.weight"):
+    before = make_model(seed=0, num_hidden_layers=layers).state_dict()
+    for name in (f"bert.encoder.layer.{layers - 2}.attention.self.query.weight", f"bert.encoder.layer.{layers - 1}.output.dense.weight"):
         assert not torch.allclose(p_cache[name], before[name]), name  # trained
-    torch.testing.assert_close(p_cache["bert.embeddings.word_embeddings.weight"], before["bert.embeddings.word_embeddings.weight"])
+    frozen = ["bert.embeddings.word_embeddings.weight"] + [n for n in before if n.startswith("bert.encoder.layer.0.") and layers == 3]
+    for name in frozen:
+        torch.testing.assert_close(p_cache[name], before[name], msg=name)
 
 
 def test_a_prefix_cache_built_for_other_blocks_is_refused(tmp_path):
@@ -223,3 +228,47 @@ def test_a_prefix_cache_built_for_other_blocks_is_refused(tmp_path):
                                          r"--trainable last_k:2 runs the last 2 from the cache"):
         DPTrainer(model=make_model(), args=dp_args(tmp_path / "x", trainable="last_k:2", cache_frozen_features=True),
                   train_dataset=cache)
+
+
+@pytest.mark.parametrize("other", ["depth", "weights", "eval_depth"])
+def test_a_prefix_cache_of_another_model_is_refused_before_any_build(tmp_path, other, monkeypatch):
+    """The cache's K is not enough (review of 1ba8099): a K = 1 cache of a 3-block model holds the input of block 2,
+    the trainer's 2-block model runs block 1 from it, and training would go on silently on the wrong states; a cache of
+    another checkpoint of the same shape likewise.  Refused with one error (the cache's prefix signature), and — when
+    the bad cache is an eval set — before the (slow) training-set cache is built."""
+    from hf_dp.models import apply_trainable
+    from hf_dp.models import prefix_cache
+    from hf_dp.models.prefix_cache import build_prefix_cache
+
+    tok = make_tokenizer(tmp_path / "tok")
+    ds = make_pair_dataset(tok, n=32)
+    cut_from = make_model(num_hidden_layers=3) if other in ("depth", "eval_depth") else make_model(seed=7)
+    cache = build_prefix_cache(apply_trainable(cut_from, "last_block")[0], ds, make_collator(tok), suffix_blocks=1)
+    builds = []
+    real_build = prefix_cache.build_prefix_cache
+    monkeypatch.setattr("hf_dp.trainer.build_prefix_cache", lambda *a, **k: builds.append(k.get("name")) or real_build(*a, **k))
+    sets = dict(train_dataset=ds, eval_dataset=cache) if other == "eval_depth" else dict(train_dataset=cache)
+    which = "eval" if other == "eval_depth" else "train"
+    with pytest.raises(ValueError, match=rf"the {which} dataset is a prefix cache of BertForSequenceClassification \(model_type=.bert.\) "
+                                         r"bert\.encoder\.layer\[\d\] of \d blocks, prefix weights [0-9a-f]{16}, but this "
+                                         r"model's cached prefix is .*rebuild it from this model"):
+        DPTrainer(model=make_model(), args=dp_args(tmp_path / "x", cache_frozen_features=True),
+                  data_collator=make_collator(tok), **sets)
+    assert builds == []
+
+
+def test_a_prefix_cache_of_the_same_frozen_prefix_is_accepted(tmp_path):
+    """The signature covers the frozen prefix only: a cache built on the unfrozen model (or another head) is the same
+    cache, and is accepted."""
+    from hf_dp.models.prefix_cache import build_prefix_cache
+
+    tok = make_tokenizer(tmp_path / "tok")
+    ds = make_pair_dataset(tok, n=32)
+    unfrozen = make_model()
+    torch.nn.init.normal_(unfrozen.classifier.weight)  # another head: not part of the prefix
+    cache = build_prefix_cache(unfrozen, ds, make_collator(tok), suffix_blocks=1)
+    trainer = DPTrainer(model=make_model(), args=dp_args(tmp_path / "x", cache_frozen_features=True, max_steps=1),
+                        train_dataset=cache)
+    assert trainer.train_dataset is cache
+    trainer.train()
+    assert trainer.ledger.steps == 1

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +99,7 @@ class _Plan:
     filler_id: int
     first_token_only: bool = False  # run the last block for position 0 only (see _first_token_block)
     suffix_blocks: int = 1  # the cache holds the input of blocks[-suffix_blocks]; those blocks run from it
+    prefix_signature: str = ""  # _prefix_signature: caches built with another one are refused
     state: dict = field(default_factory=lambda: {"hidden": None, "mask": None})
 
 
@@ -244,6 +246,8 @@ def _discover(model: nn.Module, first_token_only: bool | None = None,
         filler_id=filler,
         first_token_only=first_token,
         suffix_blocks=k,
+        prefix_signature=_prefix_signature(model, blocks_name, len(blocks), len(blocks) - k,
+                                           _prefix_modules(model, order, blocks[len(blocks) - k])),
     )
     return plan, hidden, mask, reference
 
@@ -256,6 +260,35 @@ def _check_suffix_blocks(model: nn.Module, blocks: nn.ModuleList, blocks_name: s
             f"{blocks_name}), got {suffix_blocks!r}."
         )
     return suffix_blocks
+
+
+def _prefix_signature(model: nn.Module, blocks_name: str, num_blocks: int, cut: int, prefix_modules: list[nn.Module]) -> str:
+    """Where a prefix cache of ``model`` ends (the input of ``blocks[cut]``) and a fingerprint of the weights it was
+    computed with: the own parameters of ``prefix_modules`` (the modules that run before ``blocks[cut]``, not its
+    ancestors), by name, shape, dtype and float64 sum and sum of squares.  Two caches with different signatures hold
+    different states; a cache is only valid for a model with its signature (a correctness check against using a
+    cache with another model, depth or K — not a cryptographic one)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    h = hashlib.sha256()
+    for m in sorted(prefix_modules, key=lambda m: names.get(id(m), "")):
+        for pname, p in m.named_parameters(recurse=False):
+            d = p.detach().to(torch.float64)
+            h.update(f"{names.get(id(m), '?')}.{pname}|{tuple(p.shape)}|{p.dtype}|{float(d.sum())!r}|"
+                     f"{float((d * d).sum())!r};".encode())
+    return f"{_arch(model)} {blocks_name}[{cut}] of {num_blocks} blocks, prefix weights {h.hexdigest()[:16]}"
+
+
+def prefix_signature(model: nn.Module, suffix_blocks: int = 1) -> str:
+    """The :attr:`~hf_dp.models.prefix_cache.CachedFeatures.prefix_signature` a cache of ``model`` built with
+    ``suffix_blocks`` has (one tiny dummy forward; raises :class:`PrefixCacheError` where caching is not supported)."""
+    return _discover(model, False, suffix_blocks)[0].prefix_signature
+
+
+def _prefix_modules(model: nn.Module, order: dict[int, int], first: nn.Module) -> list[nn.Module]:
+    """The modules whose forward starts before ``first``'s (``order``: id -> call rank), less ``first``'s ancestors."""
+    ancestors = {id(m) for m in model.modules() if any(sub is first for sub in m.modules())}
+    start = order[id(first)]
+    return [m for m in model.modules() if order.get(id(m), start) < start and id(m) not in ancestors]
 
 
 # Layer classes whose forward is (self-attention -> attention.output(ctx, h) -> feed_forward_chunk), all

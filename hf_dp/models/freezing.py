@@ -61,6 +61,7 @@ it therefore changes every layer of the network, not just the top one.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +83,7 @@ def check_trainable(mode) -> str:
         return mode
     if isinstance(mode, str) and mode.startswith(_LAST_K):
         k = mode[len(_LAST_K):]
-        if k.isdigit() and int(k) >= 1 and k == str(int(k)):
+        if re.fullmatch(r"[1-9][0-9]*", k):  # ASCII digits only ('²'.isdigit() is True)
             return mode
         raise ValueError(f"--trainable {mode}: K in last_k:K must be a whole number >= 1 (e.g. last_k:2), got {k!r}")
     raise ValueError(f"--trainable must be one of {', '.join(TRAINABLE_MODES)} (K = 1, 2, ...), got {mode!r}")
@@ -180,7 +181,7 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
         raise ValueError(
             f"Could not find the transformer blocks of {type(model).__name__}: no nn.ModuleList "
             "of same-class modules with parameters inside model.base_model; use --trainable all, "
-            "head, bias or lora instead of last_block."
+            "head, bias or lora instead of last_block or last_k:K."
         )
     name = ".".join(x for x in (base_prefix, best[0]) if x)
     return name, best[1]
@@ -230,7 +231,7 @@ def _select_last_blocks(model: nn.Module, k: int = 1) -> tuple[set[int], str]:
     if not 1 <= k <= len(blocks):
         raise ValueError(
             f"--trainable last_k:{k}: {type(model).__name__} has {len(blocks)} blocks ({block_list_name}); "
-            f"K must be between 1 and {len(blocks)} (last_k:{len(blocks)} trains every block, i.e. all but the embeddings)."
+            f"K must be between 1 and {len(blocks)} (last_k:{len(blocks)} trains every block, pooler and head; what runs before the first block stays frozen)."
         )
     first = blocks[len(blocks) - k]
     first_name = f"{block_list_name}.{len(blocks) - k}"

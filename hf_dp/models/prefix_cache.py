@@ -78,14 +78,25 @@ import numpy as np
 import torch
 from torch import nn
 
-from .architecture import PrefixCacheError, _arch, _check_suffix_blocks, _device, _hidden_arg
+from .architecture import (
+    PrefixCacheError,
+    _arch,
+    _check_suffix_blocks,
+    _device,
+    _hidden_arg,
+    _prefix_modules,
+    _prefix_signature,
+    prefix_signature,
+)
 from .freezing import find_blocks
-from .suffix import CACHED_HIDDEN_KEY, run_suffix, suffix_forward
+from .suffix import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, run_suffix, suffix_forward
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CACHED_HIDDEN_KEY",
+    "PREFIX_SIGNATURE_KEY",
+    "prefix_signature",
     "PrefixCacheError",
     "CachedFeatures",
     "CachedFeaturesCollator",
@@ -178,10 +189,15 @@ class CachedFeatures(torch.utils.data.Dataset):
         file_backed: whether ``hidden`` is a memory map of a file (kept or unlinked).
         suffix_blocks: the states are the input of ``blocks[-suffix_blocks]`` (pass the same value to
             :func:`suffix_forward`).
+        prefix_signature: where in which model the prefix was cut and a fingerprint of its frozen weights
+            (``build_prefix_cache`` records it; ``None`` for a cache made by hand).  Each item, and so each collated
+            batch, carries it: :func:`suffix_forward` refuses a batch whose signature is not its model's (another
+            model, depth, checkpoint or ``suffix_blocks``), and ``DPTrainer`` refuses such a dataset up front.
     """
 
     def __init__(self, hidden: torch.Tensor, offsets: torch.Tensor, labels: torch.Tensor | None = None,
-                 path: str | None = None, file_backed: bool | None = None, suffix_blocks: int = 1):
+                 path: str | None = None, file_backed: bool | None = None, suffix_blocks: int = 1,
+                 prefix_signature: str | None = None):
         if hidden.dim() != 2 or offsets.dim() != 1 or int(offsets[-1]) != hidden.shape[0]:
             raise ValueError("CachedFeatures: hidden must be [sum(L_i), H] and offsets [N+1] ending at sum(L_i)")
         if labels is not None and labels.shape[0] != offsets.shape[0] - 1:
@@ -191,7 +207,10 @@ class CachedFeatures(torch.utils.data.Dataset):
         self.labels = labels
         self.path = path
         self.file_backed = path is not None if file_backed is None else file_backed
+        if isinstance(suffix_blocks, bool) or not isinstance(suffix_blocks, int) or suffix_blocks < 1:
+            raise ValueError(f"CachedFeatures: suffix_blocks must be a whole number >= 1, got {suffix_blocks!r}")
         self.suffix_blocks = suffix_blocks
+        self.prefix_signature = prefix_signature
 
     def __len__(self) -> int:
         return self.offsets.shape[0] - 1
@@ -235,6 +254,8 @@ class CachedFeatures(torch.utils.data.Dataset):
         }
         if self.labels is not None:
             item["labels"] = self.labels[i]
+        if self.prefix_signature is not None:
+            item[PREFIX_SIGNATURE_KEY] = self.prefix_signature
         return item
 
     def __repr__(self) -> str:
@@ -270,6 +291,11 @@ class CachedFeaturesCollator:
             hidden[i, :n] = s
             mask[i, :n] = 1
         batch = {CACHED_HIDDEN_KEY: hidden, "attention_mask": mask}
+        signatures = {f.get(PREFIX_SIGNATURE_KEY) for f in features}
+        if len(signatures) > 1:
+            raise PrefixCacheError(f"CachedFeaturesCollator: the batch mixes rows of prefix caches built differently: {sorted(map(str, signatures))}")
+        if None not in signatures:
+            batch[PREFIX_SIGNATURE_KEY] = signatures.pop()
         if "labels" in features[0]:
             batch["labels"] = torch.stack([torch.as_tensor(f["labels"]) for f in features])
         return batch
@@ -341,7 +367,8 @@ def build_prefix_cache(
         blocks_name, blocks = find_blocks(model)
     except ValueError as e:
         raise PrefixCacheError(f"{_arch(model)}: {e}") from e
-    last = blocks[len(blocks) - _check_suffix_blocks(model, blocks, blocks_name, suffix_blocks)]
+    cut = len(blocks) - _check_suffix_blocks(model, blocks, blocks_name, suffix_blocks)
+    last = blocks[cut]
     n = len(dataset)
     if n == 0:
         raise ValueError("build_prefix_cache: empty dataset")
@@ -384,6 +411,13 @@ def build_prefix_cache(
     label_batches = 0
     num_batches = 0
     was_training = model.training
+    signature: str | None = None
+    call_order: dict[int, int] = {}  # call order of the modules in the first forward: the prefix's modules, for its signature
+
+    def record(module, _args):
+        call_order.setdefault(id(module), len(call_order))
+
+    order_handles = [m.register_forward_pre_hook(record) for m in model.modules()]
     handle = last.register_forward_pre_hook(capture, with_kwargs=True)
     from tqdm.auto import tqdm
 
@@ -426,6 +460,11 @@ def build_prefix_cache(
                     pass
                 if calls[0] != 1:
                     raise PrefixCacheError(f"{_arch(model)}: the first suffix block was not called during the forward pass.")
+                if order_handles:
+                    for h in order_handles:
+                        h.remove()
+                    order_handles = []
+                    signature = _prefix_signature(model, blocks_name, len(blocks), cut, _prefix_modules(model, call_order, last))
                 hidden = captured[0]
                 if hidden.shape[:2] != mask.shape:
                     raise PrefixCacheError(
@@ -464,13 +503,15 @@ def build_prefix_cache(
     finally:
         bar.close()
         handle.remove()
+        for h in order_handles:
+            h.remove()
         model.train(was_training)
         if fobj is not None:
             fobj.close()
             if not done and not unlinked:  # a failed build leaves no (partial) file, kept or not
                 _remove_quietly(path)
     features = CachedFeatures(storage, offsets, labels_all, path=path if keep_file else None,
-                              file_backed=fobj is not None, suffix_blocks=suffix_blocks)
+                              file_backed=fobj is not None, suffix_blocks=suffix_blocks, prefix_signature=signature)
     seconds = time.perf_counter() - t0
     where = f"file-backed in {cache_dir}" if fobj is not None else "in memory"
     logger.info("hf_dp prefix cache (%s): %s rows in %.1f s (%.0f rows/s), %s of %s states %s", name, f"{n:,}", seconds,

@@ -28,7 +28,7 @@ How the suffix forward works (generic, the model's own code still runs; the stru
 On entry, :func:`suffix_forward` runs one tiny dummy batch (2 x 8 tokens, one row right-padded)
 through the full model and through the cached path and raises :class:`PrefixCacheError` if the logits
 differ, if a block is not called exactly once per forward (ALBERT's shared layer group), if a
-parameter computed before the last block is trainable (the cache would be stale), or if the blocks'
+parameter computed before the first suffix block (``blocks[-K]``) is trainable (the cache would be stale), or if the blocks'
 outputs have an unknown structure.  Verified: BERT (incl. MiniLM), RoBERTa, ELECTRA (with and without
 ``embeddings_project``), DistilBERT.
 """
@@ -44,9 +44,11 @@ from torch import nn
 from .architecture import _ACTIVE_SUFFIX, PrefixCacheError, _arch, _discover, _eval_logits, _hidden_arg, _logits_match, _Plan
 from .first_token import _first_token_block
 
-__all__ = ["CACHED_HIDDEN_KEY", "suffix_forward", "run_suffix"]
+__all__ = ["CACHED_HIDDEN_KEY", "PREFIX_SIGNATURE_KEY", "suffix_forward", "run_suffix"]
 
 CACHED_HIDDEN_KEY = "hf_dp_cached_hidden"
+#: batch key with the :attr:`~hf_dp.models.prefix_cache.CachedFeatures.prefix_signature` of the cache the rows come from
+PREFIX_SIGNATURE_KEY = "hf_dp_prefix_signature"
 _TOKEN_INPUTS = ("input_ids", "inputs_embeds")
 
 
@@ -62,8 +64,15 @@ class _Patches:
 
     # -- installed pieces ---------------------------------------------------------------------------
     def _top_pre_hook(self, _module, args, kwargs):
+        signature = kwargs.pop(PREFIX_SIGNATURE_KEY, None)
+        if signature is not None and signature != self.plan.prefix_signature:
+            raise PrefixCacheError(
+                f"this batch comes from a prefix cache of {signature}, but the model runs from the input of "
+                f"{self.plan.prefix_signature}: rebuild the cache for this model with "
+                f"suffix_blocks={self.plan.suffix_blocks} (or run the suffix with the suffix_blocks it was built with)"
+            )
         if CACHED_HIDDEN_KEY not in kwargs:
-            return None
+            return (args, kwargs) if signature is not None else None
         if self.state["hidden"] is not None:
             raise RuntimeError("suffix_forward: nested cached forward passes are not supported")
         hidden = kwargs.pop(CACHED_HIDDEN_KEY)
