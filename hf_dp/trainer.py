@@ -98,7 +98,8 @@ HF_PRIVATE_OVERRIDES = {
     "_save_checkpoint": "the completion marker must be written after HF's files and before old checkpoints are "
     "rotated; HF rotates inside _save_checkpoint, and on_save (the first public hook) runs after the rotation",
     "_load_optimizer_and_scheduler": "the ledger that optimizer.pt just restored must be checked (marker, data "
-    "fingerprint, budget) and topped up with steps taken past the checkpoint before training resumes; "
+    "fingerprint, budget) and topped up with steps taken past the checkpoint before training resumes, and the "
+    "frozen-prefix caches checked against the weights HF has just loaded; "
     "on_train_begin runs later and gets neither the checkpoint nor the ledger as it was before the load",
 }
 HF_PRIVATE_CALLS = (
@@ -260,6 +261,18 @@ class DPTrainer(Trainer):
                     f"the {name} dataset is a prefix cache of {dataset.prefix_signature}, but this model's cached prefix "
                     f"is {self._expected_prefix_signature} (another model, depth or checkpoint); rebuild it from this model"
                 )
+
+    def _check_caches_after_resume(self, checkpoint: str) -> None:
+        """HF has just loaded the checkpoint's weights, frozen prefix included: the caches (built from the weights the
+        trainer was given) must still be caches of this prefix, else training would resume on stale states."""
+        self._expected_prefix_signature = None
+        evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        for name, ds in [("train", self.train_dataset)] + [("eval", v) for v in evals]:
+            try:
+                self._check_given_cache(ds, name)
+            except ValueError as e:
+                raise ValueError(f"resuming from {checkpoint}: {e} — the checkpoint's frozen weights differ from the model's "
+                                 "the caches were built from; pass the model the checkpoint was trained from") from None
 
     def _cache_dataset(self, dataset, name: str = "dataset"):
         k = self.trainable_info.suffix_blocks
@@ -612,6 +625,8 @@ class DPTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):  # private HF API: see HF_PRIVATE_OVERRIDES
         taken_here = self.ledger.steps if self.args.dp_enabled else 0  # e.g. by an earlier train() of this trainer
+        if checkpoint is not None and self._prefix_cache:
+            self._check_caches_after_resume(checkpoint)
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.args.dp_enabled:
             checkpointing.reconcile_resumed_ledger(self, checkpoint, taken_here)

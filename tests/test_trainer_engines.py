@@ -272,3 +272,50 @@ def test_a_prefix_cache_of_the_same_frozen_prefix_is_accepted(tmp_path):
     assert trainer.train_dataset is cache
     trainer.train()
     assert trainer.ledger.steps == 1
+
+
+@pytest.mark.parametrize("resume_seed", [0, 7])
+def test_resume_with_cached_prefix_checks_the_caches_against_the_checkpoints_weights(tmp_path, resume_seed):
+    """Review of 31a21a3: the caches are built at __init__ from the model given, and HF loads the checkpoint's weights
+    (frozen prefix included) only inside train(); resuming a checkpoint of another prefix went on silently on stale
+    states.  Now refused after the load, before any step; the same model resumes as before."""
+    tok = make_tokenizer(tmp_path / "tok")
+    ds = make_pair_dataset(tok, n=64)
+    out = tmp_path / "out"
+    kw = dict(cache_frozen_features=True, max_steps=4, save_strategy="steps", save_steps=2, epsilon=None,
+              noise_multiplier=1.0)
+    first = DPTrainer(model=make_model(seed=0), args=dp_args(out, **kw), train_dataset=ds, eval_dataset=ds.select(range(8)),
+                      data_collator=make_collator(tok))
+    first.train()
+    again = DPTrainer(model=make_model(seed=resume_seed), args=dp_args(out, **{**kw, "max_steps": 6}), train_dataset=ds,
+                      eval_dataset=ds.select(range(8)), data_collator=make_collator(tok))
+    if resume_seed == 0:
+        again.train(resume_from_checkpoint=True)
+        assert again.state.global_step == 6
+    else:
+        with pytest.raises(ValueError, match=r"resuming from .*checkpoint-4: the train dataset is a prefix cache of .*"
+                                             r"but this model's cached prefix is .*pass the model the checkpoint was "
+                                             r"trained from"):
+            again.train(resume_from_checkpoint=True)
+        assert sorted(d.name for d in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]  # no step taken
+
+
+def test_prefix_signature_is_the_same_for_the_same_bits_in_another_layout():
+    """Review of 31a21a3: a float sum depends on the summation order (CPU vs GPU, memory layout); the signature hashes
+    the exact bits, so a model moved or re-laid out keeps it, and one changed weight changes it."""
+    from hf_dp.models import apply_trainable
+    from hf_dp.models.prefix_cache import prefix_signature
+
+    model, _ = apply_trainable(make_model(num_hidden_layers=3), "last_block")
+    before = prefix_signature(model)
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.data = p.data.t().contiguous().t()  # same values, column-major
+    assert prefix_signature(model) == before
+    with torch.no_grad():
+        model.classifier.weight.add_(1.0)  # the head is not part of the prefix
+    assert prefix_signature(model) == before
+    with torch.no_grad():
+        w = model.bert.embeddings.word_embeddings.weight
+        w[[0, 1]] = w[[1, 0]]  # a permutation of rows: same float sums, other bits
+    assert prefix_signature(model) != before

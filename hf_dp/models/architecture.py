@@ -262,25 +262,50 @@ def _check_suffix_blocks(model: nn.Module, blocks: nn.ModuleList, blocks_name: s
     return suffix_blocks
 
 
+#: model -> (key of the prefix parameters' identity and versions, fingerprint): the fingerprint is recomputed only when
+#: a prefix parameter was replaced, moved, cast or modified in place (``Tensor._version``)
+_FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+_CHUNK = 1 << 24  # bytes hashed at a time (bounds the host copy of a large GPU tensor)
+
+
+def _weights_fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of the names, shapes, dtypes and exact bits of ``named`` (the same on every device and memory layout)."""
+    h = hashlib.sha256()
+    for name, p in named:
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype};".encode())
+        flat = p.detach().reshape(-1)  # logical (row-major) order, whatever the strides
+        if flat.numel() == 0:
+            continue
+        raw = flat.contiguous().view(torch.uint8)
+        for start in range(0, raw.numel(), _CHUNK):
+            h.update(raw[start : start + _CHUNK].cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def _prefix_signature(model: nn.Module, blocks_name: str, num_blocks: int, cut: int, prefix_modules: list[nn.Module]) -> str:
     """Where a prefix cache of ``model`` ends (the input of ``blocks[cut]``) and a fingerprint of the weights it was
     computed with: the own parameters of ``prefix_modules`` (the modules that run before ``blocks[cut]``, not its
-    ancestors), by name, shape, dtype and float64 sum and sum of squares.  Two caches with different signatures hold
-    different states; a cache is only valid for a model with its signature (a correctness check against using a
-    cache with another model, depth or K — not a cryptographic one)."""
+    ancestors) by name, shape, dtype and exact bits (so the same on CPU and GPU).  Caches with different signatures
+    were cut at another place or computed with other weights; a cache is only valid for a model with its signature
+    (a correctness check against using a cache with another model, depth, checkpoint or K — not a cryptographic one;
+    it does not cover the config, e.g. ``layer_norm_eps``, nor buffers).  Memoised per model."""
     names = {id(m): n for n, m in model.named_modules()}
-    h = hashlib.sha256()
-    for m in sorted(prefix_modules, key=lambda m: names.get(id(m), "")):
-        for pname, p in m.named_parameters(recurse=False):
-            d = p.detach().to(torch.float64)
-            h.update(f"{names.get(id(m), '?')}.{pname}|{tuple(p.shape)}|{p.dtype}|{float(d.sum())!r}|"
-                     f"{float((d * d).sum())!r};".encode())
-    return f"{_arch(model)} {blocks_name}[{cut}] of {num_blocks} blocks, prefix weights {h.hexdigest()[:16]}"
+    named = [(f"{names.get(id(m), '?')}.{pname}", p)
+             for m in sorted(prefix_modules, key=lambda m: names.get(id(m), ""))
+             for pname, p in m.named_parameters(recurse=False)]
+    key = (cut, num_blocks, tuple((n, id(p), p._version, p.data_ptr(), p.dtype, str(p.device)) for n, p in named))
+    cached = _FINGERPRINTS.get(model)
+    if cached is None or cached[0] != key:
+        cached = (key, _weights_fingerprint(named))
+        _FINGERPRINTS[model] = cached
+    return f"{_arch(model)} {blocks_name}[{cut}] of {num_blocks} blocks, prefix weights {cached[1]}"
 
 
 def prefix_signature(model: nn.Module, suffix_blocks: int = 1) -> str:
     """The :attr:`~hf_dp.models.prefix_cache.CachedFeatures.prefix_signature` a cache of ``model`` built with
-    ``suffix_blocks`` has (one tiny dummy forward; raises :class:`PrefixCacheError` where caching is not supported)."""
+    ``suffix_blocks`` has (one tiny dummy forward).  ``model`` must be frozen below ``blocks[-suffix_blocks]`` (as a
+    trainer's model is): like :func:`~hf_dp.models.suffix.suffix_forward` it raises :class:`PrefixCacheError` where
+    caching is not supported or a prefix parameter is trainable."""
     return _discover(model, False, suffix_blocks)[0].prefix_signature
 
 

@@ -23,7 +23,9 @@ Pieces
     lengths (no second copy) and the forward passes run on length-sorted batches (about half the
     padding compute on GLUE-like data); the cache itself is in dataset order.  ``CachedFeatures`` is a
     ``torch.utils.data.Dataset`` whose items are ``{"hf_dp_cached_hidden": [L_i, H],
-    "attention_mask": ones(L_i), "labels": ...}``; ``nbytes`` is the size of the states.
+    "attention_mask": ones(L_i), "labels": ..., "hf_dp_prefix_signature": str}``; ``nbytes`` is the size of the
+    states.  The signature (where in which model the prefix was cut, and a fingerprint of its frozen weights) rides
+    in every collated batch: :func:`suffix_forward` refuses a batch of a cache that is not its model's.
 :class:`CachedFeaturesCollator`
     Right-pads states (with zeros) and masks to the batch maximum length; use it for train and eval.
 :func:`suffix_forward` (context manager) / :func:`run_suffix`
@@ -241,7 +243,7 @@ class CachedFeatures(torch.utils.data.Dataset):
             extra += self.labels.numel() * self.labels.element_size()
         return self.nbytes + extra
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, i: int) -> dict:
         n = len(self)
         if i < 0:
             i += n
@@ -276,7 +278,7 @@ class CachedFeaturesCollator:
 
     pad_to_multiple_of: int | None = None
 
-    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+    def __call__(self, features: list[dict]) -> dict:
         if not features:
             raise ValueError("CachedFeaturesCollator: empty batch")
         states = [f[CACHED_HIDDEN_KEY] for f in features]

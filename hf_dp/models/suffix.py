@@ -11,7 +11,9 @@ calls without ``hf_dp_cached_hidden``) the model is unchanged.
 How the suffix forward works (generic, the model's own code still runs; the structure comes from
 :func:`hf_dp.models.architecture._discover`):
 
-* A forward pre-hook on the top model pops ``hf_dp_cached_hidden`` and passes placeholder
+* A forward pre-hook on the top model pops ``hf_dp_prefix_signature`` (the cache's, from the collated batch) and
+  refuses it when it is not this model's prefix (another model, depth, checkpoint or ``suffix_blocks``); then it pops
+  ``hf_dp_cached_hidden`` and passes placeholder
   ``input_ids`` of the right shape (pad id where the mask is 0) so that the model's own forward builds
   the attention mask, and the other inputs as given.
 * The modules of the base model that run before the blocks (``embeddings``, ELECTRA's
