@@ -646,3 +646,25 @@ def test_nested_suffix_forward_with_another_k_is_refused():
         with pytest.raises(PrefixCacheError, match=r"suffix_forward\(suffix_blocks=2\) inside an active suffix_forward\(suffix_blocks=1\)"):
             with suffix_forward(model, suffix_blocks=2):
                 pass
+
+
+def test_cached_batches_go_through_accelerates_split_and_concatenate():
+    """Review of 31a21a3: the signature first rode in batches as a string, which Accelerate's dispatch_batches path
+    (concatenate / slice / broadcast of every batch value) cannot carry.  It is a per-row int64 id: concatenated and
+    sliced like any column, and still checked by the suffix."""
+    from accelerate.utils import concatenate, slice_tensors
+
+    model = make_model("bert", dropout=0.0)
+    apply_trainable(model, "last_block")
+    rows = make_rows()
+    cache = build_prefix_cache(model, rows, PadCollator(0), batch_size=4)
+    a = cached_batch(cache, [0, 1, 2])
+    both = concatenate([a, cached_batch(cache, [2, 1, 0])])  # two per-process batches of the same padded length
+    part = slice_tensors(both, slice(1, 4))
+    part.pop("labels")
+    with torch.no_grad():
+        run_suffix(model, part)  # accepted: this model's cache
+        other = make_model("bert", dropout=0.0, seed=3)
+        apply_trainable(other, "last_block")
+        with pytest.raises(PrefixCacheError, match="this batch comes from a prefix cache of .* prefix weights"):
+            run_suffix(other, part)

@@ -23,7 +23,7 @@ Pieces
     lengths (no second copy) and the forward passes run on length-sorted batches (about half the
     padding compute on GLUE-like data); the cache itself is in dataset order.  ``CachedFeatures`` is a
     ``torch.utils.data.Dataset`` whose items are ``{"hf_dp_cached_hidden": [L_i, H],
-    "attention_mask": ones(L_i), "labels": ..., "hf_dp_prefix_signature": str}``; ``nbytes`` is the size of the
+    "attention_mask": ones(L_i), "labels": ..., "hf_dp_prefix_signature": id}``; ``nbytes`` is the size of the
     states.  The signature (where in which model the prefix was cut, and a fingerprint of its frozen weights) rides
     in every collated batch: :func:`suffix_forward` refuses a batch of a cache that is not its model's.
 :class:`CachedFeaturesCollator`
@@ -91,7 +91,7 @@ from .architecture import (
     prefix_signature,
 )
 from .freezing import find_blocks
-from .suffix import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, run_suffix, suffix_forward
+from .suffix import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, run_suffix, signature_id, suffix_forward
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +213,7 @@ class CachedFeatures(torch.utils.data.Dataset):
             raise ValueError(f"CachedFeatures: suffix_blocks must be a whole number >= 1, got {suffix_blocks!r}")
         self.suffix_blocks = suffix_blocks
         self.prefix_signature = prefix_signature
+        self._signature_id = None if prefix_signature is None else signature_id(prefix_signature)
 
     def __len__(self) -> int:
         return self.offsets.shape[0] - 1
@@ -256,8 +257,8 @@ class CachedFeatures(torch.utils.data.Dataset):
         }
         if self.labels is not None:
             item["labels"] = self.labels[i]
-        if self.prefix_signature is not None:
-            item[PREFIX_SIGNATURE_KEY] = self.prefix_signature
+        if self._signature_id is not None:
+            item[PREFIX_SIGNATURE_KEY] = torch.tensor(self._signature_id, dtype=torch.long)
         return item
 
     def __repr__(self) -> str:
@@ -293,11 +294,11 @@ class CachedFeaturesCollator:
             hidden[i, :n] = s
             mask[i, :n] = 1
         batch = {CACHED_HIDDEN_KEY: hidden, "attention_mask": mask}
-        signatures = {f.get(PREFIX_SIGNATURE_KEY) for f in features}
-        if len(signatures) > 1:
-            raise PrefixCacheError(f"CachedFeaturesCollator: the batch mixes rows of prefix caches built differently: {sorted(map(str, signatures))}")
-        if None not in signatures:
-            batch[PREFIX_SIGNATURE_KEY] = signatures.pop()
+        ids = [f.get(PREFIX_SIGNATURE_KEY) for f in features]
+        if len({None if i is None else int(i) for i in ids}) > 1:
+            raise PrefixCacheError("CachedFeaturesCollator: the batch mixes rows of prefix caches built differently")
+        if ids[0] is not None:
+            batch[PREFIX_SIGNATURE_KEY] = torch.stack([torch.as_tensor(i) for i in ids])
         if "labels" in features[0]:
             batch["labels"] = torch.stack([torch.as_tensor(f["labels"]) for f in features])
         return batch

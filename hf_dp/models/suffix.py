@@ -11,7 +11,7 @@ calls without ``hf_dp_cached_hidden``) the model is unchanged.
 How the suffix forward works (generic, the model's own code still runs; the structure comes from
 :func:`hf_dp.models.architecture._discover`):
 
-* A forward pre-hook on the top model pops ``hf_dp_prefix_signature`` (the cache's, from the collated batch) and
+* A forward pre-hook on the top model pops ``hf_dp_prefix_signature`` (the cache's signature id, per row) and
   refuses it when it is not this model's prefix (another model, depth, checkpoint or ``suffix_blocks``); then it pops
   ``hf_dp_cached_hidden`` and passes placeholder
   ``input_ids`` of the right shape (pad id where the mask is 0) so that the model's own forward builds
@@ -38,6 +38,7 @@ outputs have an unknown structure.  Verified: BERT (incl. MiniLM), RoBERTa, ELEC
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Any, Callable, Iterator
 
 import torch
@@ -46,11 +47,21 @@ from torch import nn
 from .architecture import _ACTIVE_SUFFIX, PrefixCacheError, _arch, _discover, _eval_logits, _hidden_arg, _logits_match, _Plan
 from .first_token import _first_token_block
 
-__all__ = ["CACHED_HIDDEN_KEY", "PREFIX_SIGNATURE_KEY", "suffix_forward", "run_suffix"]
+__all__ = ["CACHED_HIDDEN_KEY", "PREFIX_SIGNATURE_KEY", "signature_id", "suffix_forward", "run_suffix"]
 
 CACHED_HIDDEN_KEY = "hf_dp_cached_hidden"
-#: batch key with the :attr:`~hf_dp.models.prefix_cache.CachedFeatures.prefix_signature` of the cache the rows come from
+#: batch key: per row, the :func:`signature_id` of the cache's
+#: :attr:`~hf_dp.models.prefix_cache.CachedFeatures.prefix_signature` (a ``[batch]`` int64 tensor, which loaders,
+#: collators and Accelerate's split / gather / broadcast handle like any other column; a string would not broadcast)
 PREFIX_SIGNATURE_KEY = "hf_dp_prefix_signature"
+_SIGNATURES: dict[int, str] = {}  # id -> signature, for error messages
+
+
+def signature_id(signature: str) -> int:
+    """The 63-bit id of a prefix signature that batches carry (the first 8 bytes of its SHA-256)."""
+    i = int.from_bytes(hashlib.sha256(signature.encode()).digest()[:8], "big") >> 1
+    _SIGNATURES.setdefault(i, signature)
+    return i
 _TOKEN_INPUTS = ("input_ids", "inputs_embeds")
 
 
@@ -67,12 +78,16 @@ class _Patches:
     # -- installed pieces ---------------------------------------------------------------------------
     def _top_pre_hook(self, _module, args, kwargs):
         signature = kwargs.pop(PREFIX_SIGNATURE_KEY, None)
-        if signature is not None and signature != self.plan.prefix_signature:
-            raise PrefixCacheError(
-                f"this batch comes from a prefix cache of {signature}, but the model runs from the input of "
-                f"{self.plan.prefix_signature}: rebuild the cache for this model with "
-                f"suffix_blocks={self.plan.suffix_blocks} (or run the suffix with the suffix_blocks it was built with)"
-            )
+        if signature is not None:
+            expected = signature_id(self.plan.prefix_signature)
+            ids = torch.as_tensor(signature).reshape(-1)
+            if ids.numel() and bool((ids != expected).any()):
+                got = int(ids[ids != expected][0])
+                raise PrefixCacheError(
+                    f"this batch comes from a prefix cache of {_SIGNATURES.get(got, f'signature id {got}')}, but the "
+                    f"model runs from the input of {self.plan.prefix_signature}: rebuild the cache for this model with "
+                    f"suffix_blocks={self.plan.suffix_blocks} (or run the suffix with the suffix_blocks it was built with)"
+                )
         if CACHED_HIDDEN_KEY not in kwargs:
             return (args, kwargs) if signature is not None else None
         if self.state["hidden"] is not None:
