@@ -62,6 +62,8 @@ def signature_id(signature: str) -> int:
     i = int.from_bytes(hashlib.sha256(signature.encode()).digest()[:8], "big") >> 1
     _SIGNATURES.setdefault(i, signature)
     return i
+
+
 _TOKEN_INPUTS = ("input_ids", "inputs_embeds")
 
 
@@ -72,6 +74,7 @@ class _Patches:
         self.model = model
         self.plan = plan
         self.state = plan.state
+        self.signature_id = signature_id(plan.prefix_signature)  # what this model's cached batches carry
         self.handles: list = []
         self.overrides: list[tuple[nn.Module, Callable, bool, Any]] = []  # (module, new, had_instance_attr, old)
 
@@ -79,7 +82,7 @@ class _Patches:
     def _top_pre_hook(self, _module, args, kwargs):
         signature = kwargs.pop(PREFIX_SIGNATURE_KEY, None)
         if signature is not None:
-            expected = signature_id(self.plan.prefix_signature)
+            expected = self.signature_id
             ids = torch.as_tensor(signature).reshape(-1)
             if ids.numel() and bool((ids != expected).any()):
                 got = int(ids[ids != expected][0])
