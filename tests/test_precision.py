@@ -9,6 +9,7 @@ bf16 (up to 0.8% over C), and ``--clipping auto`` chose its engine silently.
 
 from __future__ import annotations
 
+import math
 import copy
 import logging
 
@@ -195,3 +196,15 @@ def test_clipping_auto_logs_the_engine_and_why(tmp_path, caplog):
         DPTrainer(model=make_model(), args=dp_args(tmp_path / "o", max_steps=1, clipping="hooks"), train_dataset=ds,
                   data_collator=make_collator(tok))
     assert not [r for r in caplog.records if "--clipping auto" in r.getMessage()]
+
+
+@pytest.mark.parametrize("trainable", ["last_block", "last_k:2"])
+@pytest.mark.parametrize("clipping", ["ghost", "hooks"])
+def test_trainer_bf16_autocast_with_a_cached_prefix(tmp_path, clipping, trainable):
+    """--bf16 with --cache_frozen_features: Accelerate's autocast wraps the model's forward, and the suffix's self-check
+    (cached path vs the full model on a dummy batch, an exactness check) compared two bfloat16 computations at a float32
+    tolerance, so train() failed before its first step. Train, then evaluate twice (the cached eval set), finite."""
+    trainer = _train(tmp_path, bf16=True, clipping=clipping, trainable=trainable, cache_frozen_features=True)
+    assert trainer._prefix_cache
+    for _ in range(2):
+        assert math.isfinite(trainer.evaluate(eval_dataset=trainer.train_dataset)["eval_loss"])

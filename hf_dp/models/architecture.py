@@ -59,13 +59,20 @@ def _logits(output) -> torch.Tensor:
 
 
 def _eval_logits(model: nn.Module, **inputs) -> torch.Tensor:
-    """The model's logits in eval mode without gradients; the train/eval mode is restored."""
+    """The model's logits in eval mode without gradients; the train/eval mode is restored.
+
+    Runs the class's own ``forward``: an instance-level wrapper (Accelerate's mixed-precision autocast under ``--bf16``)
+    is set aside for the call, so the probes and exactness checks that use this compare float32 computations (hooks
+    still run: the call goes through ``model(...)``)."""
     was_training = model.training
+    wrapper = model.__dict__.pop("forward", None)
     try:
         model.eval()
         with torch.no_grad():
             return _logits(model(**inputs)).detach().clone()
     finally:
+        if wrapper is not None:
+            model.forward = wrapper
         model.train(was_training)
 
 
