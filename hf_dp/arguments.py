@@ -104,7 +104,8 @@ class DPTrainingArguments(TrainingArguments):
         metadata={
             "help": "Compute the frozen prefix (everything below the trained blocks: the last block, or the last K with "
             "last_k:K) once per example and train the suffix from that cache (needs --trainable last_block, last_k:K or head). Privacy is unchanged; the frozen prefix runs in eval "
-            "mode (no dropout)."
+            "mode (no dropout). Works with --bf16; refused with --bf16_full_eval / --fp16_full_eval (they cast the "
+            "frozen prefix the cache was computed from)."
         },
     )
     cache_frozen_features_dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16 storage of the cache."})
@@ -149,6 +150,14 @@ class DPTrainingArguments(TrainingArguments):
             # values, before HF's own validation (which would e.g. import deepspeed first)
             flags.enforce(self)
         super().__post_init__()
+        for flag in ("bf16_full_eval", "fp16_full_eval"):
+            if self.cache_frozen_features and getattr(self, flag, False):
+                raise ValueError(
+                    f"--{flag} with --cache_frozen_features: HF's evaluate() casts the whole model, frozen prefix "
+                    "included, to half precision and leaves it so, after which the cached features are no longer this "
+                    "model's (evaluation runs only the trainable suffix on them anyway); use --bf16 (mixed precision, "
+                    "the weights stay float32), or drop one of the two flags"
+                )
         if dp_name is not None:
             self.optim = dp_name
             self._validate_dp()

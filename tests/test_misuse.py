@@ -184,6 +184,8 @@ CASES = {
                                  ValueError, r"^--activation_checkpointing \(--gradient_checkpointing\) is not supported with DP: hf_dp's per-example clipping records activations and gradients through module hooks, and the forward recomputed during backward would run them again"),
     "gradient-checkpointing": ({"gradient_checkpointing": True}, dataset, bert, {},
                                ValueError, r"^--gradient_checkpointing \(--activation_checkpointing\) is not supported with DP"),
+    "cache-bf16-full-eval": ({"cache_frozen_features": True, "bf16_full_eval": True}, dataset, bert, {},
+                             ValueError, r"^--bf16_full_eval with --cache_frozen_features: HF's evaluate\(\) casts the whole model, frozen prefix included, to half precision and leaves it so, after which the cached features are no longer this model's \(evaluation runs only the trainable suffix on them anyway\); use --bf16 \(mixed precision, the weights stay float32\), or drop one of the two flags$"),
     "liger-kernel": ({"use_liger_kernel": True}, dataset, bert, {},
                      ValueError, r"^--use_liger_kernel is not supported with DP: Liger replaces model layers and the loss by fused kernels that hf_dp's per-example clipping does not know$"),
     "optim-target-modules": ({"optim_target_modules": ["attn"]}, dataset, bert, {},

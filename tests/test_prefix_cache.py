@@ -8,6 +8,7 @@ package or the SST-2 file is missing).
 from __future__ import annotations
 
 import csv
+import math
 import importlib.util
 import os
 
@@ -668,3 +669,19 @@ def test_cached_batches_go_through_accelerates_split_and_concatenate():
         apply_trainable(other, "last_block")
         with pytest.raises(PrefixCacheError, match="this batch comes from a prefix cache of .* prefix weights"):
             run_suffix(other, part)
+
+
+
+@pytest.mark.parametrize("flag", ["bf16_full_eval", "fp16_full_eval"])
+@pytest.mark.parametrize("dp", [True, False])
+def test_full_eval_cast_with_a_cached_prefix_is_refused(tmp_path, flag, dp):
+    """--bf16_full_eval / --fp16_full_eval make HF's evaluate() cast the whole model, frozen prefix included, and leave it
+    cast: the cached states are no longer this model's. Before, the first evaluate() failed with a Float/BFloat16 dtype
+    mismatch deep in the suffix, and after a fix of that the second was refused as "another checkpoint". Now: one clear
+    error when the arguments are made, before any model or cache work."""
+    from tests.helpers import dp_args
+
+    extra = {"disable_dp": True, "optim": "adamw_torch", "epsilon": None} if dp is False else {}
+    with pytest.raises(ValueError, match=rf"--{flag} with --cache_frozen_features: .*--bf16"):
+        dp_args(tmp_path / "out", cache_frozen_features=True, **{flag: True}, **extra)
+    dp_args(tmp_path / "out", **{flag: True}, **extra)  # without a cache: allowed, as in HF
