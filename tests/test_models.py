@@ -164,8 +164,9 @@ def test_last_k_selects_the_last_k_blocks_and_what_follows(arch):
     assert two.suffix_blocks == 2 and two.mode == "last_k:2" and two.last_block == below[:-1]
     assert two.summary().endswith("[last_k:2]")
     _, every = apply_trainable(_model(arch), f"last_k:{N_LAYERS}")
-    first = block.replace(f".{LAST}.", ".0.")
-    assert any(n.startswith(first) for n in every.trainable_names)
+    blocks = {n for n in names if any(n.startswith(block.replace(f".{LAST}.", f".{i}.")) for i in range(N_LAYERS))}
+    assert set(every.trainable_names) == set(last.trainable_names) | blocks  # exactly: every block, and what follows
+    assert any(n.startswith(block.replace(f".{LAST}.", ".0.")) for n in every.trainable_names)
     assert every.num_trainable < every.num_total  # the embeddings stay frozen
     with pytest.raises(ValueError, match=rf"last_k:{N_LAYERS + 1}: .* has {N_LAYERS} blocks"):
         apply_trainable(_model(arch), f"last_k:{N_LAYERS + 1}")
