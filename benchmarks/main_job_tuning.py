@@ -33,14 +33,46 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job_tuning.jsonl"
 
 def _key(r: dict) -> tuple:
     return (r["task"], r.get("trainable", "last_block"), bool(r.get("full_train")), r["epochs"], r["lr"], r["seed"],
-            r["epsilon_target"], r.get("scheduler", "constant"))
+            r["epsilon_target"], r.get("scheduler", "constant"), r.get("sigma_target"),
+            None if r.get("full_train") else r.get("tune_split", "rows"))
+
+
+TUNE_SENTENCES = 1000
+
+
+def sentence_split(train, n_tune: int, seed: int = 0):
+    """A tune split of SST-2 *train* that looks like GLUE dev: ``n_tune`` whole sentences, none of whose phrases is left
+    in the fit part.
+
+    SST-2's training rows are every labelled phrase of each training sentence (67,349 rows from ~8k sentences), and dev
+    holds whole sentences only. A random row split (``rows``) leaves most phrases of a tune row in fit, so its accuracy
+    rewards memorising phrases (clip-only training: 89.5 % tune, 83.6 % dev). Here the tune rows are sentences (rows
+    that occur in no other row, drawn at random), and every fit row that is a substring of one of them is dropped (a
+    conservative cut: a common phrase that is also part of a fit sentence goes too). Only the training rows' text is
+    read; dev is not involved."""
+    import random
+
+    text = [t.strip() for t in train["sentence"]]
+    every = "\n".join(text)
+    order = list(range(len(text)))
+    random.Random(seed).shuffle(order)
+    tune: list[int] = []
+    for i in order:  # a row that occurs once in the whole text is in no other row: a whole sentence
+        if every.count(text[i]) == 1:
+            tune.append(i)
+            if len(tune) == n_tune:
+                break
+    held = "\n".join(text[i] for i in tune)
+    fit = [i for i in range(len(text)) if text[i] not in held]
+    return train.select(fit), train.select(sorted(tune))
 
 
 class Data:
     """Tokenized fit / tune / GLUE-dev splits (fit + tune carved from train, or ``full_train``: fit = every training
     row, no tune split), with their frozen-prefix caches when the trainable set allows one."""
 
-    def __init__(self, task: str, max_length: int, tune_fraction: float, *, trainable: str, full_train: bool = False):
+    def __init__(self, task: str, max_length: int, tune_fraction: float, *, trainable: str, full_train: bool = False,
+                 tune_split: str = "rows"):
         import datasets
         from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
@@ -56,6 +88,8 @@ class Data:
         parts = {"validation": raw["validation"]}
         if full_train:
             parts["train"] = raw["train"]
+        elif tune_split == "sentences":
+            parts["train"], parts["tune"] = sentence_split(raw["train"], TUNE_SENTENCES)
         else:
             split = raw["train"].train_test_split(test_size=tune_fraction, seed=0)
             parts["train"], parts["tune"] = split["train"], split["test"]
@@ -69,13 +103,14 @@ class Data:
             tokd = {name: build_prefix_cache(model, v, self.collator, batch_size=128, progress=True, name=name, suffix_blocks=k)
                     for name, v in tokd.items()}
         self.cache_seconds = time.time() - t0
+        self.tune_split = None if full_train else tune_split
         self.train, self.tune, self.dev = tokd["train"], tokd.get("tune"), tokd["validation"]
         self.cached = cache
         self.sizes = {k: len(v) for k, v in tokd.items()}
 
 
 def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params: int, trainable: str = "last_block",
-            scheduler: str = "constant") -> dict:
+            scheduler: str = "constant", sigma: float | None = None) -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -85,7 +120,7 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
     from qnli_optimizers import _minilm_path
 
     n = len(data.train)
-    plan = recommend(n, epsilon, 1e-5, params, epochs=epochs)
+    plan = recommend(n, epsilon, 1e-5, params, epochs=epochs)  # B stays the planner's at epsilon, with or without sigma
     per_device, accum = split_batch(plan.batch_size)
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2)
@@ -95,7 +130,9 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
         learning_rate=lr, weight_decay=1e-5, lr_scheduler_type=scheduler, warmup_steps=0,
         logging_steps=10, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, seed=seed,
         disable_tqdm=True, cache_frozen_features=data.cached, trainable=trainable, dataloader_num_workers=0,
-        optim="dp_adamw", epsilon=epsilon, delta=1e-5, per_sample_max_grad_norm=0.1, dp_seed=seed,
+        optim="dp_adamw", delta=1e-5, per_sample_max_grad_norm=0.1, dp_seed=seed,
+        # a tiny sigma is beyond the PRV accountant's grid (it runs out of memory); RDP reports a huge, finite epsilon
+        **({"epsilon": epsilon} if sigma is None else {"noise_multiplier": sigma, "accountant": "rdp"}),
     )
     trainer = DPTrainer(model=model, args=args, train_dataset=data.train, compute_metrics=build_compute_metrics(data.task),
                         data_collator=None if data.cached else data.collator)
@@ -107,7 +144,8 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
     rep = trainer.privacy_report()
     return {
         "task": data.task, "trainable": trainable, "full_train": data.tune is None, "epochs": epochs, "batch": plan.batch_size,
-        "lr": lr, "scheduler": scheduler, "seed": seed, "epsilon_target": epsilon, "params": params,
+        "lr": lr, "scheduler": scheduler, "seed": seed, "epsilon_target": epsilon if sigma is None else None,
+        "sigma_target": sigma, "params": params, "tune_split": data.tune_split,
         "tune_accuracy": tune.get("tune_accuracy"), "dev_accuracy": dev["dev_accuracy"], "train_seconds": train_s,
         "steps": trainer.state.global_step, "epsilon": rep["epsilon"], "sigma": rep["noise_multiplier"],
         "sizes": data.sizes, "commit": git_commit(),
@@ -116,17 +154,21 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
 
 def report(out: str) -> None:
     rows = load_jsonl(out)
-    print("| task | trainable | train rows | E | B (planner) | steps | σ | lr | schedule | seeds | tune acc % | GLUE dev acc % | train s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| task | trainable | tune split | train rows | E | B (planner) | steps | σ | lr | schedule | seeds | tune acc % | "
+          "GLUE dev acc % | train s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["task"], r.get("trainable", "last_block"), bool(r.get("full_train")), r["epochs"], r["lr"],
-                           r.get("scheduler", "constant"), r["epsilon_target"]), []).append(r)
+        split = "— (all train)" if r.get("full_train") else r.get("tune_split", "rows")
+        if r.get("sigma_target") is not None:
+            split += f", σ = {r['sigma_target']:g} (diagnostic, not private)"
+        groups.setdefault((r["task"], r.get("trainable", "last_block"), split, r["epochs"], r["lr"],
+                           r.get("scheduler", "constant"), str(r["epsilon_target"])), []).append(r)
     sd = lambda xs: f" ± {statistics.stdev(xs):.1f}" if len(xs) > 1 else ""  # noqa: E731
-    for (task, trainable, full, e, lr, sched, _eps), g in sorted(groups.items(), key=lambda kv: kv[0][:6]):
+    for (task, trainable, split, e, lr, sched, _eps), g in sorted(groups.items(), key=lambda kv: kv[0][:6]):
         tune = [100 * r["tune_accuracy"] for r in g if r.get("tune_accuracy") is not None]
         dev = [100 * r["dev_accuracy"] for r in g]
-        print(f"| {task} | {trainable} | {g[0]['sizes']['train']:,} | {e:g} | {g[0]['batch']} | {g[0]['steps']} | "
+        print(f"| {task} | {trainable} | {split} | {g[0]['sizes']['train']:,} | {e:g} | {g[0]['batch']} | {g[0]['steps']} | "
               f"{g[0]['sigma']:.3f} | {lr:g} | {sched} | {','.join(str(r['seed']) for r in g)} | "
               f"{(f'{statistics.mean(tune):.1f}' + sd(tune)) if tune else '—'} | {statistics.mean(dev):.1f}{sd(dev)} | "
               f"{statistics.mean(r['train_seconds'] for r in g):.0f} |")
@@ -140,10 +182,16 @@ def main() -> None:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--epsilon", type=float, default=3.0)
     ap.add_argument("--max_length", type=int, default=128)
+    ap.add_argument("--noise_multiplier", type=float, default=None,
+                    help="diagnostic only: this sigma instead of --epsilon's (e.g. 1e-6 to measure what clipping alone "
+                    "costs); B stays the planner's at --epsilon; the row's epsilon_target is None")
     ap.add_argument("--trainable", default="last_block", help="last_block, last_k:K and head are cached; all and lora are not")
     ap.add_argument("--scheduler", default="constant", help="HF lr_scheduler_type (constant, linear, cosine, ...)")
     ap.add_argument("--full_train", action="store_true", help="train on every training row (no tune split): final runs "
                     "of a configuration already chosen on the tune split")
+    ap.add_argument("--tune_split", default="rows", choices=["rows", "sentences"],
+                    help="rows: 10%% of the training rows at random; sentences (SST-2): %d whole training sentences with "
+                    "none of their phrases left in fit (see sentence_split)" % TUNE_SENTENCES)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--report", action="store_true")
     a = ap.parse_args()
@@ -159,15 +207,17 @@ def main() -> None:
                              a.trainable)[1].num_trainable
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     done = {_key(r) for r in load_jsonl(a.out)}
-    data = Data(a.task, a.max_length, 0.1, trainable=a.trainable, full_train=a.full_train)
+    data = Data(a.task, a.max_length, 0.1, trainable=a.trainable, full_train=a.full_train, tune_split=a.tune_split)
     print(f"data {data.sizes}, cached: {data.cached} ({data.cache_seconds:.0f}s); d = {params}", flush=True)
     for e in [float(x) for x in a.epochs.split(",")]:
         for lr in [float(x) for x in a.lrs.split(",")]:
             for seed in [int(s) for s in a.seeds.split(",")]:
-                if (a.task, a.trainable, a.full_train, e, lr, seed, a.epsilon, a.scheduler) in done:
+                eps_t = a.epsilon if a.noise_multiplier is None else None
+                if (a.task, a.trainable, a.full_train, e, lr, seed, eps_t, a.scheduler, a.noise_multiplier,
+                        None if a.full_train else a.tune_split) in done:
                     continue
                 rec = run_one(data, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params, trainable=a.trainable,
-                              scheduler=a.scheduler)
+                              scheduler=a.scheduler, sigma=a.noise_multiplier)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(json.dumps({k: rec[k] for k in ("epochs", "batch", "lr", "seed", "tune_accuracy", "dev_accuracy",
