@@ -43,6 +43,19 @@ from hf_dp.optim.registry import is_dp_optimizer, optimizer_names
 from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon
 
 
+def check_no_full_eval_cast(args) -> None:
+    """``--bf16_full_eval`` / ``--fp16_full_eval`` are refused with ``--cache_frozen_features`` (checked when the
+    arguments are made, and again by DPTrainer in case they were changed since)."""
+    for flag in ("bf16_full_eval", "fp16_full_eval"):
+        if getattr(args, "cache_frozen_features", False) and getattr(args, flag, False):
+            raise ValueError(
+                f"--{flag} with --cache_frozen_features: HF's evaluate() casts the whole model, frozen prefix "
+                "included, to half precision and leaves it so, after which the cached features are no longer this "
+                "model's (evaluation runs only the trainable suffix on them anyway); use --bf16 (mixed precision, "
+                "the weights stay float32), or drop one of the two flags"
+            )
+
+
 @dataclass
 class DPTrainingArguments(TrainingArguments):
     # redefined so that HfArgumentParser accepts the DP names (TrainingArguments restricts --optim to HF's enum)
@@ -150,14 +163,7 @@ class DPTrainingArguments(TrainingArguments):
             # values, before HF's own validation (which would e.g. import deepspeed first)
             flags.enforce(self)
         super().__post_init__()
-        for flag in ("bf16_full_eval", "fp16_full_eval"):
-            if self.cache_frozen_features and getattr(self, flag, False):
-                raise ValueError(
-                    f"--{flag} with --cache_frozen_features: HF's evaluate() casts the whole model, frozen prefix "
-                    "included, to half precision and leaves it so, after which the cached features are no longer this "
-                    "model's (evaluation runs only the trainable suffix on them anyway); use --bf16 (mixed precision, "
-                    "the weights stay float32), or drop one of the two flags"
-                )
+        check_no_full_eval_cast(self)
         if dp_name is not None:
             self.optim = dp_name
             self._validate_dp()

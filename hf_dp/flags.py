@@ -170,8 +170,10 @@ FLAGS: dict[str, tuple[Rule, ...]] = {
     "fp16": (Rule(REFUSED, "--fp16 is not supported with DP: dynamic loss scaling skips steps depending on private gradients; use "
                            "--bf16 or fp32", "True", _true("fp16")),
              Rule(SAFE, "False (default)")),
-    "bf16_full_eval": (Rule(SAFE, "precision of evaluation outside train() only"),),
-    "fp16_full_eval": (Rule(SAFE, "precision of evaluation outside train() only (no loss scaling in evaluation)"),),
+    "bf16_full_eval": (Rule(SAFE, "precision of evaluation outside train() only (refused with --cache_frozen_features, "
+                              "docs/misuse.md: the cast would leave the cache another model's)"),),
+    "fp16_full_eval": (Rule(SAFE, "precision of evaluation outside train() only (no loss scaling in evaluation; refused "
+                              "with --cache_frozen_features, docs/misuse.md)"),),
     "tf32": (Rule(SAFE, "TF32 matmuls on Ampere+ GPUs: precision of the same computation"),),
     "activation_checkpointing": (Rule(REFUSED, "--activation_checkpointing (--gradient_checkpointing) is not supported with DP: "
                                                f"{_HOOKS}, and the forward recomputed during backward would run them again, which "

@@ -56,7 +56,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_dp import __version__
-from hf_dp.arguments import DPTrainingArguments
+from hf_dp.arguments import DPTrainingArguments, check_no_full_eval_cast
 from hf_dp import checkpointing
 from hf_dp.hub import report, write_privacy_artifacts
 from hf_dp.models import apply_trainable, assert_grad_samples_complete, attach_grad_sampler, unwrap_for_save
@@ -205,6 +205,7 @@ class DPTrainer(Trainer):
         if info is None or info.suffix_blocks is None:
             raise ValueError("--cache_frozen_features needs --trainable last_block (or last_k:K, or head): the cached "
                              "prefix must be frozen")
+        check_no_full_eval_cast(self.args)  # again: the arguments may have been changed after they were made
         self._check_cache_dir()
         self._prefix_cache = True
         self._raw_collator = self.data_collator  # HF's resolved collator (tokenizer padding)

@@ -201,10 +201,23 @@ def test_clipping_auto_logs_the_engine_and_why(tmp_path, caplog):
 @pytest.mark.parametrize("trainable", ["last_block", "last_k:2"])
 @pytest.mark.parametrize("clipping", ["ghost", "hooks"])
 def test_trainer_bf16_autocast_with_a_cached_prefix(tmp_path, clipping, trainable):
-    """--bf16 with --cache_frozen_features: Accelerate's autocast wraps the model's forward, and the suffix's self-check
-    (cached path vs the full model on a dummy batch, an exactness check) compared two bfloat16 computations at a float32
-    tolerance, so train() failed before its first step. Train, then evaluate twice (the cached eval set), finite."""
+    """--bf16 with --cache_frozen_features. Accelerate's prepare (in train()) replaces the model's forward by an autocast
+    wrapper. Before: the suffix's exactness self-check then compared two bfloat16 computations at a float32 tolerance,
+    so the first evaluate() after training (and a second train()) refused caching; and a cache built after prepare held
+    a bfloat16 prefix while the init-time caches are float32. Now: evaluate twice, the wrapper stays in place, and a cache
+    of the training rows built after training equals the init-time one."""
+    from hf_dp.models.prefix_cache import build_prefix_cache
+    from tests.helpers import make_collator, make_pair_dataset, make_tokenizer
+
     trainer = _train(tmp_path, bf16=True, clipping=clipping, trainable=trainable, cache_frozen_features=True)
     assert trainer._prefix_cache
+    wrapper = trainer.model.__dict__.get("forward")
+    assert wrapper is not None and "_original_forward" in trainer.model.__dict__  # Accelerate's autocast wrapper
     for _ in range(2):
         assert math.isfinite(trainer.evaluate(eval_dataset=trainer.train_dataset)["eval_loss"])
+    assert trainer.model.__dict__.get("forward") is wrapper  # put back after each probe
+    tok = make_tokenizer(tmp_path / "tok")
+    again = build_prefix_cache(trainer.model, make_pair_dataset(tok, n=64), make_collator(tok),
+                               batch_size=trainer.args.per_device_eval_batch_size, suffix_blocks=trainer.train_dataset.suffix_blocks)
+    assert trainer.model.__dict__.get("forward") is wrapper
+    torch.testing.assert_close(again.hidden, trainer.train_dataset.hidden, atol=1e-6, rtol=1e-6)

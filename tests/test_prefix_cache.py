@@ -685,3 +685,18 @@ def test_full_eval_cast_with_a_cached_prefix_is_refused(tmp_path, flag, dp):
     with pytest.raises(ValueError, match=rf"--{flag} with --cache_frozen_features: .*--bf16"):
         dp_args(tmp_path / "out", cache_frozen_features=True, **{flag: True}, **extra)
     dp_args(tmp_path / "out", **{flag: True}, **extra)  # without a cache: allowed, as in HF
+
+
+@pytest.mark.parametrize("flag", ["bf16_full_eval", "fp16_full_eval"])
+def test_full_eval_cast_set_after_the_arguments_is_refused_by_the_trainer(tmp_path, flag):
+    """The same refusal when the flag is set on the arguments object after it was made (review): DPTrainer checks again
+    before building any cache, instead of failing at evaluate() on a dtype mismatch."""
+    from hf_dp import DPTrainer
+    from tests.helpers import dp_args, make_collator, make_model as tiny_model, make_pair_dataset, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    args = dp_args(tmp_path / "out", cache_frozen_features=True, max_steps=2)
+    setattr(args, flag, True)
+    with pytest.raises(ValueError, match=rf"^--{flag} with --cache_frozen_features: "):
+        DPTrainer(model=tiny_model(seed=0), args=args, train_dataset=make_pair_dataset(tok, n=32, seed=0),
+                  data_collator=make_collator(tok))

@@ -18,10 +18,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -58,21 +59,34 @@ def _logits(output) -> torch.Tensor:
     return logits
 
 
-def _eval_logits(model: nn.Module, **inputs) -> torch.Tensor:
-    """The model's logits in eval mode without gradients; the train/eval mode is restored.
+@contextlib.contextmanager
+def _without_amp_wrapper(model: nn.Module) -> Iterator[None]:
+    """Run ``model(...)`` without Accelerate's mixed-precision wrapper (``--bf16``: ``prepare`` replaces the instance's
+    ``forward`` by an autocast one and keeps the one it wrapped as ``_original_forward``); any other instance-level
+    ``forward`` stays. The frozen prefix is cached, and probed, at the model's own precision, before and after
+    ``prepare`` alike. Hooks still run (the call still goes through ``model(...)``); the wrapper is put back on exit."""
+    d = model.__dict__
+    wrapper, original = d.get("forward"), d.get("_original_forward")
+    if wrapper is None or original is None:
+        yield
+        return
+    d["forward"] = original  # the instance dict directly: a forward that is a module must not become a submodule
+    try:
+        yield
+    finally:
+        d["forward"] = wrapper
 
-    Runs the class's own ``forward``: an instance-level wrapper (Accelerate's mixed-precision autocast under ``--bf16``)
-    is set aside for the call, so the probes and exactness checks that use this compare float32 computations (hooks
-    still run: the call goes through ``model(...)``)."""
+
+def _eval_logits(model: nn.Module, **inputs) -> torch.Tensor:
+    """The model's logits in eval mode without gradients (and without Accelerate's autocast wrapper, so the probes and
+    exactness checks that use this compare computations at the model's own precision); the train/eval mode is
+    restored."""
     was_training = model.training
-    wrapper = model.__dict__.pop("forward", None)
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), _without_amp_wrapper(model):
             return _logits(model(**inputs)).detach().clone()
     finally:
-        if wrapper is not None:
-            model.forward = wrapper
         model.train(was_training)
 
 

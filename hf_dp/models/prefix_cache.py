@@ -88,6 +88,7 @@ from .architecture import (
     _hidden_arg,
     _prefix_modules,
     _prefix_signature,
+    _without_amp_wrapper,
     prefix_signature,
 )
 from .freezing import find_blocks
@@ -428,7 +429,7 @@ def build_prefix_cache(
     t0 = time.perf_counter()
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), _without_amp_wrapper(model):  # the prefix at the model's precision, even after --bf16's prepare
             for start in range(0, n, batch_size):
                 idx = order[start : start + batch_size]
                 num_batches += 1
