@@ -195,6 +195,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--report", action="store_true")
     a = ap.parse_args()
+    if a.tune_split == "sentences" and a.task != "sst2":
+        ap.error("--tune_split sentences is for SST-2 (rows that are phrases of sentences); use rows for other tasks")
     if a.report:
         report(a.out)
         return
