@@ -326,13 +326,19 @@ FLAGS: dict[str, tuple[Rule, ...]] = {
                                   "from the 'labels' column", "set to anything but ['labels']",
                          lambda a: a.label_names is not None and list(a.label_names) != ["labels"]),
                     Rule(SAFE, "unset (default) or ['labels']")),
-    "train_sampling_strategy": (Rule(REFUSED, "--train_sampling_strategy other than random is not allowed with DP: DPTrainer draws "
-                                              "every batch by Poisson sampling at rate q = B/N, as the accountant assumes, so HF's "
-                                              "sampler choice would be silently ignored",
-                                     "not random", lambda a: str(_v(a.train_sampling_strategy)) != "random"),
+    "train_sampling_strategy": (Rule(REFUSED, "--train_sampling_strategy sequential or batch_rebalance is not allowed with DP: DPTrainer "
+                                              "draws every batch by Poisson sampling at rate q = B/N, as the accountant assumes, so "
+                                              "HF's sampler choice would be silently ignored",
+                                     "sequential or batch_rebalance",
+                                     lambda a: str(_v(a.train_sampling_strategy)) not in ("random", "group_by_length")),
+                                Rule(ADJUSTED, "Poisson sampling at rate q = B/N, as with random; each step's draw is then ordered by "
+                                               "length before it is cut into the gradient-accumulation micro-batches, so each pads "
+                                               "to about its own rows' length. The rows drawn, the clipped sum and the noise are "
+                                               "unchanged (the order only decides which micro-batch computes which example)",
+                                     "group_by_length", lambda a: str(_v(a.train_sampling_strategy)) == "group_by_length"),
                                 Rule(ADJUSTED, "random (default): replaced by Poisson sampling at rate q = B/N (each example joins "
                                                "each step's batch independently with probability q)")),
-    "length_column_name": (Rule(SAFE, "only read by the group_by_length/batch_rebalance samplers, refused with DP"),),
+    "length_column_name": (Rule(SAFE, "the lengths group_by_length orders each Poisson draw by (kept in memory only)"),),
     # ---- distributed -------------------------------------------------------------------------------------------------------------
     "ddp_find_unused_parameters": (Rule(SAFE, "DDP wrapper option: communication only; the noise is added once per logical batch"),),
     "ddp_bucket_cap_mb": (Rule(SAFE, "DDP wrapper option: communication only"),),

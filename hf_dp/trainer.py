@@ -53,6 +53,7 @@ import transformers
 from packaging import version
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_dp import __version__
@@ -78,6 +79,7 @@ from hf_dp.privacy.randomness import SEEDED, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
 from hf_dp.models.loss import per_example_loss
 from hf_dp.training_data import EMPTY_KEY as _EMPTY_KEY
+from hf_dp.training_data import example_lengths
 from hf_dp.training_data import EmptySafeCollator as _EmptySafeCollator
 from hf_dp.training_data import PoissonDataLoader as _PoissonDataLoader
 from hf_dp.training_data import check_eval_is_not_train as _check_eval_is_not_train
@@ -101,11 +103,20 @@ HF_PRIVATE_OVERRIDES = {
     "fingerprint, budget) and topped up with steps taken past the checkpoint before training resumes, and the "
     "frozen-prefix caches checked against the weights HF has just loaded; "
     "on_train_begin runs later and gets neither the checkpoint nor the ledger as it was before the load",
+    "_get_train_sampler": "under DP the Poisson sampler replaces HF's, so HF's is not built (its group_by_length "
+    "sampler would read every row's input_ids, which a prefix cache does not have); without DP a prefix cache's own "
+    "lengths go to HF's LengthGroupedSampler",
+    "_get_eval_sampler": "a prefix cache has no input_ids, so --train_sampling_strategy group_by_length gets HF's "
+    "LengthGroupedSampler with the cache's own lengths",
 }
 HF_PRIVATE_CALLS = (
     "_set_signature_columns_if_needed / _signature_columns: keep the cached-states column through HF's column removal",
     "_get_output_dir(trial): the checkpoint folder _save_checkpoint writes",
 )
+
+
+def _group_by_length(args) -> bool:
+    return str(getattr(args.train_sampling_strategy, "value", args.train_sampling_strategy)) == "group_by_length"
 
 
 def _check_transformers_version() -> None:
@@ -371,6 +382,8 @@ class DPTrainer(Trainer):
             n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
             rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: self.ledger.steps,
         )
+        if _group_by_length(args):
+            self._dp_sampler.lengths = example_lengths(self.train_dataset, args.length_column_name)  # refused here if unknown
         self._dp_noise_seed = args.dp_seed
         #: the run's lineage: a random id (no randomness is derived from it) written with every record of steps taken;
         #: a resumed trainer takes its checkpoint's, so that the steps of the same run are counted across resumes
@@ -444,11 +457,29 @@ class DPTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------
     # data
     # ------------------------------------------------------------------------------------------------
+    def _get_train_sampler(self, train_dataset=None):
+        if self.args.dp_enabled:
+            return None  # get_train_dataloader draws with the Poisson sampler; HF's would only be built and dropped
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if _group_by_length(self.args) and isinstance(dataset, CachedFeatures):  # HF reads lengths from input_ids
+            return LengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps,
+                                        lengths=dataset.lengths.tolist())
+        return super()._get_train_sampler(train_dataset)
+
+    def _get_eval_sampler(self, eval_dataset):
+        if _group_by_length(self.args) and isinstance(eval_dataset, CachedFeatures):  # as HF's, with the cache's lengths
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            return LengthGroupedSampler(self.args.eval_batch_size, lengths=eval_dataset.lengths.tolist(),
+                                        generator=torch.Generator().manual_seed(seed))
+        return super()._get_eval_sampler(eval_dataset)
+
     def get_train_dataloader(self) -> DataLoader:
         base = super().get_train_dataloader()  # HF's column removal, collator, worker settings
         if not self.args.dp_enabled:
             return base
         dataset = base.dataset
+        if _group_by_length(self.args):  # the same rows as base.dataset (HF's column removal keeps every row)
+            self._dp_sampler.lengths = example_lengths(self.train_dataset, self.args.length_column_name)
         return _PoissonDataLoader(
             dataset,
             batch_sampler=self._dp_sampler,

@@ -5,6 +5,7 @@
   row marked with :data:`EMPTY_KEY` that contributes nothing.
 * :func:`check_eval_is_not_train`: under DP, an eval set that is or overlaps the training set is refused.
 * :func:`refuse_sharding`: under DP, FSDP and DeepSpeed are refused (docs/fsdp.md).
+* :func:`example_lengths`: each training example's token count, for ``--train_sampling_strategy group_by_length``.
 """
 
 from __future__ import annotations
@@ -96,3 +97,38 @@ def check_eval_is_not_train(eval_dataset, train_dataset) -> None:
                 "the eval dataset is (or overlaps) the private training set, so its metrics and any model selection or "
                 "early stopping on them would publish non-private statistics of the training data; evaluate on held-out data"
             )
+
+
+def _row_length(row) -> int | None:
+    mask = row.get("attention_mask") if isinstance(row, dict) else None
+    if mask is not None:
+        return int(torch.as_tensor(mask).sum())
+    ids = row.get("input_ids") if isinstance(row, dict) else None
+    return len(ids) if ids is not None else None
+
+
+def example_lengths(dataset, length_column_name: str = "length") -> torch.Tensor:
+    """``[N]`` token count of each example, for ``--train_sampling_strategy group_by_length``.
+
+    From, in order: a prefix cache's own lengths (``CachedFeatures.lengths``); the dataset's ``length_column_name``
+    column; the sum of each row's ``attention_mask``; the length of its ``input_ids``. The counts only order the rows
+    of a Poisson draw (:class:`~hf_dp.privacy.sampler.PoissonBatchSampler`); they are kept in memory only."""
+    own = getattr(dataset, "lengths", None)
+    if isinstance(own, torch.Tensor):
+        return own.reshape(-1).to(torch.long)
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None:  # a 🤗 Dataset: read whole columns
+        if length_column_name in columns:
+            return torch.as_tensor(list(dataset[length_column_name]), dtype=torch.long)
+        if "attention_mask" in columns:
+            return torch.tensor([int(sum(m)) for m in dataset["attention_mask"]], dtype=torch.long)
+        if "input_ids" in columns:
+            return torch.tensor([len(x) for x in dataset["input_ids"]], dtype=torch.long)
+    else:
+        lengths = [_row_length(dataset[i]) for i in range(len(dataset))]
+        if all(n is not None for n in lengths):
+            return torch.tensor(lengths, dtype=torch.long)
+    raise ValueError(
+        f"--train_sampling_strategy group_by_length needs each training example's length: give the dataset a "
+        f"'{length_column_name}' column (--length_column_name), or 'attention_mask' / 'input_ids'"
+    )

@@ -44,7 +44,7 @@ REFUSAL_EXAMPLES = [
     ("hub_strategy", {"hub_strategy": "all_checkpoints"}),
     ("parallelism_config", {"parallelism_config": {"tp_size": 2}}),
     ("label_names", {"label_names": ["start_positions", "end_positions"]}),
-    ("train_sampling_strategy", {"train_sampling_strategy": "group_by_length"}),
+    ("train_sampling_strategy", {"train_sampling_strategy": "batch_rebalance"}),
     ("train_sampling_strategy", {"train_sampling_strategy": "sequential"}),
     ("fsdp", {"fsdp": "full_shard"}),
     ("fsdp_config", {"fsdp_config": {"version": 2}}),
@@ -152,6 +152,7 @@ def test_report_to_allowed_when_nothing_is_pushed_with_the_model(tmp_path, monke
 
 
 def test_safe_values_of_conditional_flags_are_accepted(tmp_path):
+    _args(tmp_path, train_sampling_strategy="group_by_length")
     args = _args(tmp_path, hub_strategy="end", train_sampling_strategy="random", label_names=["labels"],
                  debug="tpu_metrics_debug", label_smoothing_factor=0.0, include_num_input_tokens_seen="no",
                  lr_scheduler_type="cosine", dataloader_drop_last=True)

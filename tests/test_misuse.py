@@ -166,10 +166,10 @@ CASES = {
     # HF flags refused under DP by the registry hf_dp/flags.py (docs/privacy_flags.md)
     "auto-find-batch-size": ({"auto_find_batch_size": True}, dataset, bert, {},
                              ValueError, r"^--auto_find_batch_size is not supported with DP: after an out-of-memory error it restarts training with a smaller batch, so the steps already taken and q = B/N would no longer be what the accountant describes"),
-    "train-sampling-group-by-length": ({"train_sampling_strategy": "group_by_length"}, dataset, bert, {},
-                                       ValueError, r"^--train_sampling_strategy other than random is not allowed with DP: DPTrainer draws every batch by Poisson sampling at rate q = B/N, as the accountant assumes, so HF's sampler choice would be silently ignored$"),
     "train-sampling-sequential": ({"train_sampling_strategy": "sequential"}, dataset, bert, {},
-                                  ValueError, r"^--train_sampling_strategy other than random is not allowed with DP"),
+                                  ValueError, r"^--train_sampling_strategy sequential or batch_rebalance is not allowed with DP: DPTrainer draws every batch by Poisson sampling at rate q = B/N, as the accountant assumes, so HF's sampler choice would be silently ignored$"),
+    "train-sampling-batch-rebalance": ({"train_sampling_strategy": "batch_rebalance"}, dataset, bert, {},
+                                       ValueError, r"^--train_sampling_strategy sequential or batch_rebalance is not allowed with DP"),
     "label-smoothing": ({"label_smoothing_factor": 0.1}, dataset, bert, {},
                         ValueError, r"^--label_smoothing_factor is not supported with DP: DPTrainer computes each example's loss itself, without label smoothing, so it would be silently ignored in training$"),
     "label-names": ({"label_names": ["start_positions", "end_positions"]}, dataset, bert, {},

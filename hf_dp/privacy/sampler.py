@@ -5,7 +5,11 @@ batch size is Binomial(N, q), mean B = qN, and may be empty). With several proce
 samples its shard ``r, r+W, r+2W, …`` at the same rate q: the union over ranks is one Poisson
 sample of the whole dataset at rate q. The ranks' draws are split into ``micro_batches`` physical
 batches (the Trainer's gradient-accumulation steps), so the Trainer always sees the same number of
-micro-batches per step; their sizes fluctuate around ``per_device_train_batch_size``.
+micro-batches per step; their sizes fluctuate around ``per_device_train_batch_size``. With ``lengths``
+(``--train_sampling_strategy group_by_length``) each rank's draw is ordered by length before it is cut, so each
+micro-batch pads to a length near its own rows' (less padding, less compute); which examples are drawn, and so
+the clipped sum, the noise and the accountant's q, are unchanged — the cut only decides which micro-batch computes
+which example's clipped gradient.
 
 Randomness (:mod:`hf_dp.privacy.randomness`): every iteration (one epoch of HF's loop) draws from a
 new stream — OS entropy by default, the OS CSPRNG with ``secure=True``, or, with a fixed ``seed``,
@@ -17,7 +21,7 @@ those of an earlier step: nothing is replayed, and no seed is saved anywhere.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -30,6 +34,8 @@ class PoissonBatchSampler(Sampler):
 
     ``position``: a callable giving the number of noisy steps taken so far (the ledger's); it keys a
     seeded stream (default: the number of logical batches this sampler has drawn).
+    ``lengths``: optional ``[num_samples]`` token counts; when set, each draw is sorted by them (stable) before it is
+    cut into micro-batches. It changes no draw: the same stream yields the same set of indices with or without it.
     """
 
     def __init__(
@@ -43,6 +49,7 @@ class PoissonBatchSampler(Sampler):
         world_size: int = 1,
         secure: bool = False,
         position: Callable[[], int] | None = None,
+        lengths: Sequence[int] | torch.Tensor | None = None,
     ):
         if num_samples <= 0:
             raise ValueError("the training dataset is empty")
@@ -61,6 +68,21 @@ class PoissonBatchSampler(Sampler):
         self._drawn = 0  # logical batches drawn by this object (the default position)
         self._position = position if position is not None else (lambda: self._drawn)
         self.epoch = 0
+        self.lengths = lengths
+
+    @property
+    def lengths(self) -> torch.Tensor | None:
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, lengths: Sequence[int] | torch.Tensor | None) -> None:
+        if lengths is None:
+            self._lengths = None
+            return
+        t = torch.as_tensor(lengths).reshape(-1)
+        if t.numel() != self.num_samples:
+            raise ValueError(f"lengths has {t.numel()} entries for a dataset of {self.num_samples} examples")
+        self._lengths = t.to(torch.long)
 
     @staticmethod
     def steps_for_epoch(sample_rate: float) -> int:
@@ -83,6 +105,8 @@ class PoissonBatchSampler(Sampler):
             u = csprng_uniform(len(shard)) if self._secure else torch.rand(len(shard), generator=gen, dtype=torch.float64)
             drawn = shard[u < self.sample_rate]
             self._drawn += 1
+            if self._lengths is not None:  # order only: the set drawn (and so the clipped sum) is the same
+                drawn = drawn[torch.argsort(self._lengths[drawn], stable=True)]
             # split into `micro_batches` contiguous chunks of near-equal size (some may be empty)
             bounds = [math.floor(i * len(drawn) / self.micro_batches) for i in range(self.micro_batches + 1)]
             for a, b in zip(bounds[:-1], bounds[1:]):
