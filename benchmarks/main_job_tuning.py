@@ -34,7 +34,7 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job_tuning.jsonl"
 def _key(r: dict) -> tuple:
     return (r["task"], r.get("trainable", "last_block"), bool(r.get("full_train")), r["epochs"], r["lr"], r["seed"],
             r["epsilon_target"], r.get("scheduler", "constant"), r.get("sigma_target"),
-            None if r.get("full_train") else r.get("tune_split", "rows"))
+            None if r.get("full_train") else r.get("tune_split", "rows"), bool(r.get("group_by_length")), r.get("C", 0.1))
 
 
 TUNE_SENTENCES = 1000
@@ -110,7 +110,7 @@ class Data:
 
 
 def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params: int, trainable: str = "last_block",
-            scheduler: str = "constant", sigma: float | None = None) -> dict:
+            scheduler: str = "constant", sigma: float | None = None, group_by_length: bool = False, C: float = 0.1) -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -130,7 +130,8 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
         learning_rate=lr, weight_decay=1e-5, lr_scheduler_type=scheduler, warmup_steps=0,
         logging_steps=10, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, seed=seed,
         disable_tqdm=True, cache_frozen_features=data.cached, trainable=trainable, dataloader_num_workers=0,
-        optim="dp_adamw", delta=1e-5, per_sample_max_grad_norm=0.1, dp_seed=seed,
+        train_sampling_strategy="group_by_length" if group_by_length else "random",
+        optim="dp_adamw", delta=1e-5, per_sample_max_grad_norm=C, dp_seed=seed,
         # a tiny sigma is beyond the PRV accountant's grid (it runs out of memory); RDP reports a huge, finite epsilon
         **({"epsilon": epsilon} if sigma is None else {"noise_multiplier": sigma, "accountant": "rdp"}),
     )
@@ -145,7 +146,7 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
     return {
         "task": data.task, "trainable": trainable, "full_train": data.tune is None, "epochs": epochs, "batch": plan.batch_size,
         "lr": lr, "scheduler": scheduler, "seed": seed, "epsilon_target": epsilon if sigma is None else None,
-        "sigma_target": sigma, "params": params, "tune_split": data.tune_split,
+        "sigma_target": sigma, "params": params, "tune_split": data.tune_split, "group_by_length": group_by_length, "C": C,
         "tune_accuracy": tune.get("tune_accuracy"), "dev_accuracy": dev["dev_accuracy"], "train_seconds": train_s,
         "steps": trainer.state.global_step, "epsilon": rep["epsilon"], "sigma": rep["noise_multiplier"],
         "sizes": data.sizes, "commit": git_commit(),
@@ -160,6 +161,10 @@ def report(out: str) -> None:
     groups: dict = {}
     for r in rows:
         split = "— (all train)" if r.get("full_train") else r.get("tune_split", "rows")
+        if r.get("C", 0.1) != 0.1:
+            split += f", C = {r['C']:g}"
+        if r.get("group_by_length"):
+            split += ", grouped by length"
         if r.get("sigma_target") is not None:
             split += f", σ = {r['sigma_target']:g} (diagnostic, not private)"
         groups.setdefault((r["task"], r.get("trainable", "last_block"), split, r["epochs"], r["lr"],
@@ -192,6 +197,10 @@ def main() -> None:
     ap.add_argument("--tune_split", default="rows", choices=["rows", "sentences"],
                     help="rows: 10%% of the training rows at random; sentences (SST-2): %d whole training sentences with "
                     "none of their phrases left in fit (see sentence_split)" % TUNE_SENTENCES)
+    ap.add_argument("--C", type=float, default=0.1, help="per_sample_max_grad_norm (the main job's C = 0.1)")
+    ap.add_argument("--group_by_length", action="store_true",
+                    help="--train_sampling_strategy group_by_length: each Poisson draw ordered by length before it is cut "
+                         "into micro-batches (same draws and noise, less padding)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--report", action="store_true")
     a = ap.parse_args()
@@ -216,10 +225,10 @@ def main() -> None:
             for seed in [int(s) for s in a.seeds.split(",")]:
                 eps_t = a.epsilon if a.noise_multiplier is None else None
                 if (a.task, a.trainable, a.full_train, e, lr, seed, eps_t, a.scheduler, a.noise_multiplier,
-                        None if a.full_train else a.tune_split) in done:
+                        None if a.full_train else a.tune_split, a.group_by_length, a.C) in done:
                     continue
                 rec = run_one(data, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params, trainable=a.trainable,
-                              scheduler=a.scheduler, sigma=a.noise_multiplier)
+                              scheduler=a.scheduler, sigma=a.noise_multiplier, group_by_length=a.group_by_length, C=a.C)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(json.dumps({k: rec[k] for k in ("epochs", "batch", "lr", "seed", "tune_accuracy", "dev_accuracy",

@@ -243,6 +243,11 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
     # eval mode. --cache_frozen_features false: off
     if "cache_frozen_features" not in explicit and _cacheable(getattr(peek, "trainable", None)):
         parser.set_defaults(cache_frozen_features=True)
+    # under DP, each Poisson draw is ordered by length before it is cut into micro-batches: the same draws, clipped sum
+    # and noise, less padding (benchmarks/RESULTS.md §1(d)). Not for --disable_dp: there HF's group_by_length sampler
+    # changes which examples share a batch. --train_sampling_strategy random: off
+    if "train_sampling_strategy" not in explicit and not getattr(peek, "disable_dp", False):
+        parser.set_defaults(train_sampling_strategy="group_by_length")
     # HF's meaning: --save_steps N saves every N steps (HF's default strategy is "steps"; the recipe's is "no")
     if "save_steps" in explicit and "save_strategy" not in explicit:
         parser.set_defaults(save_strategy="steps")
@@ -276,6 +281,8 @@ _EFFECTIVE_NOTES = {
                                    "given, the planner chooses the logical batch; see recipes/README.md)",
     "num_train_epochs": "(the compute budget at which the planner chooses the batch when no batch size is given)",
     "cache_frozen_features": "(recipe default: True for --trainable last_block, last_k:K and head, else False)",
+    "train_sampling_strategy": "(recipe default with DP: group_by_length — each Poisson draw ordered by length before "
+                               "it is cut into micro-batches; same draws and noise, less padding)",
 }
 
 

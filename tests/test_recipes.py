@@ -523,6 +523,17 @@ def test_frozen_prefix_is_cached_by_default_where_it_can_be(glue):
         assert glue.parse_args(base + ["--trainable", mode])[2].cache_frozen_features is False
 
 
+def test_dp_runs_group_each_draw_by_length_by_default(glue):
+    """Under DP the recipes order each Poisson draw by length (same draws and noise, less padding); an explicit
+    strategy is kept, and a --disable_dp baseline keeps HF's default (there group_by_length changes the batches)."""
+    base = ["--task_name", "qnli", "--data_dir", "x", "--model_name_or_path", "minilm"]
+    strategy = lambda argv: str(getattr(glue.parse_args(argv)[2].train_sampling_strategy, "value",  # noqa: E731
+                                        glue.parse_args(argv)[2].train_sampling_strategy))
+    assert strategy(base) == "group_by_length"
+    assert strategy(base + ["--train_sampling_strategy", "random"]) == "random"
+    assert strategy(base + ["--optim", "adamw_torch", "--disable_dp"]) == "random"
+
+
 @needs_minilm
 def test_log_to_a_file_has_no_escape_codes_and_each_message_once_and_whole(glue, tmp_path):
     """Issue 17 §11: with the output going to a file (not a terminal), transformers' model-load report has no raw ANSI
