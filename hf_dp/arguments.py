@@ -26,7 +26,7 @@ adjustments before HF's own validation — e.g. ``max_grad_norm`` is set to 0 (H
 the norm of — the *non-private* summed gradient; DP clipping is per example with C), ``fp16`` is
 refused (dynamic loss scaling skips steps based on private gradients; use bf16 or fp32) and so are
 ``include_num_input_tokens_seen`` (it would log Poisson batch sizes), ``auto_find_batch_size``,
-``train_sampling_strategy`` other than random, ``hub_strategy checkpoint``, … A ``TrainingArguments``
+``train_sampling_strategy`` sequential or batch_rebalance (``group_by_length`` orders each Poisson draw by length), ``hub_strategy checkpoint``, … A ``TrainingArguments``
 field the registry does not classify (a newer transformers) is refused with DP when set.
 """
 

@@ -334,11 +334,13 @@ FLAGS: dict[str, tuple[Rule, ...]] = {
                                 Rule(ADJUSTED, "Poisson sampling at rate q = B/N, as with random; each step's draw is then ordered by "
                                                "length before it is cut into the gradient-accumulation micro-batches, so each pads "
                                                "to about its own rows' length. The rows drawn, the clipped sum and the noise are "
-                                               "unchanged (the order only decides which micro-batch computes which example)",
+                                               "unchanged (the order only decides which micro-batch computes which example). Evaluation and "
+                                               "predict keep the dataset's order (HF's would group them too)",
                                      "group_by_length", lambda a: str(_v(a.train_sampling_strategy)) == "group_by_length"),
                                 Rule(ADJUSTED, "random (default): replaced by Poisson sampling at rate q = B/N (each example joins "
                                                "each step's batch independently with probability q)")),
-    "length_column_name": (Rule(SAFE, "the lengths group_by_length orders each Poisson draw by (kept in memory only)"),),
+    "length_column_name": (Rule(SAFE, "the lengths group_by_length orders each Poisson draw by (kept in memory only; a prefix cache "
+                                  "uses its own)"),),
     # ---- distributed -------------------------------------------------------------------------------------------------------------
     "ddp_find_unused_parameters": (Rule(SAFE, "DDP wrapper option: communication only; the noise is added once per logical batch"),),
     "ddp_bucket_cap_mb": (Rule(SAFE, "DDP wrapper option: communication only"),),

@@ -51,7 +51,7 @@ import secrets
 import torch
 import transformers
 from packaging import version
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, SequentialSampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -106,8 +106,9 @@ HF_PRIVATE_OVERRIDES = {
     "_get_train_sampler": "under DP the Poisson sampler replaces HF's, so HF's is not built (its group_by_length "
     "sampler would read every row's input_ids, which a prefix cache does not have); without DP a prefix cache's own "
     "lengths go to HF's LengthGroupedSampler",
-    "_get_eval_sampler": "a prefix cache has no input_ids, so --train_sampling_strategy group_by_length gets HF's "
-    "LengthGroupedSampler with the cache's own lengths",
+    "_get_eval_sampler": "under DP, group_by_length orders the training draws only: evaluation and predict() keep "
+    "the dataset's order (HF's grouped eval sampler would permute predict()'s rows); without DP a prefix cache, which "
+    "has no input_ids, gets HF's LengthGroupedSampler with the cache's own lengths",
 }
 HF_PRIVATE_CALLS = (
     "_set_signature_columns_if_needed / _signature_columns: keep the cached-states column through HF's column removal",
@@ -382,8 +383,8 @@ class DPTrainer(Trainer):
             n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
             rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: self.ledger.steps,
         )
-        if _group_by_length(args):
-            self._dp_sampler.lengths = example_lengths(self.train_dataset, args.length_column_name)  # refused here if unknown
+        self._lengths_of = None
+        self._set_sampler_lengths()  # refused here, before any step, if the lengths are unknown
         self._dp_noise_seed = args.dp_seed
         #: the run's lineage: a random id (no randomness is derived from it) written with every record of steps taken;
         #: a resumed trainer takes its checkpoint's, so that the steps of the same run are counted across resumes
@@ -457,6 +458,14 @@ class DPTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------
     # data
     # ------------------------------------------------------------------------------------------------
+    def _set_sampler_lengths(self) -> None:
+        """group_by_length: the Poisson sampler orders each draw by these lengths (in memory only); else no order."""
+        if not _group_by_length(self.args):
+            self._dp_sampler.lengths, self._lengths_of = None, None
+        elif self._lengths_of is not self.train_dataset:  # computed once per dataset object
+            self._dp_sampler.lengths = example_lengths(self.train_dataset, self.args.length_column_name)
+            self._lengths_of = self.train_dataset
+
     def _get_train_sampler(self, train_dataset=None):
         if self.args.dp_enabled:
             return None  # get_train_dataloader draws with the Poisson sampler; HF's would only be built and dropped
@@ -467,10 +476,15 @@ class DPTrainer(Trainer):
         return super()._get_train_sampler(train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
-        if _group_by_length(self.args) and isinstance(eval_dataset, CachedFeatures):  # as HF's, with the cache's lengths
-            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-            return LengthGroupedSampler(self.args.eval_batch_size, lengths=eval_dataset.lengths.tolist(),
-                                        generator=torch.Generator().manual_seed(seed))
+        if _group_by_length(self.args):
+            if self.args.dp_enabled:
+                # group_by_length orders the training draws only: HF's grouped eval sampler would permute the rows of
+                # predict() (a recipe's predictions file) — the recipes turn the strategy on by default under DP
+                return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None
+            if isinstance(eval_dataset, CachedFeatures):  # HF's grouping, with the cache's own lengths
+                seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+                return LengthGroupedSampler(self.args.eval_batch_size, lengths=eval_dataset.lengths.tolist(),
+                                            generator=torch.Generator().manual_seed(seed))
         return super()._get_eval_sampler(eval_dataset)
 
     def get_train_dataloader(self) -> DataLoader:
@@ -478,8 +492,13 @@ class DPTrainer(Trainer):
         if not self.args.dp_enabled:
             return base
         dataset = base.dataset
-        if _group_by_length(self.args):  # the same rows as base.dataset (HF's column removal keeps every row)
-            self._dp_sampler.lengths = example_lengths(self.train_dataset, self.args.length_column_name)
+        if len(dataset) != self._dp_sampler.num_samples:
+            raise ValueError(
+                f"the training dataset has {len(dataset)} rows, but this DPTrainer calibrated the noise for N = "
+                f"{self._dp_sampler.num_samples} (q = B/N, delta < 1/N): train_dataset was replaced after the trainer was "
+                "made; make a new DPTrainer for other data"
+            )
+        self._set_sampler_lengths()
         return _PoissonDataLoader(
             dataset,
             batch_sampler=self._dp_sampler,

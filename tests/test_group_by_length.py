@@ -79,19 +79,62 @@ def test_group_by_length_trains_the_same_model_with_less_padding(tok, tmp_path, 
 
 
 def test_group_by_length_without_dp_reads_a_prefix_cache_lengths(tok, tmp_path):
-    """HF's LengthGroupedSampler reads input_ids, which a prefix cache does not have: without DP (and for evaluation
-    under either) the cache's own lengths are used."""
+    """HF's LengthGroupedSampler reads input_ids, which a prefix cache does not have: without DP the cache's own
+    lengths are used, for training and evaluation (HF's grouping)."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
     ds = make_pair_dataset(tok, n=64, seed=4)
     ev = make_pair_dataset(tok, n=32, seed=5)
-    for disable in (True, False):
-        over = dict(disable_dp=True, optim="adamw_torch") if disable else {}
-        args = dp_args(tmp_path / str(disable), train_sampling_strategy="group_by_length", trainable="last_block",
-                       cache_frozen_features=True, num_train_epochs=1, **over)
-        trainer = DPTrainer(model=make_model(seed=0), args=args, train_dataset=ds, eval_dataset=ev,
-                            data_collator=make_collator(tok))
+    args = dp_args(tmp_path, train_sampling_strategy="group_by_length", trainable="last_block",
+                   cache_frozen_features=True, num_train_epochs=1, disable_dp=True, optim="adamw_torch")
+    trainer = DPTrainer(model=make_model(seed=0), args=args, train_dataset=ds, eval_dataset=ev,
+                        data_collator=make_collator(tok))
+    for sampler, cache in ((trainer._get_train_sampler(), trainer.train_dataset),
+                           (trainer._get_eval_sampler(trainer.eval_dataset), trainer.eval_dataset)):
+        assert isinstance(sampler, LengthGroupedSampler)
+        assert sampler.lengths == cache.lengths.tolist() == [sum(m) for m in (ds if cache is trainer.train_dataset
+                                                                                 else ev)["attention_mask"]]
+    trainer.train()
+    assert trainer.state.global_step > 0
+    assert "eval_loss" in trainer.evaluate()
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["full-model", "cached-prefix"])
+def test_under_dp_evaluation_and_predict_keep_the_dataset_order(tok, tmp_path, cached):
+    """group_by_length orders the training draws only: predict() returns rows in the dataset's order (HF's grouped
+    eval sampler would permute them, e.g. a recipe's predictions file)."""
+    ds = make_pair_dataset(tok, n=64, seed=4)
+    test = make_pair_dataset(tok, n=48, seed=7)
+    kw = {"trainable": "last_block", "cache_frozen_features": True} if cached else {}
+    trainer = DPTrainer(model=make_model(seed=0), args=dp_args(tmp_path, train_sampling_strategy="group_by_length", **kw),
+                        train_dataset=ds, data_collator=make_collator(tok))
+    out = trainer.predict(test)
+    assert out.label_ids.tolist() == test["labels"]
+    ref = DPTrainer(model=make_model(seed=0), args=dp_args(tmp_path / "r", **kw), train_dataset=ds,
+                    data_collator=make_collator(tok)).predict(test)
+    torch.testing.assert_close(torch.as_tensor(out.predictions), torch.as_tensor(ref.predictions), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["random", "group_by_length"])
+def test_a_training_set_replaced_after_init_is_refused(tok, tmp_path, strategy):
+    """σ, q = B/N and δ < 1/N were set for the dataset the trainer was made with: another size is refused at train()
+    (with random it used to train on the first N rows of the new one, silently)."""
+    trainer = DPTrainer(model=make_model(seed=0), args=dp_args(tmp_path, train_sampling_strategy=strategy),
+                        train_dataset=make_pair_dataset(tok, n=64, seed=4), data_collator=make_collator(tok))
+    trainer.train_dataset = make_pair_dataset(tok, n=100, seed=4)
+    with pytest.raises(ValueError, match=r"^the training dataset has 100 rows, but this DPTrainer calibrated the noise "
+                                         r"for N = 64 .*make a new DPTrainer for other data$"):
         trainer.train()
-        assert trainer.state.global_step > 0
-        assert "eval_loss" in trainer.evaluate()
+    assert trainer.state.global_step == 0 and trainer.ledger.steps == 0
+
+
+def test_switching_the_strategy_after_init_is_honoured(tok, tmp_path):
+    trainer = DPTrainer(model=make_model(seed=0), args=dp_args(tmp_path, train_sampling_strategy="group_by_length"),
+                        train_dataset=make_pair_dataset(tok, n=64, seed=4), data_collator=make_collator(tok))
+    assert trainer._dp_sampler.lengths is not None
+    trainer.args.train_sampling_strategy = "random"
+    trainer.get_train_dataloader()
+    assert trainer._dp_sampler.lengths is None
 
 
 def test_group_by_length_needs_lengths(tok, tmp_path):
