@@ -1,4 +1,5 @@
-"""Small helpers shared by the benchmark scripts: JSON-lines result files and the commit a row ran on."""
+"""Small helpers shared by the benchmark scripts: JSON-lines result files, their --out/--report options, and the commit
+a row ran on."""
 
 from __future__ import annotations
 
@@ -25,3 +26,16 @@ def git_commit() -> str | None:
                               check=True).stdout.strip()
     except Exception:
         return None
+
+
+def results_cli(ap, default_out: str | os.PathLike, report):
+    """Add ``--out`` (the JSON-lines results file, appended to) and ``--report`` (print its table) to ``ap`` and parse.
+    Returns the arguments of a measuring run (the results folder made), or None once ``report(out)`` has printed."""
+    ap.add_argument("--out", default=str(default_out))
+    ap.add_argument("--report", action="store_true")
+    a = ap.parse_args()
+    if a.report:
+        report(a.out)
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    return a

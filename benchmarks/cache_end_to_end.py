@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_io import load_jsonl  # noqa: E402
+from bench_io import load_jsonl, results_cli  # noqa: E402
 SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "cache_end_to_end.jsonl"
 
@@ -114,13 +114,9 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max_train_samples", type=int, default=None)
     ap.add_argument("--modes", default="cached,uncached")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
-    ap.add_argument("--report", action="store_true")
-    a = ap.parse_args()
-    if a.report:
-        report(a.out)
+    a = results_cli(ap, DEFAULT_OUT, report)
+    if a is None:
         return
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
     done = {_key(r) for r in load_jsonl(a.out)}
     for seed in [int(s) for s in a.seeds.split(",")]:
         for mode in a.modes.split(","):

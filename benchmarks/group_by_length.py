@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_io import git_commit, load_jsonl  # noqa: E402
+from bench_io import git_commit, load_jsonl, results_cli  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "group_by_length.jsonl"
 MODES = ("random", "group_by_length")
@@ -112,13 +111,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
-    ap.add_argument("--report", action="store_true")
-    a = ap.parse_args()
-    if a.report:
-        report(a.out)
+    a = results_cli(ap, DEFAULT_OUT, report)
+    if a is None:
         return
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
     run(a)
 
 

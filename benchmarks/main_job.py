@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_io import git_commit, load_jsonl  # noqa: E402
+from bench_io import git_commit, load_jsonl, results_cli  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job.jsonl"
 
 
@@ -103,13 +103,9 @@ def report(out: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
-    ap.add_argument("--report", action="store_true")
-    a = ap.parse_args()
-    if a.report:
-        report(a.out)
+    a = results_cli(ap, DEFAULT_OUT, report)
+    if a is None:
         return
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
     print("command:", readme_command(), flush=True)
     for seed in [int(s) for s in a.seeds.split(",")]:
         rec = run_one(seed)
