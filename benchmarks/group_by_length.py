@@ -50,38 +50,37 @@ def run(a) -> None:
     per_device, accum = split_batch(a.batch)
     runs = [(None, m) for m in MODES] + [(rep, m) for rep in range(a.reps) for m in (MODES if rep % 2 == 0 else MODES[::-1])]
     for rep, mode in runs:  # rep None: a warm-up run of each order (one step, not recorded)
-        if True:
-            torch.manual_seed(0)
-            model = base()
-            seen = {"positions": 0, "tokens": 0}
+        torch.manual_seed(0)
+        model = base()
+        seen = {"positions": 0, "tokens": 0}
 
-            def count(_m, _args, kwargs):
-                if _m.training:
-                    mask = kwargs["attention_mask"]
-                    seen["positions"] += mask.numel()
-                    seen["tokens"] += int(mask.sum())
+        def count(_m, _args, kwargs):
+            if _m.training:
+                mask = kwargs["attention_mask"]
+                seen["positions"] += mask.numel()
+                seen["tokens"] += int(mask.sum())
 
-            model.register_forward_pre_hook(count, with_kwargs=True)
-            args = DPTrainingArguments(
-                output_dir=f"/tmp/hf_dp_gbl/{mode}", per_device_train_batch_size=per_device,
-                gradient_accumulation_steps=accum, max_steps=1 if rep is None else a.steps, learning_rate=1e-3, save_strategy="no",
-                eval_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
-                cache_frozen_features=True, trainable=a.trainable, optim="dp_adamw", per_sample_max_grad_norm=0.1,
-                noise_multiplier=1.0, accountant="rdp", delta=1e-5, dp_seed=1, train_sampling_strategy=mode,
-                logging_steps=a.steps,
-            )
-            trainer = DPTrainer(model=model, args=args, train_dataset=cache)
-            out = trainer.train()
-            if rep is None:
-                continue
-            rec = {"task": a.task, "trainable": a.trainable, "rows": len(cache), "batch": a.batch, "mode": mode,
-                   "rep": rep, "steps": trainer.state.global_step,
-                   "seconds_per_step": out.metrics["train_runtime"] / trainer.state.global_step,
-                   "positions_per_step": seen["positions"] / trainer.state.global_step,
-                   "tokens_per_step": seen["tokens"] / trainer.state.global_step, "commit": git_commit()}
-            with open(a.out, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            print(json.dumps(rec), flush=True)
+        model.register_forward_pre_hook(count, with_kwargs=True)
+        args = DPTrainingArguments(
+            output_dir=f"/tmp/hf_dp_gbl/{mode}", per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accum, max_steps=1 if rep is None else a.steps, learning_rate=1e-3, save_strategy="no",
+            eval_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+            cache_frozen_features=True, trainable=a.trainable, optim="dp_adamw", per_sample_max_grad_norm=0.1,
+            noise_multiplier=1.0, accountant="rdp", delta=1e-5, dp_seed=1, train_sampling_strategy=mode,
+            logging_steps=a.steps,
+        )
+        trainer = DPTrainer(model=model, args=args, train_dataset=cache)
+        out = trainer.train()
+        if rep is None:
+            continue
+        rec = {"task": a.task, "trainable": a.trainable, "rows": len(cache), "batch": a.batch, "mode": mode,
+               "rep": rep, "steps": trainer.state.global_step,
+               "seconds_per_step": out.metrics["train_runtime"] / trainer.state.global_step,
+               "positions_per_step": seen["positions"] / trainer.state.global_step,
+               "tokens_per_step": seen["tokens"] / trainer.state.global_step, "commit": git_commit()}
+        with open(a.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(json.dumps(rec), flush=True)
 
 
 def report(out: str) -> None:

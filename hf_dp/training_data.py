@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
+from hf_dp.models.prefix_cache import CachedFeatures
+from hf_dp.models.prefix_cache import row_length
+
 EMPTY_KEY = "_hf_dp_empty_batch"
 
 
@@ -99,23 +102,14 @@ def check_eval_is_not_train(eval_dataset, train_dataset) -> None:
             )
 
 
-def _row_length(row) -> int | None:
-    mask = row.get("attention_mask") if isinstance(row, dict) else None
-    if mask is not None:
-        return int(torch.as_tensor(mask).sum())
-    ids = row.get("input_ids") if isinstance(row, dict) else None
-    return len(ids) if ids is not None else None
-
-
 def example_lengths(dataset, length_column_name: str = "length") -> torch.Tensor:
     """``[N]`` token count of each example, for ``--train_sampling_strategy group_by_length``.
 
     From, in order: a prefix cache's own lengths (``CachedFeatures.lengths``); the dataset's ``length_column_name``
     column; the sum of each row's ``attention_mask``; the length of its ``input_ids``. The counts only order the rows
     of a Poisson draw (:class:`~hf_dp.privacy.sampler.PoissonBatchSampler`); they are kept in memory only."""
-    own = getattr(dataset, "lengths", None)
-    if isinstance(own, torch.Tensor):
-        return own.reshape(-1).to(torch.long)
+    if isinstance(dataset, CachedFeatures):
+        return dataset.lengths.to(torch.long)
     columns = getattr(dataset, "column_names", None)
     if columns is not None:  # a 🤗 Dataset: read whole columns
         if length_column_name in columns:
@@ -125,7 +119,8 @@ def example_lengths(dataset, length_column_name: str = "length") -> torch.Tensor
         if "input_ids" in columns:
             return torch.tensor([len(x) for x in dataset["input_ids"]], dtype=torch.long)
     else:
-        lengths = [_row_length(dataset[i]) for i in range(len(dataset))]
+        rows = (dataset[i] for i in range(len(dataset)))
+        lengths = [row_length(r) if isinstance(r, dict) else None for r in rows]
         if all(n is not None for n in lengths):
             return torch.tensor(lengths, dtype=torch.long)
     raise ValueError(

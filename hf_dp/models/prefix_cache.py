@@ -308,7 +308,7 @@ class CachedFeaturesCollator:
 # --------------------------------------------------------------------------------------- building
 
 
-def _row_length(row: dict) -> int | None:
+def row_length(row: dict) -> int | None:
     """Non-pad tokens of one (uncollated) row: ``sum(attention_mask)``, else ``len(input_ids)``."""
     mask = row.get("attention_mask")
     if mask is not None:
@@ -384,7 +384,7 @@ def build_prefix_cache(
     # pass 1: lengths -> offsets, preallocated storage
     row_lengths = []
     for j in range(n):
-        length = _row_length(dataset[j])
+        length = row_length(dataset[j])
         if length is None:
             raise ValueError(f"build_prefix_cache: row {j} has no input_ids / attention_mask")
         row_lengths.append(length)
