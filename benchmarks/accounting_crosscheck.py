@@ -1,7 +1,9 @@
 """Cross-check hf_dp's ε (Opacus PRV / RDP) against Google's dp_accounting on the full grid.
 
 Usage:  .venv/bin/python benchmarks/accounting_crosscheck.py [--out benchmarks/accounting_crosscheck.md]
-Prints a markdown table (and writes it, with the command and date, to --out).
+Prints a markdown table (and writes it, with the command and date, to --out). ``--smoke``: three points of at most
+10 steps from the test grid, PLD discretisation 1e-2 unless given, instead of the full grid (about a second;
+tests/test_benchmark_smoke.py).
 """
 
 from __future__ import annotations
@@ -19,20 +21,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hf_dp.privacy import crosscheck as cc  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="write the markdown report here")
     ap.add_argument("--json", default=None, help="also dump the raw rows as JSON")
-    ap.add_argument("--pld-dx", type=float, default=cc.DEFAULT_PLD_DISCRETIZATION, help="pessimistic PLD discretisation")
+    ap.add_argument("--pld-dx", type=float, default=None, help=f"pessimistic PLD discretisation (default "
+                    f"{cc.DEFAULT_PLD_DISCRETIZATION:g}; 1e-2 with --smoke)")
     ap.add_argument("--lower-floor", type=float, default=cc.LOWER_BOUND_MIN_DISCRETIZATION)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="three short points of the test grid (checks the script runs)")
+    args = ap.parse_args(argv)
+    grid = cc.DEFAULT_GRID
+    if args.smoke:
+        grid = [p for p in cc.FAST_GRID if p.steps <= 10 and (p.sample_rate == 1.0 or p.steps == 10)]
+    if args.pld_dx is None:
+        args.pld_dx = 1e-2 if args.smoke else cc.DEFAULT_PLD_DISCRETIZATION
 
     import dp_accounting
     import opacus
 
     t0 = time.time()
     rows = []
-    for p in cc.DEFAULT_GRID:
+    for p in grid:
         t = time.time()
         r = cc.crosscheck_point(p, args.pld_dx, True, args.lower_floor)
         rows.append(r)
@@ -45,7 +54,7 @@ def main() -> None:
     gaps = [r["gap_prv_minus_pld_upper"] for r in rows]
     rel = [r["gap_prv_minus_pld_upper"] / r["eps_pld_upper"] for r in rows if r["eps_pld_upper"] > 0]
     rdp_rel = [r["gap_rdp_minus_google_rdp"] / r["eps_google_rdp"] for r in rows]
-    cmd = "cd /work/main && .venv/bin/python " + " ".join(["benchmarks/accounting_crosscheck.py"] + sys.argv[1:])
+    cmd = "cd /work/main && .venv/bin/python " + " ".join(["benchmarks/accounting_crosscheck.py"] + (sys.argv[1:] if argv is None else argv))
     report = f"""### Accounting cross-check: hf_dp (Opacus) vs Google `dp_accounting`
 
 Produced by `{cmd}` on {datetime.date.today().isoformat()} ({platform.machine()}, CPU; dp_accounting {getattr(dp_accounting, '__version__', '0.6')}, opacus {opacus.__version__}; {time.time() - t0:.0f} s).

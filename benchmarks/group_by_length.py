@@ -21,10 +21,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+if str(REPO) not in sys.path:  # recipes.glue_support: the recipes' GLUE data and metrics
+    sys.path.append(str(REPO))
 from bench_io import git_commit, load_jsonl, results_cli  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "group_by_length.jsonl"
 MODES = ("random", "group_by_length")
+RUNS_DIR = "/tmp/hf_dp_gbl"  # each run's output_dir: RUNS_DIR/<mode>
 
 
 def run(a) -> None:
@@ -33,17 +36,17 @@ def run(a) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
     from hf_dp import DPTrainer, DPTrainingArguments
-    from hf_dp.data import load_raw_datasets, preprocess
     from hf_dp.models import apply_trainable, suffix_blocks
     from hf_dp.models.prefix_cache import build_prefix_cache
     from hf_dp.plan import split_batch
+    from recipes.glue_support import load_raw_datasets, preprocess
     from qnli_optimizers import SHARED, _minilm_path
 
-    tok = AutoTokenizer.from_pretrained(_minilm_path())
+    tok = AutoTokenizer.from_pretrained(_minilm_path(a.model))
     raw = load_raw_datasets(task_name=a.task, data_dir=str(SHARED / "data" / "glue"))["train"]
     raw = raw.select(range(min(a.rows, len(raw))))
     tokd = preprocess(datasets.DatasetDict({"validation": raw}), tok, task_name=a.task, max_seq_length=128)["validation"]
-    base = lambda: AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2)  # noqa: E731
+    base = lambda: AutoModelForSequenceClassification.from_pretrained(_minilm_path(a.model), num_labels=2)  # noqa: E731
     model, _ = apply_trainable(base(), a.trainable)
     cache = build_prefix_cache(model, tokd, DataCollatorWithPadding(tok), batch_size=128, progress=False,
                                suffix_blocks=suffix_blocks(a.trainable))
@@ -62,7 +65,7 @@ def run(a) -> None:
 
         model.register_forward_pre_hook(count, with_kwargs=True)
         args = DPTrainingArguments(
-            output_dir=f"/tmp/hf_dp_gbl/{mode}", per_device_train_batch_size=per_device,
+            output_dir=f"{RUNS_DIR}/{mode}", per_device_train_batch_size=per_device,
             gradient_accumulation_steps=accum, max_steps=1 if rep is None else a.steps, learning_rate=1e-3, save_strategy="no",
             eval_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
             cache_frozen_features=True, trainable=a.trainable, optim="dp_adamw", per_sample_max_grad_norm=0.1,
@@ -102,7 +105,7 @@ def report(out: str) -> None:
               f"{pos['random']:,.0f} → {pos['group_by_length']:,.0f} ({statistics.mean(r['tokens_per_step'] for r in g):,.0f}) |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", default="sst2")
     ap.add_argument("--trainable", default="last_k:2")
@@ -110,7 +113,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2)
-    a = results_cli(ap, DEFAULT_OUT, report)
+    ap.add_argument("--model", default=None, help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
+    a = results_cli(ap, DEFAULT_OUT, report, argv)
     if a is None:
         return
     run(a)

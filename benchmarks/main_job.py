@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_io import git_commit, load_jsonl, results_cli  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job.jsonl"
+RUNS_DIR = "/tmp/hf_dp_main_job"  # each run's --output_dir: RUNS_DIR/s<seed>
 
 
 def readme_command() -> tuple[dict[str, str], list[str]]:
@@ -50,16 +51,16 @@ def _field(text: str, name: str):
     return m.group(1) if m else None
 
 
-def run_one(seed: int) -> dict:
+def run_one(seed: int, extra: list[str] = ()) -> dict:
     env, argv = readme_command()
     exe = argv[0]
     if exe.startswith(".venv/"):
         exe = sys.executable  # the interpreter running this script (the README's venv)
     argv = [exe, *argv[1:]]
-    out_dir = f"/tmp/hf_dp_main_job/s{seed}"
+    out_dir = f"{RUNS_DIR}/s{seed}"
     if "--output_dir" in argv:
         argv[argv.index("--output_dir") + 1] = out_dir
-    argv += ["--seed", str(seed)]
+    argv += ["--seed", str(seed), *extra]
     shutil.rmtree(out_dir, ignore_errors=True)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -100,15 +101,17 @@ def report(out: str) -> None:
               f"(min {min(acc):.1f}), wall {statistics.mean(wall):.0f} ± {statistics.stdev(wall):.0f} s (max {max(wall):.0f})")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
-    a = results_cli(ap, DEFAULT_OUT, report)
+    ap.add_argument("--extra_args", default="", help="appended to the README's command; for a smoke run only, e.g. "
+                    "'--max_train_samples 64 --max_eval_samples 32' (the rows measured add nothing)")
+    a = results_cli(ap, DEFAULT_OUT, report, argv)
     if a is None:
         return
     print("command:", readme_command(), flush=True)
     for seed in [int(s) for s in a.seeds.split(",")]:
-        rec = run_one(seed)
+        rec = run_one(seed, shlex.split(a.extra_args))
         with open(a.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(json.dumps(rec), flush=True)

@@ -26,8 +26,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+if str(REPO) not in sys.path:  # recipes.glue_support: the recipes' GLUE data and metrics
+    sys.path.append(str(REPO))
 from bench_io import git_commit, load_jsonl  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job_tuning.jsonl"
+RUNS_DIR = "/tmp/hf_dp_mjt"  # each run's output_dir: RUNS_DIR/<epochs>_<lr>_<seed>
 
 
 
@@ -72,17 +75,18 @@ class Data:
     row, no tune split), with their frozen-prefix caches when the trainable set allows one."""
 
     def __init__(self, task: str, max_length: int, tune_fraction: float, *, trainable: str, full_train: bool = False,
-                 tune_split: str = "rows"):
+                 tune_split: str = "rows", max_rows: int | None = None, model: str | None = None):
         import datasets
         from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-        from hf_dp.data import load_raw_datasets, preprocess
         from hf_dp.models import apply_trainable, suffix_blocks
         from hf_dp.models.prefix_cache import build_prefix_cache
+        from recipes.glue_support import load_raw_datasets, preprocess
         from qnli_optimizers import SHARED, _minilm_path
 
         self.task = task
-        tok = AutoTokenizer.from_pretrained(_minilm_path())
+        self.model = _minilm_path(model)
+        tok = AutoTokenizer.from_pretrained(self.model)
         self.collator = DataCollatorWithPadding(tok)
         raw = load_raw_datasets(task_name=task, data_dir=str(SHARED / "data" / "glue"))
         parts = {"validation": raw["validation"]}
@@ -93,13 +97,15 @@ class Data:
         else:
             split = raw["train"].train_test_split(test_size=tune_fraction, seed=0)
             parts["train"], parts["tune"] = split["train"], split["test"]
+        if max_rows:  # a smoke run: the first rows of each split
+            parts = {k: v.select(range(min(max_rows, len(v)))) for k, v in parts.items()}
         tokd = {k: preprocess(datasets.DatasetDict({"validation": v}), tok, task_name=task, max_seq_length=max_length)["validation"]
                 for k, v in parts.items()}
         t0 = time.time()
         k = suffix_blocks(trainable)  # None: no frozen prefix to cache (all, lora, bias)
         cache = k is not None
         if cache:
-            model, _ = apply_trainable(AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2), trainable)
+            model, _ = apply_trainable(AutoModelForSequenceClassification.from_pretrained(self.model, num_labels=2), trainable)
             tokd = {name: build_prefix_cache(model, v, self.collator, batch_size=128, progress=True, name=name, suffix_blocks=k)
                     for name, v in tokd.items()}
         self.cache_seconds = time.time() - t0
@@ -115,17 +121,16 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
     from transformers import AutoModelForSequenceClassification
 
     from hf_dp import DPTrainer, DPTrainingArguments
-    from hf_dp.metrics import build_compute_metrics
     from hf_dp.plan import recommend, split_batch
-    from qnli_optimizers import _minilm_path
+    from recipes.glue_support import build_compute_metrics
 
     n = len(data.train)
     plan = recommend(n, epsilon, 1e-5, params, epochs=epochs)  # B stays the planner's at epsilon, with or without sigma
     per_device, accum = split_batch(plan.batch_size)
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2)
+    model = AutoModelForSequenceClassification.from_pretrained(data.model, num_labels=2)
     args = DPTrainingArguments(
-        output_dir=f"/tmp/hf_dp_mjt/{epochs}_{lr}_{seed}", per_device_train_batch_size=per_device,
+        output_dir=f"{RUNS_DIR}/{epochs}_{lr}_{seed}", per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accum, per_device_eval_batch_size=256, num_train_epochs=epochs,
         learning_rate=lr, weight_decay=1e-5, lr_scheduler_type=scheduler, warmup_steps=0,
         logging_steps=10, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, seed=seed,
@@ -179,7 +184,7 @@ def report(out: str) -> None:
               f"{statistics.mean(r['train_seconds'] for r in g):.0f} |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", default="qnli")
     ap.add_argument("--epochs", default="10,20")
@@ -195,15 +200,17 @@ def main() -> None:
     ap.add_argument("--full_train", action="store_true", help="train on every training row (no tune split): final runs "
                     "of a configuration already chosen on the tune split")
     ap.add_argument("--tune_split", default="rows", choices=["rows", "sentences"],
-                    help="rows: 10%% of the training rows at random; sentences (SST-2): %d whole training sentences with "
+                    help="rows: 10%%%% of the training rows at random; sentences (SST-2): %d whole training sentences with "
                     "none of their phrases left in fit (see sentence_split)" % TUNE_SENTENCES)
     ap.add_argument("--C", type=float, default=0.1, help="per_sample_max_grad_norm (the main job's C = 0.1)")
     ap.add_argument("--group_by_length", action="store_true",
                     help="--train_sampling_strategy group_by_length: each Poisson draw ordered by length before it is cut "
                          "into micro-batches (same draws and noise, less padding)")
+    ap.add_argument("--max_rows", type=int, default=None, help="smoke runs only: keep the first N rows of each split")
+    ap.add_argument("--model", default=None, help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--report", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.tune_split == "sentences" and a.task != "sst2":
         ap.error("--tune_split sentences is for SST-2 (rows that are phrases of sentences); use rows for other tasks")
     if a.report:
@@ -214,11 +221,12 @@ def main() -> None:
     from hf_dp.models import apply_trainable
     from qnli_optimizers import _minilm_path
 
-    params = apply_trainable(AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2),
+    params = apply_trainable(AutoModelForSequenceClassification.from_pretrained(_minilm_path(a.model), num_labels=2),
                              a.trainable)[1].num_trainable
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     done = {_key(r) for r in load_jsonl(a.out)}
-    data = Data(a.task, a.max_length, 0.1, trainable=a.trainable, full_train=a.full_train, tune_split=a.tune_split)
+    data = Data(a.task, a.max_length, 0.1, trainable=a.trainable, full_train=a.full_train, tune_split=a.tune_split,
+                max_rows=a.max_rows, model=a.model)
     print(f"data {data.sizes}, cached: {data.cached} ({data.cache_seconds:.0f}s); d = {params}", flush=True)
     for e in [float(x) for x in a.epochs.split(",")]:
         for lr in [float(x) for x in a.lrs.split(",")]:

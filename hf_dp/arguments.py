@@ -17,7 +17,8 @@ Every HF flag keeps its meaning. Added flags (all parsed by ``HfArgumentParser``
 Batch semantics: expected logical batch B = per_device_train_batch_size × gradient_accumulation_steps
 × world_size; the physical batch is about per_device_train_batch_size (memory), fluctuating with
 Poisson sampling. Extra rule hyper-parameters (e.g. ``momentum`` of ``dp_sgd``) go through HF's
-``--optim_args "momentum=0.9"`` (numbers, or true/false: ``"fused=false"`` makes DP-Adam/DP-AdamW/DP-MacAdam run
+``--optim_args "momentum=0.9"`` (numbers, names such as ``"variant=adam_corr"`` (a published variant of the
+rule, :class:`hf_dp.optim.base.Variant`), or true/false: ``"fused=false"`` makes DP-Adam/DP-AdamW/DP-MacAdam run
 their transform chain instead of torch's fused Adam/AdamW kernel).
 
 What every HF flag does under DP is decided by one registry, :data:`hf_dp.flags.FLAGS` (the table
@@ -41,6 +42,9 @@ from hf_dp import flags
 from hf_dp.models import check_trainable
 from hf_dp.optim.registry import is_dp_optimizer, optimizer_names
 from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon
+
+#: the largest --epsilon accepted: beyond it the guarantee (a factor e^epsilon) bounds nothing, and σ calibration slows
+MAX_EPSILON = 50.0
 
 
 def check_no_full_eval_cast(args) -> None:
@@ -84,7 +88,7 @@ class DPTrainingArguments(TrainingArguments):
     )
     lora_r: int = field(default=8, metadata={"help": "LoRA rank (with --trainable lora)."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (with --trainable lora)."})
-    bc_gamma: float | None = field(default=None, metadata={"help": "gamma' floor of dp_adambc / dp_adamw_bc (default 1e-8)."})
+    bc_gamma: float | None = field(default=None, metadata={"help": "gamma' floor of dp_adambc / dp_adamw_bc (default: the variant's — 1e-8, or 1e-10 with --optim_args variant=adam_corr)."})
     macadam_h1: float = field(default=1e-12, metadata={"help": "DP-MacAdam lower clamp h1 of the variance estimate."})
     macadam_h2: float = field(default=1.0, metadata={"help": "DP-MacAdam upper clamp h2 of the variance estimate."})
     secure_rng: bool = field(
@@ -105,7 +109,7 @@ class DPTrainingArguments(TrainingArguments):
     clipping: str = field(
         default="auto",
         metadata={
-            "help": "Per-example clipping engine: ghost (one-backward ghost clipping, hf_dp.models.ghost_clipping), "
+            "help": "Per-example clipping engine: ghost (one-backward ghost clipping, hf_dp.clipping.ghost), "
             "ghost_two_pass (ghost clipping in two backward passes: no records kept, ≈ 1.1× the non-private memory — less "
             "than ghost for short sequences and big batches —, about one more input-gradient backward of time), hooks (Opacus per-sample gradients), auto (ghost where "
             "it applies, else hooks).",
@@ -140,6 +144,16 @@ class DPTrainingArguments(TrainingArguments):
             "the hidden states of every training example). Default: each file is unlinked as soon as it is created "
             "(nothing is left behind, even after a crash). A cache folder inside --output_dir is refused unless this "
             "flag is given and the folder is output_dir itself or a subfolder whose name starts with '_' (pushes skip '_*')."
+        },
+    )
+    prior_privacy: str = field(
+        default="auto",
+        metadata={
+            "help": "What the ledger does with earlier DP training of the model (hf_dp.lineage): auto (count the earlier "
+            "runs on the same training data; warn about runs on other data or data that cannot be compared, e.g. a "
+            "model loaded from a release), continue (count every earlier run: the data overlap), separate (count none: "
+            "the data share no example; refused on the same data), or the path of a release's privacy.json (or its "
+            "folder) whose runs start the ledger. With --epsilon the target is the model's total."
         },
     )
 
@@ -177,6 +191,16 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError("give exactly one of --epsilon (target) and --noise_multiplier (sigma)")
         if self.epsilon is not None:
             check_epsilon(self.epsilon)
+            if self.epsilon > MAX_EPSILON:
+                raise ValueError(
+                    f"--epsilon {self.epsilon:g} is above hf_dp's ceiling of {MAX_EPSILON:g}: such a guarantee bounds "
+                    "nothing (e^epsilon), and calibrating sigma for it takes minutes; use --epsilon <= "
+                    f"{MAX_EPSILON:g}, or --disable_dp for a non-private baseline"
+                )
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name} must be a whole number >= 1 under DP, got {v!r}")
         if self.noise_multiplier is not None:
             s = self.noise_multiplier
             if not isinstance(s, (int, float)) or math.isnan(s) or math.isinf(s) or s <= 0:

@@ -47,6 +47,15 @@ and the steps in the ledger — evaluated at the audit's δ):
   around ``trainer._dp_sampler`` that relies only on its public surface). Noise stays fresh.
 * ``replay_resume``: after the resume, the first k steps are fed the lists of steps 1…k of the
   interrupted run (the lists HF's resume skips in the current epoch are passed through first).
+* ``two_rows``: a collator that emits every drawn row twice (augmented views), with DPTrainer's
+  one-row-per-example check (:func:`hf_dp.contract.check_rows`) bypassed: a canary moves its coordinate by 2C, the
+  true ε is ε(σ/2, q, T).
+* ``accumulation_changed``: ``trainer.args.gradient_accumulation_steps = 3`` after the trainer is built, with its
+  mechanism check (:func:`hf_dp.contract.check_mechanism`) bypassed: every noisy step sums three independent
+  Poisson draws at q (a canary can enter a step up to three times), while the accountant is told one draw at q.
+
+Unmodified, DPTrainer refuses the last two before any step (``tests/test_contract.py``); the variants show that the
+audit would catch them if the checks were missing.
 
 True ε of a replay (fresh noise, same batches): a batch used r times gives r independent noisy sums
 of the same clipped sum, whose mean is sufficient — one Poisson-subsampled Gaussian step with noise
@@ -82,7 +91,7 @@ from torch import nn
 
 #: |label| of a canary row: its gradient norm is ≈ 2·CANARY_LABEL ≫ C while |θ_k| ≪ CANARY_LABEL
 CANARY_LABEL = 1e6
-TRAINER_VARIANTS = ("real", "no_noise", "replay_train", "replay_resume")
+TRAINER_VARIANTS = ("real", "no_noise", "replay_train", "replay_resume", "two_rows", "accumulation_changed")
 #: rules whose trials can share a run (coordinate-wise with public scalars)
 TRAINER_BATCHABLE = ("dp_sgd", "dp_adam", "dp_adamw", "dp_adambc", "dp_adamw_bc")
 
@@ -222,7 +231,7 @@ class TrainerAuditConfig:
     variant: str = "real"
     batch_trials: int = 8192  # K trials (coordinates) per run
     background: int = 4  # minimum number of zero-gradient rows
-    hyper: dict = field(default_factory=dict)  # overrides hf_dp.audit.AUDIT_HYPER (lr default: B); eps, gamma, others via optim_args
+    hyper: dict = field(default_factory=dict)  # overrides hf_dp.audit_stats.AUDIT_HYPER (lr default: B); eps, gamma, others via optim_args
     accountant: str = "prv"
     alpha: float = 0.05
     trainer_delta: float = 1e-5  # the run's own --delta (must be < 1/N)
@@ -268,7 +277,7 @@ def _stop_at(k: int):
 def _args(cfg: TrainerAuditConfig, out: str, batch: int, save_steps: int | None):
     from hf_dp import DPTrainingArguments
 
-    from hf_dp.audit import AUDIT_HYPER
+    from hf_dp.audit_stats import AUDIT_HYPER
 
     # the mechanism path's audit hyper-parameters (e.g. a large Adam eps: the step is ≈ linear in g̃), but
     # lr = B by default: one clipped canary then moves a DP-SGD coordinate by exactly C
@@ -309,8 +318,26 @@ def _trainer(cfg, model, args, dataset):
             return opt
 
         tr.create_optimizer = create_without_noise
+        for cb in tr.callback_handler.callbacks:  # and DPTrainer's check that the privatizer keeps its planned σ bypassed
+            if type(cb).__name__ == "_BudgetGuard":
+                cb.on_step_begin = lambda *a, **k: None
     if cfg.variant in ("replay_train", "replay_resume"):
         tr._dp_sampler = ReplayBatchSampler(tr._dp_sampler)
+    if cfg.variant == "two_rows":  # the collator emits every drawn row twice; the one-row-per-example check bypassed
+        build = tr.get_train_dataloader
+
+        def duplicating_loader():
+            loader = build()
+            checked = loader.collate_fn  # hf_dp's collator: checks the rows, then calls HF's (.collate_fn)
+            loader.collate_fn = lambda features: checked.collate_fn(list(features) * 2) if features else checked(features)
+            return loader
+
+        tr.get_train_dataloader = duplicating_loader
+    if cfg.variant == "accumulation_changed":  # the issue's trainer.args change after construction, check bypassed
+        from hf_dp import contract
+
+        tr.args.gradient_accumulation_steps = 3
+        tr._planned_mechanism = contract.mechanism_snapshot(tr)
     return tr
 
 
@@ -396,9 +423,9 @@ def run_trainer_trials(cfg: TrainerAuditConfig) -> tuple[np.ndarray, np.ndarray,
 
 
 def trainer_audit(cfg: TrainerAuditConfig | None = None, **kwargs):
-    """Run the trials through DPTrainer; returns an :class:`hf_dp.audit.AuditResult` whose claimed ε is
+    """Run the trials through DPTrainer; returns an :class:`hf_dp.audit_stats.AuditResult` whose claimed ε is
     the accountant's ε for the trainer's own σ, q and ledger steps at ``cfg.delta``."""
-    from hf_dp.audit import AuditResult, epsilon_lower_bound
+    from hf_dp.audit_stats import AuditResult, epsilon_lower_bound
     from hf_dp.privacy.accounting import compute_epsilon
 
     cfg = cfg or TrainerAuditConfig(**kwargs)

@@ -18,10 +18,17 @@ present with that size (and hash, when verified deeply).
 (:func:`find_last_complete_checkpoint`; incomplete ones are skipped with a warning);
 ``resume_from_checkpoint="path"`` refuses a folder without a valid marker
 (:func:`verify_marker` raises :class:`IncompleteCheckpointError`).
+
+**Runs and forks.** ``hf_dp_epsilon_spent.json`` keeps every run's record of steps taken, keyed by run id
+(:func:`write_spent`). A resume is a new run whose parent is the checkpoint's run and step; it records itself in the
+checkpoint folder and in the checkpoints that one descends from (``hf_dp_resumed_by-<run id>.json``, written after the
+marker and not listed in it, the folder's mtime kept for HF's rotation), and :func:`reconcile_resumed_ledger` counts,
+conservatively, every noisy step computed from the checkpoint: its own, its run's past it, and each earlier resume's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -34,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 MARKER_NAME = "hf_dp_checkpoint.json"
 MARKER_FORMAT = 1
+#: ``hf_dp_resumed_by-<run id>.json``: one file per run resumed from the checkpoint (written after the marker, not
+#: listed in it); see :func:`write_resume_record`
+RESUME_PREFIX = "hf_dp_resumed_by-"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _HASH_CHUNK = 1 << 20
 
@@ -68,7 +78,7 @@ def _list_files(folder: str) -> list[str]:
     for root, _dirs, files in os.walk(folder):
         for name in files:
             rel = os.path.relpath(os.path.join(root, name), folder)
-            if rel == MARKER_NAME or name.startswith(".hf_dp_tmp"):
+            if rel == MARKER_NAME or name.startswith(".hf_dp_tmp") or name.startswith(RESUME_PREFIX):
                 continue
             out.append(rel.replace(os.sep, "/"))
     return sorted(out)
@@ -294,7 +304,45 @@ def same_mechanism(a: dict | None, b: dict | None) -> bool:
     return bool(a) and bool(b) and all(_same(a.get(k), b.get(k)) for k in MECHANISM_FIELDS)
 
 
-def write_spent(output_dir: str, steps: int, epsilon: float | None, spec: dict, run_id: str | None = None) -> None:
+@contextlib.contextmanager
+def _folder_lock(folder: str):
+    """An exclusive lock on ``folder`` (``flock`` of the directory itself: no lock file left behind) around a
+    read-modify-write of a record several runs may update at once; a no-op where ``flock`` is unavailable."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # pragma: no cover - e.g. a file system without flock
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _write_json_atomic(folder: str, name: str, payload: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".hf_dp_tmp", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, sort_keys=True, default=str)
+        os.chmod(tmp, _umask_mode())
+        os.replace(tmp, os.path.join(folder, name))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_spent(output_dir: str, steps: int, epsilon: float | None, spec: dict, run_id: str | None = None,
+                extra: dict | None = None) -> None:
     """Record (atomically) that run ``run_id`` in ``output_dir`` has taken ``steps`` noisy steps (ε spent).
 
     Written after every step, before any ε is logged, before a checkpoint or a model is saved, so that a run
@@ -302,23 +350,41 @@ def write_spent(output_dir: str, steps: int, epsilon: float | None, spec: dict, 
     randomness that is gone; the resumed steps are new releases). The record of the same run never goes down.
     ``epsilon`` may be None (not computed yet at that step: the per-step record makes no accountant call); the step
     count is what resumes use.
+
+    The file keeps **every run's record**, keyed by run id (``"runs"``; another run's record is never replaced);
+    its top-level ``steps`` / ``epsilon`` / ``privacy_spec`` / ``run_id`` repeat the record written last (the
+    single-record format of earlier versions, which :func:`read_spent_runs` still reads). ``extra``: public facts
+    stored with the record (e.g. the parent checkpoint of a resumed run).
     """
     os.makedirs(output_dir, exist_ok=True)
-    old = read_spent(output_dir)
-    if old and run_id is not None and old.get("run_id") == run_id and int(old["steps"]) > steps:
-        return
-    fd, tmp = tempfile.mkstemp(prefix=".hf_dp_tmp", suffix=".json", dir=output_dir)
+    with _folder_lock(output_dir):
+        runs = read_spent_runs(output_dir)
+        key = run_id if run_id is not None else "unknown"
+        old = runs.get(key)
+        if old and run_id is not None and int(old.get("steps") or 0) > steps:
+            return
+        if epsilon is None and old and int(old.get("steps") or 0) == steps:
+            epsilon = old.get("epsilon")  # the same step count: keep an ε already computed
+        record = {"steps": int(steps), "epsilon": None if epsilon is None else float(epsilon), "privacy_spec": spec,
+                  "run_id": run_id, **(extra or {})}
+        runs[key] = record
+        _write_json_atomic(output_dir, SPENT_NAME, {"format": 2, "runs": runs, **record})
+
+
+def read_spent_runs(output_dir: str) -> dict[str, dict]:
+    """Every run's record of steps taken in ``output_dir`` (``{run id: record}``), either format."""
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"steps": int(steps), "epsilon": None if epsilon is None else float(epsilon), "privacy_spec": spec,
-                       "run_id": run_id}, f,
-                      sort_keys=True, default=str)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, os.path.join(output_dir, SPENT_NAME))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        with open(os.path.join(output_dir, SPENT_NAME)) as f:
+            spent = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(spent, dict):
+        return {}
+    if isinstance(spent.get("runs"), dict):
+        return {k: v for k, v in spent["runs"].items() if isinstance(v, dict) and "steps" in v}
+    if "steps" in spent and "epsilon" in spent:  # the single-record format (hf_dp <= 0.x): one run
+        return {spent.get("run_id") or "unknown": {k: v for k, v in spent.items() if k != "format"}}
+    return {}
 
 
 def steps_already_taken(checkpoint: str, output_dir: str, marker: dict) -> int:
@@ -337,9 +403,9 @@ def steps_already_taken(checkpoint: str, output_dir: str, marker: dict) -> int:
     taken = int(marker.get("ledger_steps") or 0)
     parent = os.path.dirname(os.path.abspath(checkpoint))
     for folder in {os.path.abspath(output_dir), parent}:
-        rec = read_spent(folder)
-        if same_run(rec):
-            taken = max(taken, int(rec["steps"]))
+        for rec in read_spent_runs(folder).values():
+            if same_run(rec):
+                taken = max(taken, int(rec["steps"]))
     for sibling in list_checkpoints(parent):
         m = read_marker(sibling)
         if m and same_run(m) and (data is None or m.get("train_data") in (None, data)):
@@ -347,13 +413,91 @@ def steps_already_taken(checkpoint: str, output_dir: str, marker: dict) -> int:
     return taken
 
 
-def read_spent(output_dir: str) -> dict | None:
+def read_spent(output_dir: str, run_id: str | None = None) -> dict | None:
+    """The record of run ``run_id`` in ``output_dir`` (default: the record written last), or ``None``."""
+    if run_id is not None:
+        return read_spent_runs(output_dir).get(run_id)
     try:
         with open(os.path.join(output_dir, SPENT_NAME)) as f:
             spent = json.load(f)
     except (OSError, ValueError):
         return None
     return spent if isinstance(spent, dict) and "steps" in spent and "epsilon" in spent else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# forks: the runs resumed from a checkpoint
+# ---------------------------------------------------------------------------------------------------
+def _resume_record_name(run_id: str) -> str:
+    return f"{RESUME_PREFIX}{run_id}.json"
+
+
+def write_resume_record(checkpoint: str, record: dict) -> bool:
+    """Record (atomically, one file per run: concurrent forks never race) that run ``record["run_id"]`` resumed from
+    ``checkpoint`` (or from a checkpoint descended from it): its ``output_dir``, ``start_steps`` (its ledger right
+    after the resume) and ``steps`` (its ledger now). Never creates the folder (a rotated-away checkpoint stays
+    gone); ``False`` if it could not be written."""
+    if not os.path.isdir(checkpoint):
+        return False
+    try:
+        before = os.stat(checkpoint)
+        _write_json_atomic(checkpoint, _resume_record_name(record["run_id"]), record)
+        # the folder keeps its times: HF rotates checkpoints by mtime, and this record is not a newer checkpoint
+        os.utime(checkpoint, ns=(before.st_atime_ns, before.st_mtime_ns))
+    except OSError:
+        return False
+    return True
+
+
+def read_resume_records(checkpoint: str) -> list[dict]:
+    """The runs recorded as resumed from ``checkpoint`` (:func:`write_resume_record`)."""
+    out = []
+    try:
+        names = sorted(os.listdir(checkpoint))
+    except OSError:
+        return out
+    for name in names:
+        if not (name.startswith(RESUME_PREFIX) and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(checkpoint, name)) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("run_id") and "start_steps" in rec:
+            out.append(rec)
+    return out
+
+
+def other_resumes(checkpoint: str, exclude: set[str]) -> list[dict]:
+    """Runs (not in ``exclude``) that resumed from ``checkpoint`` or from a checkpoint descended from it, each with
+    the noisy steps it took after its own resume: ``{"run_id", "steps"}``, its step count the largest of its record
+    in the checkpoint and its record of steps taken in its ``output_dir``."""
+    out = []
+    for rec in read_resume_records(checkpoint):
+        if rec["run_id"] in exclude:
+            continue
+        steps = int(rec.get("steps") or 0)
+        if rec.get("output_dir"):
+            spent = read_spent(rec["output_dir"], rec["run_id"])
+            if spent:
+                steps = max(steps, int(spent.get("steps") or 0))
+        own = max(0, steps - int(rec.get("start_steps") or 0))
+        if own:
+            out.append({"run_id": rec["run_id"], "steps": own})
+    return out
+
+
+def other_runs_checkpoints(output_dir: str, own_runs: set[str]) -> list[tuple[str, dict]]:
+    """Checkpoints of DP runs not in ``own_runs`` in ``output_dir`` (newest first): ``[(path, marker)]``."""
+    found = []
+    for path in list_checkpoints(output_dir):
+        marker = read_marker(path)
+        if not marker or marker.get("differential_privacy") is False:
+            continue
+        if marker.get("run_id") is None or marker.get("run_id") not in own_runs:
+            found.append((path, marker))
+    return found
 
 
 def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
@@ -382,9 +526,14 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
     # Steps taken past this checkpoint (by an interrupted run, as recorded in output_dir, or by this
     # trainer) were computed with randomness that is gone; the steps resumed now draw fresh batches
     # and noise, so those steps are a release of their own: they stay in the ledger.
-    if marker.get("run_id"):
-        trainer.run_id = marker["run_id"]  # the resumed trainer continues that run's record
-    taken = max(steps, taken_here, steps_already_taken(checkpoint, trainer.args.output_dir, marker))
+    # A resume is a new run whose parent is the checkpoint's run at its step: the lineage's ledger counts,
+    # conservatively, every noisy step computed from this checkpoint — its own, those its run took past it, and
+    # those of every other run resumed from it (or from a checkpoint descended from it) past their own resumes.
+    own_id = getattr(trainer, "run_id", None)
+    parent_run = marker.get("run_id")
+    past = max(steps, taken_here, steps_already_taken(checkpoint, trainer.args.output_dir, marker)) - steps
+    forks = other_resumes(checkpoint, exclude={own_id, parent_run} - {None})
+    taken = steps + past + sum(f["steps"] for f in forks)
     import torch.distributed as dist
 
     if trainer.args.world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -396,11 +545,37 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
         taken = int(t.item())
     if taken > steps:
         trainer.ledger.add_steps(taken - steps)
+    if past > 0:
         logger.warning(
             "hf_dp: resuming from %s (%d noisy steps), but %d steps were already taken past it; they count "
             "toward epsilon (now %.4g), and the resumed steps draw fresh batches and noise",
-            checkpoint, steps, taken - steps, trainer.get_epsilon(),
+            checkpoint, steps, past, trainer.get_epsilon(),
         )
+    if forks:
+        logger.warning(
+            "hf_dp: %s was already resumed by %d other run(s) (%s); the steps they took from it count in this run's "
+            "ledger (epsilon now %.4g before this run's own steps): this run's epsilon is that of releasing every model "
+            "trained from this checkpoint, this one included",
+            checkpoint, len(forks), ", ".join(f"run {f['run_id']}: {f['steps']} steps" for f in forks), trainer.get_epsilon(),
+        )
+    meta = trainer.ledger.meta
+    ancestry = [dict(a) for a in meta.get("ancestry") or []]
+    ancestry.append({"run_id": parent_run, "global_step": int(marker.get("global_step", trainer.state.global_step)),
+                     "checkpoint": os.path.abspath(checkpoint)})
+    meta.update(
+        run_id=own_id, parent={"run_id": parent_run, "global_step": ancestry[-1]["global_step"]}, ancestry=ancestry,
+        counted_past_parent={"parent_run_steps": past, "other_resumes": forks},
+    )
+    trainer._hf_dp_resume_start = taken  # this run's steps past its resume: its ledger minus this (lineage.record_spent)
+    if trainer.args.should_save and own_id is not None:
+        record = {"run_id": own_id, "output_dir": os.path.abspath(trainer.args.output_dir), "start_steps": taken,
+                  "steps": taken, "parent": meta["parent"]}
+        unwritable = [a["checkpoint"] for a in ancestry if os.path.isdir(a["checkpoint"]) and not write_resume_record(a["checkpoint"], record)]
+        if unwritable:
+            logger.warning(
+                "hf_dp: could not record this resume in %s (not writable): a later resume from it will not count the "
+                "steps of this run", ", ".join(unwritable),
+            )
     opt = trainer._dp_optimizer
     if opt is not None and opt.max_epsilon is not None and opt._would_exceed_budget():
         raise ValueError(

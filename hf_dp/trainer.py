@@ -6,7 +6,7 @@ What it changes, and nothing else (each override calls ``super()``):
   (``--cache_frozen_features``, :mod:`hf_dp.models.prefix_cache`), validates the privacy settings
   against the dataset (δ < 1/N, B ≤ N, the budget reachable), calibrates σ for the planned steps,
   builds the Poisson sampler and the ε ledger, and attaches the per-example clipping engine to the
-  plain model — one-backward ghost clipping (:mod:`hf_dp.models.ghost_clipping`) where it applies,
+  plain model — one-backward ghost clipping (:mod:`hf_dp.clipping`) where it applies,
   else Opacus' per-sample-gradient hooks (``--clipping``; ``ghost_two_pass``: ghost clipping in two
   backward passes, the first inside ``compute_loss``). The model itself is never wrapped, so
   saving and evaluation are HF's own.
@@ -58,20 +58,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_dp import __version__
 from hf_dp.arguments import DPTrainingArguments, check_no_full_eval_cast
-from hf_dp import checkpointing
+from hf_dp import checkpointing, contract
+from hf_dp import lineage
 from hf_dp.hub import report, write_privacy_artifacts
-from hf_dp.models import apply_trainable, assert_grad_samples_complete, attach_grad_sampler, unwrap_for_save
-from hf_dp.models.ghost_clipping import GhostClipper, clip_factors
-from hf_dp.models.prefix_cache import (
-    CACHED_HIDDEN_KEY,
-    PREFIX_SIGNATURE_KEY,
-    CachedFeatures,
-    CachedFeaturesCollator,
-    build_prefix_cache,
-    prefix_signature,
-    suffix_forward,
-)
-from hf_dp.models.first_token import first_token_forward
+from hf_dp.clipping import ClippingEngine, choose_engine, make_engine, unwrap_for_save
+from hf_dp.models import apply_trainable
+from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
+from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, CachedFeatures, CachedFeaturesCollator
 from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
 from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
 from hf_dp.privacy.privatizer import PrivateOptimizer
@@ -152,6 +145,10 @@ class _BudgetGuard(TrainerCallback):
     def __init__(self, trainer: "DPTrainer"):
         self.trainer = trainer
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        contract.check_optimizer(self.trainer)  # the optimizer HF steps is still the privatizer, with σ, C and B planned
+        return control
+
     def on_step_end(self, args, state, control, **kwargs):
         # every step taken is on record before any output of it is written; ε only if already known (an accountant
         # call per step costs 0.1-0.5 s with PRV; saves and logs compute it)
@@ -192,6 +189,7 @@ class DPTrainer(Trainer):
             if kwargs.get("optimizers", (None, None))[0] is not None or kwargs.get("optimizer_cls_and_kwargs"):
                 raise ValueError("DPTrainer builds its own DP optimizer from --optim; do not pass optimizers=")
             _refuse_sharding(args)  # before HF's own FSDP checks (one process: "fsdp only works in distributed training")
+            contract.check_head(model)  # a head whose loss DPTrainer does not compute as the model would
         if model is not None:
             # --trainable applies to non-private baselines too, so that they train the same parameters
             lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
@@ -200,8 +198,7 @@ class DPTrainer(Trainer):
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         if args.dp_enabled:
             _check_eval_is_not_train(self.eval_dataset, self.train_dataset)
-        self._prefix_cache = False
-        self._expected_prefix_signature: str | None = None
+        self._prefix_cache, self.prefix_cache = False, None
         if args.cache_frozen_features:
             self._enable_prefix_cache()
         if args.dp_enabled:
@@ -210,112 +207,44 @@ class DPTrainer(Trainer):
             self.add_callback(_BudgetGuard(self))
 
     # ------------------------------------------------------------------------------------------------
-    # frozen-prefix caching (--cache_frozen_features): see hf_dp.models.prefix_cache
+    # frozen-prefix caching (--cache_frozen_features): hf_dp.models.cache_manager
     # ------------------------------------------------------------------------------------------------
     def _enable_prefix_cache(self) -> None:
-        info = self.trainable_info
-        if info is None or info.suffix_blocks is None:
-            raise ValueError("--cache_frozen_features needs --trainable last_block (or last_k:K, or head): the cached "
-                             "prefix must be frozen")
         check_no_full_eval_cast(self.args)  # again: the arguments may have been changed after they were made
-        self._check_cache_dir()
+        self.prefix_cache = PrefixCacheManager(self.model, self.args, self.trainable_info, self.data_collator)
         self._prefix_cache = True
-        self._raw_collator = self.data_collator  # HF's resolved collator (tokenizer padding)
-        evals = self.eval_dataset.items() if isinstance(self.eval_dataset, dict) else [("", self.eval_dataset)]
-        for name, ds in [("train", self.train_dataset)] + [(f"eval {k}".strip(), v) for k, v in evals]:
-            self._check_given_cache(ds, name)  # every given cache, before any (slow) build
-        self.train_dataset = self._cache_dataset(self.train_dataset, "train")  # same N: q and δ unchanged
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self._cache_dataset(v, f"eval {k}") for k, v in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self._cache_dataset(self.eval_dataset, "eval")
+        self.train_dataset, self.eval_dataset = self.prefix_cache.cache_all(self.train_dataset, self.eval_dataset)
         self.data_collator = CachedFeaturesCollator()
         self._set_signature_columns_if_needed()  # else HF's column removal drops the cached keys
         for key in (CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY):
             if key not in self._signature_columns:
                 self._signature_columns.append(key)
 
-    def _check_cache_dir(self) -> None:
-        """A ``--cache_frozen_features_dir`` inside ``output_dir`` only where a push cannot upload its files.
-
-        Each cached dataset gets its own file, unlinked at creation unless ``--keep_frozen_features_cache``
-        (see "Cache files" in :mod:`hf_dp.models.prefix_cache`); without a folder the cache is in memory."""
-        cache_dir, out = self.args.cache_frozen_features_dir, self.args.output_dir
-        if cache_dir is None or out is None:
-            return
-        cache_dir, out = os.path.realpath(cache_dir), os.path.realpath(out)
-        if os.path.commonpath([cache_dir, out]) != out:
-            return
-        rel = os.path.relpath(cache_dir, out)
-        if not (self.args.keep_frozen_features_cache and (rel == "." or rel.split(os.sep)[0].startswith("_"))):
-            raise ValueError(
-                f"--cache_frozen_features_dir {self.args.cache_frozen_features_dir} is inside --output_dir {self.args.output_dir}, "
-                "whose files are saved and pushed with the model, and the cache holds the hidden states of every training "
-                "example; use a folder outside output_dir (or, with --keep_frozen_features_cache, output_dir itself or a "
-                "subfolder whose name starts with '_', which pushes skip)"
-            )
-
-    def _check_given_cache(self, dataset, name: str) -> None:
-        """A :class:`CachedFeatures` passed in must be a cache of this model's frozen prefix, cut where the trainable
-        suffix starts (same K, same depth, same frozen weights: its ``prefix_signature``)."""
-        if not isinstance(dataset, CachedFeatures):
-            return
-        k = self.trainable_info.suffix_blocks
-        if dataset.suffix_blocks != k:
-            raise ValueError(
-                f"the {name} dataset is a prefix cache of the input of the last {dataset.suffix_blocks} block(s), but "
-                f"--trainable {self.trainable_info.mode} runs the last {k} from the cache; build it with suffix_blocks={k}"
-            )
-        if dataset.prefix_signature is not None:
-            if self._expected_prefix_signature is None:
-                self._expected_prefix_signature = prefix_signature(self.model, k)
-            if dataset.prefix_signature != self._expected_prefix_signature:
-                raise ValueError(
-                    f"the {name} dataset is a prefix cache of {dataset.prefix_signature}, but this model's cached prefix "
-                    f"is {self._expected_prefix_signature} (another model, depth or checkpoint); rebuild it from this model"
-                )
-
-    def _check_caches_after_resume(self, checkpoint: str) -> None:
-        """HF has just loaded the checkpoint's weights, frozen prefix included: the caches (built from the weights the
-        trainer was given) must still be caches of this prefix, else training would resume on stale states."""
-        self._expected_prefix_signature = None
-        evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
-        for name, ds in [("train", self.train_dataset)] + [("eval", v) for v in evals]:
-            try:
-                self._check_given_cache(ds, name)
-            except ValueError as e:
-                raise ValueError(f"resuming from {checkpoint}: {e} — the checkpoint's frozen weights differ from the model's "
-                                 "the caches were built from; pass the model the checkpoint was trained from") from None
-
-    def _cache_dataset(self, dataset, name: str = "dataset"):
-        k = self.trainable_info.suffix_blocks
-        self._check_given_cache(dataset, name)
-        if dataset is None or isinstance(dataset, CachedFeatures):
-            return dataset
-        return build_prefix_cache(
-            self.model, dataset, self._raw_collator, batch_size=self.args.per_device_eval_batch_size,
-            dtype=getattr(torch, self.args.cache_frozen_features_dtype), cache_dir=self.args.cache_frozen_features_dir,
-            keep_file=self.args.keep_frozen_features_cache, progress=not self.args.disable_tqdm, name=name, suffix_blocks=k,
-        )
-
     def _suffix_ctx(self):
-        """Forward-pass context for train/evaluate/predict: the cached suffix, or the full model with
-        the first-token-only last block (``--first_token_only auto``), or the model unchanged."""
-        auto = getattr(self.args, "first_token_only", "auto") == "auto"
-        if self._prefix_cache:
-            return suffix_forward(self.model, first_token_only=None if auto else False,
-                                  suffix_blocks=self.trainable_info.suffix_blocks)
-        return first_token_forward(self.model) if auto else contextlib.nullcontext()
+        """Forward-pass context for train/evaluate/predict (:func:`hf_dp.models.cache_manager.forward_context`)."""
+        return forward_context(self.model, self.prefix_cache, getattr(self.args, "first_token_only", "auto"))
+
+    def _check_not_train(self, dataset) -> None:
+        """Under DP, at every evaluate() / predict(): the data evaluated is not (and does not overlap) the training
+        set, whatever was passed at construction."""
+        if not self.args.dp_enabled:
+            return
+        if isinstance(dataset, str) and isinstance(self.eval_dataset, dict):
+            dataset = self.eval_dataset.get(dataset)
+        for train in {id(x): x for x in (self._fingerprint_source, self.train_dataset) if x is not None}.values():
+            _check_eval_is_not_train(dataset, train)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        self._check_not_train(eval_dataset if eval_dataset is not None else self.eval_dataset)
         if self._prefix_cache and eval_dataset is not None and not isinstance(eval_dataset, (str, dict)):
-            eval_dataset = self._cache_dataset(eval_dataset, metric_key_prefix)
+            eval_dataset = self.prefix_cache.cache(eval_dataset, metric_key_prefix)
         with self._suffix_ctx():
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
+        self._check_not_train(test_dataset)
         if self._prefix_cache:
-            test_dataset = self._cache_dataset(test_dataset, metric_key_prefix)
+            test_dataset = self.prefix_cache.cache(test_dataset, metric_key_prefix)
         with self._suffix_ctx():
             return super().predict(test_dataset, ignore_keys, metric_key_prefix)
 
@@ -333,6 +262,7 @@ class DPTrainer(Trainer):
         if n == 0:
             raise ValueError("the training dataset is empty")
         self._check_label_column()
+        contract.check_labels(self._fingerprint_source, getattr(self.model, "config", None))
         world = max(1, args.world_size)
         b = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
         if b > n:
@@ -362,6 +292,7 @@ class DPTrainer(Trainer):
             planned_steps=planned,
         )
         self.ledger = PrivacyLedger(self.privacy_spec)
+        lineage.adopt_model_ledger(self)  # the earlier runs the model carries (--prior_privacy; hf_dp.lineage)
         try:
             self.planned_epsilon = compute_epsilon(sigma, q, planned, args.delta, args.accountant)
         except (MemoryError, OverflowError, ValueError, RuntimeError) as e:
@@ -392,15 +323,9 @@ class DPTrainer(Trainer):
         self._dp_optimizer: PrivateOptimizer | None = None
         self._loss_scale: float | None = None
         self._empty_micro_batch = False
-        self._clip_factors: torch.Tensor | None = None  # ghost_two_pass: c of the micro-batch in flight
-        self._two_pass_affine: dict | None = None  # ghost_two_pass: the rule's per-sample maps used in pass 1
-        self._checked_grad_samples = False
-        self.grad_sampler = self.ghost_clipper = None
-        self.clipping = self._choose_clipping(world)
-        if self.clipping in ("ghost", "ghost_two_pass"):
-            self.ghost_clipper = GhostClipper(self.model, two_pass=self.clipping == "ghost_two_pass")
-        else:
-            self.grad_sampler = attach_grad_sampler(self.model)
+        self.clipping = self._choose_clipping(world)  # the engine's name (hf_dp.clipping.engines)
+        self.clipping_engine: ClippingEngine = make_engine(self.clipping, self.model)
+        self.ghost_clipper, self.grad_sampler = self.clipping_engine.clipper, self.clipping_engine.grad_sampler
         # the planner's start-of-run block (hf_dp.plan): public quantities only, no extra calibration
         from hf_dp.plan import run_block
 
@@ -410,38 +335,19 @@ class DPTrainer(Trainer):
         logger.info(block)
         if warning:
             logger.warning(warning)
+        self._contract_probe, self._rows_checked = False, None
+        self._planned_train_dataset = self.train_dataset
+        #: the mechanism σ, q and the steps were planned for: every train() and every step must still run it
+        self._planned_mechanism = contract.mechanism_snapshot(self)
 
     def _choose_clipping(self, world: int) -> str:
-        """``ghost`` (one backward pass, hf_dp.models.ghost_clipping) where it applies, else Opacus hooks;
-        ``ghost_two_pass`` only when asked for. Any number of processes: under DDP every engine runs its
-        forward/backward without DDP's gradient all-reduce (see :meth:`compute_loss`), and the privatizer
+        """``--clipping``: ``ghost`` (one backward pass) where it applies, else Opacus hooks; ``ghost_two_pass`` only
+        when asked for (:func:`hf_dp.clipping.engines.choose_engine`). Any number of processes: under DDP every engine
+        runs its forward/backward without DDP's gradient all-reduce (see :meth:`compute_loss`), and the privatizer
         all-reduces the noisy clipped sum once per logical batch. FSDP and DeepSpeed are refused."""
         _refuse_sharding(self.args, getattr(self, "is_fsdp_enabled", False), getattr(self, "is_deepspeed_enabled", False))
-        mode = self.args.clipping
-        if mode == "hooks":
-            return "hooks"
-        if mode == "ghost_two_pass" and (self.args.bf16 or self.args.fp16):
-            raise ValueError(
-                "--clipping ghost_two_pass needs float32 training: its second backward sums the clipped per-example "
-                "gradients in the autocast precision, across examples, which loosens the per-example bound C; "
-                "use --clipping ghost (its sums run in float32) with --bf16/--fp16"
-            )
-        reasons = []
-        if not get_entry(self.args.optim).rule_cls.ghost_compatible():
-            reasons.append(f"{self.args.optim} transforms per-example gradients before clipping")
-        if not reasons:
-            try:
-                GhostClipper.check_supported(self.model)
-            except ValueError as e:
-                reasons.append(str(e))
-        if reasons and mode in ("ghost", "ghost_two_pass"):
-            raise ValueError(f"--clipping {mode} cannot apply: " + "; ".join(reasons) + " (use --clipping hooks)")
-        if mode == "auto":  # one line, never a silent fallback
-            if reasons:
-                logger.info("hf_dp: --clipping auto chose hooks (Opacus per-sample gradients): ghost clipping cannot apply: %s", "; ".join(reasons))
-            else:
-                logger.info("hf_dp: --clipping auto chose ghost (one-backward ghost clipping): every trainable layer is supported")
-        return "hooks" if reasons else ("ghost_two_pass" if mode == "ghost_two_pass" else "ghost")
+        return choose_engine(self.args.clipping, self.model, optim=self.args.optim, rule_cls=get_entry(self.args.optim).rule_cls,
+                             reduced_precision=bool(self.args.bf16 or self.args.fp16), logger=logger)
 
     def _check_label_column(self) -> None:
         """compute_loss needs per-example labels: refuse up front a train set without a label column."""
@@ -564,17 +470,11 @@ class DPTrainer(Trainer):
         sync = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
         with sync:
             outputs = model(**inputs)
+        contract.check_logits(outputs.logits, labels)
         losses = per_example_loss(outputs.logits, labels, self.model.config)
         self._empty_micro_batch = empty
-        if self.clipping == "ghost_two_pass" and not empty:
-            # pass 1: the per-example norms (a backward that computes no parameter gradient and keeps the
-            # graph); the backward of the returned loss is pass 2: its gradients are Σ_i c_i ∇ℓ_i
-            opt = self._dp_optimizer
-            self._two_pass_affine = opt.rule.per_sample_affine(opt.params)  # reused after pass 2
-            sq = self.ghost_clipper.norms_pass(losses, affine=self._two_pass_affine)
-            self._clip_factors = clip_factors(sq, opt.max_grad_norm)
-            weighted = losses * self._clip_factors
-            losses = weighted + (losses - weighted).detach()  # the value (and logged loss) stays Σ ℓ_i
+        if not empty and not self._contract_probe:  # ghost_two_pass: its pass 1 (the norms) runs here
+            losses = self.clipping_engine.before_backward(losses, self._dp_optimizer)
         total = losses.sum() * 0.0 if empty else losses.sum()
         if total.requires_grad:
             total.register_hook(self._capture_loss_scale)
@@ -583,38 +483,25 @@ class DPTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.args.dp_enabled:  # the arguments may be changed by a callback between steps
+            contract.check_mechanism(self._planned_mechanism, contract.mechanism_snapshot(self, with_parameters=False))
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.args.dp_enabled:
             if self._loss_scale is None:
                 raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
-            opt = self._dp_optimizer
             if self._empty_micro_batch:
                 # the placeholder row of an empty micro-batch contributes nothing — not even a rule's per-sample
                 # offset (DP-SGD-L2's λθ, DP-MacAdam's −m̂/b), which would otherwise make a neighbouring dataset's
                 # sum differ by up to 2C when its one extra example is the only one in the micro-batch
                 self._discard_micro_batch()
-            elif self.clipping == "ghost":
-                clipped = self.ghost_clipper.clipped_sum(opt.max_grad_norm, loss_scale=self._loss_scale, affine=opt.rule.per_sample_affine(opt.params))
-                opt.add_clipped_sum(clipped)
-            elif self.clipping == "ghost_two_pass":
-                c, affine, self._clip_factors, self._two_pass_affine = self._clip_factors, self._two_pass_affine, None, None
-                opt.add_clipped_sum(self.ghost_clipper.grads_after_backward(c, self._loss_scale, affine=affine))
-            else:
-                if not self._checked_grad_samples:
-                    assert_grad_samples_complete(self.model, self._rows_in_batch)
-                    self._checked_grad_samples = True
-                self._dp_optimizer.accumulate(loss_scale=self._loss_scale)
+            else:  # the clipped sum (ghost) or the per-sample gradients (hooks) go to the privatizer
+                self.clipping_engine.after_backward(self._dp_optimizer, self._loss_scale, self._rows_in_batch)
             self._loss_scale = None
         return loss
 
     def _discard_micro_batch(self) -> None:
         """Drop what the backward of an empty micro-batch's placeholder row left (records, per-sample gradients)."""
-        if self.ghost_clipper is not None:
-            self.ghost_clipper.clear()
-        for p in self._dp_optimizer.params:
-            p.grad_sample = None
-            if self.clipping == "ghost_two_pass":
-                p.grad = None
+        self.clipping_engine.discard(self._dp_optimizer)
 
     # ------------------------------------------------------------------------------------------------
     # privacy reporting
@@ -627,11 +514,12 @@ class DPTrainer(Trainer):
 
     def _record_spent(self, compute_epsilon: bool = True) -> None:
         """Write the record of steps taken (the count is what resumes rely on; ε is informative, and with
-        ``compute_epsilon=False`` written only when the ledger already has it)."""
-        if self.args.dp_enabled and self.args.should_save and self.ledger.steps > 0:
-            eps = self.get_epsilon() if compute_epsilon else self.ledger.cached_epsilon()
-            checkpointing.write_spent(self.args.output_dir, self.ledger.steps, eps, self.privacy_spec.as_dict(),
-                                      run_id=self.run_id)
+        ``compute_epsilon=False`` written only when the ledger already has it), the run's records in the checkpoints
+        it resumed from, and the model's public ledger record (:func:`hf_dp.lineage.record_spent`)."""
+        if self.args.dp_enabled:
+            lineage.record_spent(self, compute_epsilon)
+        else:
+            lineage.mark_non_private(self)  # a DP-trained model trained further without DP: its config says so
 
     def floating_point_ops(self, inputs) -> int:
         """0 under DP: HF adds 6·params·(tokens of every private Poisson batch, padding included) into
@@ -663,22 +551,49 @@ class DPTrainer(Trainer):
         if self.args.dp_enabled and self._dp_optimizer is not None:
             # an interrupted step's clipped sums (e.g. an exception between micro-batches) never reach a later step
             self._dp_optimizer.discard_pending()
-            if self.ghost_clipper is not None:
-                self.ghost_clipper.clear()
+            self.clipping_engine.clear()
             opt = self._dp_optimizer
             if resume_from_checkpoint is None and opt.max_epsilon is not None and opt._would_exceed_budget():
                 raise ValueError(
                     f"refusing to train: {self.ledger.steps} noisy steps were already taken (epsilon "
                     f"{self.get_epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
                 )
+        lineage.before_train(self, resume_from_checkpoint)  # the model's ledger, another run's checkpoints (hf_dp.lineage)
         with self._suffix_ctx(), _library_bars_off():
+            if self.args.dp_enabled:
+                self._check_contract()
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
+    def _check_contract(self) -> None:
+        """At every ``train()``, before any step (see :mod:`hf_dp.contract`): the mechanism is still the one planned,
+        every rank holds the same data in the same order, and each example's loss depends on that example alone."""
+        if self.train_dataset is not self._planned_train_dataset:
+            raise ValueError(
+                "train_dataset was replaced after the DPTrainer was built: N, the fingerprint that resumes, ranks and "
+                "the model's ledger compare, and the label checks describe the dataset given at construction; make a "
+                "new DPTrainer for other data"
+            )
+        contract.check_flags(self.args)  # HF flags refused under DP, also when set on trainer.args after construction
+        contract.check_mechanism(self._planned_mechanism, contract.mechanism_snapshot(self))
+        if self.args.world_size > 1:
+            contract.check_ranks_agree(self._train_data_info()["sha256"], self._planned_mechanism)
+        if self._rows_checked is not self.data_collator:  # the dataset is fixed (above); again if the collator changed
+            loader = self.get_train_dataloader()
+            contract.check_every_row(loader.dataset, loader.collate_fn, getattr(self.model, "config", None))
+            self._rows_checked = self.data_collator
+        outcome = contract.probe_independence(self)
+        if outcome != "passed":
+            logger.warning("hf_dp: the per-example contract could not be verified on a probe micro-batch (%s)", outcome)
+
     def _load_optimizer_and_scheduler(self, checkpoint):  # private HF API: see HF_PRIVATE_OVERRIDES
-        taken_here = self.ledger.steps if self.args.dp_enabled else 0  # e.g. by an earlier train() of this trainer
+        # steps taken by an earlier train() of this trainer (not those of earlier runs its ledger started from)
+        taken_here = (self.ledger.steps if getattr(self, "resumed_ledger_steps", None) is not None else self.ledger.own_steps) if self.args.dp_enabled else 0
         if checkpoint is not None and self._prefix_cache:
-            self._check_caches_after_resume(checkpoint)
+            evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+            self.prefix_cache.check_after_resume([("train", self.train_dataset)] + [("eval", v) for v in evals], checkpoint)
         super()._load_optimizer_and_scheduler(checkpoint)
+        if self.args.dp_enabled:
+            lineage.after_optimizer_load(self, checkpoint)
         if checkpoint is not None and self.args.dp_enabled:
             checkpointing.reconcile_resumed_ledger(self, checkpoint, taken_here)
 
@@ -724,6 +639,7 @@ class DPTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         output_dir = output_dir or self.args.output_dir
         is_checkpoint = os.path.basename(os.path.normpath(output_dir)).startswith("checkpoint-")
+        self._record_spent()  # on record (and in the model's config.json: hf_dp.lineage) before the model is written
         if self.args.dp_enabled and self.trainable_info is not None and self.trainable_info.mode == "lora" and not is_checkpoint:
             if self.args.should_save:
                 os.makedirs(output_dir, exist_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
+from hf_dp.contract import check_rows
 from hf_dp.models.prefix_cache import CachedFeatures
 from hf_dp.models.prefix_cache import row_length
 
@@ -39,9 +40,12 @@ class EmptySafeCollator:
     def __call__(self, features):
         if len(features) == 0:
             batch = self.collate_fn([self.dataset[0]])
+            check_rows(batch, 1)
             batch[EMPTY_KEY] = True
             return batch
-        return self.collate_fn(features)
+        batch = self.collate_fn(features)
+        check_rows(batch, len(features))  # one row per drawn example (hf_dp.contract)
+        return batch
 
 
 def refuse_sharding(args, fsdp_enabled: bool = False, deepspeed_enabled: bool = False) -> None:

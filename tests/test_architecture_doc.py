@@ -1,4 +1,6 @@
-"""docs/architecture.md stays true: every path and every ``module.symbol`` it names in backticks exists."""
+"""docs/architecture.md stays true: every path and every ``module.symbol`` it names in backticks exists, the import
+rules of its "The layers" section hold for every hf_dp module (no cycle; each layer imports only what the page allows),
+and its list of private Trainer methods DPTrainer overrides is ``hf_dp.trainer.HF_PRIVATE_OVERRIDES``."""
 
 from __future__ import annotations
 
@@ -63,3 +65,183 @@ def test_every_module_symbol_exists(name):
         _resolve(name)
     except (ImportError, AttributeError) as e:
         pytest.fail(f"docs/architecture.md names `{name}`, which does not resolve: {e}")
+
+
+# --------------------------------------------------------------------------------------------------- import contracts
+# The rules of the page's "The layers" section, as data. Imports are read from the source (ast), at module level and
+# inside functions alike. A name imported from a package (``from hf_dp.models import check_trainable``) counts as an
+# import of the module that defines it (``hf_dp.models.freezing``); a name defined in a package's ``__init__.py`` itself
+# (``hf_dp.__version__``) as an import of the package. A package's ``__init__.py`` imports its own modules: it is not
+# a node of the cycle check (Python runs it before any module of the package anyway).
+# A pattern is a module (``hf_dp.flags``), or ``pkg.*``: the package ``pkg`` and every module under it.
+MODULE_LEVEL, ANYWHERE = "module level", "anywhere"
+MAY_IMPORT = [
+    # (importers, where the import is, what of hf_dp they may import: nothing else)
+    ("hf_dp.arguments", ANYWHERE,
+     ["hf_dp.flags", "hf_dp.optim.registry", "hf_dp.models.freezing", "hf_dp.privacy.accounting"]),
+    ("hf_dp.flags", ANYWHERE, []),
+    ("hf_dp.optim.*", MODULE_LEVEL, ["hf_dp.optim.*"]),
+    ("hf_dp.privacy.*", ANYWHERE, ["hf_dp.privacy.*", "hf_dp.optim.base"]),
+    ("hf_dp.models.*", ANYWHERE, ["hf_dp.models.*"]),
+    ("hf_dp.clipping.*", ANYWHERE, ["hf_dp.clipping.*", "hf_dp.models.*"]),
+    ("hf_dp.hub.*", ANYWHERE, ["hf_dp.hub.*", "hf_dp", "hf_dp.privacy.randomness"]),
+    ("hf_dp.checkpointing", ANYWHERE, ["hf_dp.privacy.accounting"]),
+    ("hf_dp.lineage", ANYWHERE, ["hf_dp.checkpointing", "hf_dp.privacy.accounting"]),
+    ("hf_dp.audit_stats", ANYWHERE, []),
+]
+# modules of hf_dp that only the listed importers may import
+ONLY_IMPORTED_BY = {
+    "hf_dp.trainer": ["hf_dp", "hf_dp.audit_trainer"],  # the package's lazy `hf_dp.DPTrainer`; the audit's trainer path
+}
+# top-level packages of this repository that nothing in hf_dp imports
+NEVER_IMPORTED = ("recipes", "benchmarks", "tests")
+
+
+def _module_files() -> dict[str, str]:
+    out = {}
+    for folder, _dirs, files in os.walk(os.path.join(ROOT, "hf_dp")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                mod = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[mod[: -len(".__init__")] if mod.endswith(".__init__") else mod] = path
+    return out
+
+
+MODULES = _module_files()
+PACKAGES = {m for m, p in MODULES.items() if p.endswith("__init__.py")}
+
+
+def _raw_imports(module: str) -> list[tuple[str, str | None, bool]]:
+    """``(imported module, name or None, at module level)`` for every import statement of ``module``."""
+    import ast
+
+    with open(MODULES[module], encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    package = module if module in PACKAGES else module.rpartition(".")[0]
+    out = []
+
+    def visit(node, top: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                out.extend((a.name, None, top) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(parts + ([child.module] if child.module else []))
+                out.extend((base, a.name, top) for a in child.names)
+            visit(child, top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, True)
+    return out
+
+
+def _reexports(package: str) -> dict[str, str]:
+    """Names a package's ``__init__.py`` imports from its modules (at any depth: ``hf_dp.__getattr__`` imports
+    lazily)."""
+    out = {}
+    for base, name, _top in _raw_imports(package):
+        if name is not None and base.startswith(package + "."):
+            out[name] = _resolve_import(base, name)
+    return out
+
+
+def _resolve_import(base: str, name: str | None) -> str:
+    """The hf_dp module an import statement depends on (see the comment above MAY_IMPORT)."""
+    if name is not None and f"{base}.{name}" in MODULES:
+        return f"{base}.{name}"
+    if name is not None and base in PACKAGES:
+        target = _reexports(base).get(name)
+        if target is not None:
+            return target
+    while base not in MODULES and "." in base:
+        base = base.rpartition(".")[0]
+    return base
+
+
+def _imports(module: str, level: str = ANYWHERE) -> set[str]:
+    """What of hf_dp (and of this repository's other top-level packages) ``module`` imports."""
+    roots = ("hf_dp",) + NEVER_IMPORTED
+    return {
+        _resolve_import(base, name) if base.split(".")[0] == "hf_dp" else base
+        for base, name, top in _raw_imports(module)
+        if base.split(".")[0] in roots and (top or level == ANYWHERE)
+    } - {module}
+
+
+def _matches(module: str, pattern: str) -> bool:
+    if pattern.endswith(".*"):
+        return module == pattern[:-2] or module.startswith(pattern[:-1])
+    return module == pattern
+
+
+def test_the_import_rules_name_existing_modules():
+    patterns = [p for who, _, allowed in MAY_IMPORT for p in [who, *allowed]] + list(ONLY_IMPORTED_BY)
+    patterns += [p for allowed in ONLY_IMPORTED_BY.values() for p in allowed]
+    for pattern in patterns:
+        assert any(_matches(m, pattern) for m in MODULES), f"the import rules name {pattern}, which matches no module"
+    assert "hf_dp.optim.base" in _imports("hf_dp.privacy.privatizer")  # the parser sees what it should
+    assert "hf_dp.models.freezing" in _imports("hf_dp.arguments")  # a package's re-export: the defining module
+    assert "hf_dp.trainer" in _imports("hf_dp.audit_trainer")  # inside a function
+    assert "hf_dp.trainer" not in _imports("hf_dp.audit_trainer", MODULE_LEVEL)
+
+
+@pytest.mark.parametrize("who,level,allowed", MAY_IMPORT, ids=[r[0] for r in MAY_IMPORT])
+def test_each_layer_imports_only_what_the_page_allows(who, level, allowed):
+    bad = {
+        (module, imported)
+        for module in MODULES if _matches(module, who)
+        for imported in _imports(module, level)
+        if not any(_matches(imported, p) for p in allowed)
+    }
+    assert not bad, (f"docs/architecture.md ('The layers'): {who} may import only {allowed or 'nothing of hf_dp'} "
+                     f"({level}); found {sorted(bad)}")
+
+
+def test_only_the_listed_modules_import_the_trainer_and_none_imports_the_recipes():
+    for target, allowed in ONLY_IMPORTED_BY.items():
+        importers = sorted(m for m in MODULES if target in _imports(m))
+        assert set(importers) <= set(allowed), f"{target} is imported by {importers}; the page allows only {allowed}"
+    for module in MODULES:
+        outside = sorted(i for i in _imports(module) if i.split(".")[0] in NEVER_IMPORTED)
+        assert not outside, f"{module} imports {outside}: the library must not depend on {NEVER_IMPORTED}"
+
+
+def test_no_import_cycle_among_hf_dp_modules():
+    graph = {m: {i for i in _imports(m) if i in MODULES and i not in PACKAGES} for m in MODULES if m not in PACKAGES}
+    cycles, state, stack = [], {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles (module-level and function-level imports alike): " + "; ".join(
+        " -> ".join(c) for c in cycles)
+
+
+# ------------------------------------------------------------------------------------------- private HF overrides
+NUMBER_WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+
+
+def test_the_page_lists_every_private_hf_override():
+    """The paragraph naming ``hf_dp.trainer.HF_PRIVATE_OVERRIDES`` lists exactly its methods (as ``DPTrainer._x``) and
+    says how many there are."""
+    from hf_dp.trainer import HF_PRIVATE_OVERRIDES
+
+    with open(DOC, encoding="utf-8") as f:
+        paragraphs = f.read().split("\n\n")
+    [paragraph] = [p for p in paragraphs if "`hf_dp.trainer.HF_PRIVATE_OVERRIDES`" in p]
+    listed = re.findall(r"`DPTrainer\.(_\w+)`", paragraph)
+    assert sorted(listed) == sorted(HF_PRIVATE_OVERRIDES), (listed, sorted(HF_PRIVATE_OVERRIDES))
+    assert f"{NUMBER_WORDS[len(HF_PRIVATE_OVERRIDES)]} private" in paragraph

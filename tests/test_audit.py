@@ -350,3 +350,31 @@ def test_trainer_path_replay_resume_is_a_violation():
 
     r = trainer_audit(variant="replay_resume", noise_multiplier=0.5, steps=2, resume_at=1, trials=100000, **TRAINER)
     assert r.violation, r.row()
+
+
+@pytest.mark.parametrize("variant", ["two_rows", "accumulation_changed"])
+def test_trainer_path_contract_breaks_are_violations(variant):
+    """Issue 27 items 1 and 3 with DPTrainer's checks bypassed: two rows per drawn example (true ε = ε(σ/2, q, 1)),
+    and gradient_accumulation_steps changed after construction (three Poisson draws per noisy step) — both claim the
+    ε of one draw at q and come out VIOLATION; DPTrainer refuses both unmodified (tests/test_contract.py)."""
+    from hf_dp.audit_trainer import trainer_audit
+
+    r = trainer_audit(variant=variant, noise_multiplier=0.6, steps=1, trials=8000, **TRAINER)
+    assert not r.low_power
+    assert r.violation, r.row()
+
+
+def test_trainer_path_contract_variants_are_refused_without_the_bypass():
+    """The same two breaks through the unmodified trainer fail before any step, in one sentence."""
+    from hf_dp.audit_trainer import CanaryDataset, TrainerAuditConfig, _args, _model_classes
+    from hf_dp import DPTrainer
+
+    _, CanaryModel = _model_classes()
+    import tempfile
+
+    out = tempfile.mkdtemp()
+    tr = DPTrainer(model=CanaryModel(CanaryModel.config_class(dim=4)), args=_args(TrainerAuditConfig(), out, 2, None),
+                   train_dataset=CanaryDataset(6, range(2)))
+    tr.args.gradient_accumulation_steps = 3
+    with pytest.raises(ValueError, match="the privacy mechanism changed after the DPTrainer was built"):
+        tr.train()

@@ -233,7 +233,7 @@ def test_non_private_run_card_and_privacy_json_say_non_private_once(tmp_path):
 ])
 def test_constant_baseline_in_card_and_privacy_json(tmp_path, labels, accuracy, warned):
     """Issue 16 §1: the card says plainly when the model is no better than the majority class of the evaluation set."""
-    from hf_dp.metrics import constant_baseline
+    from recipes.glue_support import constant_baseline
 
     ev = {**EVAL, "eval_accuracy": accuracy}
     base = constant_baseline(labels, ev, label_names=["entailment", "not_entailment"])
@@ -247,7 +247,7 @@ def test_constant_baseline_in_card_and_privacy_json(tmp_path, labels, accuracy, 
 
 
 def test_constant_baseline_mcc_and_nothing_to_compare():
-    from hf_dp.metrics import constant_baseline
+    from recipes.glue_support import constant_baseline
 
     assert constant_baseline([0, 1, 1], {"eval_matthews_correlation": 0.0})["at_or_below"] is True
     assert constant_baseline([0, 1, 1], {"eval_matthews_correlation": 0.2})["at_or_below"] is False

@@ -1,4 +1,5 @@
-"""hf_dp.data and hf_dp.metrics: GLUE loading (local layout, files, Hub offline), checks, tokenization, metrics."""
+"""recipes.glue_support, the recipes' GLUE data and metrics: loading (local layout, files, Hub offline), checks,
+tokenization, metrics."""
 
 from __future__ import annotations
 
@@ -11,8 +12,17 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from hf_dp.data import GLUE_TASKS, DataLoadingError, label_info, load_raw_datasets, preprocess, sentence_keys  # noqa: E402
-from hf_dp.metrics import build_compute_metrics, load_metric_fn, main_metric_name  # noqa: E402
+from recipes.glue_support import (  # noqa: E402
+    GLUE_TASKS,
+    DataLoadingError,
+    build_compute_metrics,
+    label_info,
+    load_metric_fn,
+    load_raw_datasets,
+    main_metric_name,
+    preprocess,
+    sentence_keys,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
@@ -298,7 +308,7 @@ def test_metrics_formulas_for_each_task():
 def test_metrics_auto_falls_back_offline_and_says_so(caplog):
     import logging
 
-    with caplog.at_level(logging.INFO, logger="hf_dp.metrics"):
+    with caplog.at_level(logging.INFO, logger="recipes.glue_support.metrics"):
         cm = build_compute_metrics("qnli")  # evaluate.load needs the Hub; works too if it is reachable/cached
     assert cm.implementation.startswith(("evaluate", "scikit-learn"))
     assert any("hf_dp metrics: using" in r.getMessage() for r in caplog.records)
@@ -350,7 +360,7 @@ def test_evaluate_glue_agrees_when_available():
 def test_glue_text_is_read_verbatim_and_short_rows_are_refused(tmp_path):
     """MNLI-style rows whose text reads as "missing" (n/a, NA, null, None) are kept as text (on 0b9495a datasets'
     csv reader made them None and tokenization died); a row with too few fields names its line."""
-    from hf_dp.data import DataLoadingError, load_raw_datasets
+    from recipes.glue_support import DataLoadingError, load_raw_datasets
 
     d = tmp_path / "RTE"
     d.mkdir()

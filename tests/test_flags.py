@@ -3,7 +3,7 @@
 * every dataclass field of the installed ``TrainingArguments`` is classified, and the registry names no
   field that does not exist (a stale entry is deleted rather than tolerated: the table is generated for
   the installed version, and enforcement skips nothing silently);
-* docs/privacy_flags.md is exactly ``python -m hf_dp.flags --markdown``;
+* docs/privacy_flags.md is exactly ``python -m hf_dp.flags_table --markdown``;
 * every refusal is reached by an example and raises its registry sentence; refusals and adjustments only
   apply with DP; an unclassified field is refused with DP when set.
 """
@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 
-from hf_dp import flags
+from hf_dp import flags, flags_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BASE = dict(optim="dp_adamw", noise_multiplier=1.0, per_sample_max_grad_norm=1.0, delta=1e-3,
@@ -66,7 +66,7 @@ def test_every_training_arguments_field_is_classified():
     assert not missing, (
         f"transformers' TrainingArguments has fields that hf_dp/flags.py does not classify: {missing}. Read what "
         "Trainer does with each, add a rule to FLAGS (refused/adjusted/safe/outside, with the reason) and run "
-        f"`{flags.REGENERATE}`; until then DPTrainingArguments refuses them under DP when set."
+        f"`{flags_table.REGENERATE}`; until then DPTrainingArguments refuses them under DP when set."
     )
 
 
@@ -93,20 +93,20 @@ def test_rules_are_well_formed():
 
 def test_doc_is_generated_from_the_registry():
     committed = (ROOT / "docs" / "privacy_flags.md").read_text()
-    assert committed == flags.markdown(), f"docs/privacy_flags.md is stale: run `{flags.REGENERATE}`"
+    assert committed == flags_table.markdown(), f"docs/privacy_flags.md is stale: run `{flags_table.REGENERATE}`"
 
 
 def test_cli_writes_the_table(capsys):
-    assert flags.main(["--markdown"]) == 0
-    assert capsys.readouterr().out == flags.markdown()
-    assert flags.main([]) == 2
+    assert flags_table.main(["--markdown"]) == 0
+    assert capsys.readouterr().out == flags_table.markdown()
+    assert flags_table.main([]) == 2
 
 
 def _raw(**overrides):
     """Raw argument values as DPTrainingArguments.__post_init__ sees them (HF defaults, then BASE and overrides)."""
     import types
 
-    values = {f.name: flags._default(f) for f in flags.hf_fields()}
+    values = {f.name: flags.field_default(f) for f in flags.hf_fields()}
     return types.SimpleNamespace(**{**values, **BASE, "output_dir": "out", **overrides})
 
 

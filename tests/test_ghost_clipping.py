@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_dp.models import apply_trainable
-from hf_dp.models.ghost_clipping import GhostClipper, clip_factors
+from hf_dp.clipping import linear
+from hf_dp.clipping.ghost import GhostClipper, clip_factors
 from tests.test_models import ARCHS, _batch, _config, _model, _per_example_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
@@ -268,14 +269,14 @@ def test_one_example_contribution_never_exceeds_C_even_with_large_offsets(materi
 def _spy_single_query(monkeypatch):
     """Record what the single-query factorisation returned (None = rejected, generic path used)."""
     seen = []
-    orig = GhostClipper._single_query
+    orig = linear._single_query
 
     def spy(a, g, head_size):
         out = orig(a, g, head_size)
         seen.append(out)
         return out
 
-    monkeypatch.setattr(GhostClipper, "_single_query", staticmethod(spy))
+    monkeypatch.setattr(linear, "_single_query", spy)
     return seen
 
 
@@ -324,7 +325,7 @@ def test_single_query_fast_path_holds_with_attention_dropout(monkeypatch):
 def test_single_query_hint_is_checked_not_trusted(monkeypatch):
     """A layer wrongly declared single-query (its output gradient is not rank one per head) falls back
     to the generic ghost norms: norms and clipped sums stay exact."""
-    from hf_dp.models.ghost_clipping import single_query_heads
+    from hf_dp.models.hints import single_query_heads
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 6)

@@ -57,6 +57,33 @@ def dataset(n=N, labels=True):
     return Dataset.from_dict(cols)
 
 
+def bert_regression():
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(_cfg().__class__(**{**_cfg().to_dict(), "num_labels": 1}))
+
+
+def gpt2_lm():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=2, n_head=2))
+
+
+def dataset_with_label(value, at=7):
+    data = dataset()
+    labels = [float(v) for v in data["labels"]] if isinstance(value, float) else list(data["labels"])
+    labels[at] = value
+    return data.remove_columns("labels").add_column("labels", labels)
+
+
+def two_rows_per_example(features):
+    from transformers import default_data_collator
+
+    return default_data_collator(list(features) * 2)
+
+
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         for i in range(N):
@@ -129,6 +156,18 @@ CASES = {
                              ValueError, r"^the train dataset has no label column \('labels' or 'label'; it has \['attention_mask', 'input_ids'\]\): DP training computes each example's loss from its label$"),
     "budget-unreachable": ({"epsilon": 1e-6, "noise_multiplier": None, "max_steps": 1000}, dataset, bert, {},
                            ValueError, r"^cannot reach epsilon=1e-06 at delta=0\.001 with q=0\.125 over 1000 steps: The privacy budget is too low\.$"),
+    "epsilon-above-ceiling": ({"epsilon": 1e6, "noise_multiplier": None}, dataset, bert, {},
+                              ValueError, r"^--epsilon 1e\+06 is above hf_dp's ceiling of 50: such a guarantee bounds nothing \(e\^epsilon\), and calibrating sigma for it takes minutes; use --epsilon <= 50, or --disable_dp for a non-private baseline$"),
+    "batch-size-zero": ({"per_device_train_batch_size": 0}, dataset, bert, {},
+                        ValueError, r"^--per_device_train_batch_size must be a whole number >= 1 under DP, got 0$"),
+    "label-nan": ({}, lambda: dataset_with_label(math.nan), bert_regression, {},
+                  ValueError, r"^the training labels \(column 'labels'\) contain NaN or infinite values \(first at row 7\): such an example's loss and gradient are not finite; remove or fix those rows before DP training$"),
+    "label-out-of-range": ({}, lambda: dataset_with_label(5), bert, {},
+                           ValueError, r"^the training labels \(column 'labels'\) contain 5 \(first at row 7\), outside the model's classes 0\.\.1: the step that draws that example would fail; fix the labels or the model's num_labels before DP training$"),
+    "causal-lm-head": ({}, dataset, gpt2_lm, {},
+                       ValueError, r"^GPT2LMHeadModel is a causal language model, but DPTrainer computes each example's loss as a sequence classifier \(\*ForSequenceClassification\) does, so it would train this model on the wrong objective; use a \*ForSequenceClassification model \(other heads are not supported yet\)$"),
+    "collator-two-rows-per-example": ({}, dataset, bert, {"data_collator": two_rows_per_example},
+                                      ValueError, r"^the data collator returned '\w+' with \d+ rows for \d+ drawn example\(s\): DP training needs exactly one row per example"),
     "max-steps-zero": ({"max_steps": 0}, dataset, bert, {},
                        ValueError, r"^--max_steps 0 trains nothing$"),
     "tokens_seen": ({"include_num_input_tokens_seen": True}, dataset, bert, {},

@@ -17,15 +17,8 @@ import torch.nn.functional as F
 import transformers as T
 from torch import nn
 
-from hf_dp.models import (
-    TRAINABLE_MODES,
-    GradSamplerHandle,
-    TrainableInfo,
-    apply_trainable,
-    assert_grad_samples_complete,
-    attach_grad_sampler,
-    unwrap_for_save,
-)
+from hf_dp.clipping import GradSamplerHandle, assert_grad_samples_complete, attach_grad_sampler, unwrap_for_save
+from hf_dp.models import TRAINABLE_MODES, TrainableInfo, apply_trainable
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Full backward hook is firing:UserWarning",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import os
 
 import numpy as np
 import opacus
@@ -19,6 +20,7 @@ import reference_optimizers as ref
 from hf_dp.optim import make_optimizer, optimizer_names
 
 DT = torch.float64
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL = ["dp_sgd", "dp_sgd_l2", "dp_adam", "dp_adambc", "dp_adamw", "dp_adamw_bc", "dp_macadam"]
 
 
@@ -117,7 +119,7 @@ def test_rule_matches_paper_reference(name, momentum, fused):
         opt.rule.step()
         sched.step()
         expected = reference.step(g, lr0 * schedule(k))
-        np.testing.assert_allclose(ref.flat(params), expected, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(ref.flat(params), expected, rtol=3e-15, atol=3e-15)
         # p.grad still holds g̃ after the step
         np.testing.assert_array_equal(ref.flat([p.grad for p in params]), g)
         if hasattr(reference, "clamp_rate"):
@@ -127,56 +129,29 @@ def test_rule_matches_paper_reference(name, momentum, fused):
         assert 0.0 < np.mean(clamp_rates) < 1.0
 
 
-@pytest.mark.parametrize("name", ["dp_adamw", "dp_adamw_bc"])
-def test_authors_code_variant_matches_its_reference(name):
-    """``authors_code=True`` reproduces the update of seed 000's authors' public code (ε outside the root, decay of
-    the updated θ; for BC γ = 1e-10 and +1e-8 outside the root), in float64 against its own reference — and
-    differs from the paper's rule on the same g̃ (so the switch is not a no-op)."""
-    model = mlp()
-    groups = grouped(model)
-    params = flat_params(groups)
-    theta0, lam, betas = ref.flat(params), lam_vector(groups), (0.85, 0.99)
-    if name == "dp_adamw":
-        hyper = dict(lr=0.01, betas=betas, eps=1e-6)
-        reference, paper = ref.RefAuthorsDPAdamW(theta0, lam, betas=betas, eps0=1e-6), ref.RefDPAdamW(theta0, lam, betas=betas, eps0=1e-6)
-    else:
-        hyper = dict(lr=0.01, betas=betas)
-        reference, paper = ref.RefAuthorsDPAdamWBC(theta0, lam, PHI, betas=betas), ref.RefDPAdamWBC(theta0, lam, PHI, 1e-8, betas=betas)
-    opt = make_optimizer(name, groups, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=BATCH, noise_seed=1,
-                         authors_code=True, **hyper)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt.rule, schedule)
-    lr0 = hyper["lr"]
-    rng = np.random.default_rng(11)
-    n = reference.theta.size
-    for k in range(25):
-        g = rng.normal(0.0, 1.0, n) * math.sqrt(PHI) + rng.normal(0.0, 0.08, n)
-        for p, gp in zip(params, ref.unflat(g, params)):
-            p.grad = gp
-        opt.rule.step()
-        sched.step()
-        expected = reference.step(g, lr0 * schedule(k))
-        paper.step(g, lr0 * schedule(k))
-        np.testing.assert_allclose(ref.flat(params), expected, rtol=1e-10, atol=1e-12)
-        np.testing.assert_array_equal(ref.flat([p.grad for p in params]), g)
-    assert np.abs(reference.theta - paper.theta).max() > 1e-6
-    if name == "dp_adamw_bc":
-        assert opt.rule.param_groups[0]["gamma"] == 1e-10
-
-
-def test_authors_code_is_refused_with_fused_and_reaches_the_rule_from_optim_args():
+def test_variant_is_validated_once_and_reaches_the_rule_from_optim_args():
+    """``variant`` is checked in one place (unknown names, per-group overrides, no fused kernel for a variant whose
+    update is not torch's) and ``--optim_args variant=adam_corr`` reaches the rule as a name."""
     from hf_dp.optim.build import rule_hyperparameters
 
     model = mlp()
+    mk = lambda name, params, **kw: make_optimizer(name, params, noise_multiplier=1.0, max_grad_norm=1.0,  # noqa: E731
+                                                   expected_batch_size=4, **kw)
     with pytest.raises(ValueError, match="no fused kernel"):
-        make_optimizer("dp_adamw", model.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
-                       authors_code=True, fused=True)
-    with pytest.raises(ValueError, match="authors_code must be true or false"):
-        make_optimizer("dp_adamw", model.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
-                       authors_code=0.5)
-    kw = rule_hyperparameters("dp_adamw_bc", lr=1e-3, weight_decay=0.01, optim_args="authors_code=true")
-    assert kw["authors_code"] is True
-    rule = make_optimizer("dp_adamw_bc", model.parameters(), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, **kw).rule
-    assert rule.authors_code and rule.param_groups[0]["gamma"] == 1e-10
+        mk("dp_adamw", model.parameters(), variant="adam_corr", fused=True)
+    for name in ("dp_adamw", "dp_adamw_bc"):
+        with pytest.raises(ValueError, match=f"{name} has no variant 'authors'; choose one of: paper, adam_corr"):
+            mk(name, model.parameters(), variant="authors")
+        with pytest.raises(ValueError, match="has no variant"):
+            mk(name, [{"params": list(model.parameters()), "variant": "x"}])
+    with pytest.raises(ValueError, match="dp_adam has no variant 'adam_corr'; choose one of: paper"):
+        mk("dp_adam", model.parameters(), variant="adam_corr")
+    kw = rule_hyperparameters("dp_adamw_bc", lr=1e-3, weight_decay=0.01, optim_args="variant=adam_corr")
+    assert kw["variant"] == "adam_corr"
+    rule = mk("dp_adamw_bc", model.parameters(), **kw).rule
+    assert rule.param_groups[0]["variant"] == "adam_corr" and rule.param_groups[0]["gamma"] == 1e-10
+    with pytest.raises(ValueError, match="now variant=adam_corr"):
+        rule_hyperparameters("dp_adamw", lr=1e-3, weight_decay=0.0, optim_args="authors_code=true")
 
 
 def test_bc_uses_phi_from_the_privatizer():
@@ -661,3 +636,196 @@ def test_other_bad_hyperparameters():
         _mk("dp_adam", eps=-1e-8)
     with pytest.raises(ValueError, match="expected_batch_size"):
         _mk("dp_sgd", expected_batch_size=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 28: the variants' eps and γ in float64, the variant as a hyper-parameter of every group, through DPTrainer
+# ------------------------------------------------------------------------------------------------
+def _variant_reference(name, variant, theta0, lam, betas, eps, gamma, phi=PHI):
+    if name == "dp_adam":
+        return ref.RefDPAdam(theta0, lam, betas=betas, eps=eps)
+    if name == "dp_adambc":
+        return ref.RefDPAdamBC(theta0, lam, phi, gamma, betas=betas)
+    if name == "dp_adamw":
+        cls = ref.RefDPAdamW if variant == "paper" else ref.RefAuthorsDPAdamW
+        return cls(theta0, lam, betas=betas, eps0=eps)
+    if variant == "paper":
+        return ref.RefDPAdamWBC(theta0, lam, phi, gamma, betas=betas)
+    return ref.RefAuthorsDPAdamWBC(theta0, lam, phi, gamma=gamma, eps0=eps, betas=betas)
+
+
+VARIANT_CASES = [  # (rule, variant, eps given, γ given, γ the rule must use)
+    ("dp_adam", "paper", 1e-3, None, None),
+    ("dp_adambc", "paper", None, 3e-9, 3e-9),
+    ("dp_adambc", "paper", None, None, 1e-8),
+    ("dp_adamw", "paper", 1e-3, None, None),
+    ("dp_adamw", "adam_corr", 1e-6, None, None),
+    ("dp_adamw", "adam_corr", 1e-3, None, None),
+    ("dp_adamw_bc", "paper", None, None, 1e-8),
+    ("dp_adamw_bc", "paper", 1e-3, 1e-4, 1e-4),  # eps is not in the paper's BC rule: changing it changes nothing
+    ("dp_adamw_bc", "adam_corr", None, None, 1e-10),
+    ("dp_adamw_bc", "adam_corr", 1e-6, None, 1e-10),  # the authors' code adds its eps outside the clamped root
+    ("dp_adamw_bc", "adam_corr", 1e-3, 1e-6, 1e-6),
+]
+
+
+@pytest.mark.parametrize("name,variant,eps,gamma,gamma_used", VARIANT_CASES)
+def test_variant_eps_and_gamma_match_float64_references(name, variant, eps, gamma, gamma_used):
+    """Every Adam-type rule and variant follows its float64 reference to 3e-15 at the eps and γ it is given (or its
+    variant's default: γ = 1e-10 in the authors' adam_corr.py, 1e-8 in the papers; eps = 1e-8)."""
+    model = mlp()
+    groups = grouped(model)
+    params = flat_params(groups)
+    betas = (0.85, 0.99)
+    hyper = dict(lr=0.01, betas=betas)
+    if eps is not None:
+        hyper["eps"] = eps
+    if gamma is not None:
+        hyper["gamma"] = gamma
+    if name in ("dp_adamw", "dp_adamw_bc"):
+        hyper["variant"] = variant
+    theta0, lam, eps_used = ref.flat(params), lam_vector(groups), 1e-8 if eps is None else eps
+    reference = _variant_reference(name, variant, theta0, lam, betas, eps_used, gamma_used)
+    paper = _variant_reference(name, "paper", theta0, lam, betas, eps_used, 1e-8)
+    opt = make_optimizer(name, groups, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=BATCH, noise_seed=1,
+                         **hyper)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.rule, schedule)
+    rng = np.random.default_rng(13)
+    for k in range(25):
+        g = rng.normal(0.0, 1.0, reference.theta.size) * math.sqrt(PHI) + rng.normal(0.0, 0.08, reference.theta.size)
+        for p, gp in zip(params, ref.unflat(g, params)):
+            p.grad = gp
+        opt.rule.step()
+        sched.step()
+        np.testing.assert_allclose(ref.flat(params), reference.step(g, 0.01 * schedule(k)), rtol=3e-15, atol=3e-15)
+        paper.step(g, 0.01 * schedule(k))
+    if gamma_used is not None:
+        assert opt.rule.param_groups[0]["gamma"] == gamma_used
+    if variant != "paper":  # the switch is not a no-op
+        assert np.abs(reference.theta - paper.theta).max() > 1e-6
+
+
+@pytest.mark.parametrize("name", ["dp_adamw", "dp_adamw_bc"])
+def test_variant_lives_in_every_param_group_and_a_resume_continues_it(name):
+    """The variant is a hyper-parameter of each param group, for both rules: saved with the optimizer, so a resumed
+    optimizer continues the checkpoint's variant (as it continues its betas), whatever the new one was built with."""
+    def build(variant):
+        model = mlp()
+        return make_optimizer(name, grouped(model), noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=BATCH,
+                              lr=0.01, eps=1e-3, variant=variant)
+
+    opt = build("adam_corr")
+    assert all(g["variant"] == "adam_corr" for g in opt.rule.param_groups)
+    resumed = build("paper")
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert all(g["variant"] == "adam_corr" for g in resumed.rule.param_groups)
+    rng = np.random.default_rng(0)
+    grads = [torch.from_numpy(rng.normal(0.0, 0.05, tuple(p.shape))) for p in opt.params]
+    for o in (opt, resumed):  # the same g̃ into both: the same update
+        for p, g in zip(o.params, grads):
+            p.grad = g.clone()
+        o.rule.step()
+    for p, q in zip(opt.params, resumed.params):
+        assert torch.equal(p, q)
+    if name == "dp_adamw":  # a checkpoint from before `variant` (dp_adamw's groups held authors_code=True)
+        old = copy.deepcopy(opt.state_dict())
+        for g in old["rule"]["param_groups"]:
+            g["authors_code"] = g.pop("variant") == "adam_corr"
+        legacy = build("paper")
+        legacy.load_state_dict(old)
+        assert all(g["variant"] == "adam_corr" and "authors_code" not in g for g in legacy.rule.param_groups)
+
+
+def _recipe():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("hf_dp_recipe_glue_opt", os.path.join(REPO, "recipes", "glue.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recipe_passes_no_gamma_over_the_authors_variants_own():
+    """The recipe's γ default (1e-8, seed 000's paper) does not override the authors' code's γ (1e-10): with the
+    authors' variant and no --bc_gamma the rule gets its variant's γ; --bc_gamma still wins."""
+    glue = _recipe()
+    _, _, args = glue.parse_args(["--task_name", "qnli", "--optim", "dp_adamw_bc"])
+    assert args.bc_gamma == 1e-8
+    _, _, args = glue.parse_args(["--task_name", "qnli", "--optim", "dp_adamw_bc", "--optim_args", "variant=adam_corr"])
+    assert args.bc_gamma is None
+    _, _, args = glue.parse_args(["--task_name", "qnli", "--optim", "dp_adamw_bc", "--optim_args", "variant=adam_corr",
+                                  "--bc_gamma", "3e-9"])
+    assert args.bc_gamma == 3e-9
+
+
+class _Recorder:
+    """A TrainerCallback (duck-typed) recording, at every optimizer step, the lr used and g̃ left in p.grad."""
+
+    def __init__(self, params):
+        self.params, self.lrs, self.grads, self.thetas = params, [], [], []
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+    def on_optimizer_step(self, args, state, control, **kw):
+        self.grads.append(ref.flat([p.grad for p in self.params]))
+        self.thetas.append(ref.flat(self.params))
+
+    def __getattr__(self, name):  # every other callback event: nothing to do
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+
+@pytest.mark.parametrize("name,variant,optim_args", [
+    ("dp_sgd", None, None),
+    ("dp_adam", "paper", None),
+    ("dp_adambc", "paper", None),
+    ("dp_adamw", "paper", None),
+    ("dp_adamw", "adam_corr", "variant=adam_corr"),
+    ("dp_adamw_bc", "paper", None),
+    ("dp_adamw_bc", "adam_corr", "variant=adam_corr"),
+])
+def test_rules_through_dptrainer_match_float64_references_and_the_report_names_them(tmp_path, name, variant, optim_args):
+    """Through DPTrainer (float64 tiny BERT, last block trained, 3 steps, --adam_epsilon 1e-6, no --bc_gamma), every
+    rule that reads only g̃ makes the update of its float64 reference on the privatized gradients the trainer produced
+    (dp_sgd_l2 and dp_macadam transform per-example gradients: their full pipelines are checked above), and
+    privacy.json's optimizer entry — the rule describing itself — names the variant and the eps / γ it used."""
+    from hf_dp import DPTrainer
+    from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    model = make_model().double()
+    args = dp_args(tmp_path / "out", optim=name, optim_args=optim_args, adam_epsilon=1e-6, weight_decay=0.01,
+                   epsilon=None, noise_multiplier=1.0, accountant="rdp", max_steps=3, learning_rate=1e-2,
+                   lr_scheduler_type="linear", clipping="hooks", logging_steps=1, per_device_train_batch_size=16)
+    trainer = DPTrainer(model=model, args=args, train_dataset=make_pair_dataset(tok, n=64), data_collator=make_collator(tok))
+    trainer.create_optimizer()
+    rule = trainer.optimizer.rule
+    params = [p for g in rule.param_groups for p in g["params"]]
+    lam = np.concatenate([np.full(p.numel(), g["weight_decay"]) for g in rule.param_groups for p in g["params"]])
+    theta0 = ref.flat(params)
+    rec = _Recorder(params)
+    trainer.add_callback(rec)
+    trainer.train()
+    assert len(rec.grads) == 3
+    phi = trainer._dp_optimizer.noise_std_of_mean ** 2
+    betas = (args.adam_beta1, args.adam_beta2)
+    if name == "dp_sgd":
+        reference = ref.RefDPSGD(theta0, lam)
+    else:  # eps = --adam_epsilon; γ: the variant's (no --bc_gamma); Φ = (σC/B)² of this run
+        gamma = 1e-10 if variant == "adam_corr" else 1e-8
+        reference = _variant_reference(name, variant, theta0, lam, betas, 1e-6, gamma, phi=phi)
+    # BC: at these first steps g̃ is mostly noise of variance Φ, so v̂ − Φ cancels and float64 rounding of Φ-sized terms
+    # is amplified by up to Φ/max(v̂ − Φ, γ) (≈ 4e5 here) — in the reference as in the rule (measured: 4e-14)
+    tol = 1e-12 if name in ("dp_adambc", "dp_adamw_bc") else 3e-15
+    for g, lr, theta in zip(rec.grads, rec.lrs, rec.thetas):
+        np.testing.assert_allclose(theta, reference.step(g, lr), rtol=tol, atol=tol)
+    hyper = trainer.privacy_report()["optimizer"]["hyperparameters"]
+    assert hyper.get("variant") == variant
+    reads_eps = name in ("dp_adam", "dp_adamw") or variant == "adam_corr"
+    assert hyper.get("eps") == (1e-6 if reads_eps else None)  # only what the update reads
+    if name in ("dp_adambc", "dp_adamw_bc"):
+        assert hyper["gamma"] == (1e-10 if variant == "adam_corr" else 1e-8)

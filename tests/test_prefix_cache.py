@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 import transformers as T
 
-from hf_dp.models import apply_trainable, attach_grad_sampler
+from hf_dp.clipping import attach_grad_sampler
+from hf_dp.models import apply_trainable
 from hf_dp.models.prefix_cache import (
     CACHED_HIDDEN_KEY,
     CachedFeatures,

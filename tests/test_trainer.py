@@ -479,7 +479,8 @@ def test_push_to_hub_uploads_plain_model_card_and_privacy(ds128, collator, tok, 
     monkeypatch.setattr(HfApi, "create_repo", fake_create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", fake_upload_folder)
     trainer = _short_run(tmp_path, ds128, collator, tok, hub_model_id="someone/tiny-dp", save_strategy="no")
-    metrics = trainer.evaluate(eval_dataset=ds128)  # eval runs through HF's own path; its log carries ε too
+    heldout = make_pair_dataset(tok, n=32, seed=77)  # never the training set: refused under DP (issue 27, item 5)
+    metrics = trainer.evaluate(eval_dataset=heldout)  # eval runs through HF's own path; its log carries ε too
     assert metrics["epsilon"] == trainer.get_epsilon() and math.isfinite(metrics["eval_loss"])
     trainer.push_to_hub()
     assert len(uploads) == 1

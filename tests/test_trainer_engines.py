@@ -246,7 +246,7 @@ def test_a_prefix_cache_of_another_model_is_refused_before_any_build(tmp_path, o
     cache = build_prefix_cache(apply_trainable(cut_from, "last_block")[0], ds, make_collator(tok), suffix_blocks=1)
     builds = []
     real_build = prefix_cache.build_prefix_cache
-    monkeypatch.setattr("hf_dp.trainer.build_prefix_cache", lambda *a, **k: builds.append(k.get("name")) or real_build(*a, **k))
+    monkeypatch.setattr("hf_dp.models.cache_manager.build_prefix_cache", lambda *a, **k: builds.append(k.get("name")) or real_build(*a, **k))
     sets = dict(train_dataset=ds, eval_dataset=cache) if other == "eval_depth" else dict(train_dataset=cache)
     which = "eval" if other == "eval_depth" else "train"
     with pytest.raises(ValueError, match=rf"the {which} dataset is a prefix cache of BertForSequenceClassification \(model_type=.bert.\) "

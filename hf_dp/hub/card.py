@@ -201,7 +201,8 @@ def render_model_card(
 ) -> str:
     """Render the README.md model card for a privacy report produced by ``DPTrainer.privacy_report()``.
 
-    ``baseline``: :func:`hf_dp.metrics.constant_baseline` of the evaluation results; the card says plainly when the
+    ``baseline``: the recipe's constant-predictor comparison (``recipes.glue_support.constant_baseline``: a dict with
+    ``at_or_below`` and ``sentence``) of the evaluation results; the card says plainly when the
     model does no better than a constant predictor."""
     import jinja2
 

@@ -27,10 +27,8 @@ def privacy_report(trainer) -> dict:
     steps = trainer.ledger.steps
     rule = trainer._dp_optimizer.rule if trainer._dp_optimizer is not None else None
     hyper = {}
-    if rule is not None:
-        g = rule.param_groups[0]
-        hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params" and isinstance(v, (int, float, tuple))}
-        hyper = _schedule(args, hyper)
+    if rule is not None:  # the rule describes itself: its variant and the hyper-parameters its update reads
+        hyper = _schedule(args, rule.describe())
     return {
         "hf_dp_version": __version__,
         "differential_privacy": True,
@@ -45,7 +43,7 @@ def privacy_report(trainer) -> dict:
         "dataset_size": spec.dataset_size,
         "steps": steps,
         "planned_steps": spec.planned_steps,
-        "epochs": steps * spec.sample_rate,
+        "epochs": ledger_epochs(trainer.ledger),
         "sampling": "poisson",
         "unit_of_privacy": "one training example (add/remove adjacency)",
         "secure_rng": trainer.randomness == CSPRNG,
@@ -56,7 +54,31 @@ def privacy_report(trainer) -> dict:
         "optimizer": {"name": str(args.optim), "hyperparameters": hyper},
         "trainable": trainable_report(trainer),
         "model_selection": model_selection_report(trainer),
+        "run_id": getattr(trainer, "run_id", None),
+        "ledger": ledger_report(trainer),
     }
+
+
+def ledger_epochs(ledger) -> float:
+    """Passes over the data the ledger counts: Σ q·steps over its history (earlier runs' included)."""
+    return float(sum(float(q) * int(n) for _, q, n in ledger.accountant.history))
+
+
+def ledger_report(trainer) -> dict:
+    """Whose steps ε counts: the runs of this model on this data (earlier ones first, this one last), the runs not
+    counted (other or unknown data), the checkpoint this run resumed from (its run and step) and the steps counted
+    past it (its run's, other resumes'). Public numbers and run ids only (the ledger's own public record)."""
+    ledger = trainer.ledger
+    build = getattr(ledger, "public_record", None)
+    record = dict(build()) if callable(build) else {}
+    record.pop("format", None)
+    record.pop("epsilon", None)  # the report's own "epsilon"
+    record["note"] = (
+        "epsilon counts every noisy step of the runs listed under 'runs' (this model on this training data, and the "
+        "steps computed from the same checkpoints by other runs: 'counted_past_parent'); runs under 'separate' trained "
+        "this model on other data (or data that could not be compared) and are not counted"
+    )
+    return record
 
 
 def trainable_report(trainer) -> dict:

@@ -1,18 +1,18 @@
 """What hf_dp learns about a transformer's structure, shared by :mod:`hf_dp.models.prefix_cache` and
 :mod:`hf_dp.models.first_token`.
 
-* :func:`_discover` runs one eval-mode dummy forward (:func:`_dummy_ids`: 2 x 8 tokens, one row
-  right-padded) with hooks and returns a :class:`_Plan`: the blocks (from
+* :func:`discover` runs one eval-mode dummy forward (:func:`dummy_ids`: 2 x 8 tokens, one row
+  right-padded) with hooks and returns a :class:`StructurePlan`: the blocks (from
   :func:`hf_dp.models.freezing.find_blocks`), the modules that run before them (embeddings,
   projections), a block's output structure, the input of the first suffix block (the last block, or the
   K-th last with ``suffix_blocks=K``), and whether the first-token-only last block applies.  It raises
   :class:`PrefixCacheError` when a block runs more than once (ALBERT), a parameter computed before the
   first suffix block is trainable, or the structure is unknown.
-* :func:`_first_token_structure_ok` / :func:`_first_token_supported`: is the last block a BERT-style
-  layer (:data:`_FIRST_TOKEN_LAYERS`) *and* do the logits read position 0 of its output only (probed by
+* :func:`first_token_structure_ok` / :func:`first_token_supported`: is the last block a BERT-style
+  layer (:data:`FIRST_TOKEN_LAYERS`) *and* do the logits read position 0 of its output only (probed by
   perturbing positions 1..)?  Supporting a new model family for the first-token block starts here.
-* Small helpers both features use (:func:`_eval_logits`, :func:`_logits_match`, :func:`_hidden_arg`, ...)
-  and :data:`_ACTIVE_SUFFIX`, the models currently inside a :func:`~hf_dp.models.prefix_cache.suffix_forward`
+* Small helpers both features use (:func:`eval_logits`, :func:`logits_match`, :func:`hidden_arg`, ...)
+  and :data:`ACTIVE_SUFFIX`, the models currently inside a :func:`~hf_dp.models.prefix_cache.suffix_forward`
   context (written there, read by :func:`~hf_dp.models.first_token.first_token_forward`).
 """
 
@@ -40,14 +40,14 @@ def _base_model(model: nn.Module) -> nn.Module:
     return base if isinstance(base, nn.Module) else model
 
 
-def _device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
     try:
         return next(model.parameters()).device
     except StopIteration:
         return torch.device("cpu")
 
 
-def _arch(model: nn.Module) -> str:
+def arch_name(model: nn.Module) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     return f"{type(model).__name__} (model_type={model_type!r})"
 
@@ -60,7 +60,7 @@ def _logits(output) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _without_amp_wrapper(model: nn.Module) -> Iterator[None]:
+def without_amp_wrapper(model: nn.Module) -> Iterator[None]:
     """Run ``model(...)`` without Accelerate's mixed-precision wrapper (``--bf16``: ``prepare`` replaces the instance's
     ``forward`` by an autocast one and keeps the one it wrapped as ``_original_forward``); any other instance-level
     ``forward`` stays. The frozen prefix is cached, and probed, at the model's own precision, before and after
@@ -77,25 +77,25 @@ def _without_amp_wrapper(model: nn.Module) -> Iterator[None]:
         d["forward"] = wrapper
 
 
-def _eval_logits(model: nn.Module, **inputs) -> torch.Tensor:
+def eval_logits(model: nn.Module, **inputs) -> torch.Tensor:
     """The model's logits in eval mode without gradients (and without Accelerate's autocast wrapper, so the probes and
     exactness checks that use this compare computations at the model's own precision); the train/eval mode is
     restored."""
     was_training = model.training
     try:
         model.eval()
-        with torch.no_grad(), _without_amp_wrapper(model):
+        with torch.no_grad(), without_amp_wrapper(model):
             return _logits(model(**inputs)).detach().clone()
     finally:
         model.train(was_training)
 
 
-def _logits_match(got: torch.Tensor, reference: torch.Tensor) -> bool:
+def logits_match(got: torch.Tensor, reference: torch.Tensor) -> bool:
     scale = max(1.0, float(reference.abs().max()))
     return got.shape == reference.shape and torch.allclose(got, reference, rtol=1e-4, atol=1e-4 * scale)
 
 
-def _hidden_arg(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, Any]:
+def hidden_arg(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, Any]:
     """The hidden states a block is called with: ``(tensor, 0)`` if positional, ``(tensor, key)`` if keyword."""
     if args and torch.is_tensor(args[0]):
         return args[0], 0
@@ -106,8 +106,8 @@ def _hidden_arg(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, Any]:
 
 
 @dataclass
-class _Plan:
-    """What :func:`_discover` learned about a model from one dummy forward."""
+class StructurePlan:
+    """What :func:`discover` learned about a model from one dummy forward."""
 
     blocks_name: str
     blocks: nn.ModuleList
@@ -118,17 +118,17 @@ class _Plan:
     hidden_key: Any  # 0 (positional) or the keyword of the last block's hidden states
     pad_id: int
     filler_id: int
-    first_token_only: bool = False  # run the last block for position 0 only (see _first_token_block)
+    first_token_only: bool = False  # run the last block for position 0 only (see first_token_block)
     suffix_blocks: int = 1  # the cache holds the input of blocks[-suffix_blocks]; those blocks run from it
-    prefix_signature: str = ""  # _prefix_signature: caches built with another one are refused
+    prefix_signature: str = ""  # cut_signature: caches built with another one are refused
     state: dict = field(default_factory=lambda: {"hidden": None, "mask": None})
 
 
-def _dummy_ids(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def dummy_ids(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     config = getattr(model, "config", None)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab <= 0:
-        raise PrefixCacheError(f"{_arch(model)}: no config.vocab_size; cannot build a dummy input.")
+        raise PrefixCacheError(f"{arch_name(model)}: no config.vocab_size; cannot build a dummy input.")
     pad = getattr(config, "pad_token_id", None)
     pad = int(pad) if pad is not None else 0
     special = {pad}
@@ -140,24 +140,24 @@ def _dummy_ids(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     if len(ids) < 8:
         ids = [i for i in range(vocab) if i != pad][:8]
     filler = ids[0]
-    device = _device(model)
+    device = model_device(model)
     input_ids = torch.tensor([ids, ids[::-1]], dtype=torch.long, device=device)
     mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3], dtype=torch.long, device=device)
     input_ids[mask == 0] = pad
     return input_ids, mask, pad, filler
 
 
-def _discover(model: nn.Module, first_token_only: bool | None = None,
-              suffix_blocks: int = 1) -> tuple[_Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
+def discover(model: nn.Module, first_token_only: bool | None = None,
+             suffix_blocks: int = 1) -> tuple[StructurePlan, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Learn the structure from one eval-mode dummy forward; return the plan, the input of the first suffix
     block (``blocks[-suffix_blocks]``), the dummy mask and the reference logits."""
     try:
         blocks_name, blocks = find_blocks(model)
     except ValueError as e:
-        raise PrefixCacheError(f"{_arch(model)}: {e}") from e
-    k = _check_suffix_blocks(model, blocks, blocks_name, suffix_blocks)
+        raise PrefixCacheError(f"{arch_name(model)}: {e}") from e
+    k = check_suffix_blocks(model, blocks, blocks_name, suffix_blocks)
     base = _base_model(model)
-    input_ids, mask, pad, filler = _dummy_ids(model)
+    input_ids, mask, pad, filler = dummy_ids(model)
     batch, seq = input_ids.shape
 
     order: dict[int, int] = {}
@@ -175,14 +175,14 @@ def _discover(model: nn.Module, first_token_only: bool | None = None,
 
     def capture_last(_module, args, kwargs):
         if "hidden" not in captured:
-            captured["hidden"], captured["key"] = _hidden_arg(args, kwargs)
+            captured["hidden"], captured["key"] = hidden_arg(args, kwargs)
 
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     handles += [m.register_forward_hook(post) for _, m in children]
     handles.append(blocks[0].register_forward_hook(post))
     handles.append(blocks[len(blocks) - k].register_forward_pre_hook(capture_last, with_kwargs=True))
     try:
-        reference = _eval_logits(model, input_ids=input_ids, attention_mask=mask)
+        reference = eval_logits(model, input_ids=input_ids, attention_mask=mask)
     finally:
         for h in handles:
             h.remove()
@@ -191,14 +191,14 @@ def _discover(model: nn.Module, first_token_only: bool | None = None,
         c = counts.get(id(block), 0)
         if c != 1:
             raise PrefixCacheError(
-                f"{_arch(model)}: block {blocks_name}.{i} is called {c} times per forward pass (e.g. ALBERT's "
+                f"{arch_name(model)}: block {blocks_name}.{i} is called {c} times per forward pass (e.g. ALBERT's "
                 "shared layers); frozen-prefix caching needs each block to run exactly once. Train without "
                 "the prefix cache."
             )
     hidden, key = captured.get("hidden"), captured.get("key")
     if hidden is None or hidden.shape[:2] != (batch, seq):
         raise PrefixCacheError(
-            f"{_arch(model)}: could not identify the [batch, seq_len, hidden] input of the block "
+            f"{arch_name(model)}: could not identify the [batch, seq_len, hidden] input of the block "
             f"{blocks_name}.{len(blocks) - k}; frozen-prefix caching is not supported for this architecture."
         )
 
@@ -210,7 +210,7 @@ def _discover(model: nn.Module, first_token_only: bool | None = None,
         block_output = len(out0)
     else:
         raise PrefixCacheError(
-            f"{_arch(model)}: its blocks return {type(out0).__name__}, not a tensor or a tuple; frozen-prefix "
+            f"{arch_name(model)}: its blocks return {type(out0).__name__}, not a tensor or a tuple; frozen-prefix "
             "caching is not supported for this architecture."
         )
 
@@ -225,7 +225,7 @@ def _discover(model: nn.Module, first_token_only: bool | None = None,
         out = outputs.get(id(m))
         if not torch.is_tensor(out) or out.dim() != 3 or tuple(out.shape[:2]) != (batch, seq):
             raise PrefixCacheError(
-                f"{_arch(model)}: module {name!r} runs before the blocks and returns "
+                f"{arch_name(model)}: module {name!r} runs before the blocks and returns "
                 f"{type(out).__name__ if not torch.is_tensor(out) else tuple(out.shape)}, not [batch, seq_len, dim]; "
                 "frozen-prefix caching is not supported for this architecture."
             )
@@ -242,20 +242,20 @@ def _discover(model: nn.Module, first_token_only: bool | None = None,
     if prefix_trainable:
         shown = ", ".join(prefix_trainable[:5]) + (", ..." if len(prefix_trainable) > 5 else "")
         raise PrefixCacheError(
-            f"{_arch(model)}: {len(prefix_trainable)} trainable parameter(s) are computed before the block "
+            f"{arch_name(model)}: {len(prefix_trainable)} trainable parameter(s) are computed before the block "
             f"{blocks_name}.{len(blocks) - k} where the cached prefix ends ({shown}); the cached prefix would be stale. "
             "Frozen-prefix caching needs trainable='last_block', 'last_k:K' (the cache then ends below the last K "
             "blocks) or 'head'."
         )
 
-    first_token = first_token_only is not False and _first_token_supported(model, blocks[-1], input_ids, mask, reference)
+    first_token = first_token_only is not False and first_token_supported(model, blocks[-1], input_ids, mask, reference)
     if first_token_only and not first_token:
         raise PrefixCacheError(
-            f"{_arch(model)}: first_token_only=True, but its last block is not a supported BERT-style layer or its "
+            f"{arch_name(model)}: first_token_only=True, but its last block is not a supported BERT-style layer or its "
             "head reads more than the first position of the last block's output."
         )
 
-    plan = _Plan(
+    plan = StructurePlan(
         blocks_name=blocks_name,
         blocks=blocks,
         input_modules=input_modules,
@@ -267,17 +267,17 @@ def _discover(model: nn.Module, first_token_only: bool | None = None,
         filler_id=filler,
         first_token_only=first_token,
         suffix_blocks=k,
-        prefix_signature=_prefix_signature(model, blocks_name, len(blocks), len(blocks) - k,
-                                           _prefix_modules(model, order, blocks[len(blocks) - k])),
+        prefix_signature=cut_signature(model, blocks_name, len(blocks), len(blocks) - k,
+                                       modules_before(model, order, blocks[len(blocks) - k])),
     )
     return plan, hidden, mask, reference
 
 
-def _check_suffix_blocks(model: nn.Module, blocks: nn.ModuleList, blocks_name: str, suffix_blocks) -> int:
+def check_suffix_blocks(model: nn.Module, blocks: nn.ModuleList, blocks_name: str, suffix_blocks) -> int:
     """``suffix_blocks`` as an int in 1..len(blocks), else :class:`PrefixCacheError`."""
     if isinstance(suffix_blocks, bool) or not isinstance(suffix_blocks, int) or not 1 <= suffix_blocks <= len(blocks):
         raise PrefixCacheError(
-            f"{_arch(model)}: suffix_blocks must be a whole number between 1 and {len(blocks)} (its blocks "
+            f"{arch_name(model)}: suffix_blocks must be a whole number between 1 and {len(blocks)} (its blocks "
             f"{blocks_name}), got {suffix_blocks!r}."
         )
     return suffix_blocks
@@ -303,7 +303,7 @@ def _weights_fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()[:16]
 
 
-def _prefix_signature(model: nn.Module, blocks_name: str, num_blocks: int, cut: int, prefix_modules: list[nn.Module]) -> str:
+def cut_signature(model: nn.Module, blocks_name: str, num_blocks: int, cut: int, prefix_modules: list[nn.Module]) -> str:
     """Where a prefix cache of ``model`` ends (the input of ``blocks[cut]``) and a fingerprint of the weights it was
     computed with: the own parameters of ``prefix_modules`` (the modules that run before ``blocks[cut]``, not its
     ancestors) by name, shape, dtype and exact bits (so the same on CPU and GPU).  Caches with different signatures
@@ -319,7 +319,7 @@ def _prefix_signature(model: nn.Module, blocks_name: str, num_blocks: int, cut: 
     if cached is None or cached[0] != key:
         cached = (key, _weights_fingerprint(named))
         _FINGERPRINTS[model] = cached
-    return f"{_arch(model)} {blocks_name}[{cut}] of {num_blocks} blocks, prefix weights {cached[1]}"
+    return f"{arch_name(model)} {blocks_name}[{cut}] of {num_blocks} blocks, prefix weights {cached[1]}"
 
 
 def prefix_signature(model: nn.Module, suffix_blocks: int = 1) -> str:
@@ -327,10 +327,10 @@ def prefix_signature(model: nn.Module, suffix_blocks: int = 1) -> str:
     ``suffix_blocks`` has (one tiny dummy forward).  ``model`` must be frozen below ``blocks[-suffix_blocks]`` (as a
     trainer's model is): like :func:`~hf_dp.models.suffix.suffix_forward` it raises :class:`PrefixCacheError` where
     caching is not supported or a prefix parameter is trainable."""
-    return _discover(model, False, suffix_blocks)[0].prefix_signature
+    return discover(model, False, suffix_blocks)[0].prefix_signature
 
 
-def _prefix_modules(model: nn.Module, order: dict[int, int], first: nn.Module) -> list[nn.Module]:
+def modules_before(model: nn.Module, order: dict[int, int], first: nn.Module) -> list[nn.Module]:
     """The modules whose forward starts before ``first``'s (``order``: id -> call rank), less ``first``'s ancestors."""
     ancestors = {id(m) for m in model.modules() if any(sub is first for sub in m.modules())}
     start = order[id(first)]
@@ -338,16 +338,16 @@ def _prefix_modules(model: nn.Module, order: dict[int, int], first: nn.Module) -
 
 
 # Layer classes whose forward is (self-attention -> attention.output(ctx, h) -> feed_forward_chunk), all
-# copies of transformers' BertLayer; _first_token_block re-runs exactly that for query position 0.
-_FIRST_TOKEN_LAYERS = {
+# copies of transformers' BertLayer; first_token_block re-runs exactly that for query position 0.
+FIRST_TOKEN_LAYERS = {
     "BertLayer", "RobertaLayer", "XLMRobertaLayer", "CamembertLayer", "ElectraLayer", "Data2VecTextLayer",
 }
 
 
-def _first_token_structure_ok(layer: nn.Module) -> bool:
+def first_token_structure_ok(layer: nn.Module) -> bool:
     sa = getattr(getattr(layer, "attention", None), "self", None)
     return (
-        type(layer).__name__ in _FIRST_TOKEN_LAYERS
+        type(layer).__name__ in FIRST_TOKEN_LAYERS
         and type(sa).__name__.endswith("SelfAttention")
         and all(isinstance(getattr(sa, n, None), nn.Linear) for n in ("query", "key", "value"))
         and isinstance(getattr(sa, "scaling", None), float)
@@ -361,10 +361,10 @@ def _first_token_structure_ok(layer: nn.Module) -> bool:
     )
 
 
-def _first_token_supported(model: nn.Module, last: nn.Module, input_ids, mask, reference) -> bool:
+def first_token_supported(model: nn.Module, last: nn.Module, input_ids, mask, reference) -> bool:
     """True if the last block is a supported BERT-style layer *and* the logits depend on position 0 of
     its output only (probed: perturbing positions 1.. of that output must leave the logits unchanged)."""
-    if not _first_token_structure_ok(last):
+    if not first_token_structure_ok(last):
         return False
 
     def perturb(_module, _args, out):
@@ -375,7 +375,7 @@ def _first_token_supported(model: nn.Module, last: nn.Module, input_ids, mask, r
 
     handle = last.register_forward_hook(perturb)
     try:
-        probed = _eval_logits(model, input_ids=input_ids, attention_mask=mask)
+        probed = eval_logits(model, input_ids=input_ids, attention_mask=mask)
     finally:
         handle.remove()
     return probed.shape == reference.shape and bool(torch.equal(probed, reference))
@@ -383,4 +383,4 @@ def _first_token_supported(model: nn.Module, last: nn.Module, input_ids, mask, r
 
 
 #: models inside an active ``suffix_forward`` context -> [its patches, nesting depth]
-_ACTIVE_SUFFIX: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+ACTIVE_SUFFIX: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()

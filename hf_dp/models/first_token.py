@@ -3,21 +3,21 @@
 A sequence classifier whose head reads only position 0 of the last block's output (BERT's pooler,
 RoBERTa/ELECTRA's classification heads) needs that block's output at position 0 only.  For BERT-style
 layers (BERT/MiniLM, RoBERTa, XLM-R, CamemBERT, ELECTRA, Data2VecText; the list is
-:data:`hf_dp.models.architecture._FIRST_TOKEN_LAYERS`) the last block then computes keys and values for
+:data:`hf_dp.models.architecture.FIRST_TOKEN_LAYERS`) the last block then computes keys and values for
 all positions but queries, attention output, feed-forward and layer norms for position 0 only
-(:func:`_first_token_block`): the same logits, loss and (per-example) gradients, with several times fewer
+(:func:`first_token_block`): the same logits, loss and (per-example) gradients, with several times fewer
 FLOPs in the block.  It is enabled only when the layer has the expected structure *and* a probe shows that
 perturbing positions 1.. of the last block's output leaves the logits unchanged
-(:func:`hf_dp.models.architecture._first_token_supported`); the base model's ``last_hidden_state`` then
+(:func:`hf_dp.models.architecture.first_token_supported`); the base model's ``last_hidden_state`` then
 has length 1 (only the head's output is meaningful inside the context).
 
 * :func:`first_token_forward` applies the block to the *full* model (no cache; DPTrainer's
   ``--first_token_only auto``).
-* :func:`hf_dp.models.prefix_cache.suffix_forward` uses :func:`_first_token_block` for the cached suffix.
+* :func:`hf_dp.models.prefix_cache.suffix_forward` uses :func:`first_token_block` for the cached suffix.
 
 Both are instance-level ``forward`` overrides and hooks installed on entry and removed on exit; the
 ``state_dict`` never changes.  The key/value projections see one query per head, which ghost clipping
-exploits (``single_query_heads``, :mod:`hf_dp.models.ghost_clipping`).
+exploits (:func:`hf_dp.models.hints.single_query_heads`, :mod:`hf_dp.clipping.linear`).
 """
 
 from __future__ import annotations
@@ -30,23 +30,23 @@ import torch
 from torch import nn
 
 from .architecture import (
-    _ACTIVE_SUFFIX,
+    ACTIVE_SUFFIX,
     PrefixCacheError,
-    _arch,
-    _dummy_ids,
-    _eval_logits,
-    _first_token_structure_ok,
-    _first_token_supported,
-    _hidden_arg,
-    _logits_match,
+    arch_name,
+    dummy_ids,
+    eval_logits,
+    first_token_structure_ok,
+    first_token_supported,
+    hidden_arg,
+    logits_match,
 )
 from .freezing import find_blocks
-from .ghost_clipping import single_query_heads
+from .hints import single_query_heads
 
 __all__ = ["first_token_forward"]
 
 
-def _first_token_block(layer: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def first_token_block(layer: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """A BERT-style layer's output at position 0 only, ``[B, 1, H]``.
 
     Exact: position 0's output depends on all positions only through the keys and values, so the
@@ -76,7 +76,7 @@ _FT_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictio
 
 class _FirstTokenPatch:
     """The first-token-only last block on the *full* model (no cache): a top-level pre-hook records
-    the call's 2-D ``attention_mask``; the last block's forward runs :func:`_first_token_block`
+    the call's 2-D ``attention_mask``; the last block's forward runs :func:`first_token_block`
     during such a call (not when attentions / hidden states are requested, or for a non-2-D mask)."""
 
     def __init__(self, model: nn.Module, layer: nn.Module, block_output: Any):
@@ -105,10 +105,10 @@ class _FirstTokenPatch:
         def forward(*args, **kwargs):
             if not state["active"]:
                 return orig(*args, **kwargs)
-            hidden, _ = _hidden_arg(args, kwargs)
+            hidden, _ = hidden_arg(args, kwargs)
             if hidden is None or hidden.dim() != 3:
                 return orig(*args, **kwargs)
-            out = _first_token_block(layer, hidden, state["mask"])
+            out = first_token_block(layer, hidden, state["mask"])
             return out if kind == "tensor" else (out,) + (None,) * (kind - 1)
 
         self.had = "forward" in layer.__dict__
@@ -147,7 +147,7 @@ def first_token_forward(model: nn.Module) -> Iterator[bool]:
         finally:
             entry[1] -= 1
         return
-    cache_entry = _ACTIVE_SUFFIX.get(model)
+    cache_entry = ACTIVE_SUFFIX.get(model)
     if cache_entry is not None:  # inside suffix_forward: it has its own first-token block
         yield cache_entry[0].plan.first_token_only
         return
@@ -159,7 +159,7 @@ def first_token_forward(model: nn.Module) -> Iterator[bool]:
         blocks = None
     if (
         blocks is not None
-        and _first_token_structure_ok(blocks[-1])
+        and first_token_structure_ok(blocks[-1])
         and not getattr(config, "output_attentions", False)
         and not getattr(config, "output_hidden_states", False)
     ):
@@ -175,16 +175,16 @@ def first_token_forward(model: nn.Module) -> Iterator[bool]:
 
 def _install_first_token(model: nn.Module, last: nn.Module) -> "_FirstTokenPatch | None":
     try:
-        input_ids, mask, _, _ = _dummy_ids(model)
+        input_ids, mask, _, _ = dummy_ids(model)
     except PrefixCacheError:
         return None
     outs: list = []
     handle = last.register_forward_hook(lambda _m, _a, out: outs.append(out))
     try:
-        reference = _eval_logits(model, input_ids=input_ids, attention_mask=mask)
+        reference = eval_logits(model, input_ids=input_ids, attention_mask=mask)
     finally:
         handle.remove()
-    if len(outs) != 1 or not _first_token_supported(model, last, input_ids, mask, reference):
+    if len(outs) != 1 or not first_token_supported(model, last, input_ids, mask, reference):
         return None
     out = outs[0]
     kind: Any = "tensor" if torch.is_tensor(out) else (len(out) if type(out) is tuple and out and torch.is_tensor(out[0]) else None)
@@ -192,10 +192,10 @@ def _install_first_token(model: nn.Module, last: nn.Module) -> "_FirstTokenPatch
         return None
     patch = _FirstTokenPatch(model, last, kind)
     patch.install()
-    if not _logits_match(_eval_logits(model, input_ids=input_ids, attention_mask=mask), reference):
+    if not logits_match(eval_logits(model, input_ids=input_ids, attention_mask=mask), reference):
         patch.remove()
         import warnings
 
-        warnings.warn(f"{_arch(model)}: the first-token-only last block does not reproduce the model's logits; not used")
+        warnings.warn(f"{arch_name(model)}: the first-token-only last block does not reproduce the model's logits; not used")
         return None
     return patch

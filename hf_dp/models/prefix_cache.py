@@ -33,7 +33,7 @@ Pieces
     output the full model would return (with an eval-mode prefix) while skipping the prefix.  Outside
     the context (and inside it, for calls without ``hf_dp_cached_hidden``) the model is unchanged.
     Defined in :mod:`hf_dp.models.suffix` (how it works, what it checks on entry) and re-exported here;
-    the structure comes from :func:`hf_dp.models.architecture._discover`; the last block runs for
+    the structure comes from :func:`hf_dp.models.architecture.discover`; the last block runs for
     position 0 only where that is exact (:mod:`hf_dp.models.first_token`).
 
 Supported trainable modes: ``last_block`` (the intended one), ``last_k:K`` (``suffix_blocks=K``) and ``head``
@@ -82,14 +82,14 @@ from torch import nn
 
 from .architecture import (
     PrefixCacheError,
-    _arch,
-    _check_suffix_blocks,
-    _device,
-    _hidden_arg,
-    _prefix_modules,
-    _prefix_signature,
-    _without_amp_wrapper,
+    arch_name,
+    check_suffix_blocks,
+    cut_signature,
+    hidden_arg,
+    model_device,
+    modules_before,
     prefix_signature,
+    without_amp_wrapper,
 )
 from .freezing import find_blocks
 from .suffix import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, run_suffix, signature_id, suffix_forward
@@ -370,16 +370,16 @@ def build_prefix_cache(
     try:
         blocks_name, blocks = find_blocks(model)
     except ValueError as e:
-        raise PrefixCacheError(f"{_arch(model)}: {e}") from e
-    cut = len(blocks) - _check_suffix_blocks(model, blocks, blocks_name, suffix_blocks)
+        raise PrefixCacheError(f"{arch_name(model)}: {e}") from e
+    cut = len(blocks) - check_suffix_blocks(model, blocks, blocks_name, suffix_blocks)
     last = blocks[cut]
     n = len(dataset)
     if n == 0:
         raise ValueError("build_prefix_cache: empty dataset")
-    device = _device(model)
+    device = model_device(model)
     accepted = _model_input_keys(model) | set(_LABEL_KEYS)
     if "attention_mask" not in accepted:
-        raise PrefixCacheError(f"{_arch(model)}: its forward takes no attention_mask; cannot cache variable-length inputs.")
+        raise PrefixCacheError(f"{arch_name(model)}: its forward takes no attention_mask; cannot cache variable-length inputs.")
 
     # pass 1: lengths -> offsets, preallocated storage
     row_lengths = []
@@ -399,9 +399,9 @@ def build_prefix_cache(
 
     def capture(_module, args, kwargs):
         calls[0] += 1
-        hidden, _ = _hidden_arg(args, kwargs)
+        hidden, _ = hidden_arg(args, kwargs)
         if hidden is None:
-            raise PrefixCacheError(f"{_arch(model)}: could not find the hidden_states argument of the first suffix block.")
+            raise PrefixCacheError(f"{arch_name(model)}: could not find the hidden_states argument of the first suffix block.")
         captured.append(hidden)
         raise _StopForward
 
@@ -429,7 +429,7 @@ def build_prefix_cache(
     t0 = time.perf_counter()
     try:
         model.eval()
-        with torch.no_grad(), _without_amp_wrapper(model):  # the prefix at the model's precision, even after --bf16's prepare
+        with torch.no_grad(), without_amp_wrapper(model):  # the prefix at the model's precision, even after --bf16's prepare
             for start in range(0, n, batch_size):
                 idx = order[start : start + batch_size]
                 num_batches += 1
@@ -463,16 +463,16 @@ def build_prefix_cache(
                 except _StopForward:
                     pass
                 if calls[0] != 1:
-                    raise PrefixCacheError(f"{_arch(model)}: the first suffix block was not called during the forward pass.")
+                    raise PrefixCacheError(f"{arch_name(model)}: the first suffix block was not called during the forward pass.")
                 if order_handles:
                     for h in order_handles:
                         h.remove()
                     order_handles = []
-                    signature = _prefix_signature(model, blocks_name, len(blocks), cut, _prefix_modules(model, call_order, last))
+                    signature = cut_signature(model, blocks_name, len(blocks), cut, modules_before(model, call_order, last))
                 hidden = captured[0]
                 if hidden.shape[:2] != mask.shape:
                     raise PrefixCacheError(
-                        f"{_arch(model)}: the first suffix block's input has shape {tuple(hidden.shape)}, expected "
+                        f"{arch_name(model)}: the first suffix block's input has shape {tuple(hidden.shape)}, expected "
                         f"[batch, seq_len, hidden] = [{mask.shape[0]}, {mask.shape[1]}, ...]."
                     )
                 if storage is None:

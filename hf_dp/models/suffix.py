@@ -9,7 +9,7 @@ return (with an eval-mode prefix) while skipping the prefix.  Outside the contex
 calls without ``hf_dp_cached_hidden``) the model is unchanged.
 
 How the suffix forward works (generic, the model's own code still runs; the structure comes from
-:func:`hf_dp.models.architecture._discover`):
+:func:`hf_dp.models.architecture.discover`):
 
 * A forward pre-hook on the top model pops ``hf_dp_prefix_signature`` (the cache's signature id, per row) and
   refuses it when it is not this model's prefix (another model, depth, checkpoint or ``suffix_blocks``); then it pops
@@ -44,8 +44,17 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .architecture import _ACTIVE_SUFFIX, PrefixCacheError, _arch, _discover, _eval_logits, _hidden_arg, _logits_match, _Plan
-from .first_token import _first_token_block
+from .architecture import (
+    ACTIVE_SUFFIX,
+    PrefixCacheError,
+    StructurePlan,
+    arch_name,
+    discover,
+    eval_logits,
+    hidden_arg,
+    logits_match,
+)
+from .first_token import first_token_block
 
 __all__ = ["CACHED_HIDDEN_KEY", "PREFIX_SIGNATURE_KEY", "signature_id", "suffix_forward", "run_suffix"]
 
@@ -70,7 +79,7 @@ _TOKEN_INPUTS = ("input_ids", "inputs_embeds")
 class _Patches:
     """Hooks + instance ``forward`` overrides of one active :func:`suffix_forward` context."""
 
-    def __init__(self, model: nn.Module, plan: _Plan):
+    def __init__(self, model: nn.Module, plan: StructurePlan):
         self.model = model
         self.plan = plan
         self.state = plan.state
@@ -125,7 +134,7 @@ class _Patches:
         cached = self.state["hidden"]
         if cached is None:
             return None
-        current, key = _hidden_arg(args, kwargs)
+        current, key = hidden_arg(args, kwargs)
         if current is None or current.shape[:2] != cached.shape[:2]:
             raise RuntimeError(
                 f"suffix_forward: the first suffix block received {None if current is None else tuple(current.shape)}, "
@@ -157,7 +166,7 @@ class _Patches:
         def forward(*args, **kwargs):
             if state["hidden"] is None:
                 return orig(*args, **kwargs)
-            hidden, _ = _hidden_arg(args, kwargs)
+            hidden, _ = hidden_arg(args, kwargs)
             if kind == "tensor":
                 return hidden
             return (hidden,) + (None,) * (kind - 1)
@@ -172,8 +181,8 @@ class _Patches:
         def forward(*args, **kwargs):
             if state["hidden"] is None:
                 return orig(*args, **kwargs)
-            hidden, _ = _hidden_arg(args, kwargs)
-            out = _first_token_block(layer, hidden, state["mask"])
+            hidden, _ = hidden_arg(args, kwargs)
+            out = first_token_block(layer, hidden, state["mask"])
             return out if kind == "tensor" else (out,) + (None,) * (kind - 1)
 
         return forward
@@ -220,18 +229,18 @@ class _Patches:
 
 def _self_check(model: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, reference: torch.Tensor) -> None:
     states = hidden * mask[..., None].to(hidden.dtype)  # the cache stores no pad positions
-    got = _eval_logits(model, **{CACHED_HIDDEN_KEY: states, "attention_mask": mask})
-    if not _logits_match(got, reference):
+    got = eval_logits(model, **{CACHED_HIDDEN_KEY: states, "attention_mask": mask})
+    if not logits_match(got, reference):
         diff = float((got - reference).abs().max()) if got.shape == reference.shape else float("nan")
         raise PrefixCacheError(
-            f"{_arch(model)}: the cached-prefix forward does not reproduce the model's logits on a dummy batch "
+            f"{arch_name(model)}: the cached-prefix forward does not reproduce the model's logits on a dummy batch "
             f"(max abs diff {diff:.3g}); frozen-prefix caching is not supported for this architecture."
         )
 
 
 @contextlib.contextmanager
 def suffix_forward(model: nn.Module, verify: bool = True, first_token_only: bool | None = None,
-                   suffix_blocks: int = 1) -> Iterator[_Plan]:
+                   suffix_blocks: int = 1) -> Iterator[StructurePlan]:
     """Context under which ``model(hf_dp_cached_hidden=..., attention_mask=...)`` runs only the suffix.
 
     ``suffix_blocks`` (K): the cached states are the input of ``blocks[-K]``, and the last K blocks run from them
@@ -246,7 +255,7 @@ def suffix_forward(model: nn.Module, verify: bool = True, first_token_only: bool
     ``first_token_only`` (default ``None`` = automatic): run the last block for position 0 only when
     the head reads nothing else (see the module docstring); ``False`` never, ``True`` requires it.
     """
-    entry = _ACTIVE_SUFFIX.get(model)
+    entry = ACTIVE_SUFFIX.get(model)
     if entry is not None:
         if entry[0].plan.suffix_blocks != suffix_blocks:
             raise PrefixCacheError(
@@ -259,16 +268,16 @@ def suffix_forward(model: nn.Module, verify: bool = True, first_token_only: bool
         finally:
             entry[1] -= 1
         return
-    plan, hidden, mask, reference = _discover(model, first_token_only, suffix_blocks)
+    plan, hidden, mask, reference = discover(model, first_token_only, suffix_blocks)
     patches = _Patches(model, plan)
     patches.install()
-    _ACTIVE_SUFFIX[model] = [patches, 1]
+    ACTIVE_SUFFIX[model] = [patches, 1]
     try:
         if verify:
             _self_check(model, hidden, mask, reference)
         yield plan
     finally:
-        _ACTIVE_SUFFIX.pop(model, None)
+        ACTIVE_SUFFIX.pop(model, None)
         patches.remove()
 
 

@@ -17,11 +17,15 @@ updates (vectorised with ``torch._foreach_*``), followed by ``θ ← θ − η·
 Two optional hooks let a rule change what happens to per-sample gradients *before* clipping
 (``to_clip_space``) and map the noisy average back (``from_clip_space``); the privatizer calls
 them. Rules using them must state their sensitivity in their docstring.
+
+A rule published in more than one form lists them as data (:class:`Variant`, ``variants``); the
+``variant`` hyper-parameter picks one, per param group like every hyper-parameter.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -56,6 +60,33 @@ def check_nonnegative(name: str, value) -> float:
     if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One published form of an Adam-type update rule, as data: what it reproduces and where its update differs.
+
+    ``name`` is what ``--optim_args variant=NAME`` selects: ``paper`` for the algorithm as a paper writes it, else
+    the name of the public code it reproduces. ``denominator`` is the kind of
+    :class:`~hf_dp.optim.transforms.AdamDenominator` (``eps_outside`` √v̂ + ε, ``eps_inside`` √(v̂ + ε),
+    ``bias_corrected`` √max(v̂ − Φ, γ)); ``eps_outside_clamp``: ``bias_corrected`` plus ε outside the root.
+    ``decay``: ``coupled`` (λθ_{t−1} added to g̃ before the moments), ``decoupled`` (−η_tλθ_{t−1}), ``of_updated``
+    (θ_t = (1 − η_tλ)(θ_{t−1} − η_tΔ_t)). ``gamma``: the γ a bias-corrected form uses unless one is given."""
+
+    name: str
+    reproduces: str
+    denominator: str
+    decay: str
+    eps_outside_clamp: bool = False
+    gamma: float | None = None
+
+    def uses_eps(self) -> bool:
+        return self.denominator != "bias_corrected" or self.eps_outside_clamp
+
+    def fusable(self) -> bool:
+        """True if the update is torch's Adam (coupled decay) or AdamW (decoupled) kernel, ε outside the root or, by
+        moving it into v, inside (``hf_dp.optim.dp_adam._AdamFamily``)."""
+        return self.denominator in ("eps_outside", "eps_inside") and self.decay in ("coupled", "decoupled")
 
 
 class StepContext:
@@ -98,11 +129,14 @@ class DPUpdateRule(torch.optim.Optimizer):
 
     #: name in the registry (set by :func:`hf_dp.optim.registry.register`)
     registry_name: str = ""
+    #: the published forms of this rule (:class:`Variant`), the default first; () for a rule with one form
+    variants: tuple[Variant, ...] = ()
 
     def __init__(self, params, defaults: dict):
         _check_lr(defaults.get("lr", 0.0))
         if "weight_decay" in defaults:
             check_nonnegative("weight_decay", defaults["weight_decay"])
+        self._hyperparameter_names = tuple(defaults)  # the rule's own (torch adds keys of its own on load)
         super().__init__(params, defaults)  # every group goes through add_param_group → check_group
         self._noise_source: Callable[[], float] | None = None
 
@@ -112,9 +146,48 @@ class DPUpdateRule(torch.optim.Optimizer):
         self.check_group(self.param_groups[-1])
 
     def check_group(self, group: dict) -> None:
-        """Validate one param group's hyper-parameters (raises ``ValueError`` naming the bad one)."""
+        """Validate one param group's hyper-parameters (raises ``ValueError`` naming the bad one); a rule with
+        ``variants`` also checks the group's ``variant`` and fills a ``gamma`` left ``None`` with the variant's."""
         _check_lr(group["lr"])
         check_nonnegative("weight_decay", group.get("weight_decay", 0.0))
+        if self.variants:
+            variant = self.variant_of(group)
+            if "gamma" in group and group["gamma"] is None:
+                group["gamma"] = variant.gamma
+
+    def variant_of(self, group: dict) -> Variant:
+        """The :class:`Variant` param group ``group`` runs (the one validation of the ``variant`` hyper-parameter)."""
+        name = group.get("variant", self.variants[0].name)
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise ValueError(f"{self.registry_name or type(self).__name__} has no variant {name!r}; "
+                         f"choose one of: {', '.join(v.name for v in self.variants)}")
+
+    def unused_hyperparameters(self, group: dict) -> set[str]:
+        """Hyper-parameters this group holds that its update does not read (e.g. ``eps`` of a bias-corrected rule)."""
+        return set() if not self.variants or self.variant_of(group).uses_eps() else {"eps"}
+
+    def describe(self) -> dict:
+        """The update rule as ``privacy.json`` and the model card record it: the rule's own hyper-parameters (its
+        constructor's, with ``variant`` for a rule published in several forms) that the update reads, as the first
+        param group holds them (tuples as lists)."""
+        group = self.param_groups[0]
+        skip = self.unused_hyperparameters(group) | {"params"}
+        return {k: (list(group[k]) if isinstance(group[k], tuple) else group[k])
+                for k in self._hyperparameter_names if k in group and k not in skip}
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's load (the checkpoint's groups replace these, hyper-parameters included: a resume continues the
+        checkpoint's lr, betas, variant, …), then every group is completed and validated as at construction: a key the
+        checkpoint predates takes this optimizer's default; ``authors_code`` (before ``variant``) becomes the variant."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if "authors_code" in group and self.variants:
+                group.setdefault("variant", "adam_corr" if group.pop("authors_code") else self.variants[0].name)
+            for k in self._hyperparameter_names:
+                group.setdefault(k, self.defaults[k])
+            self.check_group(group)
 
     # ----- link to the privatizer -------------------------------------------------------------
     def attach_privatizer(self, privatizer) -> None:

@@ -36,11 +36,7 @@ def make_optimizer(
     """
     from hf_dp.privacy.privatizer import PrivateOptimizer  # privacy imports optim.base: not at module level
 
-    rule_cls = get_entry(name).rule_cls
-    extra = {}
-    if hasattr(rule_cls, "privatizer_kwargs"):
-        extra = rule_cls.privatizer_kwargs(max_grad_norm=max_grad_norm, hyperparameters=hyperparameters)
-    rule = rule_cls(params, **hyperparameters)
+    rule = get_entry(name).rule_cls(params, **hyperparameters)
     return PrivateOptimizer(
         rule,
         noise_multiplier=noise_multiplier,
@@ -50,7 +46,6 @@ def make_optimizer(
         secure_mode=secure_mode,
         ledger=ledger,
         max_epsilon=max_epsilon,
-        **extra,
     )
 
 
@@ -58,8 +53,9 @@ def rule_hyperparameters(name: str, *, lr: float, weight_decay: float, optim_arg
     """Keyword arguments for rule ``name``'s constructor.
 
     ``lr`` and ``weight_decay``, then each of ``optional`` (betas, eps, gamma, h1, h2, …) that is not
-    ``None``, then ``optim_args`` (``"key=value,key=value"``: numbers or true/false; a key the rule does
-    not take is refused); of these, only the ones the rule's constructor takes are returned.
+    ``None``, then ``optim_args`` (``"key=value,key=value"``: numbers, true/false, or a name for a hyper-parameter
+    that takes one, e.g. ``variant=adam_corr``; a key the rule does not take is refused); of these, only the ones the
+    rule's constructor takes are returned.
     """
     accepted = inspect.signature(get_entry(name).rule_cls.__init__).parameters
     kw: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay}
@@ -70,10 +66,16 @@ def rule_hyperparameters(name: str, *, lr: float, weight_decay: float, optim_arg
                 continue
             key, _, value = item.partition("=")
             if key not in accepted or key == "params":
-                raise ValueError(f"--optim_args: {name} has no hyper-parameter {key!r}")
+                hint = "; the authors' code is now variant=adam_corr" if key == "authors_code" else ""
+                raise ValueError(f"--optim_args: {name} has no hyper-parameter {key!r}{hint}")
             flag = {"true": True, "false": False}.get(value.lower())  # e.g. fused=False
-            try:
-                kw[key] = flag if flag is not None else float(value)
-            except ValueError:
-                raise ValueError(f"--optim_args: {key}={value!r} is neither a number nor true/false") from None
+            if flag is not None:
+                kw[key] = flag
+            elif isinstance(accepted[key].default, str):  # a name (the rule checks it)
+                kw[key] = value
+            else:
+                try:
+                    kw[key] = float(value)
+                except ValueError:
+                    raise ValueError(f"--optim_args: {key}={value!r} is neither a number nor true/false") from None
     return {k: v for k, v in kw.items() if k in accepted}

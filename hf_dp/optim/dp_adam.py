@@ -1,9 +1,11 @@
 import torch
 from torch.optim.adam import adam as _torch_adam
 
-from .base import DPUpdateRule, check_betas, check_nonnegative
+from .base import DPUpdateRule, Variant, check_betas, check_nonnegative
 from .registry import register
-from .transforms import AdamDenominator, AdamMoments, CoupledWeightDecay, DecoupledWeightDecay
+from .transforms import AdamDenominator, AdamMoments, CoupledWeightDecay, DecayOfUpdatedParams, DecoupledWeightDecay
+
+_DECAY = {"coupled": CoupledWeightDecay, "decoupled": DecoupledWeightDecay, "of_updated": DecayOfUpdatedParams}
 
 # where torch's fused Adam/AdamW kernels are used (other devices/dtypes run the transform chain)
 _FUSED_DEVICES = ("cpu", "cuda")
@@ -13,7 +15,9 @@ _SHIFT_DTYPES = (torch.float32, torch.float64)
 
 
 class _AdamFamily(DPUpdateRule):
-    """Shared constructor of the Adam-type rules (lr, betas, eps, weight_decay [, gamma]).
+    """Shared constructor of the Adam-type rules (lr, betas, eps, weight_decay, variant [, gamma]); the update is
+    the group's :class:`~hf_dp.optim.base.Variant` (``variants``, the default first): Adam's moments, its
+    denominator, its weight decay.
 
     ``fused``: a rule whose chain is torch's Adam/AdamW update (ε outside the square root, no, coupled
     or decoupled weight decay: DP-Adam, DP-MacAdam's Adam half) runs it as torch's fused kernel
@@ -30,26 +34,23 @@ class _AdamFamily(DPUpdateRule):
     parameters within 3.6e-6 (chain: 7.4e-7) — far below the DP noise, but not bit-for-bit the chain.
     """
 
-    decay: type | None = None
-    denominator = "eps_outside"
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=None, **extra):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=None, variant="paper",
+                 **extra):
         betas = check_betas(betas)
         check_nonnegative("eps", eps)
         if fused not in (None, True, False):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
-        if fused and not self.fusable():
-            raise ValueError(f"{type(self).__name__} has no fused kernel: its update is not torch's Adam/AdamW")
         self.fused = fused
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **extra))
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, variant=variant, **extra))
         if fused:  # refuse now, not at the first step
             bad = [p for g in self.param_groups for p in g["params"] if not self._fusable_tensor(p)]
             if bad:
                 raise ValueError(f"fused=True needs floating-point parameters on CPU or CUDA; got {bad[0].dtype} on {bad[0].device}")
-            if self.denominator == "eps_inside" and any(g["eps"] != 0 for g in self.param_groups):
-                if any(g["betas"][1] == 0 for g in self.param_groups):
+            inside = [g for g in self.param_groups if self.variant_of(g).denominator == "eps_inside"]
+            if any(g["eps"] != 0 for g in inside):
+                if any(g["betas"][1] == 0 for g in inside):
                     raise ValueError("fused=True with eps inside the square root needs betas[1] > 0 (eps is moved into v by 1/beta2)")
-                low = [p for g in self.param_groups for p in g["params"] if p.dtype not in _SHIFT_DTYPES]
+                low = [p for g in inside for p in g["params"] if p.dtype not in _SHIFT_DTYPES]
                 if low:
                     raise ValueError(f"fused=True with eps inside the square root needs float32/float64 parameters (v would carry "
                                      f"the rounding of the eps shift), got {low[0].dtype}")
@@ -60,30 +61,35 @@ class _AdamFamily(DPUpdateRule):
 
     @classmethod
     def fusable(cls) -> bool:
-        """True if the chain is torch's Adam (coupled or no decay) or AdamW (decoupled) update, with ε
-        outside the root or (by the shift above) inside it."""
-        return cls.denominator in ("eps_outside", "eps_inside") and cls.decay in (None, CoupledWeightDecay, DecoupledWeightDecay)
+        """True if the default variant's update is torch's Adam/AdamW kernel (:meth:`Variant.fusable`)."""
+        return cls.variants[0].fusable()
 
     def check_group(self, group):
         super().check_group(group)
         check_betas(group["betas"])
         check_nonnegative("eps", group["eps"])
+        variant = self.variant_of(group)
+        if self.fused and not variant.fusable():
+            raise ValueError(f"{self.registry_name} (variant {variant.name}) has no fused kernel: its update is not "
+                             "torch's Adam/AdamW; drop fused=true")
 
     def chain(self, group):
-        pieces = [AdamMoments(), AdamDenominator(self.denominator)]
-        if self.decay is CoupledWeightDecay:
+        v = self.variant_of(group)
+        pieces = [AdamMoments(), AdamDenominator(v.denominator, eps_outside=v.eps_outside_clamp)]
+        if v.decay == "coupled":
             pieces.insert(0, CoupledWeightDecay())
-        elif self.decay is not None:
-            pieces.append(self.decay())
+        else:
+            pieces.append(_DECAY[v.decay]())
         return tuple(pieces)
 
     def fused_group_step(self, ctx):
-        if self.fused is False or not self.fusable():
+        variant = self.variant_of(ctx.group)
+        if self.fused is False or not variant.fusable():
             return False
         params = ctx.params
         b1, b2 = ctx.group["betas"]
         eps = float(ctx.group["eps"])
-        inside = self.denominator == "eps_inside" and eps != 0.0  # (ε = 0: both forms agree)
+        inside = variant.denominator == "eps_inside" and eps != 0.0  # (ε = 0: both forms agree)
         if not all(self._fusable_tensor(p) and p.grad.dtype == p.dtype and p.grad.layout == torch.strided for p in params) or (
             inside and (b2 == 0.0 or any(p.dtype not in _SHIFT_DTYPES for p in params))
         ):
@@ -112,12 +118,12 @@ class _AdamFamily(DPUpdateRule):
             [],
             steps,
             fused=True,
-            decoupled_weight_decay=self.decay is DecoupledWeightDecay,
+            decoupled_weight_decay=variant.decay == "decoupled",
             amsgrad=False,
             beta1=b1,
             beta2=b2,
             lr=float(ctx.group["lr"]),
-            weight_decay=float(ctx.group.get("weight_decay", 0.0)) if self.decay is not None else 0.0,
+            weight_decay=float(ctx.group.get("weight_decay", 0.0)),
             eps=0.0 if inside else eps,
             maximize=False,
         )
@@ -135,4 +141,4 @@ class DPAdam(_AdamFamily):
     m̂_t = m_t/(1−β1^t);  v̂_t = v_t/(1−β2^t);  θ_t = θ_{t−1} − η m̂_t/(√v̂_t + γ)   (γ = ``eps``).
     """
 
-    decay = CoupledWeightDecay
+    variants = (Variant("paper", "seed 003 §3", denominator="eps_outside", decay="coupled"),)

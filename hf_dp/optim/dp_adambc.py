@@ -1,24 +1,23 @@
-from .base import check_positive
+from .base import Variant, check_positive
 from .dp_adam import _AdamFamily
 from .registry import register
-from .transforms import CoupledWeightDecay
 
 
 class _BiasCorrected(_AdamFamily):
-    """Adds the γ' floor and records the clamp rate of the last step (seed 000 §F.3)."""
+    """Adds the γ' floor and records the clamp rate of the last step (seed 000 §F.3). ``gamma=None``: the
+    group's variant's γ (:attr:`Variant.gamma <hf_dp.optim.base.Variant>`)."""
 
-    denominator = "bias_corrected"
-    default_gamma = 1e-8
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, gamma=None, fused=None):
-        gamma = self.default_gamma if gamma is None else gamma
-        check_positive("gamma", gamma)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma, fused=fused)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, gamma=None, fused=None,
+                 variant="paper"):
+        if gamma is not None:
+            check_positive("gamma", gamma)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma, fused=fused,
+                         variant=variant)
         self._clamped = None
         self._numel = 0
 
     def check_group(self, group):
-        super().check_group(group)
+        super().check_group(group)  # fills a gamma left None with the variant's
         check_positive("gamma", group["gamma"])
 
     def after_group_step(self, ctx):
@@ -53,4 +52,4 @@ class DPAdamBC(_BiasCorrected):
     with v̂_t − Φ < γ' at the last step.
     """
 
-    decay = CoupledWeightDecay
+    variants = (Variant("paper", "seed 003 Alg. 1 / eq. 4", denominator="bias_corrected", decay="coupled", gamma=1e-8),)

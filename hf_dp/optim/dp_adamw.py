@@ -1,6 +1,9 @@
+from .base import Variant
 from .dp_adam import _AdamFamily
 from .registry import register
-from .transforms import AdamDenominator, AdamMoments, DecayOfUpdatedParams, DecoupledWeightDecay
+
+#: the update of the public PyTorch code of seed 000's authors (issue 17 §12), named after its file ``adam_corr.py``
+ADAM_CORR = "adam_corr"
 
 
 @register("dp_adamw", source="seed 000, Algorithm 1", summary="DP-AdamW, decoupled weight decay")
@@ -15,28 +18,13 @@ class DPAdamW(_AdamFamily):
     uses θ_{t−1} and is multiplied by η_t (so it follows the LR schedule; torch AdamW does the same).
     Runs torch's fused AdamW kernel with ε moved into v (see ``_AdamFamily``; ``fused=False``: the chain).
 
-    ``authors_code=True`` (``--optim_args authors_code=true``): the update of the authors' public code instead of
+    ``variant="adam_corr"`` (``--optim_args variant=adam_corr``): the update of the authors' public code instead of
     the paper's — ε0 *outside* the root and the decay applied to the already-updated parameters:
     θ_t = (1 − η_tλ)(θ_{t−1} − η_t m̂_t/(√v̂_t + ε0)) (:class:`~hf_dp.optim.transforms.DecayOfUpdatedParams`;
     always the transform chain).
     """
 
-    denominator = "eps_inside"
-    decay = DecoupledWeightDecay
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=None, authors_code=False):
-        if authors_code not in (True, False):
-            raise ValueError(f"authors_code must be true or false, got {authors_code!r}")
-        if authors_code and fused:
-            raise ValueError("authors_code=true has no fused kernel (its decay acts on the updated parameters): drop fused=true")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused, authors_code=bool(authors_code))
-
-    def chain(self, group):
-        if group.get("authors_code"):
-            return (AdamMoments(), AdamDenominator("eps_outside"), DecayOfUpdatedParams())
-        return super().chain(group)
-
-    def fused_group_step(self, ctx):
-        if ctx.group.get("authors_code"):
-            return False
-        return super().fused_group_step(ctx)
+    variants = (
+        Variant("paper", "seed 000, Algorithm 1", denominator="eps_inside", decay="decoupled"),
+        Variant(ADAM_CORR, "the public code of seed 000's authors", denominator="eps_outside", decay="of_updated"),
+    )

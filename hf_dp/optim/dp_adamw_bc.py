@@ -1,9 +1,7 @@
+from .base import Variant
 from .dp_adambc import _BiasCorrected
+from .dp_adamw import ADAM_CORR
 from .registry import register
-from .transforms import AdamDenominator, AdamMoments, DecayOfUpdatedParams, DecoupledWeightDecay
-
-#: what the public code of seed 000's authors hard-codes (the paper: γ' = 1e-8, nothing outside the root)
-AUTHORS_GAMMA, AUTHORS_OUTER_EPS = 1e-10, 1e-8
 
 
 @register("dp_adamw_bc", source="seed 000, Algorithm 2", summary="DP-AdamW-BC: bias-corrected DP-AdamW")
@@ -16,22 +14,14 @@ class DPAdamWBC(_BiasCorrected):
     (B = expected logical batch). ``eps`` is unused. ``last_clamp_rate`` records the fraction of
     coordinates where v̂_t − Φ < γ (the §F.3 diagnostic).
 
-    ``authors_code=True`` (``--optim_args authors_code=true``): the authors' public code instead of the paper —
-    γ = 1e-10 (unless ``gamma`` is given), 1e-8 added outside the clamped root, and the decay applied to the
-    already-updated parameters: θ_t = (1 − η_tλ)(θ_{t−1} − η_t m̂_t/(√max(v̂_t − Φ, γ) + 1e-8)).
+    ``variant="adam_corr"`` (``--optim_args variant=adam_corr``): the authors' public code (``adam_corr.py``) instead
+    of the paper — γ = 1e-10 (unless ``gamma`` is given), ``eps`` (``--adam_epsilon``) added outside the clamped
+    root, and the decay applied to the already-updated parameters:
+    θ_t = (1 − η_tλ)(θ_{t−1} − η_t m̂_t/(√max(v̂_t − Φ, γ) + ε)).
     """
 
-    decay = DecoupledWeightDecay
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, gamma=None, fused=None, authors_code=False):
-        if authors_code not in (True, False):
-            raise ValueError(f"authors_code must be true or false, got {authors_code!r}")
-        self.authors_code = bool(authors_code)
-        if authors_code and gamma is None:
-            gamma = AUTHORS_GAMMA
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma, fused=fused)
-
-    def chain(self, group):
-        if self.authors_code:
-            return (AdamMoments(), AdamDenominator("bias_corrected", outer_eps=AUTHORS_OUTER_EPS), DecayOfUpdatedParams())
-        return super().chain(group)
+    variants = (
+        Variant("paper", "seed 000, Algorithm 2", denominator="bias_corrected", decay="decoupled", gamma=1e-8),
+        Variant(ADAM_CORR, "adam_corr.py, the public code of seed 000's authors", denominator="bias_corrected",
+                decay="of_updated", eps_outside_clamp=True, gamma=1e-10),
+    )

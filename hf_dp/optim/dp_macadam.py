@@ -2,10 +2,9 @@ import math
 
 import torch
 
-from .base import check_positive
+from .base import Variant, check_positive
 from .dp_adam import _AdamFamily
 from .registry import register
-from .transforms import DecoupledWeightDecay
 
 
 @register(
@@ -39,10 +38,10 @@ class DPMacAdam(_AdamFamily):
     * optional decoupled ``weight_decay`` (default 0, not in the paper) as in DP-AdamW.
     """
 
-    denominator = "eps_outside"
-    decay = DecoupledWeightDecay
+    variants = (Variant("paper", "seed 001", denominator="eps_outside", decay="decoupled"),)
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, h1=1e-12, h2=1.0, initial_bound=None, fused=None):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, h1=1e-12, h2=1.0, initial_bound=None,
+                 fused=None, variant="paper"):
         check_positive("h1", h1)
         check_positive("h2", h2)
         if h1 > h2:
@@ -51,7 +50,8 @@ class DPMacAdam(_AdamFamily):
         self._initial_bound_explicit = initial_bound is not None
         if initial_bound is not None:
             check_positive("initial_bound (C)", initial_bound)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused, h1=h1, h2=h2)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused, variant=variant,
+                         h1=h1, h2=h2)
         self.initial_bound = float(initial_bound) if initial_bound is not None else 1.0
 
     def check_group(self, group):
@@ -63,25 +63,15 @@ class DPMacAdam(_AdamFamily):
         if h1 > h2:
             raise ValueError(f"h1 must be <= h2, got h1={h1}, h2={h2}")
 
-    @staticmethod
-    def privatizer_kwargs(max_grad_norm, hyperparameters):
-        # clip space is the unit ball; the user's C becomes the initial per-coordinate bound b_0
-        check_positive("max_grad_norm (C)", max_grad_norm)  # name the user's argument, not b_0
-        hyperparameters.setdefault("initial_bound", max_grad_norm)
-        return {"clip_norm": 1.0}
-
     def clip_norm(self, max_grad_norm):
-        """Per-sample vectors are clipped to the unit ball in clip space, whatever the user's C."""
+        """The one statement of MacAdam's clip norm: per-sample vectors are clipped to the unit ball in clip space,
+        whatever the user's C (the privatizer asks this)."""
         return 1.0
 
     def attach_privatizer(self, privatizer):
         super().attach_privatizer(privatizer)
-        if not self._initial_bound_explicit:
-            # wrapped directly in PrivateOptimizer (not via make_optimizer): b_0 = the user's C
+        if not self._initial_bound_explicit:  # b_0 = the user's C, the one the privatizer was given
             self.initial_bound = float(privatizer.user_max_grad_norm)
-
-    def _params(self):
-        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
     def _center_and_bound(self, p):
         """(inv_c1, b) for parameter p after t steps: the centre is m̂ = exp_avg · inv_c1 with

@@ -39,7 +39,7 @@ class DecoupledWeightDecay(CoupledWeightDecay):
 class DecayOfUpdatedParams(Transform):
     """u ← (1 − η_tλ)·u + λ·θ_{t−1}, so that the final θ ← θ − η_t·u gives θ_t = (1 − η_tλ)(θ_{t−1} − η_t·u_in):
     weight decay applied to the *already-updated* parameters, as the public code of seed 000's authors does
-    (``--optim_args authors_code=true``; the paper decays θ_{t−1}: :class:`DecoupledWeightDecay`)."""
+    (``--optim_args variant=adam_corr``; the paper decays θ_{t−1}: :class:`DecoupledWeightDecay`)."""
 
     def __call__(self, updates, ctx):
         wd = float(ctx.group.get("weight_decay", 0.0))
@@ -109,17 +109,16 @@ class AdamDenominator(Transform):
       where σC/B comes from the privatizer. The fraction of coordinates clamped to γ'
       (v̂_t − Φ < γ') is stored in ``ctx.extras["clamped"]``/``["numel"]`` (seed 000 §F.3).
 
-    ε is the group's ``eps``; γ' is the group's ``gamma``. Computed as m_t / (c1·D), with c1 and c2
-    folded into per-parameter scalars (one temporary list, no copies of m̂ or v̂).
+    ε is the group's ``eps``; γ' is the group's ``gamma``. ``eps_outside=True`` (``bias_corrected`` only): D =
+    √max(v̂_t − Φ, γ') + ε, as the public code of seed 000's authors (``adam_corr.py``); the papers add nothing.
+    Computed as m_t / (c1·D), with c1 and c2 folded into per-parameter scalars (one temporary list, no copies of m̂ or v̂).
     """
 
-    def __init__(self, kind: str, outer_eps: float = 0.0):
+    def __init__(self, kind: str, eps_outside: bool = False):
         if kind not in ("eps_outside", "eps_inside", "bias_corrected"):
             raise ValueError(f"unknown denominator {kind!r}")
         self.kind = kind
-        #: ``bias_corrected`` only: a constant added outside the clamped root, √max(v̂ − Φ, γ') + outer_eps
-        #: (0 in the papers; 1e-8 in the public code of seed 000's authors)
-        self.outer_eps = float(outer_eps)
+        self.eps_outside = bool(eps_outside) and kind == "bias_corrected"
 
     def __call__(self, updates, ctx):
         v, c1, c2 = ctx.extras["v"], ctx.extras["c1"], ctx.extras["c2"]
@@ -144,8 +143,8 @@ class AdamDenominator(Transform):
                 ctx.extras["numel"] = sum(d.numel() for d in den)
             torch._foreach_clamp_min_(den, floors)
             torch._foreach_sqrt_(den)
-            if self.outer_eps:  # c1·(√max(…) + e) = √max(c1²…) + c1·e
-                torch._foreach_add_(den, [a * self.outer_eps for a in c1])
+            if self.eps_outside:  # c1·(√max(…) + ε) = √max(c1²…) + c1·ε
+                torch._foreach_add_(den, [a * float(ctx.group["eps"]) for a in c1])
         torch._foreach_div_(den, updates)  # den ← den / m, then invert: no second temporary list
         torch._foreach_reciprocal_(den)
         return ctx.mark_temporary(den)

@@ -89,6 +89,39 @@ def compute_epsilon(
         return float(acc.get_epsilon(delta=delta))
 
 
+@functools.lru_cache(maxsize=1024)
+def composed_epsilon(history: tuple, delta: float, accountant: str = "prv") -> float:
+    """ε of a heterogeneous history ``((σ, q, steps), ...)`` at δ: Opacus' accountants compose the entries (PRV by
+    composing the privacy random variables, RDP by adding the Rényi divergences)."""
+    history = canonical_history(history)
+    if not history:
+        return 0.0
+    if any(s <= 0 for s, _, _ in history):
+        return math.inf
+    if len({(s, q) for s, q, _ in history}) == 1:
+        s, q, _ = history[0]
+        return compute_epsilon(s, q, sum(n for _, _, n in history), delta, accountant)
+    acc = make_accountant(accountant)
+    acc.history = list(history)
+    with _quiet(accountant):
+        return float(acc.get_epsilon(delta=delta))
+
+
+def canonical_history(history) -> tuple:
+    """``((σ, q, steps), ...)`` with the entries of equal (σ, q) merged and sorted (composition does not depend on
+    the order): the same ε, bit for bit, however runs split and order the same steps."""
+    merged: dict[tuple[float, float], int] = {}
+    for s, q, n in history:
+        if int(n) > 0:
+            key = (float(s), float(q))
+            merged[key] = merged.get(key, 0) + int(n)
+    return tuple((s, q, n) for (s, q), n in sorted(merged.items()))
+
+
+def _steps_of(history) -> int:
+    return sum(int(n) for _, _, n in history)
+
+
 @functools.lru_cache(maxsize=256)
 def calibrate_noise_multiplier(
     target_epsilon: float,
@@ -157,16 +190,47 @@ class PrivacyLedger:
     ``record_step()`` is called by the privatizer exactly once per noisy step (rank 0 and all
     other ranks alike, so every rank reports the same ε). The history round-trips through
     ``state_dict``/``load_state_dict`` so that ε continues across resumes.
+
+    **Earlier runs** (``prior``): the runs that trained the same model on the same data before this one (see
+    :mod:`hf_dp.lineage`), each a dict with its own ``history`` ``[(σ, q, steps), ...]``. The accountant's history is
+    their histories followed by this run's steps, so ``steps`` and ε count them; ``own_steps`` are this run's.
+    ``meta`` holds public facts about the lineage (parent checkpoint, runs accounted separately), saved with the state.
     """
 
     def __init__(self, spec: PrivacySpec):
         self.spec = spec
         self.accountant = make_accountant(spec.accountant)
         self._cache: tuple[int, float] | None = None
+        self.prior: list[dict] = []
+        self.meta: dict = {}
 
     @property
     def steps(self) -> int:
+        """Every noisy step this ledger counts (earlier runs' included)."""
         return sum(int(n) for _, _, n in self.accountant.history)
+
+    @property
+    def prior_steps(self) -> int:
+        return sum(_steps_of(run["history"]) for run in self.prior)
+
+    @property
+    def own_steps(self) -> int:
+        """The steps of this run (for a resumed run: the checkpoint's and those counted past it, too)."""
+        return self.steps - self.prior_steps
+
+    def prior_history(self) -> list[tuple]:
+        return [(float(s), float(q), int(n)) for run in self.prior for s, q, n in run["history"] if int(n) > 0]
+
+    def set_prior(self, runs: list[dict]) -> None:
+        """Start (or re-start) the ledger from earlier runs: the accountant's history becomes theirs followed by
+        this run's own steps (at this run's σ and q)."""
+        own = self.own_steps
+        self.prior = [dict(run, history=[[float(s), float(q), int(n)] for s, q, n in run["history"]]) for run in runs]
+        history = self.prior_history()
+        if own > 0:
+            history.append((float(self.spec.noise_multiplier), float(self.spec.sample_rate), int(own)))
+        self.accountant.history = history
+        self._cache = None
 
     def record_step(self) -> None:
         self.accountant.step(noise_multiplier=self.spec.noise_multiplier, sample_rate=self.spec.sample_rate)
@@ -185,7 +249,12 @@ class PrivacyLedger:
         self._cache = None
 
     def epsilon_after(self, steps: int) -> float:
-        return compute_epsilon(self.spec.noise_multiplier, self.spec.sample_rate, steps, self.spec.delta, self.spec.accountant)
+        """ε once the ledger counts ``steps`` noisy steps in all (earlier runs' included), this run's at its σ and q."""
+        if not self.prior:
+            return compute_epsilon(self.spec.noise_multiplier, self.spec.sample_rate, steps, self.spec.delta, self.spec.accountant)
+        own = max(0, int(steps) - self.prior_steps)
+        history = tuple(self.prior_history()) + ((float(self.spec.noise_multiplier), float(self.spec.sample_rate), own),)
+        return composed_epsilon(history, self.spec.delta, self.spec.accountant)
 
     def cached_epsilon(self) -> float | None:
         """ε for the current step count if already computed (no accountant call), else None."""
@@ -201,15 +270,49 @@ class PrivacyLedger:
             if steps == 0:
                 eps = 0.0
             else:
-                acc = make_accountant(self.spec.accountant)
-                acc.history = list(self.accountant.history)
-                with _quiet(self.spec.accountant):
-                    eps = float(acc.get_epsilon(delta=self.spec.delta))
+                eps = composed_epsilon(canonical_history(self.accountant.history), self.spec.delta, self.spec.accountant)
             self._cache = (steps, eps)
         return self._cache[1]
 
+    # ----- the public record of the ledger (privacy.json's "ledger", config.json's hf_dp_privacy) ----------
+    def own_run(self) -> dict:
+        """This run's entry: its own steps (for a resumed run, the checkpoint's and those counted past it too)."""
+        spec, own = self.spec, self.own_steps
+        return {
+            "run_id": self.meta.get("run_id"), "steps": own,
+            "history": [[float(spec.noise_multiplier), float(spec.sample_rate), int(own)]] if own > 0 else [],
+            "noise_multiplier": spec.noise_multiplier, "sample_rate": spec.sample_rate, "dataset_size": spec.dataset_size,
+            "delta": spec.delta, "accountant": spec.accountant, "parent": self.meta.get("parent"),
+        }
+
+    def runs(self) -> list[dict]:
+        """The runs this ledger counts: the earlier ones, then this one."""
+        return [dict(r) for r in self.prior] + [self.own_run()]
+
+    def public_record(self) -> dict:
+        """Numbers and run ids only — no fingerprint of the data, no path: the runs counted, the runs accounted
+        separately, the parent checkpoint's run and step (and its ancestors'), the steps counted past the parent."""
+        meta = self.meta
+        return {
+            "format": 1,
+            "epsilon": self.cached_epsilon(),
+            "delta": self.spec.delta,
+            "accountant": self.spec.accountant,
+            "steps": self.steps,
+            "history": [list(h) for h in canonical_history(self.accountant.history)],
+            "runs": [public_run(r) for r in self.runs()],
+            "separate": [public_run(r) for r in meta.get("separate") or []],
+            "parent": meta.get("parent"),
+            "ancestry": [{"run_id": a.get("run_id"), "global_step": a.get("global_step")} for a in meta.get("ancestry") or []],
+            "counted_past_parent": meta.get("counted_past_parent"),
+        }
+
     def state_dict(self) -> dict:
-        return {"spec": self.spec.as_dict(), "history": [tuple(h) for h in self.accountant.history]}
+        state = {"spec": self.spec.as_dict(), "history": [tuple(h) for h in self.accountant.history]}
+        if self.prior or self.meta:
+            state["prior"] = [dict(run) for run in self.prior]
+            state["meta"] = dict(self.meta)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         saved = state["spec"]
@@ -226,7 +329,18 @@ class PrivacyLedger:
                 "Resume with the original settings or start a new run."
             )
         self.accountant.history = [tuple(h) for h in state["history"]]
+        self.prior = [dict(run) for run in state.get("prior") or []]
+        self.meta = dict(state.get("meta") or {})
         self._cache = None
+
+
+def public_run(run: dict) -> dict:
+    """A run's public entry: run id, (σ, q, steps) history, δ, accountant, N, parent checkpoint."""
+    keys = ("run_id", "noise_multiplier", "sample_rate", "dataset_size", "delta", "accountant", "parent")
+    out = {k: run.get(k) for k in keys if k in run}
+    out["history"] = [[float(s), float(q), int(n)] for s, q, n in run.get("history") or []]
+    out["steps"] = sum(n for _, _, n in out["history"])
+    return out
 
 
 def _same(a, b) -> bool:

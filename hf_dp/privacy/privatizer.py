@@ -5,8 +5,11 @@ For one logical batch (possibly several physical micro-batches, possibly several
 1. after each backward pass, :meth:`PrivateOptimizer.accumulate` takes the per-sample gradients
    Opacus' grad sampler left in ``p.grad_sample``, undoes any constant loss scale, lets the rule map
    them to its clip space (identity for most rules), clips each example's whole gradient (all
-   parameters jointly) to norm ≤ C with Opacus' own ``clip_and_accumulate``, adds them to
-   ``p.summed_grad`` and frees ``p.grad_sample``;
+   parameters jointly) to norm ≤ C as Opacus' ``clip_and_accumulate`` does, adds them to
+   ``p.summed_grad`` and frees ``p.grad_sample``. Whatever an example's loss, its contribution is finite:
+   an example whose norm is NaN, inf or ≥ √(largest float) (2^64 ≈ 1.8e19 in float32, where ghost
+   clipping's squared norms overflow) contributes exactly 0 — never 0·inf = NaN — and the others keep
+   Opacus' result bit for bit. Nothing is logged about it (not which examples, not how many);
 2. :meth:`step` adds ``N(0, σ²C²)`` to the sum **once** — on rank 0 only when several processes
    train, after which the noisy sums are all-reduced, so the noise enters exactly once — divides by
    the *expected* logical batch size B, maps back from clip space, records the step in the
@@ -148,7 +151,8 @@ class PrivateOptimizer(DPOptimizer):
 
         ``loss_scale``: the constant the per-example losses were multiplied by before backward
         (e.g. 1/accumulation steps); per-sample gradients are divided by it first so that clipping
-        sees each example's true gradient. Returns the number of rows processed.
+        sees each example's true gradient. Each example adds a finite vector of norm ≤ C, 0 if its norm is
+        not finite (see :meth:`_clip_and_sum`). Returns the number of rows processed.
         """
         params = self.params
         if not params or all(getattr(p, "grad_sample", None) is None for p in params):
@@ -168,13 +172,37 @@ class PrivateOptimizer(DPOptimizer):
                 raise ValueError(f"loss_scale must be > 0, got {loss_scale}")
             flat = [g / loss_scale for g in flat]
         flat = self.rule.to_clip_space(params, flat)
-        for p, g in zip(params, flat):
-            p.grad_sample = g
         rows = flat[0].shape[0]
-        super().clip_and_accumulate()
+        self._clip_and_sum(params, flat)
         for p in params:
             p.grad_sample = None
         return rows
+
+    def _clip_and_sum(self, params, flat: list) -> None:
+        """``p.summed_grad += Σ_i c_i v_i`` with Opacus' c_i = min(1, C/(‖v_i‖ + 1e-6)) (the same operations as
+        ``DPOptimizer.clip_and_accumulate``), except that an example whose ‖v_i‖ is not finite or not below
+        √(largest float of its dtype) — its squared norm would not be representable — gets c_i = 0 and its
+        rows are zeroed first, so it adds exactly 0 (not 0·inf = NaN) and every other example's term is
+        unchanged. The threshold is a property of each example alone (any bounded per-example map is private)."""
+        if flat[0].shape[0] == 0:
+            c, keep = torch.zeros((0,), device=flat[0].device), None
+        else:
+            norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in flat], dim=1).norm(2, dim=1)
+            c = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            keep = norms <= torch.finfo(norms.dtype).max ** 0.5  # False for NaN and inf
+            if bool(keep.all()):
+                keep = None
+            else:
+                c = torch.where(keep, c, c.new_zeros(()))
+        for p, g in zip(params, flat):
+            g = g.to(p.dtype)  # as Opacus: the sum in the parameters' dtype
+            if keep is not None:
+                g = torch.where(keep.to(g.device).view(-1, *([1] * (g.dim() - 1))), g, g.new_zeros(()))
+            grad = torch.einsum("i,i...", c.to(g.device).to(p.dtype), g)
+            if p.summed_grad is not None:
+                p.summed_grad += grad
+            else:
+                p.summed_grad = grad
 
     @torch.no_grad()
     def add_clipped_sum(self, clipped: dict) -> None:

@@ -1,4 +1,8 @@
-"""Per-sample gradients for a plain (unwrapped) model via Opacus hooks.
+"""Per-sample gradients for a plain (unwrapped) model via Opacus hooks (``--clipping hooks``).
+
+Layer types are Opacus' own registry (``opacus.grad_sample.register_grad_sampler``); the privatizer clips the
+per-sample gradients (:meth:`hf_dp.privacy.privatizer.PrivateOptimizer.accumulate`). The batch hooks below
+(:func:`install_batch_hooks`) serve ghost clipping too.
 
 Design: the model is *not* replaced by Opacus' ``GradSampleModule`` wrapper.
 :func:`attach_grad_sampler` constructs ``opacus.GradSampleModule(model,
@@ -58,6 +62,7 @@ __all__ = [
     "GradSamplerHandle",
     "attach_grad_sampler",
     "assert_grad_samples_complete",
+    "install_batch_hooks",
     "unwrap_for_save",
 ]
 

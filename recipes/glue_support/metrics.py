@@ -1,4 +1,4 @@
-"""GLUE metrics for ``Trainer(compute_metrics=...)``.
+"""GLUE metrics for ``Trainer(compute_metrics=...)`` (the recipes), and the constant-predictor baseline.
 
 hf_dp prefers Hugging Face ``evaluate`` (``evaluate.load("glue", task)``; ``"accuracy"`` / ``"mse"`` for custom
 data, as run_glue.py). ``evaluate.load`` fetches the metric script from the Hub, so without network (and without a
@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hf_dp.data import get_task
+from .tasks import get_task
 
 logger = logging.getLogger(__name__)
 

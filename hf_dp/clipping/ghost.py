@@ -1,0 +1,419 @@
+"""Ghost clipping ("book-keeping"): per-example clipped gradient sums without materialising per-example gradients.
+
+Opacus' hooks materialise every example's gradient (``[B, *p.shape]`` per parameter) and Opacus'
+own ghost mode needs a *second* backward pass with the clip factors as loss weights. Here one
+backward pass captures, for every trainable layer, what its per-example gradient is made of (for a linear
+layer: its input activations ``a`` and output gradients ``g``); then each layer type computes
+
+* the per-example squared norms from those records directly ("ghost norms", e.g. ⟨a aᵀ, g gᵀ⟩ for a linear layer
+  on a sequence), and
+* with the clip factors c_i = min(1, C/(‖∇ℓ_i‖·(1 + 1e-5) + 1e-6)) (Opacus' formula with a relative safety
+  margin for the float error of ghost norms, see :meth:`GhostClipper.clipped_sum`), the clipped sum — for a
+  linear weight one matmul (c·g)ᵀa, the same cost as the ordinary weight gradient, which the layer's custom
+  autograd function does *not* compute during backward.
+
+Which layer types, and how: the registry (:mod:`hf_dp.clipping.registry`), one file per type —
+:mod:`hf_dp.clipping.linear` (``nn.Linear``, transformers' ``Conv1D``; also the single-query factorisation of
+the first-token-only last block and the optional materialisation, ``materialize_bytes``),
+:mod:`hf_dp.clipping.layernorm`, :mod:`hf_dp.clipping.embedding` (incl. broadcast position ids, see
+:func:`hf_dp.clipping.hooks.install_batch_hooks`). This module names no layer type. A layer called several
+times in one forward (ALBERT's shared block) is handled by concatenating its calls along the token axis.
+:meth:`GhostClipper.clipped_sum` frees each layer's records as soon as its clipped sum exists.
+
+So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
+Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients). Its memory:
+every layer's input (which autograd keeps until that layer's backward anyway) and output gradient stay
+alive until the clip factors are known, at the end of backward.
+
+**Two passes** (``two_pass=True``, ``--clipping ghost_two_pass``) keep nothing: pass 1
+(:meth:`GhostClipper.norms_pass`) is a backward of Σ_i ℓ_i towards the outputs of the lowest trainable
+layers only (``torch.autograd.grad``, graph retained), so autograd computes input gradients but no
+weight gradient; each layer's norm terms are computed by a hook on its output as soon as its output
+gradient exists (a layer called several times: once all calls have theirs) and the records are dropped.
+Pass 2 is an ordinary backward of Σ_i c_i ℓ_i (c detached) through the same graph — same dropout masks —
+whose parameter gradients are exactly Σ_i c_i ∇ℓ_i (:meth:`GhostClipper.grads_after_backward` takes them
+from ``.grad``). Cost: one more input-gradient backward plus the norms. Memory: no records, but pass 1
+holds the whole graph while its transient input gradients exist (a non-private backward frees saved
+tensors as it goes) — measured (full fine-tuning, benchmarks/RESULTS.md §1) 1.10× the non-private peak where
+one pass needs 1.22× at B = 128, L = 32, but 1.11× where one pass needs 1.05× at B = 32, L = 128. Float32 (or float64) layers only: in reduced precision pass 2 would round the sum across examples, so
+the bound would hold only up to that rounding (one pass sums in float32). The single-query factorisation
+is not used there (pass 2 sums the exact gradients, so the norms must be those of the exact gradients).
+
+Rules that map each example's gradient by a public per-coordinate affine map before clipping,
+v_i = (g_i + o) ⊙ s (DP-SGD-L2: o = λθ; DP-MacAdam: o = −m̂, s = 1/b), are handled exactly (``affine=``):
+‖v_i‖² expands into terms of the same records (each layer type's ``terms``), and
+Σ_i c_i v_i = (Σ_i c_i g_i + (Σ_i c_i)·o) ⊙ s. Where ghost clipping cannot apply — a trainable layer type the
+registry does not know, parameters shared between modules — :class:`GhostClipper` raises ``ValueError`` and
+the Opacus hooks must be used.
+
+**Non-finite and overflowing examples.** Whatever an example's loss (NaN, ±inf, or finite but huge, e.g. a
+regression label of 1e19), its contribution c_i v_i to the clipped sum is finite with norm ≤ C, and the other
+examples keep theirs bit for bit:
+
+* an example whose squared norm ‖v_i‖² is not finite in the working precision — NaN or inf records, or
+  ‖v_i‖ ≥ 2^64 ≈ 1.8e19 in float32 — gets c_i = 0 (:func:`clip_factors`) and contributes exactly 0, never
+  0·inf = NaN: its rows are zeroed before the sum (one pass), its output gradients are zeroed by the layer
+  hooks during the second backward (two passes, where the backward of c_i ℓ_i = 0·NaN would otherwise carry
+  NaN from the loss into every weight gradient; this needs the forward's activations to be finite, which they
+  are whatever the labels);
+* a ghost norm whose float32 products overflow although the gradient itself is representable (output
+  gradients ~1e20 on small activations: g_t·g_s overflows, ‖Σ_t g_t a_tᵀ‖ does not) is recomputed in float64
+  for that example and layer only (:meth:`GhostClipper._checked_terms`), and the example is clipped to C as
+  usual — in one pass its clipped sum for that layer is computed in float64 as well.
+
+Only examples with a non-finite layer norm pay for this (one finiteness check of a [B] vector per layer
+otherwise). Nothing is logged: not which examples, not how many.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .common import Workspace
+from .hooks import install_batch_hooks
+from .registry import Layer, layer_type_for
+
+
+#: relative safety margin on ghost norms before computing clip factors (see GhostClipper.clipped_sum)
+NORM_MARGIN = 1e-5
+
+
+def _work_dtype(*dtypes) -> torch.dtype:
+    """The precision of norms and clipped sums: float64 if any operand (input, output gradient, parameter) is
+    float64, else float32 — also under bf16 autocast, whose records are bf16 (never the default dtype)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+@contextmanager
+def _no_autocast():
+    """Norms and clipped sums in their own precision (float32/float64), also when called inside autocast."""
+    with torch.autocast("cpu", enabled=False):
+        if torch.cuda.is_available():
+            with torch.autocast("cuda", enabled=False):
+                yield
+        else:
+            yield
+
+
+class GhostClipper:
+    """Attach to a model whose trainable parameters all live in supported layers.
+
+    Usage per micro-batch: forward, ``loss.backward()``, then ``clipped_sum(max_grad_norm, loss_scale)``
+    returns ``{param: Σ_i c_i ∇_param ℓ_i}`` and clears the records. ``per_example_norms(loss_scale)``
+    gives ‖∇ℓ_i‖ (for tests and diagnostics). With ``two_pass=True``: forward, ``norms_pass(losses)``
+    (‖v_i‖², no records kept), a backward of Σ_i c_i ℓ_i, ``grads_after_backward(c)`` — or
+    ``two_pass_clipped_sum(losses, max_grad_norm)`` for all three.
+    """
+
+    @staticmethod
+    def check_supported(model: nn.Module) -> list[tuple[nn.Module, object]]:
+        """The (module, registered layer type) pairs to instrument (:func:`hf_dp.clipping.registry.layer_type_for`);
+        ``ValueError`` if ghost clipping cannot apply."""
+        layers = []
+        owner: dict[int, str] = {}
+        for name, m in model.named_modules():
+            own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            for p in own:
+                if id(p) in owner:
+                    raise ValueError(f"ghost clipping cannot handle parameters shared between modules ({owner[id(p)]} and {name})")
+                owner[id(p)] = name
+            ltype = layer_type_for(m)
+            if ltype is None:
+                raise ValueError(
+                    f"ghost clipping does not support trainable layer {name} ({type(m).__name__}); "
+                    "use --clipping hooks (Opacus per-sample gradients)"
+                )
+            ltype.check(m, name)
+            layers.append((m, ltype))
+        if not layers:
+            raise ValueError("the model has no trainable parameter")
+        all_trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        if set(owner) != all_trainable:  # pragma: no cover - defensive
+            raise ValueError("some trainable parameters are not covered by ghost clipping")
+        return layers
+
+    def __init__(self, model: nn.Module, materialize_bytes: int = 0, two_pass: bool = False):
+        self.model = model
+        self.two_pass = bool(two_pass)
+        self.materialize_bytes = 0 if self.two_pass else int(materialize_bytes)
+        self._phase: str | None = None  # two-pass: "norms" while norms_pass runs its backward
+        self._roots: list = []  # two-pass: outputs of the lowest trainable layers of the current forward
+        self._sq: torch.Tensor | None = None
+        self._affine_now: dict = {}
+        self._work = Workspace()  # two-pass: the Gram cache of pass 1
+        self._zero_rows: torch.Tensor | None = None  # two-pass: examples whose output gradients pass 2 zeroes
+        self.batch_size: int | None = None
+        self._handles: list = []  # hooks and forward patches, each with remove()
+        self.layers = [Layer(m, ltype) for m, ltype in self.check_supported(model)]
+        self._handles.extend(install_batch_hooks(model, self))
+        if self.two_pass:  # a new forward starts a new graph: forget the last one's roots and call counts
+            self._handles.append(model.register_forward_pre_hook(lambda _m, _a: self.clear()))
+        for layer in self.layers:
+            self._handles.extend(self._instrument_two_pass(layer) if self.two_pass else layer.type.instrument(layer))
+
+    # ----- instrumentation (one pass: each layer type's own, see hf_dp.clipping.registry) ----------------
+    def _instrument_two_pass(self, layer: Layer) -> list:
+        """Every layer type keeps its own forward and backward; a forward hook notes the input and hooks
+        the output's gradient, which only :meth:`norms_pass` consumes (pass 2 is an ordinary backward)."""
+
+        def fwd_hook(module, args, out, _layer=layer):
+            if not (module.training and torch.is_grad_enabled()) or not torch.is_tensor(out) or not out.requires_grad:
+                return
+            if out.dtype not in (torch.float32, torch.float64):
+                raise ValueError(
+                    f"two-pass ghost clipping needs float32 layers ({type(module).__name__} returned {out.dtype}): pass 2 "
+                    "would sum the clipped per-example gradients in reduced precision across examples; use one pass"
+                )
+            x = args[0]
+            _layer.calls += 1
+            if not (x.is_floating_point() and x.requires_grad):  # nothing trainable below: a root of pass 1
+                self._roots.append(out)
+            x = x.detach()
+            out.register_hook(lambda g, _x=x: self._on_grad(_layer, _x, g))
+
+        return [layer.module.register_forward_hook(fwd_hook)]
+
+    def _on_grad(self, layer: Layer, x: torch.Tensor, g: torch.Tensor):
+        if self._phase != "norms":  # pass 2: the output gradients of examples with c_i = 0 become exactly 0
+            zero = self._zero_rows
+            return None if zero is None else g.masked_fill(zero.view(-1, *([1] * (g.dim() - 1))), 0)
+        layer.records.append((x, g, None))  # no single-query hint: pass 2 sums the exact gradients
+        if len(layer.records) == layer.calls:  # every call of the layer has its gradient: norms now, then drop
+            sq, _ = self._checked_terms(layer, 1.0, self._affine_now, self._work, with_sum=False)
+            self._sq = sq if self._sq is None else self._sq + sq
+            layer.records.clear()
+            layer.done = True
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.clear()
+
+    def clear(self) -> None:
+        for layer in self.layers:
+            layer.records.clear()
+            layer.calls = 0
+            layer.done = False
+        self._roots = []
+        self._sq = None
+        self._work = Workspace()
+        self._zero_rows = None
+
+    # ----- per-layer terms ---------------------------------------------------------------------------------
+    @staticmethod
+    def _layer_terms(layer: Layer, scale: float, affine: dict | None, work: Workspace):
+        """(per-example ‖v_i‖² over this layer's parameters [B], function c -> {param: Σ_i c_i ∇ℓ_i}) with
+        v_i = (∇ℓ_i + o) ⊙ s per parameter, (o, s) = ``affine.get(param)`` (default: v_i = ∇ℓ_i): the layer
+        type's :meth:`~hf_dp.clipping.registry.GhostLayerType.terms`, in the working precision."""
+        affine = affine or {}
+        m = layer.module
+        if not layer.records:
+            raise ValueError(f"layer {type(m).__name__} recorded no backward pass; is every trainable layer used in the forward?")
+        dt = _work_dtype(*(t.dtype for r in layer.records for t in r[:2]), *(p.dtype for p in layer.params()))
+        return layer.type.terms(layer, scale, affine, dt, work)
+
+    @staticmethod
+    def _with_records(layer: Layer, fn, dtype: torch.dtype | None = None) -> Layer:
+        """A stand-in for ``layer`` whose records are ``fn(t)`` for every tensor t of its records (floating ones
+        then converted to ``dtype``); ``fn`` keeps the batch axis first."""
+
+        def one(t):
+            if not torch.is_tensor(t):
+                return t
+            t = fn(t)
+            return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+        out = Layer(layer.module, layer.type)
+        out.records = [tuple(one(t) for t in r) for r in layer.records]
+        return out
+
+    def _exact_terms(self, layer: Layer, scale: float, affine: dict | None):
+        """:meth:`_layer_terms` of a stand-in layer (records of a few examples), never materialising and with a
+        Gram cache of its own."""
+        return self._layer_terms(layer, scale, affine, Workspace())
+
+    def _checked_terms(self, layer: Layer, scale: float, affine: dict | None, work: Workspace, with_sum: bool = True):
+        """:meth:`_layer_terms`, safe for any records: (‖v_i‖² [B], c -> {param: Σ_i c_i v_i}).
+
+        Where the float32 terms come out non-finite (NaN/inf records, or products such as g_t·g_s that overflow
+        although ‖v_i‖² does not), those examples' terms are recomputed in float64 from their records alone and
+        stored back in the working dtype — still inf if ‖v_i‖² is not representable there, and NaN if the records
+        are, so :func:`clip_factors` gives them c_i = 0. The clipped sum then adds the other examples' terms with
+        those examples' records zeroed (c_i·inf never enters a sum; the others' results are unchanged) and, for
+        the recomputed examples with c_i > 0, their float64 clipped sum. Costs one check of a [B] vector unless
+        an example is non-finite."""
+        sq, clipped = self._layer_terms(layer, scale, affine, work)
+        bad = ~torch.isfinite(sq)
+        if not bool(bad.any()):
+            return sq, clipped
+        rows = bad.nonzero().squeeze(1)
+        exact = self._with_records(layer, lambda t: t.index_select(0, rows), torch.float64)
+        sq = sq.index_put((rows,), self._exact_terms(exact, scale, affine)[0].to(sq.dtype))
+        if not with_sum:
+            return sq, None
+
+        def zero_bad(t):
+            return t.masked_fill(bad.view(-1, *([1] * (t.dim() - 1))), 0) if t.is_floating_point() else t
+
+        _, clipped_rest = self._exact_terms(self._with_records(layer, zero_bad), scale, affine)
+
+        def clipped_all(c, exact=exact, rows=rows):
+            out = clipped_rest(c)
+            c_rows = c.index_select(0, rows)
+            keep = c_rows > 0  # c_i = 0 (non-finite ‖v_i‖²) contributes exactly nothing
+            if bool(keep.any()):
+                if not bool(keep.all()):
+                    exact = self._with_records(exact, lambda t: t[keep])
+                for p, v in self._exact_terms(exact, scale, affine)[1](c_rows[keep]).items():
+                    out[p] = out[p] + v.to(out[p].dtype)
+            return out
+
+        return sq, clipped_all
+
+    # ----- public -----------------------------------------------------------------------------------------
+    def _collect(self, loss_scale: float, affine: dict | None = None, release: bool = False):
+        if affine:
+            owned = {id(p) for layer in self.layers for p in layer.params()}
+            if any(id(p) not in owned for p in affine):
+                raise ValueError("per-sample transform given for a parameter ghost clipping does not cover")
+        work = Workspace(self.materialize_bytes)
+        with _no_autocast():
+            terms = []
+            for layer in self.layers:
+                terms.append(self._checked_terms(layer, loss_scale, affine, work))
+                if release:  # the terms keep what they need (a scaled copy of g, when loss_scale != 1)
+                    layer.records.clear()
+        del work  # the Gram cache
+        sq = terms[0][0]
+        for t in terms[1:]:
+            sq = sq + t[0]
+        return sq, terms
+
+    @torch.no_grad()
+    def per_example_norms(self, loss_scale: float = 1.0, affine: dict | None = None) -> torch.Tensor:
+        """‖v_i‖ per example, v_i = ∇ℓ_i or its per-parameter affine transform (see :meth:`clipped_sum`)."""
+        if self.two_pass:
+            raise RuntimeError("a two-pass GhostClipper gives the norms from norms_pass")
+        return self._collect(loss_scale, affine)[0].clamp_min(0).sqrt()
+
+    @torch.no_grad()
+    def clipped_sum(self, max_grad_norm: float, loss_scale: float = 1.0, affine: dict | None = None) -> dict:
+        """{param: Σ_i c_i v_i}, c_i = min(1, C/(‖v_i‖·(1 + NORM_MARGIN) + 1e-6)) — 0 where ‖v_i‖² is not finite
+        (see the module docstring: every example's contribution is finite with norm ≤ C); clears the records.
+
+        v_i = ∇ℓ_i, or with ``affine={param: (o, s)}`` the per-sample vector of rules that transform
+        each example's gradient by a public per-coordinate map before clipping: v_i = (∇ℓ_i + o) ⊙ s
+        (o, s: tensors of the parameter's shape, s also a float, either ``None``) — DP-SGD-L2: o = λθ;
+        DP-MacAdam: o = −m̂_{t−1}, s = 1/b_{t−1}. Exact: the norms expand into terms of the same
+        records, and Σ_i c_i v_i = (Σ_i c_i ∇ℓ_i + (Σ_i c_i)·o) ⊙ s.
+        """
+        if self.two_pass:
+            raise RuntimeError("a two-pass GhostClipper computes norms in norms_pass (see two_pass_clipped_sum)")
+        sq, terms = self._collect(loss_scale, affine, release=True)
+        c = clip_factors(sq, max_grad_norm)
+        out: dict = {}
+        with _no_autocast():
+            terms.reverse()
+            while terms:  # each layer's activations and output gradients are freed once its clipped sum exists
+                out.update(terms.pop()[1](c))
+            out = self._apply_affine(out, c, affine)
+        self.clear()
+        return out
+
+    @staticmethod
+    def _apply_affine(out: dict, c: torch.Tensor, affine: dict | None) -> dict:
+        """Σ_i c_i v_i = (Σ_i c_i ∇ℓ_i + (Σ_i c_i)·o) ⊙ s for the parameters with a per-sample affine map."""
+        for p, (o, sc) in (affine or {}).items():
+            dt = _work_dtype(out[p].dtype, p.dtype)
+            v = out[p].to(dt)
+            if o is not None:
+                v = v + c.to(dt).sum() * o.to(dt)
+            if sc is not None:
+                v = v * (sc if isinstance(sc, float) else sc.to(dt))
+            out[p] = v.to(out[p].dtype)
+        return out
+
+    # ----- two passes (two_pass=True): no records kept (≈ 1.1× the non-private memory, see above) -----------
+    def norms_pass(self, losses: torch.Tensor, affine: dict | None = None) -> torch.Tensor:
+        """Pass 1 of two: ‖v_i‖² per example (``losses``: the per-example losses ℓ_i, shape [B]).
+
+        One backward of Σ_i ℓ_i that computes no parameter gradient (``torch.autograd.grad`` towards the
+        outputs of the lowest trainable layers only, so autograd skips every weight-gradient product) and
+        keeps the graph; each layer's norm terms are computed from its input and output gradient as soon as
+        they are known and then dropped, so nothing accumulates. Pass 2 is an ordinary backward of
+        Σ_i c_i ℓ_i (c from :func:`clip_factors`, detached) through the same graph — same dropout masks —
+        whose parameter gradients are exactly Σ_i c_i ∇ℓ_i; :meth:`grads_after_backward` collects them.
+        The per-sample affine maps (``affine``, see :meth:`clipped_sum`) enter the norms here and the sum there.
+
+        An example whose ‖v_i‖² comes out non-finite (c_i = 0) must contribute exactly 0 to pass 2, where
+        0·∂ℓ_i = 0·NaN would carry NaN from its loss into every weight gradient: until the next forward or
+        :meth:`grads_after_backward`, the layer hooks zero that example's output gradients, so every trainable
+        layer's weight gradient sees exact zeros for it (its activations are finite whatever its loss)."""
+        if not self.two_pass:
+            raise RuntimeError("norms_pass needs GhostClipper(two_pass=True)")
+        if affine:
+            owned = {id(p) for layer in self.layers for p in layer.params()}
+            if any(id(p) not in owned for p in affine):
+                raise ValueError("per-sample transform given for a parameter ghost clipping does not cover")
+        if not self._roots:
+            raise ValueError("norms_pass needs a training-mode forward of the model (with grad enabled) first")
+        self._phase, self._affine_now, self._sq, self._work = "norms", affine or {}, None, Workspace()
+        try:
+            torch.autograd.grad(losses.sum(), self._roots, retain_graph=True, allow_unused=True)
+            missing = [type(layer.module).__name__ for layer in self.layers if not layer.done]
+            if missing:
+                raise ValueError(f"layers {missing} got no gradient in pass 1; is every trainable layer used in the forward?")
+            sq = self._sq
+        finally:
+            self._phase, self._affine_now = None, {}
+            self.clear()
+        zero = ~torch.isfinite(sq)  # exactly the examples clip_factors gives c_i = 0
+        self._zero_rows = zero if bool(zero.any()) else None
+        return sq
+
+    def grads_after_backward(self, c: torch.Tensor, loss_scale: float = 1.0, affine: dict | None = None) -> dict:
+        """After pass 2 (a backward of ``loss_scale`` · Σ_i c_i ℓ_i): {param: Σ_i c_i v_i} from the parameters'
+        ``.grad``, which are reset to ``None``.
+
+        ``RuntimeError`` if pass 2 zeroed an example (see :meth:`norms_pass`) and a gradient is still not finite:
+        that example's *activations* were non-finite (a forward overflow, not a loss), so its zeroed output
+        gradients still met inf inside autograd's weight-gradient products — one pass and the hooks zero such an
+        example's records themselves. (Checked only when an example was zeroed.)"""
+        zero, self._zero_rows = self._zero_rows, None
+        out = {}
+        for layer in self.layers:
+            for p in layer.params():
+                if p.grad is None:
+                    raise ValueError("a trainable parameter got no gradient in pass 2")
+                out[p] = p.grad if loss_scale == 1.0 else p.grad / loss_scale
+                p.grad = None
+        if zero is not None and not all(bool(torch.isfinite(g).all()) for g in out.values()):
+            raise RuntimeError(
+                "two-pass ghost clipping cannot separate an example whose forward activations are not finite (its "
+                "second backward multiplies them by zero, giving NaN); use --clipping ghost or --clipping hooks"
+            )
+        return self._apply_affine(out, c, affine)
+
+    def two_pass_clipped_sum(self, losses: torch.Tensor, max_grad_norm: float, affine: dict | None = None) -> dict:
+        """Both passes after a forward: {param: Σ_i min(1, C/(‖v_i‖+1e-6)) v_i} (as :meth:`clipped_sum`)."""
+        c = clip_factors(self.norms_pass(losses, affine), max_grad_norm)
+        (losses * c).sum().backward()
+        return self.grads_after_backward(c, 1.0, affine)
+
+
+def clip_factors(sq: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """c_i = min(1, C/(‖v_i‖·(1 + NORM_MARGIN) + 1e-6)) from squared ghost norms, detached; c_i = 0 where ‖v_i‖²
+    is not finite (NaN, or inf: not representable in its dtype, ‖v_i‖ ≥ 2^64 in float32).
+
+    Ghost norms are sums of terms of both signs (Gram products, the affine expansion), so their float32
+    error can exceed a plain sum of squares'; the relative margin keeps c_i·‖v_i‖ ≤ C when the computed
+    norm is up to 1e-5 (relative) short of the exact one. Finite norms get exactly the factor they always had."""
+    norms = sq.detach().clamp_min(0).sqrt() * (1.0 + NORM_MARGIN)
+    c = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    return torch.where(torch.isfinite(norms), c, c.new_zeros(()))

@@ -1,0 +1,43 @@
+"""Ghost clipping of ``nn.LayerNorm``: the default recording (input, output gradient) per call.
+
+Per example, the weight's gradient is Σ_t g_t ⊙ x̂_t (x̂ the normalised input, recomputed from the recorded
+input) and the bias's Σ_t g_t: both are vectors of the layer's width, so they are formed per example.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .common import affine_of, cat_records, dense_sq
+from .registry import GhostLayerType, register_layer
+
+
+@register_layer(nn.LayerNorm)
+class LayerNormType(GhostLayerType):
+    name = "layernorm"
+
+    def terms(self, layer, scale, affine, dt, work):
+        m = layer.module
+        x, g = cat_records(layer.records, scale, dt)
+        xhat = F.layer_norm(x.to(dt), m.normalized_shape, eps=m.eps)
+        sq = torch.zeros(g.shape[0], device=g.device, dtype=dt)
+        gw = gb = None
+        if m.weight is not None and m.weight.requires_grad:
+            gw = (g * xhat).sum(1)
+            sq = sq + dense_sq(gw, *affine_of(affine, m.weight, dtype=dt))
+        if m.bias is not None and m.bias.requires_grad:
+            gb = g.sum(1)
+            sq = sq + dense_sq(gb, *affine_of(affine, m.bias, dtype=dt))
+
+        def clipped(c, gw=gw, gb=gb):
+            c = c.to(dt)
+            out = {}
+            if gw is not None:
+                out[m.weight] = (gw * c.view(-1, 1)).sum(0).to(m.weight.dtype)
+            if gb is not None:
+                out[m.bias] = (gb * c.view(-1, 1)).sum(0).to(m.bias.dtype)
+            return out
+
+        return sq, clipped

@@ -1,0 +1,142 @@
+"""Which trainable layer types ghost clipping handles, and how: one registry, the single source of truth.
+
+Ghost clipping (:mod:`hf_dp.clipping.ghost`) names no layer type. For every module with trainable parameters,
+:meth:`~hf_dp.clipping.ghost.GhostClipper.check_supported` asks :func:`layer_type_for` for the registered
+:class:`GhostLayerType`; the clipper then calls that entry's :meth:`~GhostLayerType.instrument` (what the
+backward must record) and its :meth:`~GhostLayerType.terms` (each example's squared gradient norm and the
+clipped sum). A module no entry handles is refused, and ``--clipping auto`` falls back to the Opacus hooks.
+
+Adding a layer type is one new file (``linear.py``, ``layernorm.py`` and ``embedding.py`` are the examples)::
+
+    @register_layer(MyLayer)
+    class MyLayerType(GhostLayerType):
+        def terms(self, layer, scale, affine, dt, work):
+            x, g = cat_records(layer.records, scale, dt)   # its inputs and output gradients, [B, T, ·]
+            ...                                            # per-example gradient of each parameter
+            return sq, clipped                             # ‖v_i‖² [B], and c -> {param: Σ_i c_i v_i}
+
+imported in ``hf_dp/clipping/__init__.py`` (or by the code that uses the layer). The default
+:meth:`~GhostLayerType.instrument` records (input, output gradient) per call with a forward hook, which is what a
+layer whose per-example gradient is a function of those two needs; override it to record something else or to
+avoid the autograd weight gradient (``linear.py``). Test the new type against the per-example loop
+(``tests/test_ghost_clipping.py``, ``tests/test_clipping_registry.py``).
+
+A module is matched by its class's MRO: the entry of the most specific registered class wins (so a subclass can
+get its own entry). :func:`unregister_layer` removes an entry.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["GhostLayerType", "Layer", "register_layer", "unregister_layer", "layer_type_for", "registered_layers", "patch_forward"]
+
+_REGISTRY: dict[type, "GhostLayerType"] = {}
+
+
+class GhostLayerType:
+    """How ghost clipping handles one type of trainable layer (subclass it and decorate with :func:`register_layer`)."""
+
+    #: a short name for messages (the class name without ``Type`` if not set)
+    name: str = ""
+
+    def check(self, module: nn.Module, name: str) -> None:
+        """Raise ``ValueError`` if this module uses an option ghost clipping cannot handle (default: none)."""
+
+    def instrument(self, layer: "Layer") -> list:
+        """Make a one-pass backward append what :meth:`terms` needs to ``layer.records``; return handles with
+        ``remove()``. Default: a forward hook that records (input, output gradient) of every training-mode call.
+        (Two passes use the same recording for every type, see :class:`~hf_dp.clipping.ghost.GhostClipper`.)"""
+
+        def fwd_hook(module, args, out, _rec=layer.records):
+            if not (module.training and torch.is_grad_enabled()) or not out.requires_grad:
+                return
+            x = args[0].detach()
+            out.register_hook(lambda g, _x=x: _rec.append((_x, g)))
+
+        return [layer.module.register_forward_hook(fwd_hook)]
+
+    def terms(self, layer: "Layer", scale: float, affine: dict, dt: torch.dtype, work):
+        """(‖v_i‖² over this layer's trainable parameters [B], function c -> {param: Σ_i c_i v_i}) from
+        ``layer.records`` (the output gradients are divided by ``scale``, the loss scale, first).
+
+        v_i = (∇ℓ_i + o) ⊙ s per parameter with (o, s) = :func:`~hf_dp.clipping.common.affine_of` ``(affine, p)``
+        (default: v_i = ∇ℓ_i); ``dt``: the working precision (float32 or float64); ``work``: the
+        :class:`~hf_dp.clipping.common.Workspace` of this collection (Gram cache, materialisation budget)."""
+        raise NotImplementedError
+
+
+class Layer:
+    """One trainable module under ghost clipping: its registered type and what its backward recorded."""
+
+    def __init__(self, module: nn.Module, ltype: GhostLayerType):
+        self.module = module
+        self.type = ltype
+        self.records: list = []  # appended during backward (one-pass: by the type's instrumentation)
+        self.calls = 0  # two-pass: forward calls since the last clear
+        self.done = False  # two-pass: norms computed in this pass 1
+
+    @property
+    def kind(self) -> str:
+        return self.type.name
+
+    def params(self):
+        return [p for p in self.module.parameters(recurse=False) if p.requires_grad]
+
+
+def register_layer(*module_types: type):
+    """Class decorator: ghost clipping handles modules of ``module_types`` (and their subclasses) with an
+    instance of the decorated :class:`GhostLayerType` subclass. Re-registering a module type replaces its entry."""
+    types = tuple(t for t in module_types if isinstance(t, type))  # an optional dependency may give ()
+
+    def deco(cls):
+        if not (isinstance(cls, type) and issubclass(cls, GhostLayerType)):
+            raise TypeError(f"register_layer decorates a GhostLayerType subclass, got {cls!r}")
+        entry = cls()
+        if not entry.name:
+            entry.name = cls.__name__.removesuffix("Type").lower()
+        for t in types:
+            _REGISTRY[t] = entry
+        return cls
+
+    return deco
+
+
+def unregister_layer(*module_types: type) -> None:
+    """Remove the entries of ``module_types`` (ghost clipping then refuses such trainable modules)."""
+    for t in module_types:
+        _REGISTRY.pop(t, None)
+
+
+def layer_type_for(module: nn.Module) -> GhostLayerType | None:
+    """The entry of the most specific registered class in ``type(module).__mro__``, or ``None``."""
+    for cls in type(module).__mro__:
+        entry = _REGISTRY.get(cls)
+        if entry is not None:
+            return entry
+    return None
+
+
+def registered_layers() -> dict[type, GhostLayerType]:
+    """A copy of the registry: module class -> entry."""
+    return dict(_REGISTRY)
+
+
+class _ForwardPatch:
+    """An instance-level ``forward`` override, undone by :meth:`remove` (the handle :func:`patch_forward` returns)."""
+
+    def __init__(self, module: nn.Module, forward):
+        self.module, self.old = module, module.__dict__.get("forward")
+        module.forward = forward
+
+    def remove(self) -> None:
+        if self.old is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self.old
+
+
+def patch_forward(module: nn.Module, forward) -> _ForwardPatch:
+    """Replace ``module.forward`` on the instance by ``forward``; ``remove()`` on the result restores it."""
+    return _ForwardPatch(module, forward)

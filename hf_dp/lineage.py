@@ -1,0 +1,463 @@
+"""Whose ledger: the privacy ledger belongs to the model and to the lineage of its checkpoints, not to one trainer.
+
+**The model carries its ledger.** Every :class:`~hf_dp.trainer.DPTrainer` that trains a model attaches to it (to the
+plain ``PreTrainedModel``, the one the user passed):
+
+* in memory, :data:`MODEL_ATTR`: the trainer's live ledger, its run id and a reference to its training data (the
+  object, weakly, and its SHA-256 fingerprint once known — :func:`hf_dp.checkpointing.dataset_fingerprint`). The
+  fingerprint is a function of the private data: it is **never written** into a release (a hash of the training set
+  in a public file lets anyone confirm a guessed dataset);
+* in ``model.config`` (so in every ``config.json`` that ``save_pretrained`` writes, and back with
+  ``from_pretrained``), :data:`CONFIG_ATTR`: public numbers only — each run's (σ, q, steps) history, δ, the
+  accountant, run ids and the parent checkpoint's run and step. ``privacy.json`` carries the same under ``"ledger"``.
+
+**A new DPTrainer on such a model** (``--prior_privacy``, :func:`adopt_model_ledger` at construction):
+
+* ``auto`` (default): the earlier runs on the *same* training data (the same object, or the same fingerprint) are
+  composed into this run's ledger — ε counts every step the model took on these examples, and ``--epsilon`` is the
+  model's total (a target already spent is refused before any step). Earlier runs on other data, or whose data
+  cannot be compared (a model loaded from a release), are not counted, and one warning says so, with their ε and
+  how to count them;
+* ``continue``: every earlier DP run of the model is counted (overlapping data);
+* ``separate``: none is (the data share no example with the earlier runs'); refused when the data are the same;
+* a path to a release's ``privacy.json`` (or its folder): its runs start the ledger (e.g. a model whose config lost
+  its record, or an earlier hf_dp's release).
+
+Forks (a checkpoint resumed more than once) are counted in :func:`hf_dp.checkpointing.reconcile_resumed_ledger`;
+this module also keeps each run's record of steps taken (:func:`record_spent`) and refuses a fresh run into an
+output_dir that holds another run's checkpoints (:func:`before_train`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import weakref
+
+from hf_dp import checkpointing
+from hf_dp.privacy.accounting import canonical_history, composed_epsilon, public_run as _public_run
+
+logger = logging.getLogger(__name__)
+
+#: in-memory attribute of the model: its ledger, run id and training-data reference (never saved)
+MODEL_ATTR = "_hf_dp_ledger"
+#: attribute of ``model.config`` (saved in config.json): the public record of the model's ledger
+CONFIG_ATTR = "hf_dp_privacy"
+PRIOR_CHOICES = ("auto", "continue", "separate")
+RECORD_FORMAT = 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# the training data of a run, in memory only
+# ---------------------------------------------------------------------------------------------------
+class DataRef:
+    """The training data of a run: its size, the dataset object (weakly where it can be) and its fingerprint once
+    computed (lazily: only when a trainer on other data asks whether the data are the same).
+    Deep copies share it; a pickle (``torch.save(model)`` is a file) keeps neither the object nor the fingerprint:
+    the data of an unpickled model cannot be compared."""
+
+    def __init__(self, dataset, num_samples: int, fingerprint: str | None = None):
+        self.num_samples = int(num_samples)
+        self.fingerprint = fingerprint
+        try:
+            self._ref = weakref.ref(dataset)
+        except TypeError:  # e.g. a list takes no weak reference: held (hashed only if another trainer asks)
+            self._ref = lambda: dataset
+
+    def dataset(self):
+        return self._ref() if self._ref is not None else None
+
+    def get_fingerprint(self) -> str | None:
+        if self.fingerprint is None and self.dataset() is not None:
+            self.fingerprint = checkpointing.dataset_fingerprint(self.dataset())
+        return self.fingerprint
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __getstate__(self):
+        return {"num_samples": self.num_samples}
+
+    def __setstate__(self, state):
+        self.num_samples, self.fingerprint, self._ref = state["num_samples"], None, None
+
+
+def _same_data(ref: DataRef | None, trainer) -> bool | None:
+    """Is ``ref`` the training data of ``trainer``? ``None``: unknown (no reference, or the data are gone)."""
+    if ref is None:
+        return None
+    if ref.num_samples != trainer.privacy_spec.dataset_size:
+        return False
+    if ref.dataset() is not None and ref.dataset() is trainer._fingerprint_source:
+        return True
+    fingerprint = ref.get_fingerprint()
+    if fingerprint is None:
+        return None
+    return fingerprint == trainer._train_data_info()["sha256"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# what a model carries
+# ---------------------------------------------------------------------------------------------------
+class ModelLedger:
+    """The in-memory record on a model (:data:`MODEL_ATTR`): the ledger of the last DPTrainer that trained it (live:
+    it grows as that trainer trains), its training data, and the data of the earlier runs where known."""
+
+    def __init__(self, ledger, data: DataRef, refs: dict[str, DataRef]):
+        self.ledger, self.data, self.refs = ledger, data, refs
+
+    @property
+    def run_id(self) -> str | None:
+        return self.ledger.meta.get("run_id")
+
+
+def _plain_model(model):
+    """The model the user passed (under a PEFT wrapper: its base model)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def run_epsilon(runs: list[dict], delta: float | None = None, accountant: str | None = None) -> float:
+    """ε of ``runs`` composed (at the first run's δ and accountant unless given)."""
+    history = [h for run in runs for h in run.get("history") or []]
+    if not history:
+        return 0.0
+    delta = delta if delta is not None else runs[0].get("delta")
+    accountant = accountant or runs[0].get("accountant") or "prv"
+    return composed_epsilon(canonical_history(history), float(delta), accountant)
+
+
+def public_record(ledger) -> dict:
+    return ledger.public_record()
+
+
+def ledger_runs(ledger) -> list[dict]:
+    return ledger.runs()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the earlier runs a model carries, and what this trainer does with them
+# ---------------------------------------------------------------------------------------------------
+def _carried(model) -> dict | None:
+    """The earlier runs ``model`` carries: ``{"block": [runs counted together], "block_ref": DataRef | None,
+    "separate": [(run, DataRef | None)], "origin": "memory" | "release"}``, or ``None``."""
+    record = getattr(model, MODEL_ATTR, None)
+    if isinstance(record, ModelLedger):
+        block = [r for r in ledger_runs(record.ledger) if r["steps"] > 0]
+        separate = [(dict(r), record.refs.get(r.get("run_id"))) for r in record.ledger.meta.get("separate") or []]
+        if block or separate:
+            return {"block": block, "block_ref": record.data, "separate": separate, "origin": "memory"}
+        return None
+    config = getattr(getattr(model, "config", None), CONFIG_ATTR, None)
+    if isinstance(config, dict):
+        block = [_public_run(r) for r in config.get("runs") or [] if isinstance(r, dict)]
+        block = [r for r in block if r["steps"] > 0]
+        separate = [(_public_run(r), None) for r in config.get("separate") or [] if isinstance(r, dict)]
+        if block or separate:
+            return {"block": block, "block_ref": None, "separate": separate, "origin": "release"}
+    return None
+
+
+def _runs_from_file(path: str) -> tuple[list[dict], list[dict]]:
+    """(counted runs, separate runs) of a release's ``privacy.json`` (a file, or the folder holding it); a
+    ``privacy.json`` of an earlier hf_dp (no ``"ledger"``) is one run of its σ, q and steps."""
+    file = os.path.join(path, "privacy.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--prior_privacy {path}: cannot read a privacy.json there ({e}); give 'auto', 'continue', "
+                         "'separate', or the path of a release's privacy.json") from None
+    if not isinstance(report, dict) or report.get("differential_privacy") is False:
+        raise ValueError(f"--prior_privacy {path}: {file} is not the privacy.json of a DP run")
+    ledger = report.get("ledger")
+    if isinstance(ledger, dict) and isinstance(ledger.get("runs"), list):
+        runs = [_public_run(r) for r in ledger["runs"] if isinstance(r, dict)]
+        separate = [_public_run(r) for r in ledger.get("separate") or [] if isinstance(r, dict)]
+        return [r for r in runs if r["steps"] > 0], separate
+    try:
+        run = {"run_id": report.get("run_id") or f"privacy.json:{os.path.basename(os.path.dirname(os.path.abspath(file)))}",
+               "history": [[float(report["noise_multiplier"]), float(report["sample_rate"]), int(report["steps"])]],
+               "noise_multiplier": report["noise_multiplier"], "sample_rate": report["sample_rate"],
+               "dataset_size": report.get("dataset_size"), "delta": report["delta"],
+               "accountant": report.get("accountant", "prv")}
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"--prior_privacy {path}: {file} records no noise_multiplier, sample_rate, steps and delta") from None
+    return [_public_run(run)], []
+
+
+def _describe(runs: list[dict]) -> str:
+    parts = [f"run {r.get('run_id')}: {r['steps']} noisy steps" for r in runs]
+    return "; ".join(parts)
+
+
+def _merge(existing: list[dict], new: list[dict]) -> list[dict]:
+    """``existing`` runs updated with ``new`` ones (a run already there keeps its larger step count)."""
+    out = {r.get("run_id"): dict(r) for r in existing}
+    for r in new:
+        key = r.get("run_id")
+        if key not in out or r["steps"] > out[key]["steps"]:
+            out[key] = dict(r)
+    return list(out.values())
+
+
+def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]] | None, choice: str) -> None:
+    """Compose into ``trainer``'s ledger the earlier runs ``carried`` by its model (and read from a file) as
+    ``choice`` says; warn once about those not counted."""
+    ledger, refs = trainer.ledger, trainer._hf_dp_refs
+    own = ledger.meta.get("run_id")
+    known = {r.get("run_id"): r["steps"] for r in ledger.prior}
+    known.update({r.get("run_id"): r["steps"] for r in ledger.meta.get("separate") or []})
+
+    def new(run):  # not this run, and not already known with at least as many steps
+        return run.get("run_id") != own and (run.get("run_id") not in known or run["steps"] > known[run.get("run_id")])
+
+    counted: list[dict] = []
+    separate: list[tuple[dict, bool | None]] = []
+    if from_file is not None:
+        counted += [r for r in from_file[0] if new(r)]
+        separate += [(r, None) for r in from_file[1] if new(r)]
+        file_ids = {r.get("run_id") for r in from_file[0] + from_file[1]}
+    else:
+        file_ids = set()
+    if carried is not None:
+        block = [r for r in carried["block"] if new(r) and r.get("run_id") not in file_ids]
+        verdict = _same_data(carried["block_ref"], trainer)
+        groups = [(block, verdict, carried["block_ref"])] if block else []
+        groups += [([r], _same_data(ref, trainer), ref) for r, ref in carried["separate"] if new(r) and r.get("run_id") not in file_ids]
+        for runs, same, ref in groups:
+            if choice == "separate" and same:
+                raise ValueError(
+                    f"--prior_privacy separate, but this model was already trained with DP on the same training data "
+                    f"({_describe(runs)}; epsilon {run_epsilon(runs):.4g}): privacy composes over the examples both runs "
+                    "use, so this run's ledger must count them; drop --prior_privacy (or give 'continue')"
+                )
+            if choice == "continue" or (choice != "separate" and same is True):
+                counted += runs
+            else:
+                separate += [(r, same) for r in runs]
+            for r in runs:
+                if ref is not None and r.get("run_id") is not None:
+                    refs.setdefault(r["run_id"], ref)
+    if not counted and not separate:
+        return
+    if counted:
+        ledger.set_prior(_merge(ledger.prior, counted))
+        opt = getattr(trainer, "_dp_optimizer", None)
+        if opt is not None:
+            opt.budget_steps = None  # the steps known to fit were for the ledger without these runs
+        implicit = choice not in PRIOR_CHOICES and not [r for r in counted if r.get("run_id") in file_ids] or choice == "auto"
+        why = ("counting the earlier DP runs of this model (--prior_privacy continue)" if choice == "continue" else
+               "this model was already trained with DP on this training data" if implicit else
+               f"counting the runs recorded in {choice} (--prior_privacy)")
+        (logger.warning if implicit else logger.info)(
+            "hf_dp: %s (%s): this run continues that ledger, and epsilon counts every step (now %.4g before this "
+            "run's steps%s)", why, _describe(counted), ledger.get_epsilon(),
+            "; --epsilon is the model's total" if trainer.privacy_spec.target_epsilon is not None else "",
+        )
+    if separate:
+        ledger.meta["separate"] = _merge(ledger.meta.get("separate") or [], [r for r, _ in separate])
+        if choice not in ("continue", "separate"):
+            unknown = [r for r, same in separate if same is None]
+            other = [r for r, same in separate if same is False]
+            where = " and ".join(
+                ([f"on other training data ({_describe(other)})"] if other else [])
+                + ([f"on training data that cannot be compared ({_describe(unknown)}; "
+                    + ("it came with the model from a release" if carried and carried["origin"] == "release"
+                       else "the data are no longer in memory") + ")"] if unknown else [])
+            )
+            runs = [r for r, _ in separate]
+            logger.warning(
+                "hf_dp: this model was already trained with DP %s, epsilon %.4g at delta %g: privacy composes over the "
+                "examples these sets share, and this run's epsilon does not count those steps. If the sets overlap, pass "
+                "--prior_privacy continue (or the path of the release's privacy.json) to start this run's ledger from "
+                "them; if they share no example, --prior_privacy separate says so",
+                where, run_epsilon(runs), float(runs[0].get("delta") or trainer.privacy_spec.delta),
+            )
+
+
+def adopt_model_ledger(trainer) -> None:
+    """At construction (``DPTrainer._setup_privacy``, right after the ledger is made): start the ledger from the
+    earlier runs the model carries, as ``--prior_privacy`` says."""
+    choice = str(getattr(trainer.args, "prior_privacy", None) or "auto")
+    trainer._hf_dp_refs = {}
+    trainer._hf_dp_data = DataRef(trainer._fingerprint_source, trainer.privacy_spec.dataset_size, trainer._train_fingerprint)
+    from_file = _runs_from_file(choice) if choice not in PRIOR_CHOICES else None
+    carried = _carried(_plain_model(trainer.model))
+    if carried is None and from_file is None and choice == "continue":
+        logger.info("hf_dp: --prior_privacy continue: the model carries no hf_dp ledger; the ledger starts at 0")
+    _take(trainer, carried, from_file, choice)
+
+
+# ---------------------------------------------------------------------------------------------------
+# at train()
+# ---------------------------------------------------------------------------------------------------
+def before_train(trainer, resume_from_checkpoint) -> None:
+    """At the start of ``train()`` (after its own checks): name the run in its ledger, refuse a fresh run into an
+    output_dir holding another run's checkpoints, take in runs that trained the model since this trainer was made,
+    refuse a target ε the earlier runs already spent, and attach the ledger to the model."""
+    if not trainer.args.dp_enabled:
+        return
+    ledger = trainer.ledger
+    _sync_run_id(trainer)
+    ledger.meta["run_id"] = trainer.run_id
+    if resume_from_checkpoint is None:
+        _refuse_other_runs_checkpoints(trainer)
+        model = _plain_model(trainer.model)
+        record = getattr(model, MODEL_ATTR, None)
+        if isinstance(record, ModelLedger) and record.ledger is not ledger:  # another trainer trained it since
+            _take(trainer, _carried(model), None, str(getattr(trainer.args, "prior_privacy", None) or "auto"))
+        _check_prior_budget(trainer)
+    attach(trainer)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _sync_run_id(trainer) -> None:
+    """Every rank names the run as rank 0 does (each drew its own id at construction)."""
+    if trainer.args.world_size > 1 and _distributed():
+        import torch.distributed as dist
+
+        box = [trainer.run_id]
+        dist.broadcast_object_list(box, src=0)
+        trainer.run_id = box[0]
+
+
+def _refuse_other_runs_checkpoints(trainer) -> None:
+    ledger = trainer.ledger
+    own = {trainer.run_id} | {a.get("run_id") for a in ledger.meta.get("ancestry") or []}
+    found = checkpointing.other_runs_checkpoints(trainer.args.output_dir, own)
+    if trainer.args.world_size > 1 and _distributed():  # every rank refuses, or none (a folder only rank 0 sees)
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if found else 0], dtype=torch.long, device=trainer.args.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not found:
+            raise ValueError(f"refusing to train: {trainer.args.output_dir} holds another run's checkpoints (seen by rank "
+                             "0); train into another output_dir, resume that run, or move its checkpoints away")
+    if not found:
+        return
+    path, marker = found[0]
+    run = marker.get("run_id")
+    rec = checkpointing.read_spent(trainer.args.output_dir, run) if run else None
+    steps = max(int(marker.get("ledger_steps") or 0), int((rec or {}).get("steps") or 0))
+    eps = (rec or {}).get("epsilon") if rec and int(rec.get("steps") or 0) == steps else marker.get("epsilon")
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    raise ValueError(
+        f"refusing to train: {trainer.args.output_dir} holds {os.path.basename(path)}{more} of another run "
+        f"(run {run or 'of an earlier hf_dp'}, {steps} noisy steps" + (f", epsilon {float(eps):.4g}" if eps is not None else "")
+        + "), whose checkpoints a new run would overwrite; train into another output_dir, resume that run "
+        "(train(resume_from_checkpoint=True)), or move its checkpoints away"
+    )
+
+
+def _check_prior_budget(trainer) -> None:
+    """With earlier runs in the ledger and a target ε (the model's total): refuse when not one more step fits, and
+    say when the planned steps do not all fit (the run then stops at the target, as a resumed run does)."""
+    ledger, spec = trainer.ledger, trainer.privacy_spec
+    target = spec.target_epsilon
+    trainer._hf_dp_budget_steps = None
+    if target is None or ledger.prior_steps == 0:
+        return
+    within = lambda n: ledger.epsilon_after(n) <= target * (1 + 1e-9)  # noqa: E731
+    if not within(ledger.steps + 1):
+        runs = [r for r in ledger.prior if r["steps"] > 0]
+        raise ValueError(
+            f"refusing to train: this model already spent epsilon={ledger.get_epsilon():.4g} (delta={spec.delta:g}) in "
+            f"{len(runs)} earlier run(s) ({_describe(runs)}), which this ledger counts; one more step would exceed the "
+            f"target epsilon={target}, the model's total: raise --epsilon to the total you accept for this model, or "
+            "train a fresh copy of the base model"
+        )
+    if getattr(trainer, "_dp_optimizer", None) is not None:
+        return  # a later train() of this trainer: the budget guard stops it at the target
+    planned = int(spec.planned_steps or 0)
+    lo, hi = ledger.steps + 1, ledger.steps + planned
+    if within(hi):
+        trainer._hf_dp_budget_steps = hi
+        return
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if within(mid) else (lo, mid)
+    trainer._hf_dp_budget_steps = lo
+    logger.warning(
+        "hf_dp: with the %d steps of earlier runs in the ledger (epsilon %.4g), the target epsilon=%s (the model's total) "
+        "leaves room for %d of this run's %d planned steps at sigma=%.4g; the run stops there. To spread the remaining "
+        "budget over all planned steps, raise the noise (--noise_multiplier) or lower --max_steps / --num_train_epochs",
+        ledger.prior_steps, ledger.get_epsilon(), target, lo - ledger.steps, planned, spec.noise_multiplier,
+    )
+
+
+def after_optimizer_load(trainer, checkpoint) -> None:
+    """After HF built the optimizer (and loaded a checkpoint's state into it): the steps the trainer pre-set as
+    fitting the budget were computed for this run alone; with earlier runs in the ledger they are this module's
+    (or, after a resume, unknown: the privatizer finds them)."""
+    opt = getattr(trainer, "_dp_optimizer", None)
+    if opt is None or opt.max_epsilon is None or trainer.ledger.prior_steps == 0:
+        return
+    opt.budget_steps = None if checkpoint is not None else getattr(trainer, "_hf_dp_budget_steps", None)
+
+
+def attach(trainer) -> None:
+    """The model carries this trainer's ledger: in memory (with its training data) and in ``model.config``."""
+    model = _plain_model(trainer.model)
+    refs = dict(trainer._hf_dp_refs)
+    record = ModelLedger(trainer.ledger, trainer._hf_dp_data, refs)
+    try:
+        setattr(model, MODEL_ATTR, record)
+    except (AttributeError, TypeError):  # pragma: no cover - a model object that takes no attribute
+        pass
+    refresh_config(trainer)
+
+
+def refresh_config(trainer) -> None:
+    """Write the public record of the ledger into ``model.config`` (saved with the model)."""
+    config = getattr(_plain_model(trainer.model), "config", None)
+    if config is None:
+        return
+    if trainer._hf_dp_data.fingerprint is None and trainer._train_fingerprint is not None:
+        trainer._hf_dp_data.fingerprint = trainer._train_fingerprint
+    record = public_record(trainer.ledger)
+    record.pop("counted_past_parent", None)
+    setattr(config, CONFIG_ATTR, record)
+
+
+def record_spent(trainer, compute_epsilon: bool = True) -> None:
+    """The record of steps taken (``hf_dp_epsilon_spent.json``, keyed by run id), the runs' records in the checkpoints
+    this run descends from, and the model's public record. The count is what resumes rely on; ε is informative, and
+    with ``compute_epsilon=False`` written only when the ledger already has it."""
+    ledger = trainer.ledger
+    if ledger.steps == 0:
+        return
+    eps = trainer.get_epsilon() if compute_epsilon else ledger.cached_epsilon()
+    meta = ledger.meta
+    if trainer.args.should_save:
+        extra = {"parent": meta["parent"]} if meta.get("parent") else None
+        checkpointing.write_spent(trainer.args.output_dir, ledger.steps, eps, trainer.privacy_spec.as_dict(),
+                                  run_id=trainer.run_id, extra=extra)
+        ancestry = meta.get("ancestry") or []
+        written = getattr(trainer, "_hf_dp_resume_steps", None)
+        start = getattr(trainer, "_hf_dp_resume_start", None)
+        if ancestry and start is not None and written != ledger.steps and meta.get("run_id") == trainer.run_id:
+            record = {"run_id": trainer.run_id, "output_dir": os.path.abspath(trainer.args.output_dir),
+                      "start_steps": start, "steps": ledger.steps, "parent": meta.get("parent")}
+            for a in ancestry:
+                checkpointing.write_resume_record(a["checkpoint"], record)
+            trainer._hf_dp_resume_steps = ledger.steps
+    refresh_config(trainer)
+
+
+def mark_non_private(trainer) -> None:
+    """A ``--disable_dp`` run of a model that carries a ledger: its release's ``config.json`` keeps the record of the
+    earlier DP runs, marked as followed by non-private training (the model no longer has their guarantee)."""
+    if not getattr(getattr(trainer, "state", None), "global_step", 0):
+        return  # not trained by this trainer
+    config = getattr(_plain_model(trainer.model), "config", None)
+    record = getattr(config, CONFIG_ATTR, None)
+    if isinstance(record, dict) and not record.get("trained_without_dp_after"):
+        setattr(config, CONFIG_ATTR, dict(record, trained_without_dp_after=True))

@@ -1,0 +1,13 @@
+"""The task-independent half of a recipe, shared by every recipe (``recipes/glue.py`` today):
+
+* :mod:`~recipes.common.args`: layered defaults (protocol < preset < ``--config`` YAML/JSON < command line), args
+  files, the flags the user set, :class:`~recipes.common.args.RecipeError`;
+* :mod:`~recipes.common.help`: ``--help`` grouped (DP, data, model, recipe, training, other HF flags) with the
+  effective defaults and each HF flag's meaning under DP;
+* :mod:`~recipes.common.model`: ``ModelArguments``, the offline ``minilm`` preset, ``from_pretrained`` with one
+  error line;
+* :mod:`~recipes.common.run`: the privacy checks before any expensive work, the planner's batch, resume, the
+  predictions file, the Hub push, the summary, and the entry point (exit codes, one-line errors).
+
+A recipe adds its task: data arguments and loading, the model head, metrics, the protocol defaults.
+"""

@@ -1,0 +1,182 @@
+"""A recipe's command line: layered defaults, ``--config`` files, args files, and which flags the user set.
+
+Layers, lowest first: the recipe's protocol defaults < a preset (e.g. ``recipes/qnli.py``'s ``task_name``) < a YAML
+(or JSON) ``--config`` file < the command line. A single ``args.json`` / ``args.yaml`` argument is ``--config`` of
+that file (run_glue's ``python run_glue.py args.json``). On top of the layers, defaults that depend on other flags
+(output folder, per-optimizer learning rate and weight decay, the frozen-prefix cache, length grouping) are filled in
+only where the user set nothing: :func:`parse_layered`. The flags the user set are recorded on the training
+arguments as ``_hf_dp_explicit`` (the planner needs them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Callable, Optional
+
+import yaml
+
+ARGS_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+class RecipeError(ValueError):
+    """A user-facing configuration problem: printed without a traceback, exit code 2."""
+
+
+def extract_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """Remove ``--config FILE`` / ``--config=FILE`` from argv (argparse would read it as --config_name)."""
+    out, path, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise RecipeError("--config needs a YAML file")
+            path, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--config="):
+            path, i = a.split("=", 1)[1], i + 1
+            continue
+        out.append(a)
+        i += 1
+    return path, out
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The flag values of a ``--config`` file: YAML, or JSON for a ``.json`` file."""
+    if not os.path.isfile(path):
+        raise RecipeError(f"config file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        if path.lower().endswith(".json"):
+            try:
+                values = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise RecipeError(f"{path}: not valid JSON: {exc}") from None
+        else:
+            try:
+                values = yaml.safe_load(f) or {}
+            except yaml.YAMLError as exc:
+                raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(values, dict):
+        raise RecipeError(f"{path}: expected a mapping of flag names to values, got {type(values).__name__}")
+    return {str(k).lstrip("-"): v for k, v in values.items()}
+
+
+def explicit_dests(parser, argv: list[str]) -> set[str]:
+    """The dataclass fields whose flag appears on the command line."""
+    given = set()
+    for action in parser._actions:
+        for opt in action.option_strings:
+            if any(a == opt or a.startswith(opt + "=") for a in argv):
+                given.add(action.dest)
+    return given
+
+
+def optim_name(optim) -> str:
+    return str(getattr(optim, "value", optim))
+
+
+def optim_variant(optim_args) -> str:
+    """The ``variant=`` of ``--optim_args`` (``paper`` when none is given)."""
+    for item in str(optim_args or "").replace(" ", "").split(","):
+        key, _, value = item.partition("=")
+        if key == "variant":
+            return value
+    return "paper"
+
+
+def dp_family(name: str, optimizer_defaults: dict[str, Any]) -> str:
+    """The DP optimizer whose recipe defaults an HF optimizer's baseline uses (the name itself for DP optimizers)."""
+    if name in optimizer_defaults:
+        return name
+    if name.startswith("adamw"):
+        return "dp_adamw"
+    if name.startswith("sgd"):
+        return "dp_sgd"
+    return name
+
+
+def cacheable(trainable) -> bool:
+    """Whether the recipe caches the frozen prefix of this --trainable mode by default (unless --cache_frozen_features
+    false): where a prefix stays frozen (``hf_dp.models.suffix_blocks``)."""
+    from hf_dp.models import suffix_blocks
+
+    try:
+        return suffix_blocks(trainable) is not None
+    except ValueError:
+        return False  # an invalid mode is refused with its own error when the arguments are checked
+
+
+def parse_layered(
+    argv: Optional[list[str]],
+    defaults: Optional[dict[str, Any]],
+    *,
+    parser,
+    protocol_defaults: dict[str, Any],
+    optimizer_defaults: dict[str, dict[str, Any]],
+    run_name: Callable[[Any], str],
+    format_help: Callable[[Any, Any], str],
+):
+    """Parse ``argv`` (``sys.argv[1:]`` if None) with ``parser`` (an ``HfArgumentParser`` whose last dataclass is
+    ``DPTrainingArguments``): ``protocol_defaults`` < ``defaults`` < YAML ``--config`` < command line, then the
+    dependent defaults. ``run_name(peek)`` names the default output folder ``runs/<run_name>-<optim>-eps<ε>``;
+    ``format_help(parser, peek)`` is printed for ``--help`` (after every default is in place, so that it shows the
+    values this command line would use). Returns the parsed dataclasses."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].lower().endswith(ARGS_FILE_SUFFIXES) and not argv[0].startswith("-"):
+        argv = ["--config", argv[0]]  # run_glue's `python run_glue.py args.json`: the file's values are the arguments
+    want_help = any(a in ("-h", "--help") for a in argv)
+    argv = [a for a in argv if a not in ("-h", "--help")]
+    config_path, argv = extract_config(argv)
+    dests = {a.dest for a in parser._actions}
+    layered: dict[str, Any] = {k: v for k, v in protocol_defaults.items() if k in dests}
+    layered.update(defaults or {})
+    yaml_values = read_config(config_path) if config_path else {}
+    unknown = sorted(set(yaml_values) - dests)
+    if unknown:
+        raise RecipeError(f"{config_path}: unknown option(s) {unknown}; use the command-line flag names")
+    layered.update(yaml_values)
+    explicit = set(yaml_values) | explicit_dests(parser, argv) | set(defaults or {})
+
+    # --noise_multiplier replaces the protocol's default target epsilon (exactly one of the two is allowed)
+    if "noise_multiplier" in explicit and "epsilon" not in explicit and "epsilon" in layered:
+        layered["epsilon"] = None
+    # output_dir default depends on task/optimizer: peek at them first
+    parser.set_defaults(**layered)
+    peek, _ = parser.parse_known_args(argv)
+    if "output_dir" not in explicit:
+        eps = getattr(peek, "epsilon", None)
+        tag = f"eps{eps:g}" if isinstance(eps, (int, float)) else "dp"
+        layered["output_dir"] = os.path.join("runs", f"{run_name(peek)}-{optim_name(peek.optim)}-{tag}")
+        parser.set_defaults(output_dir=layered["output_dir"])
+    # γ: the protocol's 1e-8 is seed 000's *paper* value; a variant reproducing other code (--optim_args
+    # variant=adam_corr) keeps its own γ (1e-10 in the authors' adam_corr.py) unless --bc_gamma is given
+    if "bc_gamma" not in explicit and optim_variant(getattr(peek, "optim_args", None)) != "paper":
+        parser.set_defaults(bc_gamma=None)
+    # per-optimizer lr / weight decay unless given; a --disable_dp baseline with an HF optimizer takes the defaults of
+    # the DP optimizer of its family (adamw_* -> dp_adamw, sgd -> dp_sgd), so that the comparison means something
+    for key, value in optimizer_defaults.get(dp_family(optim_name(peek.optim), optimizer_defaults), {}).items():
+        if key not in explicit:
+            parser.set_defaults(**{key: value})
+    # the frozen prefix is cached when it can be (last_block, last_k:K, head: hf_dp.models.suffix_blocks): the same
+    # per-example gradients, minutes instead of an hour on CPU (benchmarks/RESULTS.md §3); the prefix then runs once in
+    # eval mode. --cache_frozen_features false: off
+    if "cache_frozen_features" not in explicit and cacheable(getattr(peek, "trainable", None)):
+        parser.set_defaults(cache_frozen_features=True)
+    # under DP, each Poisson draw is ordered by length before it is cut into micro-batches: the same draws, clipped sum
+    # and noise, less padding (benchmarks/RESULTS.md §1(d)). Not for --disable_dp: there HF's group_by_length sampler
+    # changes which examples share a batch. --train_sampling_strategy random: off
+    if "train_sampling_strategy" not in explicit and not getattr(peek, "disable_dp", False):
+        parser.set_defaults(train_sampling_strategy="group_by_length")
+    # HF's meaning: --save_steps N saves every N steps (HF's default strategy is "steps"; the recipe's is "no")
+    if "save_steps" in explicit and "save_strategy" not in explicit:
+        parser.set_defaults(save_strategy="steps")
+    if want_help:  # after every default above is in place: --help shows the values this command line would use
+        print(format_help(parser, peek))
+        raise SystemExit(0)
+    try:
+        *others, training_args = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as exc:  # e.g. DPTrainingArguments' own checks
+        raise RecipeError(str(exc)) from None
+    training_args._hf_dp_explicit = frozenset(explicit)  # which flags the user set (the planner needs it)
+    return (*others, training_args)

@@ -1,0 +1,96 @@
+"""A recipe's ``--help``: hf_dp's DP flags first, then data, model and the essential training flags with the recipe's
+effective defaults for this command line, then the other ``TrainingArguments`` flags, each marked with what it does
+under DP (from the registry ``hf_dp/flags.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# the HF flags a recipe user sets most, shown in their own group right after the DP, data and model groups
+TRAINING_ESSENTIALS = ("output_dir", "optim", "learning_rate", "weight_decay", "per_device_train_batch_size",
+                       "gradient_accumulation_steps", "num_train_epochs", "max_steps", "seed", "do_train", "do_eval",
+                       "do_predict", "save_strategy", "save_steps", "resume_from_checkpoint", "push_to_hub",
+                       "hub_model_id", "disable_tqdm")
+
+
+def effective_notes(optimizer_defaults: dict[str, dict[str, float]], planned_lr: dict[str, float],
+                    output_dir_pattern: str) -> dict[str, str]:
+    """The notes appended to flags whose recipe default depends on the command line."""
+    return {
+        "output_dir": f"(recipe default: {output_dir_pattern}, shown for this command line)",
+        "learning_rate": "(recipe default depends on --optim — " + ", ".join(
+            f"{k} {v['learning_rate']:g}" for k, v in optimizer_defaults.items()) + "; shown for this command line. "
+            "When the planner chooses the batch: " + ", ".join(f"{k} {v:g}" for k, v in planned_lr.items()) + ")",
+        "weight_decay": "(recipe default depends on --optim — " + ", ".join(
+            f"{k} {v['weight_decay']:g}" for k, v in optimizer_defaults.items()) + "; shown for this command line)",
+        "per_device_train_batch_size": "(with --epsilon and none of the batch size, accumulation, epochs or max_steps "
+                                       "given, the planner chooses the logical batch; see recipes/README.md)",
+        "num_train_epochs": "(the compute budget at which the planner chooses the batch when no batch size is given)",
+        "cache_frozen_features": "(recipe default: True for --trainable last_block, last_k:K and head, else False)",
+        "train_sampling_strategy": "(recipe default with DP: group_by_length — each Poisson draw ordered by length "
+                                   "before it is cut into micro-batches; same draws and noise, less padding)",
+    }
+
+
+def format_help(parser, peek, *, data_arguments: type, model_arguments: type, data_title: str, model_title: str,
+                notes: dict[str, str], usage: str, description: str) -> str:
+    """The help text of ``parser`` (an ``HfArgumentParser`` over ``model_arguments``, ``data_arguments`` and
+    ``DPTrainingArguments``, its defaults already set for this command line; ``peek``: the arguments parsed so far),
+    regrouped: DP, data, model, recipe (``--config``), essential training flags, other ``TrainingArguments`` flags."""
+    import argparse
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from hf_dp import DPTrainingArguments
+    from hf_dp.flags import help_note
+
+    hf_names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    dp_names = {f.name for f in dataclasses.fields(DPTrainingArguments)} - hf_names
+    groups: dict[str, Any] = {
+        "dp": parser.add_argument_group("hf_dp: differential privacy and speed"),
+        "data": parser.add_argument_group(data_title),
+        "model": parser.add_argument_group(model_title),
+        "recipe": parser.add_argument_group("recipe"),
+        "train": parser.add_argument_group(
+            "training (transformers TrainingArguments; defaults shown are the recipe's for this command line)"),
+        "hf": parser.add_argument_group(
+            "other transformers TrainingArguments ([DP: ...] = what the flag does under DP, from hf_dp/flags.py; "
+            "unmarked = safe)"),
+    }
+    groups["recipe"].add_argument("--config", metavar="FILE.yaml", help="YAML (or JSON) file of flag values; every "
+                                  "command-line flag overrides it. A single .json/.yaml/.yml argument is the same as "
+                                  "--config FILE (run_glue's `python run_glue.py args.json`)")
+    data_names = {f.name for f in dataclasses.fields(data_arguments)}
+    model_names = {f.name for f in dataclasses.fields(model_arguments)}
+    for action in list(parser._actions):
+        if isinstance(action, argparse._HelpAction) or action.dest == "config":
+            continue
+        name = action.dest
+        if name in dp_names:
+            key = "dp"
+        elif name in data_names:
+            key = "data"
+        elif name in model_names:
+            key = "model"
+        elif name in TRAINING_ESSENTIALS:
+            key = "train"
+        elif name in hf_names:
+            key = "hf"
+        else:
+            continue
+        for group in parser._action_groups:
+            if action in group._group_actions:
+                group._group_actions.remove(action)
+        groups[key]._group_actions.append(action)
+        extra_notes = [notes.get(name)]
+        if name in hf_names and getattr(peek, "disable_dp", False) is False:
+            extra_notes.append(help_note(name))
+        extra = " ".join(n for n in extra_notes if n).replace("%", "%%")  # argparse formats help with %
+        if extra:
+            action.help = f"{action.help or ''} {extra}".strip()
+    order = [groups[k] for k in ("dp", "data", "model", "recipe", "train", "hf")]
+    parser._action_groups = order + [g for g in parser._action_groups if g not in order and g._group_actions]
+    parser.usage = usage
+    parser.description = description
+    return parser.format_help()

@@ -1,0 +1,274 @@
+"""What every recipe run does around its task: the privacy checks before any expensive work, the planner's batch,
+``--resume_from_checkpoint``, the summary block, the Hub push of the saved folder, the predictions file, and the
+entry point that turns user errors (and hf_dp's own checks) into one ``error:`` line and exit code 2."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from .args import RecipeError, optim_name
+
+# ----------------------------------------------------------------------------------------------- before the model
+
+
+def resume_argument(training_args):
+    """``--resume_from_checkpoint``: ``True``/``true`` = the newest complete checkpoint in output_dir (as HF), a path,
+    or None. Refuses to start a fresh run over an output_dir whose checkpoints record privacy already spent."""
+    from hf_dp import checkpointing
+
+    value = training_args.resume_from_checkpoint
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes"):
+        value = True
+    elif isinstance(value, str) and value.strip().lower() in ("false", "0", "no", ""):
+        value = None
+    if value is None and training_args.do_train and checkpointing.list_checkpoints(training_args.output_dir):
+        raise RecipeError(
+            f"--output_dir {training_args.output_dir} holds checkpoints of an earlier run (the privacy it spent is "
+            "recorded there); pass --resume_from_checkpoint True to continue it, or choose another --output_dir"
+        )
+    return value
+
+
+def check_privacy_settings(training_args, n_train: int) -> None:
+    """The checks that need only N and the flags (δ < 1/N, B ≤ N, σ calibratable), before any expensive work."""
+    import math
+
+    from hf_dp.privacy.accounting import calibrate_noise_multiplier, check_delta
+    from hf_dp.privacy.sampler import PoissonBatchSampler
+
+    if not training_args.dp_enabled or not training_args.do_train:
+        return
+    if n_train <= 0:
+        raise RecipeError("the training set is empty")
+    b = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * max(1, training_args.world_size)
+    if b > n_train:
+        raise RecipeError(
+            f"the expected logical batch B = per_device_train_batch_size × gradient_accumulation_steps × world_size "
+            f"= {b} is larger than the training set (N = {n_train}); Poisson sampling needs q = B/N ≤ 1"
+        )
+    check_delta(training_args.delta, n_train)
+    if training_args.epsilon is not None:
+        q = b / n_train
+        steps = training_args.max_steps if training_args.max_steps > 0 else math.ceil(
+            training_args.num_train_epochs * PoissonBatchSampler.steps_for_epoch(q))
+        calibrate_noise_multiplier(training_args.epsilon, training_args.delta, q, steps, training_args.accountant)
+
+
+def apply_plan(training_args, model, n_train: int, planned_lr: dict[str, float]) -> Optional[str]:
+    """When the user set none of the batch size, accumulation, epochs or steps: the planner's logical batch
+    (hf_dp.plan.recommend, at the protocol's epochs as the compute budget), and ``planned_lr[optimizer]`` unless
+    --learning_rate was given. Returns the line to print."""
+    explicit = getattr(training_args, "_hf_dp_explicit", frozenset())
+    keys = {"per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps"}
+    if not training_args.dp_enabled or training_args.epsilon is None or keys & explicit or not training_args.do_train:
+        return None
+    import copy
+
+    from hf_dp.models import apply_trainable
+    from hf_dp.plan import recommend, split_batch
+
+    probe = copy.deepcopy(model) if training_args.trainable == "lora" else model
+    d = apply_trainable(probe, training_args.trainable)[1].num_trainable
+    # calibrating σ for every candidate can take ~20 s on a cold cache: say what is happening
+    print(f"planner: calibrating σ for each candidate logical batch at {training_args.num_train_epochs:g} epoch(s), "
+          f"N = {n_train:,}, d = {d:,} (public quantities only) ...", flush=True)
+    try:
+        plan = recommend(n_train, training_args.epsilon, training_args.delta, d, epochs=training_args.num_train_epochs,
+                         accountant=training_args.accountant)
+    except ValueError as exc:  # e.g. N smaller than every candidate batch: keep the protocol's batch
+        return f"planner: no recommendation ({exc}); keeping B = {training_args.per_device_train_batch_size}"
+    per_device, accum = split_batch(plan.batch_size, world_size=max(1, training_args.world_size))
+    training_args.per_device_train_batch_size = per_device
+    training_args.gradient_accumulation_steps = accum
+    lines = [f"planner (no batch size or epochs given): {plan.summary()}"]
+    optim = optim_name(training_args.optim)
+    if "learning_rate" not in explicit and optim in planned_lr:
+        training_args.learning_rate = planned_lr[optim]
+        lines.append(f"planner: learning rate {planned_lr[optim]:g} for {optim} at the planner's batch "
+                     "(chosen on tune splits of training data, recipes/README.md; --learning_rate overrides)")
+    lines += list(plan.warnings())
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- after training
+
+
+def write_predictions(trainer, dataset, output_dir: str, name: str, decode: Callable[[Any], Iterable[str]]) -> None:
+    """``trainer.predict`` on ``dataset`` (its labels dropped), written by the main process to
+    ``output_dir/predict_results_<name>.txt`` as ``index<TAB>prediction`` lines; ``decode`` turns the raw
+    predictions into one string per row."""
+    if "labels" in dataset.column_names:
+        dataset = dataset.remove_columns("labels")
+    preds = trainer.predict(dataset, metric_key_prefix="predict").predictions
+    path = os.path.join(output_dir, f"predict_results_{name}.txt")
+    if trainer.is_world_process_zero():
+        os.makedirs(output_dir, exist_ok=True)
+        with open(path, "w") as writer:
+            writer.write("index\tprediction\n")
+            for i, p in enumerate(decode(preds)):
+                writer.write(f"{i}\t{p}\n")
+
+
+def push_folder(folder: str, training_args) -> dict:
+    """Upload the saved release folder (model, tokenizer, card, privacy.json; never checkpoint-* or _* files) to the
+    Hub. Returns ``{"ok": True, "repo": …}`` or ``{"ok": False, "repo": …, "error": …, "command": …}`` (no network,
+    offline mode, no token…): the folder stays on disk and the command pushes it later."""
+    import shlex
+
+    repo = training_args.hub_model_id or os.path.basename(os.path.normpath(folder))
+    ignore = ["checkpoint-*", "_*", "runs/*"]
+    command = (f"python -c \"from huggingface_hub import HfApi; api = HfApi(); api.create_repo({repo!r}, exist_ok=True, "
+               f"private={bool(training_args.hub_private_repo)}); api.upload_folder(repo_id={repo!r}, folder_path="
+               f"{os.path.abspath(folder)!r}, ignore_patterns={ignore!r})\"")
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=training_args.hub_token)
+        api.create_repo(repo, exist_ok=True, private=bool(training_args.hub_private_repo))
+        api.upload_folder(repo_id=repo, folder_path=folder, ignore_patterns=ignore, revision=training_args.hub_revision)
+        return {"ok": True, "repo": repo}
+    except Exception as exc:  # any failure of the push: the trained model is saved; say how to push it later
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return {"ok": False, "repo": repo, "error": f"{type(exc).__name__}: {first}", "command": command,
+                "folder": shlex.quote(os.path.abspath(folder))}
+
+
+def summarize(task: str, training_args, report: dict, metric_name: str, eval_metrics: dict, baseline, start: float,
+              output_dir: Optional[str], pushed) -> dict[str, Any]:
+    """The run's summary dict (what :func:`summary_block` prints and ``main`` returns to the caller)."""
+    return {
+        "task": task,
+        "optimizer": optim_name(training_args.optim),
+        "epsilon": report.get("epsilon"),
+        "target_epsilon": report.get("target_epsilon"),
+        "delta": report.get("delta"),
+        "noise_multiplier": report.get("noise_multiplier"),
+        "max_grad_norm": report.get("max_grad_norm"),
+        "sample_rate": report.get("sample_rate"),
+        "steps": report.get("steps"),
+        "metric_name": metric_name,
+        "metric": eval_metrics.get(f"eval_{metric_name}"),
+        "eval": eval_metrics,
+        "baseline": baseline,
+        "wall_time": time.perf_counter() - start,
+        "output_dir": output_dir,
+        "report": report,
+        "push": pushed,
+    }
+
+
+def _fmt(x, spec=".4g") -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def summary_block(s: dict[str, Any]) -> str:
+    rows = [
+        ("task", s.get("task")),
+        ("optimizer", s.get("optimizer")),
+        ("epsilon spent", _fmt(s.get("epsilon")) + (f" (target {_fmt(s.get('target_epsilon'))})" if s.get("target_epsilon") else "")),
+        ("delta", _fmt(s.get("delta"))),
+        ("noise multiplier sigma", _fmt(s.get("noise_multiplier"))),
+        ("clipping norm C", _fmt(s.get("max_grad_norm"))),
+        ("sampling rate q", _fmt(s.get("sample_rate"))),
+        ("steps", _fmt(s.get("steps"))),
+        (s.get("metric_name", "metric"), _fmt(s.get("metric"))),
+        *([("constant baseline", s["baseline"]["sentence"])] if s.get("baseline") else []),
+        ("wall time", f"{s.get('wall_time', 0.0):.1f} s"),
+        ("saved to", s.get("output_dir") or "not saved"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["=" * 20 + " hf_dp summary " + "=" * 20]
+    lines += [f"{k.ljust(width)} : {v}" for k, v in rows]
+    lines.append("=" * 55)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+
+
+def raised_by_hf_dp(exc: BaseException) -> bool:
+    """True for a ValueError raised by hf_dp itself (its checks) or hf_dp's PrivacyBudgetExceeded."""
+    import traceback
+
+    from hf_dp.privacy.privatizer import PrivacyBudgetExceeded
+
+    if isinstance(exc, PrivacyBudgetExceeded):
+        return True
+    if not isinstance(exc, ValueError):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = str(Path(__file__).resolve().parents[2] / "hf_dp")
+    import hf_dp
+
+    roots = {package, str(Path(hf_dp.__file__).resolve().parent)}
+    return bool(frames) and any(str(Path(frames[-1].filename).resolve()).startswith(r) for r in roots)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class StripAnsi(logging.Filter):
+    """Drops terminal escape codes from records going to a handler whose stream is not a terminal (a log file, a pipe):
+    transformers' model-load report puts its bold title in raw escape codes whatever the stream."""
+
+    def __init__(self, handler: logging.Handler):
+        super().__init__()
+        self.handler = handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        stream = getattr(self.handler, "stream", None)
+        if stream is not None and not (hasattr(stream, "isatty") and stream.isatty()):
+            text = record.getMessage()
+            if "\x1b[" in text:
+                record.msg, record.args = _ANSI.sub("", text), None
+        return True
+
+
+def plain_text_logs() -> None:
+    for name in ("", "transformers"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, StripAnsi) for f in handler.filters):
+                handler.addFilter(StripAnsi(handler))
+
+
+def main(parse: Callable, run: Callable, argv: Optional[list[str]] = None,
+         defaults: Optional[dict[str, Any]] = None, user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Parse (``parse(argv, defaults)``), run (``run(*parsed)`` → the summary dict), print the summary; returns the
+    process exit code: 0 ok, 2 for a :class:`RecipeError`, one of ``user_errors`` or one of hf_dp's own checks (shown
+    as one ``error:`` line, no traceback), 3 when the model was saved but the Hub push failed."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
+                        stream=sys.stderr)
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_warning()
+        plain_text_logs()
+        summary = run(*parse(argv, defaults))
+    except (RecipeError, *user_errors) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError) as exc:
+        if not raised_by_hf_dp(exc):
+            raise
+        print(f"error: {exc}", file=sys.stderr)  # hf_dp's own checks (docs/misuse.md): one line, no traceback
+        return 2
+    print(summary_block(summary), flush=True)
+    push = summary.get("push")
+    if push and not push["ok"]:
+        print(f"error: the model was trained and saved to {summary['output_dir']}, but pushing it to the Hub repo "
+              f"{push['repo']} failed ({push['error']}); push the saved folder later with: {push['command']}",
+              file=sys.stderr)
+        return 3
+    if push:
+        print(f"pushed {summary['output_dir']} to the Hub repo {push['repo']}", flush=True)
+    return 0

@@ -1,0 +1,279 @@
+"""Every script in benchmarks/ runs: a smoke run of each at tiny sizes (seconds), so that a refactor cannot silently
+break the evidence behind the ratios in benchmarks/RESULTS.md (issue 28: ``ddp_step_time.py`` had stopped importing).
+
+Nothing here measures anything. Scripts are imported and run in this process with tiny arguments (one interpreter, one
+import of transformers), except ``ddp_step_time.py``, whose smoke run starts 2 gloo processes itself
+(``--smoke``: ``torch.multiprocessing``). The two scripts that time ``recipes/qnli.py`` as a subprocess
+(``main_job.py``, ``cache_end_to_end.py``) run it here with ``runpy`` in this process instead (the command line they
+build, unchanged). all-MiniLM-L6-v2 is replaced by a tiny random BERT of the same architecture (``--model``; 3 layers,
+hidden 16, MiniLM's vocabulary size). Scripts needing the shared GLUE folder (``$HF_DP_SHARED`` or ``../shared``, as
+tests/test_recipes.py) or dp_accounting skip without them. The runs that calibrate σ to ε = 3 train on 32 rows with a
+logical batch of 32 (q = 1): Opacus' PRV accountant takes seconds per calibration at 0 < q < 1 and milliseconds at q = 1,
+and the calibration is memoised, so it is paid once for the whole file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import runpy
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
+GLUE = SHARED / "data" / "glue"
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one intra-op thread (tests/conftest.py)
+
+
+def needs_glue(task_dir: str):
+    return pytest.mark.skipif(not (GLUE / task_dir / "train.tsv").is_file(), reason=f"shared GLUE {task_dir} not found")
+
+
+def test_every_benchmark_script_has_a_smoke_run():
+    scripts = {p.stem for p in BENCH.glob("*.py")}
+    tested = {name[len("test_smoke_"):] for name in globals() if name.startswith("test_smoke_")}
+    assert scripts <= tested, f"benchmarks without a smoke run: {sorted(scripts - tested)}"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "bench_io"))
+def test_every_benchmark_script_prints_its_help(name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench(name).main(["--help"])
+    assert exc.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """A folder like MiniLM's: a tiny random BertForSequenceClassification (vocabulary as large as MiniLM's, since the
+    timing scripts draw token ids up to 30,000) and a WordPiece tokenizer (tests/helpers.py)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from tests.helpers import make_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny_minilm")
+    make_tokenizer(d).save_pretrained(str(d))
+    config = BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
+                        max_position_embeddings=512, num_labels=2)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(str(d))
+    return str(d)
+
+
+@pytest.fixture(autouse=True)
+def _quick(monkeypatch):
+    """What costs seconds here and nothing in a benchmark: ``gc.collect()`` (step_time.py before timing; accelerate
+    after every ``train()``) walks this test process's whole heap, ~0.5 s a call; offline, ``evaluate.load`` retries
+    HTTP for seconds before recipes.glue_support.metrics falls back to the same formulas (make it fail at once). Thread count restored
+    (noise_cost.py sets its own)."""
+    import gc
+
+    monkeypatch.setattr(gc, "collect", lambda *a, **k: 0)
+    try:
+        import evaluate.config
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(evaluate.config, "HF_EVALUATE_OFFLINE", True)
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def bench(name: str):
+    """benchmarks/<name>.py imported as module ``name`` (benchmarks/ on sys.path, as when it runs as a script, so that
+    its ``from bench_io import …`` works and processes it spawns can import it)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+def _main(module, argv) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.main(argv)
+    return out.getvalue()
+
+
+def _recipe_in_process(monkeypatch, module):
+    """Replace ``module``'s ``subprocess`` by one whose ``run`` executes ``python recipes/qnli.py ARGS`` in this
+    process (runpy), with the environment and working directory the script asked for, output captured."""
+
+    def run(cmd, capture_output=True, text=True, env=None, cwd=None, **_):
+        assert cmd[0] == sys.executable and cmd[1].endswith("qnli.py"), cmd
+        out, err = io.StringIO(), io.StringIO()
+        with monkeypatch.context() as m:
+            for k, v in (env or {}).items():
+                if os.environ.get(k) != v:
+                    m.setenv(k, v)
+            if cwd is not None:
+                m.chdir(cwd)
+            m.setattr(sys, "argv", [cmd[1], *cmd[2:]])
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    runpy.run_path(cmd[1], run_name="__main__")
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
+
+    monkeypatch.setattr(module, "subprocess", types.SimpleNamespace(run=run))
+
+
+# ------------------------------------------------------------------------------------------------ no model needed
+
+
+def test_smoke_bench_io(tmp_path):
+    bio = bench("bench_io")
+    assert bio.load_jsonl(tmp_path / "missing.jsonl") == []
+    (tmp_path / "r.jsonl").write_text('{"a": 1}\n\n{"a": 2}\n')
+    assert [r["a"] for r in bio.load_jsonl(tmp_path / "r.jsonl")] == [1, 2]
+    import argparse
+
+    seen = []
+    assert bio.results_cli(argparse.ArgumentParser(), tmp_path / "x.jsonl", seen.append, ["--report"]) is None
+    assert seen == [str(tmp_path / "x.jsonl")]
+    a = bio.results_cli(argparse.ArgumentParser(), tmp_path / "d" / "x.jsonl", seen.append, [])
+    assert a.out == str(tmp_path / "d" / "x.jsonl") and (tmp_path / "d").is_dir()
+
+
+def test_smoke_accounting_crosscheck(tmp_path):
+    pytest.importorskip("dp_accounting")
+    text = _main(bench("accounting_crosscheck"), ["--smoke", "--out", str(tmp_path / "r.md"), "--json", str(tmp_path / "r.json")])
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert len(rows) == 3 and all(r["eps_pld_lower"] <= r["eps_pld_upper"] for r in rows)
+    assert "Summary over 3 points" in text and (tmp_path / "r.md").read_text() in text
+
+
+def test_smoke_optimizer_step():
+    text = _main(bench("optimizer_step"), ["--reps", "1", "--inner", "1", "--hidden", "8", "--intermediate", "16"])
+    from hf_dp.optim import DP_OPTIMIZERS
+
+    for name in ("torch_adamw", *DP_OPTIMIZERS, "dp_adamw_chain"):
+        assert f"| {name} |" in text
+
+
+# ------------------------------------------------------------------------------------------------ tiny model
+
+
+def test_smoke_step_time(tmp_path, tiny):
+    """Every mode of the step as each timing subprocess runs it (``child``), one step at B = 2, L = 8: last_block,
+    full fine-tuning for Opacus' own ghost clipping (its position-id path), the cached suffix; then the tables."""
+    st = bench("step_time")
+    runs = [("last_block", mode, False) for mode in st.MODES]
+    runs += [("all", "opacus_ghost", False), ("last_block", "hf_dp_ghost", True)]
+    rows = []
+    for config, mode, cached in runs:
+        res = st.child(config, mode, batch=2, length=8, steps=1, warmup=1, cached=cached, model_path=tiny)
+        assert len(res["times"]) == 1 and res["trainable"] > 0
+        rows.append({"rep": 0, "kind": "time", **res})
+    out = tmp_path / "st.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows[: len(st.MODES)]))
+    text = _main(st, ["--report", "--out", str(out)])
+    assert text.count("| last_block (") == len(st.MODES) and "failed" not in text
+
+
+def test_smoke_ddp_step_time(tiny):
+    """``--smoke``: both configs × every mode in one pair of gloo processes (torch.multiprocessing)."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed not available")
+    ddp = bench("ddp_step_time")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = ddp.main(["--smoke", "--configs", "last_block,all", "--model", tiny])
+    assert len(summary) == 2 * len(ddp.MODES)
+    assert all(s["median_s_per_step"] > 0 and s["time_ratio"] > 0 for s in summary)
+    assert "| all | hf_dp_hooks |" in out.getvalue()
+
+
+def test_smoke_noise_cost(tmp_path, tiny):
+    text = _main(bench("noise_cost"), ["--batch", "2", "--length", "8", "--steps", "1", "--reps", "1",
+                                       "--trainables", "last_block", "--rounds", "1", "--model", tiny,
+                                       "--out", str(tmp_path / "n.json")])
+    (row,) = json.loads((tmp_path / "n.json").read_text())["rows"]
+    assert row["trainable"] == "last_block" and row["step_ratio"] > 0 and row["noise_s_secure"] > 0
+    assert json.loads(text.strip().splitlines()[-1]) == row
+
+
+# ------------------------------------------------------------------------------------------------ tiny model + GLUE
+
+
+@needs_glue("SST-2")
+def test_smoke_group_by_length(tmp_path, monkeypatch, tiny):
+    gbl = bench("group_by_length")
+    monkeypatch.setattr(gbl, "RUNS_DIR", str(tmp_path / "runs"))
+    out = str(tmp_path / "g.jsonl")
+    _main(gbl, ["--task", "sst2", "--trainable", "last_k:2", "--rows", "32", "--batch", "32", "--steps", "1", "--reps", "1",
+                "--model", tiny, "--out", out])
+    rows = gbl.load_jsonl(out)
+    assert sorted(r["mode"] for r in rows) == sorted(gbl.MODES) and all(r["steps"] == 1 for r in rows)
+    assert "| sst2 | last_k:2 | 32 |" in _main(gbl, ["--report", "--out", out])
+
+
+@needs_glue("QNLI")
+def test_smoke_qnli_optimizers(tmp_path, monkeypatch, tiny):
+    qo = bench("qnli_optimizers")
+    monkeypatch.setattr(qo, "RUNS_DIR", str(tmp_path / "runs"))
+    out = str(tmp_path / "q.jsonl")
+    _main(qo, ["--task", "qnli", "--optims", "dp_adamw_bc,nonprivate_adamw", "--first_only", "--stage1_only",
+               "--epochs", "1", "--batch", "32", "--max_train", "32", "--max_eval", "16", "--max_length", "32",
+               "--model", tiny, "--out", out])
+    rows = qo.load_jsonl(out)
+    assert [r["optim"] for r in rows] == ["dp_adamw_bc", "nonprivate_adamw"]
+    assert rows[0]["epsilon"] <= 3.0 + 1e-9 and rows[0]["sizes"] == {"train": 32, "tune": 16, "dev": 16}
+    text = _main(qo, ["--report", "--out", out, "--png", str(tmp_path / "q.png")])
+    assert "| dp_adamw_bc |" in text and "| nonprivate_adamw |" in text
+
+
+@needs_glue("QNLI")
+def test_smoke_main_job_tuning(tmp_path, monkeypatch, tiny):
+    mjt = bench("main_job_tuning")
+    monkeypatch.setattr(mjt, "RUNS_DIR", str(tmp_path / "runs"))
+    out = str(tmp_path / "t.jsonl")
+    _main(mjt, ["--task", "qnli", "--epochs", "1", "--lrs", "1e-2", "--seeds", "0", "--max_rows", "32", "--max_length", "32",
+                "--model", tiny, "--out", out])
+    (row,) = mjt.load_jsonl(out)
+    assert row["sizes"] == {"validation": 32, "train": 32, "tune": 32} and row["epsilon"] <= 3.0 + 1e-9
+    assert "| qnli | last_block | rows | 32 |" in _main(mjt, ["--report", "--out", out])
+
+
+@needs_glue("QNLI")
+def test_smoke_cache_end_to_end(tmp_path, monkeypatch, tiny):
+    e2e = bench("cache_end_to_end")
+    _recipe_in_process(monkeypatch, e2e)
+    monkeypatch.setattr(e2e, "RUNS_DIR", str(tmp_path / "runs"))
+    out = str(tmp_path / "e.jsonl")
+    _main(e2e, ["--seeds", "0", "--epochs", "1", "--batch", "32", "--max_train_samples", "32", "--max_eval_samples", "16",
+                "--model", tiny, "--out", out])
+    rows = e2e.load_jsonl(out)
+    assert sorted(r["mode"] for r in rows) == ["cached", "uncached"]
+    assert all(r["accuracy"] is not None and r["epsilon"] <= 3.0 + 1e-9 and r["steps"] == 1 for r in rows), rows
+    assert "end-to-end speed-up" in _main(e2e, ["--report", "--out", out])
+
+
+@pytest.mark.skipif(not (REPO.parent / "shared" / "data" / "glue" / "QNLI" / "train.tsv").is_file(),
+                    reason="the README's main job reads ../shared/data/glue")
+def test_smoke_main_job(tmp_path, monkeypatch, tiny):
+    """The README's own command (as main_job.py reads it), on the first rows of QNLI, the tiny model in MiniLM's place."""
+    mj = bench("main_job")
+    _recipe_in_process(monkeypatch, mj)
+    monkeypatch.setattr(mj, "RUNS_DIR", str(tmp_path / "runs"))
+    out = str(tmp_path / "m.jsonl")
+    _main(mj, ["--seeds", "0", "--extra_args", f"--max_train_samples 32 --max_eval_samples 16 --max_seq_length 32 "
+               f"--model_name_or_path {tiny}", "--out", out])
+    (row,) = mj.load_jsonl(out)
+    assert "--optim dp_adamw --epsilon 3" in row["command"] and row["accuracy"] is not None
+    assert row["epsilon"] <= 3.0 + 1e-9 and row["learning_rate"] > 0
+    privacy = json.loads((tmp_path / "runs" / "s0" / "privacy.json").read_text())
+    assert privacy["optimizer"]["name"] == "dp_adamw" and privacy["dataset_size"] == 32  # the tiny run, not MiniLM's
+    assert "| 0 |" in _main(mj, ["--report", "--out", out])
