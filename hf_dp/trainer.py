@@ -66,7 +66,8 @@ from hf_dp.models import apply_trainable
 from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
 from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, CachedFeatures, CachedFeaturesCollator
 from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
-from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
+from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec
+from hf_dp.privacy.planning import plan_mechanism
 from hf_dp.privacy.privatizer import PrivateOptimizer
 from hf_dp.privacy.randomness import SEEDED, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
@@ -264,43 +265,16 @@ class DPTrainer(Trainer):
         self._check_label_column()
         contract.check_labels(self._fingerprint_source, getattr(self.model, "config", None))
         world = max(1, args.world_size)
-        b = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
-        if b > n:
-            raise ValueError(
-                f"the expected logical batch B = per_device_train_batch_size × gradient_accumulation_steps × world_size "
-                f"= {b} is larger than the dataset (N = {n}); Poisson sampling needs q = B/N ≤ 1"
-            )
-        check_delta(args.delta, n)
-        q = b / n
-        steps_per_epoch = PoissonBatchSampler.steps_for_epoch(q)
-        planned = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-        if planned <= 0:
-            raise ValueError("the run plans no training step (check --num_train_epochs / --max_steps)")
-        if args.epsilon is not None:
-            sigma = calibrate_noise_multiplier(args.epsilon, args.delta, q, planned, args.accountant)
-        else:
-            sigma = float(args.noise_multiplier)
-        self.privacy_spec = PrivacySpec(
-            noise_multiplier=sigma,
-            max_grad_norm=float(args.per_sample_max_grad_norm),
-            sample_rate=q,
-            expected_batch_size=float(b),
-            dataset_size=n,
-            delta=float(args.delta),
-            accountant=args.accountant,
-            target_epsilon=args.epsilon,
-            planned_steps=planned,
+        self.privacy_spec, steps_per_epoch, self.planned_epsilon = plan_mechanism(
+            n=n, per_device_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps,
+            world_size=world, delta=args.delta, epsilon=args.epsilon, noise_multiplier=args.noise_multiplier,
+            max_grad_norm=args.per_sample_max_grad_norm, accountant=args.accountant, max_steps=args.max_steps,
+            num_train_epochs=args.num_train_epochs,
         )
-        self.ledger = PrivacyLedger(self.privacy_spec)
+        spec = self.privacy_spec
+        q, b, planned, sigma = spec.sample_rate, int(spec.expected_batch_size), spec.planned_steps, spec.noise_multiplier
+        self.ledger = PrivacyLedger(spec)
         lineage.adopt_model_ledger(self)  # the earlier runs the model carries (--prior_privacy; hf_dp.lineage)
-        try:
-            self.planned_epsilon = compute_epsilon(sigma, q, planned, args.delta, args.accountant)
-        except (MemoryError, OverflowError, ValueError, RuntimeError) as e:
-            raise ValueError(
-                f"the {args.accountant} accountant cannot evaluate sigma={sigma:g} with q={q:.4g} over {planned} steps "
-                f"({type(e).__name__}); such a small noise multiplier gives no meaningful guarantee — raise "
-                "--noise_multiplier (or use --accountant rdp)"
-            ) from e
         self.randomness = source_name(args.dp_seed, args.secure_rng)
         if self.randomness == SEEDED:
             logger.warning(

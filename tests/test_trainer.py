@@ -56,12 +56,12 @@ LEARNING_RATES = {
 
 @pytest.fixture(scope="module", autouse=True)
 def _fast_cpu():
-    import hf_dp.trainer as trainer_module
+    import hf_dp.privacy.planning as planning
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     mp = pytest.MonkeyPatch()
-    mp.setattr(trainer_module, "calibrate_noise_multiplier", functools.lru_cache(maxsize=None)(trainer_module.calibrate_noise_multiplier))
+    mp.setattr(planning, "calibrate_noise_multiplier", functools.lru_cache(maxsize=None)(planning.calibrate_noise_multiplier))
     yield
     mp.undo()
     torch.set_num_threads(threads)

@@ -1,0 +1,49 @@
+"""The mechanism a DP run plans before its first step: q = B/N, the planned steps, σ (calibrated for ``--epsilon``,
+or given), as one :class:`~hf_dp.privacy.accounting.PrivacySpec`.
+
+Everything here is a function of public quantities (N, B, δ, ε or σ, C, the steps); ``DPTrainer`` calls
+:func:`plan_mechanism` once, when it is built, and every later check compares against that plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .accounting import PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
+from .sampler import PoissonBatchSampler
+
+
+def plan_mechanism(*, n: int, per_device_batch: int, accumulation: int, world_size: int, delta: float,
+                   epsilon: float | None, noise_multiplier: float | None, max_grad_norm: float, accountant: str,
+                   max_steps: int, num_train_epochs: float) -> tuple[PrivacySpec, int, float]:
+    """(spec, steps per epoch, ε of the planned steps) for N = ``n`` examples and the expected logical batch
+    B = per_device_batch × accumulation × world_size; refuses in one sentence what cannot be a private run."""
+    b = per_device_batch * accumulation * max(1, world_size)
+    if b > n:
+        raise ValueError(
+            f"the expected logical batch B = per_device_train_batch_size × gradient_accumulation_steps × world_size "
+            f"= {b} is larger than the dataset (N = {n}); Poisson sampling needs q = B/N ≤ 1"
+        )
+    check_delta(delta, n)
+    q = b / n
+    steps_per_epoch = PoissonBatchSampler.steps_for_epoch(q)
+    planned = max_steps if max_steps > 0 else math.ceil(num_train_epochs * steps_per_epoch)
+    if planned <= 0:
+        raise ValueError("the run plans no training step (check --num_train_epochs / --max_steps)")
+    if epsilon is not None:
+        sigma = calibrate_noise_multiplier(epsilon, delta, q, planned, accountant)
+    else:
+        sigma = float(noise_multiplier)
+    spec = PrivacySpec(
+        noise_multiplier=sigma, max_grad_norm=float(max_grad_norm), sample_rate=q, expected_batch_size=float(b),
+        dataset_size=n, delta=float(delta), accountant=accountant, target_epsilon=epsilon, planned_steps=planned,
+    )
+    try:
+        planned_epsilon = compute_epsilon(sigma, q, planned, delta, accountant)
+    except (MemoryError, OverflowError, ValueError, RuntimeError) as e:
+        raise ValueError(
+            f"the {accountant} accountant cannot evaluate sigma={sigma:g} with q={q:.4g} over {planned} steps "
+            f"({type(e).__name__}); such a small noise multiplier gives no meaningful guarantee — raise "
+            "--noise_multiplier (or use --accountant rdp)"
+        ) from e
+    return spec, steps_per_epoch, planned_epsilon
