@@ -130,18 +130,7 @@ def write_marker(folder: str, info: dict[str, Any] | None = None, hash_files: bo
     for root, _dirs, _files in os.walk(folder):
         _fsync_dir(root)
     marker = {"format": MARKER_FORMAT, "complete": True, **(info or {}), "files": files}
-    fd, tmp = tempfile.mkstemp(prefix=".hf_dp_tmp", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(marker, f, indent=2, sort_keys=True, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, os.path.join(folder, MARKER_NAME))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    _write_json_atomic(folder, MARKER_NAME, marker, indent=2, fsync=True)
     _fsync_dir(folder)
     return marker
 
@@ -328,11 +317,16 @@ def _folder_lock(folder: str):
         os.close(fd)  # releases the lock
 
 
-def _write_json_atomic(folder: str, name: str, payload: dict) -> None:
+def _write_json_atomic(folder: str, name: str, payload: dict, indent: int | None = None, fsync: bool = False) -> None:
+    """``folder/name`` replaced atomically (temp file, ``os.replace``) by ``payload`` as JSON, with the umask's mode;
+    ``fsync``: the data is on disk before the rename."""
     fd, tmp = tempfile.mkstemp(prefix=".hf_dp_tmp", suffix=".json", dir=folder)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, sort_keys=True, default=str)
+            json.dump(payload, f, indent=indent, sort_keys=True, default=str)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.chmod(tmp, _umask_mode())
         os.replace(tmp, os.path.join(folder, name))
     except BaseException:
