@@ -313,14 +313,24 @@ def _trainer(cfg, model, args, dataset):
         create = tr.create_optimizer
 
         def create_without_noise(model=None):
-            opt = create(model)
-            opt.noise_multiplier = 0.0  # the privatizer adds N(0, (0·C)²); the ledger keeps the nominal σ
-            return opt
+            out = create(model)
+            opt = tr._dp_optimizer  # the privatizer (HF may hand back Accelerate's wrapper of it)
+            if getattr(opt, "_audit_zero_noise", False):
+                return out
+            opt._audit_zero_noise = True
+            add_noise = opt.add_noise
+
+            def add_zero_noise():  # the privatizer adds N(0, (0·C)²); the ledger keeps the nominal σ, and so does the
+                sigma, opt.noise_multiplier = opt.noise_multiplier, 0.0  # optimizer between steps (DPTrainer checks it)
+                try:
+                    add_noise()
+                finally:
+                    opt.noise_multiplier = sigma
+
+            opt.add_noise = add_zero_noise
+            return out
 
         tr.create_optimizer = create_without_noise
-        for cb in tr.callback_handler.callbacks:  # and DPTrainer's check that the privatizer keeps its planned σ bypassed
-            if type(cb).__name__ == "_BudgetGuard":
-                cb.on_step_begin = lambda *a, **k: None
     if cfg.variant in ("replay_train", "replay_resume"):
         tr._dp_sampler = ReplayBatchSampler(tr._dp_sampler)
     if cfg.variant == "two_rows":  # the collator emits every drawn row twice; the one-row-per-example check bypassed

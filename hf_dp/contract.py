@@ -137,23 +137,27 @@ LABEL_COLUMNS = ("labels", "label", "label_ids")
 
 
 def _label_values(dataset):
-    """(column, list of label values) of a training set, or (None, None) when it has no label column."""
+    """(column, list of label values) of a training set; (None, None) when its columns cannot be read. A training set
+    whose columns are known but hold no label column is refused: DP training computes each example's loss from it."""
     columns = getattr(dataset, "column_names", None)
-    if columns is not None:
-        col = next((c for c in LABEL_COLUMNS if c in columns), None)
-        if col is None:
+    first = None
+    if columns is None:
+        try:
+            first = dataset[0]
+        except Exception:  # noqa: BLE001 - a dataset we cannot index: nothing to check
             return None, None
+        if not hasattr(first, "keys"):
+            return None, None
+        columns = list(first.keys())
+    col = next((c for c in LABEL_COLUMNS if c in columns), None)
+    if col is None:
+        raise ValueError(
+            f"the train dataset has no label column ('labels' or 'label'; it has {sorted(columns)}): "
+            "DP training computes each example's loss from its label"
+        )
+    if first is None:
         values = dataset[col]
         return col, list(values) if not torch.is_tensor(values) else values
-    try:
-        first = dataset[0]
-    except Exception:  # noqa: BLE001 - a dataset we cannot index: nothing to check
-        return None, None
-    if not hasattr(first, "keys"):
-        return None, None
-    col = next((c for c in LABEL_COLUMNS if c in first.keys()), None)
-    if col is None:
-        return None, None
     return col, [dataset[i][col] for i in range(len(dataset))]
 
 
@@ -168,7 +172,7 @@ def _problem_type(config, integer_labels: bool) -> str:
 
 
 def check_labels(dataset, config) -> None:
-    """Refuse non-finite labels and class labels outside ``[0, num_labels)`` (``-100`` is the ignore index) before
+    """Refuse a training set without a label column, non-finite labels and class labels outside ``[0, num_labels)`` (``-100`` is the ignore index) before
     training: one such row would otherwise fail, or poison the model, exactly at the step that draws it."""
     col, values = _label_values(dataset)
     if col is None or values is None or len(values) == 0:

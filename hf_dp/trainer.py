@@ -146,10 +146,6 @@ class _BudgetGuard(TrainerCallback):
     def __init__(self, trainer: "DPTrainer"):
         self.trainer = trainer
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        contract.check_optimizer(self.trainer)  # the optimizer HF steps is still the privatizer, with σ, C and B planned
-        return control
-
     def on_step_end(self, args, state, control, **kwargs):
         # every step taken is on record before any output of it is written; ε only if already known (an accountant
         # call per step costs 0.1-0.5 s with PRV; saves and logs compute it)
@@ -262,7 +258,6 @@ class DPTrainer(Trainer):
             raise ValueError("DP training needs a sized train_dataset (an IterableDataset cannot be Poisson-sampled)") from None
         if n == 0:
             raise ValueError("the training dataset is empty")
-        self._check_label_column()
         contract.check_labels(self._fingerprint_source, getattr(self.model, "config", None))
         world = max(1, args.world_size)
         self.privacy_spec, steps_per_epoch, self.planned_epsilon = plan_mechanism(
@@ -322,18 +317,6 @@ class DPTrainer(Trainer):
         _refuse_sharding(self.args, getattr(self, "is_fsdp_enabled", False), getattr(self, "is_deepspeed_enabled", False))
         return choose_engine(self.args.clipping, self.model, optim=self.args.optim, rule_cls=get_entry(self.args.optim).rule_cls,
                              reduced_precision=bool(self.args.bf16 or self.args.fp16), logger=logger)
-
-    def _check_label_column(self) -> None:
-        """compute_loss needs per-example labels: refuse up front a train set without a label column."""
-        columns = getattr(self.train_dataset, "column_names", None)
-        if columns is None:
-            first = self.train_dataset[0]
-            columns = list(first.keys()) if hasattr(first, "keys") else None
-        if columns is not None and not {"labels", "label", "label_ids"} & set(columns):
-            raise ValueError(
-                f"the train dataset has no label column ('labels' or 'label'; it has {sorted(columns)}): "
-                "DP training computes each example's loss from its label"
-            )
 
     # ------------------------------------------------------------------------------------------------
     # data
@@ -457,8 +440,10 @@ class DPTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.args.dp_enabled:  # the arguments may be changed by a callback between steps
+        if self.args.dp_enabled:  # every micro-batch (a few comparisons): the arguments (a callback may change them)
+            # and the optimizer HF steps (still the privatizer, with σ, C and B planned) are what the accountant was told
             contract.check_mechanism(self._planned_mechanism, contract.mechanism_snapshot(self, with_parameters=False))
+            contract.check_optimizer(self)
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.args.dp_enabled:
             if self._loss_scale is None:
