@@ -55,8 +55,6 @@ class PrivateOptimizer(DPOptimizer):
         noise_multiplier: σ ≥ 0.
         max_grad_norm: the user's clip norm C > 0.
         expected_batch_size: B = expected *logical* batch size (q·N) over all processes.
-        clip_norm: norm per-sample vectors are clipped to in the rule's clip space (default C;
-            MacAdam clips unit vectors). The noise std on the sum is σ·clip_norm.
         noise_seed: seed of the noise stream (``None``: OS entropy); known to whoever knows it.
         secure_mode: noise from the OS CSPRNG, as Opacus' secure mode (sums of Gaussians against
             floating-point attacks); cannot be combined with ``noise_seed``.
@@ -72,7 +70,6 @@ class PrivateOptimizer(DPOptimizer):
         noise_multiplier: float,
         max_grad_norm: float,
         expected_batch_size: float,
-        clip_norm: float | None = None,
         noise_seed: int | None = None,
         secure_mode: bool = False,
         ledger: PrivacyLedger | None = None,
@@ -88,7 +85,9 @@ class PrivateOptimizer(DPOptimizer):
         super().__init__(
             rule,
             noise_multiplier=float(noise_multiplier),
-            max_grad_norm=float(clip_norm if clip_norm is not None else rule.clip_norm(max_grad_norm)),
+            # per-sample vectors are clipped in the rule's clip space to rule.clip_norm(C) (C; MacAdam: unit vectors),
+            # and the noise std on the sum is σ times that
+            max_grad_norm=float(rule.clip_norm(max_grad_norm)),
             expected_batch_size=expected_batch_size,
             loss_reduction="sum",
             generator=None,
