@@ -389,6 +389,10 @@ RANK_WORKER = textwrap.dedent(
         result = str(e)
     with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
         json.dump({{"result": result, "steps": steps.optimizer_steps}}, f)
+    import torch.distributed as dist
+    if dist.is_initialized():  # leave the gloo group cleanly (an exit with it alive can abort: "terminate called ...")
+        dist.barrier()
+        dist.destroy_process_group()
     """
 )
 
