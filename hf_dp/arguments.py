@@ -9,7 +9,8 @@ Every HF flag keeps its meaning. Added flags (all parsed by ``HfArgumentParser``
   below 1/N, checked by the trainer once N is known); ``--per_sample_max_grad_norm`` (C);
   ``--accountant`` (``prv`` | ``rdp``); ``--trainable`` (``last_block`` | ``last_k:K`` | ``head`` |
   ``all`` | ``lora`` | ``bias``); ``--bc_gamma`` (γ' of the BC variants); ``--macadam_h1/--macadam_h2``;
-  ``--secure_rng``; ``--dp_seed``; ``--disable_dp``; ``--clipping`` (``auto`` | ``ghost`` | ``ghost_two_pass`` |
+  ``--secure_rng``; ``--dp_seed``; ``--disable_dp``; ``--privacy_unit_column`` / ``--max_rows_per_unit`` (the unit of
+privacy: a column whose rows form one unit — user-level DP —, default one row); ``--clipping`` (``auto`` | ``ghost`` | ``ghost_two_pass`` |
   ``hooks``: the per-example clipping engine); ``--cache_frozen_features`` (train the suffix from a cache of the frozen prefix).
 
 ``--trainable`` applies to ``--disable_dp`` baselines too, so that they train the same parameters.
@@ -146,6 +147,23 @@ class DPTrainingArguments(TrainingArguments):
             "flag is given and the folder is output_dir itself or a subfolder whose name starts with '_' (pushes skip '_*')."
         },
     )
+    privacy_unit_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "The unit of privacy: a training-set column (e.g. user_id, document_id) whose rows form one unit. "
+            "Poisson sampling draws units (q = B/N_units, B counted in units), every row of a drawn unit enters that "
+            "logical batch, each unit's summed gradient is clipped to C, and the accountant's N is the number of units: "
+            "user-level (epsilon, delta)-DP. Default: each row is its own unit."
+        },
+    )
+    max_rows_per_unit: int | None = field(
+        default=None,
+        metadata={
+            "help": "With --privacy_unit_column: at most this many of a drawn unit's rows (a uniform random subset, drawn "
+            "afresh at every step) enter the step; the unit's other rows are dropped from that step. Bounds a "
+            "micro-batch's size; the guarantee is unchanged. Default: all rows of a drawn unit."
+        },
+    )
     prior_privacy: str = field(
         default="auto",
         metadata={
@@ -216,5 +234,13 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"--first_token_only must be 'auto' or 'off', got {self.first_token_only!r}")
         if self.clipping not in ("auto", "ghost", "ghost_two_pass", "hooks"):
             raise ValueError(f"--clipping must be one of auto, ghost, ghost_two_pass, hooks; got {self.clipping!r}")
+        if self.privacy_unit_column is not None and (not isinstance(self.privacy_unit_column, str) or not self.privacy_unit_column.strip()):
+            raise ValueError(f"--privacy_unit_column must name a column of the training set, got {self.privacy_unit_column!r}")
+        k = self.max_rows_per_unit
+        if k is not None:
+            if self.privacy_unit_column is None:
+                raise ValueError("--max_rows_per_unit needs --privacy_unit_column (without it every unit is one row)")
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"--max_rows_per_unit must be a whole number >= 1, got {k!r}")
         if self.bc_gamma is not None and not self.bc_gamma > 0:
             raise ValueError(f"--bc_gamma must be > 0, got {self.bc_gamma}")

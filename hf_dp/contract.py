@@ -17,9 +17,10 @@ assumptions where it can, and refuses a violation in one sentence before a step 
 * **every rank holds the same data in the same order, and the same mechanism** (:func:`check_ranks_agree`).
 * **labels the loss can use** (:func:`check_labels`): no NaN/inf labels, class labels inside ``[0, num_labels)``
   (or the ignore index -100), checked on the label column before training.
-* **a loss DPTrainer computes as the model would** (:func:`check_head`, :func:`check_logits`): DPTrainer computes a
-  sequence classifier's per-example loss; a causal LM, masked LM, token-classification, QA or seq2seq head is
-  refused (it would train on the wrong objective).
+* **a loss DPTrainer computes as the model would** (:func:`check_head`, :func:`check_logits`): DPTrainer computes the
+  per-example loss of the heads registered in :mod:`hf_dp.models.loss` (sequence classification; causal language
+  modelling, per sequence); a masked LM, token-classification, QA or seq2seq head is refused (it would train on the
+  wrong objective).
 
 What stays the user's responsibility: README, "The per-example contract".
 """
@@ -33,8 +34,7 @@ import math
 import torch
 from torch import nn
 
-#: the ignore index of cross-entropy: a row with this label contributes no loss
-IGNORE_INDEX = -100
+from hf_dp.models.loss import IGNORE_INDEX, OBJECTIVES, base_model, objective_for
 
 #: class-name endings of heads whose loss is not a sequence classifier's
 _OTHER_HEAD_SUFFIXES = (
@@ -69,9 +69,7 @@ def check_rows(batch, drawn: int, skip=()) -> None:
 # ---------------------------------------------------------------------------------------------------
 # the head: a loss DPTrainer computes as the model would
 # ---------------------------------------------------------------------------------------------------
-def _base_model(model):
-    get = getattr(model, "get_base_model", None)  # a PEFT wrapper
-    return get() if callable(get) else model
+_base_model = base_model  # a PEFT wrapper's base model
 
 
 def _mapping_names() -> tuple[set, dict]:
@@ -102,32 +100,28 @@ def _mapping_names() -> tuple[set, dict]:
 
 
 def check_head(model) -> None:
-    """Refuse a model whose training loss is not a sequence classifier's (DPTrainer would train it on the wrong
-    objective, silently: e.g. a causal LM scored against the current token instead of the next one)."""
+    """Refuse a model whose head's loss DPTrainer does not compute as the model would (it would train it on the wrong
+    objective, silently: e.g. a masked LM scored as a sequence classifier). Supported heads: the registry of
+    :mod:`hf_dp.models.loss` (sequence classification, causal language modelling)."""
     base = _base_model(model)
     name = type(base).__name__
-    seq, other = _mapping_names()
-    if name in seq:
+    if objective_for(model) is not None:
         return
+    seq, other = _mapping_names()
     kind = other.get(name)
     if kind is None and name.endswith(_OTHER_HEAD_SUFFIXES):
         kind = "non-sequence-classification"
     if kind is not None:
         raise ValueError(
-            f"{name} is a {kind} model, but DPTrainer computes each example's loss as a sequence classifier "
-            "(*ForSequenceClassification) does, so it would train this model on the wrong objective; use a "
-            "*ForSequenceClassification model (other heads are not supported yet)"
+            f"{name} is a {kind} model, but DPTrainer computes each example's loss only for the heads it supports "
+            f"({', '.join(OBJECTIVES)}: *ForSequenceClassification, *ForCausalLM), so it would train this model on the "
+            "wrong objective; use a supported head (other heads are not supported yet)"
         )
 
 
-def check_logits(logits: torch.Tensor, labels: torch.Tensor) -> None:
-    """One row of logits per example (``[batch, num_labels]``), one label (row) per example."""
-    if logits.dim() != 2 or labels.dim() == 0 or logits.shape[0] != labels.shape[0]:
-        raise ValueError(
-            f"the model returned logits of shape {tuple(logits.shape)} for labels of shape {tuple(labels.shape)}: "
-            "DPTrainer's per-example loss needs one row of logits per example ([batch, num_labels]) and one label "
-            "per example, as *ForSequenceClassification models return"
-        )
+def check_logits(logits: torch.Tensor, labels: torch.Tensor, objective=None) -> None:
+    """The shapes the objective's per-example loss needs (default: a sequence classifier's ``[batch, num_labels]``)."""
+    (objective or OBJECTIVES["sequence_classification"]).check_logits(logits, labels)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,9 +165,13 @@ def _problem_type(config, integer_labels: bool) -> str:
     return "single_label_classification" if integer_labels else "multi_label_classification"
 
 
-def check_labels(dataset, config) -> None:
+def check_labels(dataset, config, objective=None) -> None:
     """Refuse a training set without a label column, non-finite labels and class labels outside ``[0, num_labels)`` (``-100`` is the ignore index) before
-    training: one such row would otherwise fail, or poison the model, exactly at the step that draws it."""
+    training: one such row would otherwise fail, or poison the model, exactly at the step that draws it. A causal LM's
+    training set needs no label column (its collator makes the labels from the tokens; their range is checked at
+    every step against the vocabulary)."""
+    if objective is not None and not objective.label_column:
+        return
     col, values = _label_values(dataset)
     if col is None or values is None or len(values) == 0:
         return
@@ -214,27 +212,64 @@ def check_labels(dataset, config) -> None:
             )
 
 
+def check_token_ids(dataset, config) -> None:
+    """Refuse token ids outside the model's vocabulary (``config.vocab_size``) before training: the step that draws
+    such a row would fail in the embedding (or, for a causal LM, in its labels), revealing that row's presence."""
+    vocab = getattr(config, "vocab_size", None)
+    columns = getattr(dataset, "column_names", None)
+    if not vocab or columns is None or "input_ids" not in columns:
+        return
+    for row, ids in enumerate(dataset["input_ids"]):
+        t = torch.as_tensor(ids) if not torch.is_tensor(ids) else ids
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+            bad = int(t.max()) if int(t.max()) >= vocab else int(t.min())
+            raise ValueError(
+                f"training row {row} has token id {bad}, outside the model's vocabulary 0..{vocab - 1}: the tokenizer "
+                "and the model do not match (set the model's vocab_size to the tokenizer's length)"
+            )
+
+
 def _standard_collator(collate) -> bool:
     """HF's per-row collators (and hf_dp's cache collator): one row per example, labels from the label column."""
-    from transformers import DataCollatorWithPadding, DefaultDataCollator, default_data_collator
+    from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, DefaultDataCollator, default_data_collator
 
     from hf_dp.models.prefix_cache import CachedFeaturesCollator
 
     inner = getattr(collate, "collate_fn", collate)  # hf_dp's empty-batch wrapper
     inner = getattr(inner, "data_collator", inner)  # HF's RemoveColumnsCollator
-    return inner is default_data_collator or isinstance(inner, (DataCollatorWithPadding, DefaultDataCollator, CachedFeaturesCollator))
+    # the classes themselves, not subclasses: a subclass may override __call__ (augmented views, a long row split)
+    if type(inner) is DataCollatorForLanguageModeling:  # its labels are the row's own tokens (mlm=False only)
+        return not inner.mlm
+    return inner is default_data_collator or type(inner) in (DataCollatorWithPadding, DefaultDataCollator, CachedFeaturesCollator)
 
 
-def check_every_row(dataset, collate, config) -> str:
-    """Before any step, each training row through the collator alone: one row out, labels finite and inside the
-    model's classes. Otherwise a row that breaks the contract would stop training exactly at the step that draws it,
-    and whether a model is released would reveal that row's presence. Skipped (returns why) for HF's per-row
-    collators, whose rows are the dataset's and whose labels :func:`check_labels` has read."""
+def _first_dim(batch) -> int | None:
+    for v in (batch.values() if hasattr(batch, "values") else []):
+        if torch.is_tensor(v) and v.dim() >= 1:
+            return int(v.shape[0])
+    return None
+
+
+def check_every_row(dataset, collate, config, objective=None) -> str:
+    """Before any step, each training row through the collator alone: one row out (or several consecutive rows that
+    are that row's own, also beside another row: see :class:`hf_dp.training_data.EmptySafeCollator`), labels finite
+    and inside the model's classes (a causal LM's: inside its vocabulary). Otherwise a row that breaks the contract would stop training
+    exactly at the step that draws it, and whether a model is released would reveal that row's presence. Skipped
+    (returns why) for HF's per-row collators, whose rows are the dataset's and whose labels :func:`check_labels` has
+    read (a language-modelling collator's labels are the row's own token ids)."""
     if _standard_collator(collate):
         return "skipped: a per-row collator"
-    num_labels = getattr(config, "num_labels", None)
+    token_labels = bool(getattr(objective, "token_labels", False))
+    num_labels = getattr(config, "vocab_size" if token_labels else "num_labels", None)
+    classes = "vocabulary" if token_labels else "classes"
     for i in range(len(dataset)):
         batch = collate([dataset[i]])  # hf_dp's wrapper checks one row per example (check_rows)
+        if _first_dim(batch) not in (None, 1) and len(dataset) > 1:
+            # several rows for this example: they must be consecutive and its own also beside another example
+            # (hf_dp.training_data.EmptySafeCollator attributes them or refuses), here rather than at a step
+            partner = dataset[1 if i == 0 else 0]
+            collate([dataset[i], partner])
+            collate([partner, dataset[i]])
         labels = batch.get("labels") if hasattr(batch, "get") else None
         if not torch.is_tensor(labels):
             continue
@@ -243,13 +278,13 @@ def check_every_row(dataset, collate, config) -> str:
                 f"the data collator makes a NaN or infinite label for training row {i}: such an example's loss and "
                 "gradient are not finite; fix the collator or the data before DP training"
             )
-        if not labels.is_floating_point() and _problem_type(config, True) == "single_label_classification" and num_labels:
+        if not labels.is_floating_point() and num_labels and (token_labels or _problem_type(config, True) == "single_label_classification"):
             flat = labels.reshape(-1)
             bad = ((flat < 0) | (flat >= num_labels)) & (flat != IGNORE_INDEX)
             if bool(bad.any()):
                 raise ValueError(
                     f"the data collator makes label {int(flat[bad][0])} for training row {i}, outside the model's "
-                    f"classes 0..{num_labels - 1}; fix the collator or the model's num_labels before DP training"
+                    f"{classes} 0..{num_labels - 1}; fix the collator or the model's config before DP training"
                 )
     return "checked"
 
@@ -261,7 +296,7 @@ def check_every_row(dataset, collate, config) -> str:
 MECHANISM_ARGS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "epsilon", "noise_multiplier", "delta",
     "per_sample_max_grad_norm", "accountant", "max_steps", "num_train_epochs", "clipping", "trainable", "optim",
-    "secure_rng", "dp_seed", "cache_frozen_features", "disable_dp",
+    "secure_rng", "dp_seed", "cache_frozen_features", "disable_dp", "privacy_unit_column", "max_rows_per_unit",
 )
 
 

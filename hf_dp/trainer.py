@@ -71,10 +71,13 @@ from hf_dp.privacy.planning import plan_mechanism
 from hf_dp.privacy.privatizer import PrivateOptimizer
 from hf_dp.privacy.randomness import SEEDED, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
-from hf_dp.models.loss import per_example_loss
+from hf_dp.models.loss import OBJECTIVES, objective_for, per_example_loss, positions_from_mask
 from hf_dp.training_data import EMPTY_KEY as _EMPTY_KEY
 from hf_dp.training_data import example_lengths
+from hf_dp.training_data import UNITS_KEY as _UNITS_KEY
 from hf_dp.training_data import EmptySafeCollator as _EmptySafeCollator
+from hf_dp.training_data import UnitTagged as _UnitTagged
+from hf_dp.training_data import unit_rows as _unit_rows
 from hf_dp.training_data import PoissonDataLoader as _PoissonDataLoader
 from hf_dp.training_data import check_eval_is_not_train as _check_eval_is_not_train
 from hf_dp.training_data import refuse_sharding as _refuse_sharding
@@ -191,6 +194,8 @@ class DPTrainer(Trainer):
             # --trainable applies to non-private baselines too, so that they train the same parameters
             lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
             model, self.trainable_info = apply_trainable(model, args.trainable, lora_config)
+        #: how each example's loss is computed under DP (hf_dp.models.loss; check_head refused heads without one)
+        self.objective = (objective_for(model) or OBJECTIVES["sequence_classification"]) if model is not None else None
         self._fingerprint_source, self._train_fingerprint = train_dataset, None  # before any caching
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         if args.dp_enabled:
@@ -258,7 +263,10 @@ class DPTrainer(Trainer):
             raise ValueError("DP training needs a sized train_dataset (an IterableDataset cannot be Poisson-sampled)") from None
         if n == 0:
             raise ValueError("the training dataset is empty")
-        contract.check_labels(self._fingerprint_source, getattr(self.model, "config", None))
+        contract.check_labels(self._fingerprint_source, getattr(self.model, "config", None), self.objective)
+        contract.check_token_ids(self._fingerprint_source, getattr(self.model, "config", None))
+        self._setup_units(n)
+        n = self.num_units
         world = max(1, args.world_size)
         self.privacy_spec, steps_per_epoch, self.planned_epsilon = plan_mechanism(
             n=n, per_device_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps,
@@ -282,6 +290,7 @@ class DPTrainer(Trainer):
         self._dp_sampler = PoissonBatchSampler(
             n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
             rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: self.ledger.steps,
+            units=self._unit_rows, max_rows_per_unit=args.max_rows_per_unit,
         )
         self._lengths_of = None
         self._set_sampler_lengths()  # refused here, before any step, if the lengths are unknown
@@ -291,6 +300,7 @@ class DPTrainer(Trainer):
         self.run_id = secrets.token_hex(8)
         self._dp_optimizer: PrivateOptimizer | None = None
         self._loss_scale: float | None = None
+        self._units: torch.Tensor | None = None  # the micro-batch's privacy units (rows -> 0..U-1), --privacy_unit_column
         self._empty_micro_batch = False
         self.clipping = self._choose_clipping(world)  # the engine's name (hf_dp.clipping.engines)
         self.clipping_engine: ClippingEngine = make_engine(self.clipping, self.model)
@@ -308,6 +318,26 @@ class DPTrainer(Trainer):
         self._planned_train_dataset = self.train_dataset
         #: the mechanism σ, q and the steps were planned for: every train() and every step must still run it
         self._planned_mechanism = contract.mechanism_snapshot(self)
+
+    def _setup_units(self, rows: int) -> None:
+        """``--privacy_unit_column``: the rows of each unit, read once from the training set given at construction
+        (before any column removal); N = the number of units. Without it every row is its own unit."""
+        col = self.args.privacy_unit_column
+        self._unit_rows, self._unit_of_row = None, None
+        self.num_units = rows
+        if col is None:
+            return
+        if self._prefix_cache:
+            raise ValueError(
+                "--privacy_unit_column with --cache_frozen_features is not supported yet: the cache does not keep the "
+                "unit column; drop one of the two flags"
+            )
+        self._unit_rows = _unit_rows(self._fingerprint_source, col)
+        unit_of_row = torch.empty(rows, dtype=torch.long)
+        for j, r in enumerate(self._unit_rows):
+            unit_of_row[r] = j
+        self._unit_of_row = unit_of_row
+        self.num_units = len(self._unit_rows)
 
     def _choose_clipping(self, world: int) -> str:
         """``--clipping``: ``ghost`` (one backward pass) where it applies, else Opacus hooks; ``ghost_two_pass`` only
@@ -355,17 +385,20 @@ class DPTrainer(Trainer):
         if not self.args.dp_enabled:
             return base
         dataset = base.dataset
-        if len(dataset) != self._dp_sampler.num_samples:
+        if len(dataset) != self._dp_sampler.num_rows:
             raise ValueError(
-                f"the training dataset has {len(dataset)} rows, but this DPTrainer calibrated the noise for N = "
-                f"{self._dp_sampler.num_samples} (q = B/N, delta < 1/N): train_dataset was replaced after the trainer was "
-                "made; make a new DPTrainer for other data"
+                f"the training dataset has {len(dataset)} rows, but this DPTrainer calibrated the noise for "
+                f"{self._dp_sampler.num_rows} rows (N = {self._dp_sampler.num_samples}, q = B/N, delta < 1/N): "
+                "train_dataset was replaced after the trainer was made; make a new DPTrainer for other data"
             )
         self._set_sampler_lengths()
+        units = self._unit_of_row is not None
+        if units:
+            dataset = _UnitTagged(dataset, self._unit_of_row)
         return _PoissonDataLoader(
             dataset,
             batch_sampler=self._dp_sampler,
-            collate_fn=_EmptySafeCollator(base.collate_fn, dataset),
+            collate_fn=_EmptySafeCollator(base.collate_fn, dataset, units=units),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
         )
@@ -417,9 +450,20 @@ class DPTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.args.dp_enabled or not model.training:
             inputs.pop(_EMPTY_KEY, None)
+            inputs.pop(_UNITS_KEY, None)
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         empty = bool(inputs.pop(_EMPTY_KEY, False))
+        units = inputs.pop(_UNITS_KEY, None)
+        if "labels" not in inputs:
+            raise ValueError(
+                "the training batch has no 'labels': DP training computes each example's loss from them (a causal LM's "
+                "collator makes them: DataCollatorForLanguageModeling(tokenizer, mlm=False))"
+            )
         labels = inputs.pop("labels")
+        objective = self.objective
+        if objective.positions_from_mask and "position_ids" not in inputs and torch.is_tensor(inputs.get("attention_mask")):
+            # each row's positions count its own tokens: a left-padded row's must not depend on the batch's padding
+            inputs["position_ids"] = positions_from_mask(inputs["attention_mask"])
         # Under DDP the forward runs in no_sync for every micro-batch, the last one included: DDP's reducer then
         # expects no gradient (ghost clipping leaves none for linear weights) and all-reduces nothing — it would
         # only average the raw, unclipped gradients, which no DP engine uses. Each rank clips its own examples; the
@@ -427,11 +471,12 @@ class DPTrainer(Trainer):
         sync = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
         with sync:
             outputs = model(**inputs)
-        contract.check_logits(outputs.logits, labels)
-        losses = per_example_loss(outputs.logits, labels, self.model.config)
+        contract.check_logits(outputs.logits, labels, objective)
+        losses = per_example_loss(outputs.logits, labels, self.model.config, objective, inputs.get("attention_mask"))
         self._empty_micro_batch = empty
+        self._units = None if units is None else units.to(losses.device)
         if not empty and not self._contract_probe:  # ghost_two_pass: its pass 1 (the norms) runs here
-            losses = self.clipping_engine.before_backward(losses, self._dp_optimizer)
+            losses = self.clipping_engine.before_backward(losses, self._dp_optimizer, **self._unit_kw())
         total = losses.sum() * 0.0 if empty else losses.sum()
         if total.requires_grad:
             total.register_hook(self._capture_loss_scale)
@@ -454,9 +499,13 @@ class DPTrainer(Trainer):
                 # sum differ by up to 2C when its one extra example is the only one in the micro-batch
                 self._discard_micro_batch()
             else:  # the clipped sum (ghost) or the per-sample gradients (hooks) go to the privatizer
-                self.clipping_engine.after_backward(self._dp_optimizer, self._loss_scale, self._rows_in_batch)
-            self._loss_scale = None
+                self.clipping_engine.after_backward(self._dp_optimizer, self._loss_scale, self._rows_in_batch, **self._unit_kw())
+            self._loss_scale, self._units = None, None
         return loss
+
+    def _unit_kw(self) -> dict:
+        """``units=`` for the engine under ``--privacy_unit_column`` (rows -> 0..U-1); nothing when each row is a unit."""
+        return {} if self._units is None else {"units": self._units}
 
     def _discard_micro_batch(self) -> None:
         """Drop what the backward of an empty micro-batch's placeholder row left (records, per-sample gradients)."""
@@ -538,7 +587,7 @@ class DPTrainer(Trainer):
             contract.check_ranks_agree(self._train_data_info()["sha256"], self._planned_mechanism)
         if self._rows_checked is not self.data_collator:  # the dataset is fixed (above); again if the collator changed
             loader = self.get_train_dataloader()
-            contract.check_every_row(loader.dataset, loader.collate_fn, getattr(self.model, "config", None))
+            contract.check_every_row(loader.dataset, loader.collate_fn, getattr(self.model, "config", None), self.objective)
             self._rows_checked = self.data_collator
         outcome = contract.probe_independence(self)
         if outcome != "passed":

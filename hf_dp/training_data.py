@@ -18,6 +18,44 @@ from hf_dp.models.prefix_cache import CachedFeatures
 from hf_dp.models.prefix_cache import row_length
 
 EMPTY_KEY = "_hf_dp_empty_batch"
+#: the batch key of each row's privacy unit within the micro-batch (0..U-1), with ``--privacy_unit_column``
+UNITS_KEY = "_hf_dp_units"
+#: the feature key :class:`UnitTagged` adds to each training row: the index of its unit in the training set
+UNIT_OF_ROW_KEY = "_hf_dp_unit"
+
+
+class UnitTagged(torch.utils.data.Dataset):
+    """The training set as the loader reads it under ``--privacy_unit_column``: each row (a dict) gets
+    :data:`UNIT_OF_ROW_KEY`, the index of its unit (from the unit column of the dataset given at construction, read
+    once). :class:`EmptySafeCollator` takes it out before the user's collator sees the rows."""
+
+    def __init__(self, dataset, unit_of_row: torch.Tensor):
+        if len(dataset) != len(unit_of_row):
+            raise ValueError(f"{len(unit_of_row)} unit ids for a training set of {len(dataset)} rows")
+        self.dataset, self.unit_of_row = dataset, unit_of_row
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _tag(self, row, i: int):
+        if not hasattr(row, "keys"):
+            raise ValueError("--privacy_unit_column needs training rows that are dicts (column -> value)")
+        row = dict(row)
+        row[UNIT_OF_ROW_KEY] = int(self.unit_of_row[i])
+        return row
+
+    def __getitem__(self, i):
+        return self._tag(self.dataset[i], int(i))
+
+    def __getitems__(self, indices):
+        get = getattr(self.dataset, "__getitems__", None)
+        rows = get(list(indices)) if get is not None else [self.dataset[i] for i in indices]
+        return [self._tag(r, int(i)) for r, i in zip(rows, indices)]
+
+    def __getattr__(self, name):  # column_names, _fingerprint, ... of the wrapped dataset
+        if name in ("dataset", "unit_of_row"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 class PoissonDataLoader(DataLoader):
@@ -31,21 +69,141 @@ class EmptySafeCollator:
     """Poisson batches can be empty. An empty micro-batch becomes one placeholder row (the first
     example) whose loss is multiplied by 0, so every rank still runs forward/backward (DDP stays in
     step); DPTrainer then discards what its backward left, so it adds nothing to the clipped sum (a
-    zero gradient alone would not do for rules with a per-sample offset such as DP-SGD-L2's λθ)."""
+    zero gradient alone would not do for rules with a per-sample offset such as DP-SGD-L2's λθ).
 
-    def __init__(self, collate_fn, dataset):
+    With ``units=True`` (``--privacy_unit_column``, rows from :class:`UnitTagged`) each row's unit index is taken out
+    before the user's collator sees the rows, and the batch gets :data:`UNITS_KEY`: each row's unit as 0..U-1 in order
+    of first appearance (the sampler puts all rows of a drawn unit in the same micro-batch).
+
+    A collator that emits several consecutive rows for one example (a long document cut into blocks) is served by
+    the same mechanism: :meth:`_attribute` checks that each example's rows are what the collator makes of that example
+    alone, and the batch's :data:`UNITS_KEY` then says which rows are one example (or one unit), clipped together.
+    Any other row count (packing, views appended after the batch, rows that differ from the example's own) is refused
+    (:func:`hf_dp.contract.check_rows`)."""
+
+    def __init__(self, collate_fn, dataset, units: bool = False):
         self.collate_fn = collate_fn
         self.dataset = dataset
+        self.units = bool(units)
+
+    def _split_units(self, features):
+        if not self.units:
+            return features, None
+        index: dict = {}
+        units, plain = [], []
+        for f in features:
+            if not hasattr(f, "keys") or UNIT_OF_ROW_KEY not in f:
+                raise ValueError("internal error: a training row reached the collator without its privacy unit")
+            f = dict(f)
+            units.append(index.setdefault(int(f.pop(UNIT_OF_ROW_KEY)), len(index)))
+            plain.append(f)
+        return plain, torch.tensor(units, dtype=torch.long)
 
     def __call__(self, features):
-        if len(features) == 0:
-            batch = self.collate_fn([self.dataset[0]])
-            check_rows(batch, 1)
-            batch[EMPTY_KEY] = True
-            return batch
+        empty = len(features) == 0
+        if empty:
+            features = [self.dataset[0]]
+        features, units = self._split_units(features)
         batch = self.collate_fn(features)
-        check_rows(batch, len(features))  # one row per drawn example (hf_dp.contract)
+        rows = _rows(batch)
+        if rows is None or rows == len(features):
+            check_rows(batch, len(features))  # one row per drawn example (hf_dp.contract)
+        else:  # several rows of one example: each must be the collator's own output for that example alone
+            owner = self._attribute(features, batch, rows)
+            units = owner if units is None else units[owner]
+        if empty:
+            batch[EMPTY_KEY] = True
+            units = None if units is None else torch.zeros_like(units)
+        if units is not None:
+            batch[UNITS_KEY] = units
         return batch
+
+    def _attribute(self, features, batch, rows: int) -> torch.Tensor:
+        """Each row's example (``[rows]``) for a collator that emits several consecutive rows per example, or the
+        one-row-per-example refusal. Every example is collated alone again: its rows must be exactly the rows at its
+        place in the batch (up to padding, which must be one constant per key), so that no row carries another
+        example's data; the rows of one example are then one unit, clipped together."""
+        singles = [self.collate_fn([f]) for f in features]
+        counts = [_rows(b) for b in singles]
+        ok = all(c is not None for c in counts) and sum(counts) == rows
+        keys = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 1]
+        offset = 0
+        for single, count in zip(singles, counts if ok else []):
+            for key in keys:
+                part = single.get(key) if hasattr(single, "get") else None
+                if not (torch.is_tensor(part) and part.dim() == batch[key].dim() and part.shape[0] == count):
+                    ok = False
+                    break
+                if not _same_rows(batch[key][offset : offset + count], part):
+                    ok = False
+                    break
+            if not ok:
+                break
+            offset += count
+        if not ok:
+            check_rows(batch, len(features))  # raises: the one-row-per-example message
+            raise ValueError("the data collator's rows could not be attributed to the drawn examples")  # pragma: no cover
+        return torch.repeat_interleave(torch.arange(len(features)), torch.tensor(counts))
+
+
+def _rows(batch) -> int | None:
+    """The number of rows of a collated batch (its first tensor's first dimension), ``None`` if it has no tensor."""
+    if not hasattr(batch, "items"):
+        return None
+    for v in batch.values():
+        if torch.is_tensor(v) and v.dim() >= 1:
+            return int(v.shape[0])
+    return None
+
+
+def _same_rows(full: torch.Tensor, alone: torch.Tensor) -> bool:
+    """``full`` (rows of a batch, padded to the batch's length) holds ``alone`` (the same rows collated alone), padded
+    on the right or the left along dimension 1 with a single constant."""
+    if full.dim() == 1 or full.shape[1:] == alone.shape[1:]:
+        return torch.equal(full, alone)
+    if full.dim() != alone.dim() or full.shape[2:] != alone.shape[2:] or full.shape[1] < alone.shape[1]:
+        return False
+    width, extra = alone.shape[1], full.shape[1] - alone.shape[1]
+    for kept, pad in ((full[:, :width], full[:, width:]), (full[:, extra:], full[:, :extra])):
+        if torch.equal(kept, alone) and (pad.numel() == 0 or bool((pad == pad.reshape(-1)[0]).all())):
+            return True
+    return False
+
+
+def _hashable(v):
+    if torch.is_tensor(v):
+        return v.item() if v.numel() == 1 else tuple(v.reshape(-1).tolist())
+    if isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+def unit_rows(dataset, column: str) -> list[list[int]]:
+    """The rows of each privacy unit of a training set (units in order of first appearance), from its ``column``.
+    One sentence (ValueError) for a missing column or a missing (None/NaN/empty) unit value."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None:
+        if column not in columns:
+            raise ValueError(
+                f"--privacy_unit_column {column}: the training set has no column '{column}' (it has {sorted(columns)})"
+            )
+        values = list(dataset[column])
+    else:
+        values = []
+        for i in range(len(dataset)):
+            row = dataset[i]
+            if not hasattr(row, "keys") or column not in row:
+                have = sorted(row.keys()) if hasattr(row, "keys") else type(row).__name__
+                raise ValueError(f"--privacy_unit_column {column}: training row {i} has no '{column}' (it has {have})")
+            values.append(row[column])
+    for i, v in enumerate(values):
+        if v is None or (isinstance(v, float) and v != v) or (isinstance(v, str) and not v.strip()):
+            raise ValueError(
+                f"--privacy_unit_column {column}: training row {i} has no unit ({v!r}); every row must name its unit"
+            )
+    from hf_dp.privacy.sampler import PoissonBatchSampler
+
+    return PoissonBatchSampler.group_rows([_hashable(v) for v in values])
 
 
 def refuse_sharding(args, fsdp_enabled: bool = False, deepspeed_enabled: bool = False) -> None:

@@ -314,10 +314,23 @@ def _bert_token_classifier():
     return BertForTokenClassification(tiny_config())
 
 
-@pytest.mark.parametrize("factory,kind", [(_gpt2, "causal language"), (_bert_token_classifier, "token-classification")])
+def _bert_masked_lm():
+    from transformers import BertForMaskedLM
+
+    from helpers import tiny_config
+
+    return BertForMaskedLM(tiny_config())
+
+
+@pytest.mark.parametrize("factory,kind", [(_bert_masked_lm, "masked language"), (_bert_token_classifier, "token-classification")])
 def test_a_model_whose_loss_dptrainer_does_not_compute_is_refused(tmp_path, tok, data, factory, kind):
-    with pytest.raises(ValueError, match=rf"^\w+ is a {kind} model, but DPTrainer computes each example's loss as a sequence classifier"):
+    with pytest.raises(ValueError, match=rf"^\w+ is a {kind} model, but DPTrainer computes each example's loss only for the heads it supports"):
         _trainer(tmp_path, tok, data, model=factory())
+
+
+def test_a_causal_lm_is_accepted_and_gets_the_causal_lm_objective(tmp_path, tok, data):
+    tr, _ = _trainer(tmp_path, tok, data, model=_gpt2(), clipping="hooks")  # issue 29: refused on c4278d0
+    assert tr.objective.name == "causal_lm"
 
 
 def test_a_custom_model_with_per_token_logits_is_refused_at_its_first_forward(tmp_path, tok, data):

@@ -64,11 +64,11 @@ def bert_regression():
     return BertForSequenceClassification(_cfg().__class__(**{**_cfg().to_dict(), "num_labels": 1}))
 
 
-def gpt2_lm():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def bert_masked_lm():
+    from transformers import BertForMaskedLM
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=2, n_head=2))
+    return BertForMaskedLM(_cfg())
 
 
 def dataset_with_label(value, at=7):
@@ -164,8 +164,12 @@ CASES = {
                   ValueError, r"^the training labels \(column 'labels'\) contain NaN or infinite values \(first at row 7\): such an example's loss and gradient are not finite; remove or fix those rows before DP training$"),
     "label-out-of-range": ({}, lambda: dataset_with_label(5), bert, {},
                            ValueError, r"^the training labels \(column 'labels'\) contain 5 \(first at row 7\), outside the model's classes 0\.\.1: the step that draws that example would fail; fix the labels or the model's num_labels before DP training$"),
-    "causal-lm-head": ({}, dataset, gpt2_lm, {},
-                       ValueError, r"^GPT2LMHeadModel is a causal language model, but DPTrainer computes each example's loss as a sequence classifier \(\*ForSequenceClassification\) does, so it would train this model on the wrong objective; use a \*ForSequenceClassification model \(other heads are not supported yet\)$"),
+    "unsupported-head": ({}, dataset, bert_masked_lm, {},
+                         ValueError, r"^BertForMaskedLM is a masked language model, but DPTrainer computes each example's loss only for the heads it supports \(sequence_classification, causal_lm: \*ForSequenceClassification, \*ForCausalLM\), so it would train this model on the wrong objective; use a supported head \(other heads are not supported yet\)$"),
+    "privacy-unit-column-missing": ({"privacy_unit_column": "user_id"}, dataset, bert, {},
+                                    ValueError, r"^--privacy_unit_column user_id: the training set has no column 'user_id' \(it has \['attention_mask', 'input_ids', 'labels'\]\)$"),
+    "max-rows-per-unit-without-unit": ({"max_rows_per_unit": 2}, dataset, bert, {},
+                                       ValueError, r"^--max_rows_per_unit needs --privacy_unit_column \(without it every unit is one row\)$"),
     "collator-two-rows-per-example": ({}, dataset, bert, {"data_collator": two_rows_per_example},
                                       ValueError, r"^the data collator returned '\w+' with \d+ rows for \d+ drawn example\(s\): DP training needs exactly one row per example"),
     "max-steps-zero": ({"max_steps": 0}, dataset, bert, {},

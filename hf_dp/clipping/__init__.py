@@ -5,7 +5,9 @@
 * :mod:`hf_dp.clipping.ghost` — :class:`GhostClipper` (one or two backward passes), :func:`clip_factors`.
 * :mod:`hf_dp.clipping.registry` — which trainable layer types ghost clipping handles (:func:`register_layer`),
   one file per type: :mod:`hf_dp.clipping.linear` (``nn.Linear``, ``Conv1D``), :mod:`hf_dp.clipping.layernorm`,
-  :mod:`hf_dp.clipping.embedding`; :mod:`hf_dp.clipping.common` holds what they share.
+  :mod:`hf_dp.clipping.rmsnorm` (``nn.RMSNorm`` and transformers' per-family ``*RMSNorm``),
+  :mod:`hf_dp.clipping.embedding`, :mod:`hf_dp.clipping.tied` (tied input/output embeddings);
+  :mod:`hf_dp.clipping.common` holds what they share (incl. the regrouping of records by privacy unit).
 * :mod:`hf_dp.clipping.hooks` — Opacus per-sample gradients on the plain model (:func:`attach_grad_sampler`),
   their check, the batch hooks every engine installs, and the model to save (:func:`unwrap_for_save`).
 
@@ -13,11 +15,11 @@ Imports: torch, Opacus, transformers, :mod:`hf_dp.models.hints`; never the train
 optimizer as an argument).
 """
 
-from . import embedding, layernorm, linear  # noqa: F401  (the layer files register themselves)
+from . import embedding, layernorm, linear, rmsnorm, tied  # noqa: F401  (the layer files register themselves)
 from .engines import ENGINES, ClippingEngine, choose_engine, make_engine
 from .ghost import NORM_MARGIN, GhostClipper, clip_factors
 from .hooks import GradSamplerHandle, assert_grad_samples_complete, attach_grad_sampler, install_batch_hooks, unwrap_for_save
-from .registry import GhostLayerType, layer_type_for, register_layer, registered_layers, unregister_layer
+from .registry import GhostLayerType, layer_type_for, register_layer, register_matcher, registered_layers, unregister_layer, unregister_matcher
 
 __all__ = [
     "ClippingEngine",
@@ -30,6 +32,8 @@ __all__ = [
     "GhostLayerType",
     "register_layer",
     "unregister_layer",
+    "register_matcher",
+    "unregister_matcher",
     "layer_type_for",
     "registered_layers",
     "GradSamplerHandle",

@@ -13,6 +13,14 @@ Per micro-batch, :class:`~hf_dp.trainer.DPTrainer` calls
 * :meth:`ClippingEngine.discard` instead, for an empty micro-batch: its placeholder row contributes nothing;
 * :meth:`ClippingEngine.clear` after an interrupted step.
 
+``units`` (both calls, the same tensor): ``None`` — every row is its own privacy unit — or an integer tensor [B]
+with values 0..U−1, every value present, naming each row's unit. A unit is then the "example": it contributes
+c_u·v_u with v_u = (Σ_{r∈u} ∇ℓ_r + o) ⊙ s (the rule's per-sample affine map applied once per unit),
+c_u = min(1, C/‖v_u‖…) and exactly 0 when ‖v_u‖² is not finite — ghost clipping regroups each layer's records by unit
+(:meth:`hf_dp.clipping.ghost.GhostClipper.clipped_sum`), two passes weight row r by c_{units[r]}, the hooks sum the
+rows' per-sample gradients per unit before clipping (:meth:`hf_dp.privacy.privatizer.PrivateOptimizer.accumulate`).
+``units=None`` computes exactly what it computed before units existed.
+
 ``optimizer`` is the trainer's :class:`~hf_dp.privacy.privatizer.PrivateOptimizer` (passed in; this package does
 not import the trainer). :func:`choose_engine` is ``--clipping auto|ghost|ghost_two_pass|hooks``;
 :func:`make_engine` builds the engine on the plain model. A new engine subclasses :class:`ClippingEngine`, is
@@ -27,6 +35,7 @@ import logging
 import torch
 from torch import nn
 
+from .common import unit_index
 from .ghost import GhostClipper, clip_factors
 from .hooks import GradSamplerHandle, assert_grad_samples_complete, attach_grad_sampler
 
@@ -43,10 +52,10 @@ class ClippingEngine:
     clipper: GhostClipper | None = None
     grad_sampler: GradSamplerHandle | None = None
 
-    def before_backward(self, losses: torch.Tensor, optimizer) -> torch.Tensor:
+    def before_backward(self, losses: torch.Tensor, optimizer, units: torch.Tensor | None = None) -> torch.Tensor:
         return losses
 
-    def after_backward(self, optimizer, loss_scale: float, rows: int) -> None:
+    def after_backward(self, optimizer, loss_scale: float, rows: int, units: torch.Tensor | None = None) -> None:
         raise NotImplementedError
 
     def discard(self, optimizer) -> None:
@@ -74,11 +83,11 @@ class HooksEngine(ClippingEngine):
         self.grad_sampler = attach_grad_sampler(model)
         self._checked = False  # every trainable parameter got a per-sample gradient (checked on the first backward)
 
-    def after_backward(self, optimizer, loss_scale: float, rows: int) -> None:
+    def after_backward(self, optimizer, loss_scale: float, rows: int, units: torch.Tensor | None = None) -> None:
         if not self._checked:
             assert_grad_samples_complete(self.grad_sampler.model, rows)
             self._checked = True
-        optimizer.accumulate(loss_scale=loss_scale)
+        optimizer.accumulate(loss_scale=loss_scale, units=units)
 
 
 class GhostEngine(ClippingEngine):
@@ -89,15 +98,17 @@ class GhostEngine(ClippingEngine):
     def __init__(self, model: nn.Module):
         self.clipper = GhostClipper(model)
 
-    def after_backward(self, optimizer, loss_scale: float, rows: int) -> None:
+    def after_backward(self, optimizer, loss_scale: float, rows: int, units: torch.Tensor | None = None) -> None:
         opt = optimizer
-        clipped = self.clipper.clipped_sum(opt.max_grad_norm, loss_scale=loss_scale, affine=opt.rule.per_sample_affine(opt.params))
+        clipped = self.clipper.clipped_sum(opt.max_grad_norm, loss_scale=loss_scale, affine=opt.rule.per_sample_affine(opt.params),
+                                           units=units)
         opt.add_clipped_sum(clipped)
 
 
 class TwoPassGhostEngine(ClippingEngine):
     """Ghost clipping in two backward passes: pass 1 (the norms) in :meth:`before_backward`, pass 2 is HF's own
-    backward of Σ_i c_i ℓ_i, whose parameter gradients :meth:`after_backward` hands on."""
+    backward of Σ_i c_i ℓ_i (with units: Σ_r c_{units[r]} ℓ_r), whose parameter gradients :meth:`after_backward`
+    hands on."""
 
     name = "ghost_two_pass"
 
@@ -106,17 +117,18 @@ class TwoPassGhostEngine(ClippingEngine):
         self._clip_factors: torch.Tensor | None = None  # c of the micro-batch in flight
         self._affine: dict | None = None  # the rule's per-sample maps used in pass 1, reused after pass 2
 
-    def before_backward(self, losses: torch.Tensor, optimizer) -> torch.Tensor:
-        # pass 1: the per-example norms (a backward that computes no parameter gradient and keeps the
+    def before_backward(self, losses: torch.Tensor, optimizer, units: torch.Tensor | None = None) -> torch.Tensor:
+        # pass 1: the per-example (per-unit) norms (a backward that computes no parameter gradient and keeps the
         # graph); the backward of the returned loss is pass 2: its gradients are Σ_i c_i ∇ℓ_i
         opt = optimizer
         self._affine = opt.rule.per_sample_affine(opt.params)
-        sq = self.clipper.norms_pass(losses, affine=self._affine)
-        self._clip_factors = clip_factors(sq, opt.max_grad_norm)
-        weighted = losses * self._clip_factors
+        sq = self.clipper.norms_pass(losses, affine=self._affine, units=units)
+        self._clip_factors = clip_factors(sq, opt.max_grad_norm)  # [U]
+        idx = unit_index(units, losses.shape[0])
+        weighted = losses * (self._clip_factors if idx is None else idx.rows_of(self._clip_factors))
         return weighted + (losses - weighted).detach()  # the value (and logged loss) stays Σ ℓ_i
 
-    def after_backward(self, optimizer, loss_scale: float, rows: int) -> None:
+    def after_backward(self, optimizer, loss_scale: float, rows: int, units: torch.Tensor | None = None) -> None:
         c, affine, self._clip_factors, self._affine = self._clip_factors, self._affine, None, None
         optimizer.add_clipped_sum(self.clipper.grads_after_backward(c, loss_scale, affine=affine))
 

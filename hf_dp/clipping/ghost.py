@@ -15,9 +15,18 @@ layer: its input activations ``a`` and output gradients ``g``); then each layer 
 Which layer types, and how: the registry (:mod:`hf_dp.clipping.registry`), one file per type —
 :mod:`hf_dp.clipping.linear` (``nn.Linear``, transformers' ``Conv1D``; also the single-query factorisation of
 the first-token-only last block and the optional materialisation, ``materialize_bytes``),
-:mod:`hf_dp.clipping.layernorm`, :mod:`hf_dp.clipping.embedding` (incl. broadcast position ids, see
-:func:`hf_dp.clipping.hooks.install_batch_hooks`). This module names no layer type. A layer called several
-times in one forward (ALBERT's shared block) is handled by concatenating its calls along the token axis.
+:mod:`hf_dp.clipping.layernorm`, :mod:`hf_dp.clipping.rmsnorm`, :mod:`hf_dp.clipping.embedding` (incl. broadcast
+position ids, see :func:`hf_dp.clipping.hooks.install_batch_hooks`), and the tied input/output embedding pair
+(:mod:`hf_dp.clipping.tied`). This module names no layer type. A layer called several times in one forward
+(ALBERT's shared block) is handled by concatenating its calls along the token axis.
+
+**Privacy units** (``units=``, issue 29): the rows of one unit are one "example". Each layer's records are
+regrouped (:class:`~hf_dp.clipping.common.UnitIndex`) so that unit u's rows sit side by side along the token axis,
+the slots of a unit with fewer rows zero-filled (zero activations and zero output gradients add nothing to any
+layer's gradient); the layer types' ``terms`` then run unchanged and give ‖v_u‖² and Σ_u c_u v_u — the non-finite
+re-check, the materialisation and the affine maps (once per unit) included. The single-query hint is dropped when a
+unit has several rows. Two passes regroup the same way in pass 1 and weight row r by c_{units[r]} in pass 2.
+``units=None`` takes exactly the code path of before.
 :meth:`GhostClipper.clipped_sum` frees each layer's records as soon as its clipped sum exists.
 
 So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
@@ -43,8 +52,8 @@ Rules that map each example's gradient by a public per-coordinate affine map bef
 v_i = (g_i + o) ⊙ s (DP-SGD-L2: o = λθ; DP-MacAdam: o = −m̂, s = 1/b), are handled exactly (``affine=``):
 ‖v_i‖² expands into terms of the same records (each layer type's ``terms``), and
 Σ_i c_i v_i = (Σ_i c_i g_i + (Σ_i c_i)·o) ⊙ s. Where ghost clipping cannot apply — a trainable layer type the
-registry does not know, parameters shared between modules — :class:`GhostClipper` raises ``ValueError`` and
-the Opacus hooks must be used.
+registry does not know, parameters shared between modules other than an embedding tied to an output
+``nn.Linear`` — :class:`GhostClipper` raises ``ValueError`` and the Opacus hooks must be used.
 
 **Non-finite and overflowing examples.** Whatever an example's loss (NaN, ±inf, or finite but huge, e.g. a
 regression label of 1e19), its contribution c_i v_i to the clipped sum is finite with norm ≤ C, and the other
@@ -67,12 +76,13 @@ otherwise). Nothing is logged: not which examples, not how many.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from .common import Workspace
+from .common import Workspace, unit_index
 from .hooks import install_batch_hooks
 from .registry import Layer, layer_type_for
 
@@ -111,17 +121,22 @@ class GhostClipper:
     @staticmethod
     def check_supported(model: nn.Module) -> list[tuple[nn.Module, object]]:
         """The (module, registered layer type) pairs to instrument (:func:`hf_dp.clipping.registry.layer_type_for`);
-        ``ValueError`` if ghost clipping cannot apply."""
-        layers = []
-        owner: dict[int, str] = {}
+        ``ValueError`` if ghost clipping cannot apply.
+
+        A parameter used by two modules is refused, except an ``nn.Embedding`` whose weight is also the weight of an
+        ``nn.Linear`` (tied input/output embeddings, GPT-2's ``lm_head``, Llama with ``tie_word_embeddings``): the
+        pair becomes one entry, (the embedding, :class:`~hf_dp.clipping.tied.TiedEmbeddingType`), whose norms
+        include the cross term of the two uses (:mod:`hf_dp.clipping.tied`)."""
+        from .tied import tie_of
+
+        entries: dict[str, list] = {}  # name -> [module, layer type]
+        users: dict[int, list] = {}  # id(param) -> [(name, module), ...]
         for name, m in model.named_modules():
             own = [p for p in m.parameters(recurse=False) if p.requires_grad]
             if not own:
                 continue
             for p in own:
-                if id(p) in owner:
-                    raise ValueError(f"ghost clipping cannot handle parameters shared between modules ({owner[id(p)]} and {name})")
-                owner[id(p)] = name
+                users.setdefault(id(p), []).append((name, m))
             ltype = layer_type_for(m)
             if ltype is None:
                 raise ValueError(
@@ -129,13 +144,15 @@ class GhostClipper:
                     "use --clipping hooks (Opacus per-sample gradients)"
                 )
             ltype.check(m, name)
-            layers.append((m, ltype))
-        if not layers:
+            entries[name] = [m, ltype]
+        if not entries:
             raise ValueError("the model has no trainable parameter")
-        all_trainable = {id(p) for p in model.parameters() if p.requires_grad}
-        if set(owner) != all_trainable:  # pragma: no cover - defensive
-            raise ValueError("some trainable parameters are not covered by ghost clipping")
-        return layers
+        for us in users.values():
+            if len(us) > 1:  # ValueError unless an embedding tied to an output linear layer
+                emb_name, head_name, ltype = tie_of(us)
+                entries[emb_name][1] = ltype
+                del entries[head_name]
+        return [(m, ltype) for m, ltype in entries.values()]
 
     def __init__(self, model: nn.Module, materialize_bytes: int = 0, two_pass: bool = False):
         self.model = model
@@ -147,6 +164,7 @@ class GhostClipper:
         self._affine_now: dict = {}
         self._work = Workspace()  # two-pass: the Gram cache of pass 1
         self._zero_rows: torch.Tensor | None = None  # two-pass: examples whose output gradients pass 2 zeroes
+        self._units = None  # two-pass: the UnitIndex of the norms pass in flight
         self.batch_size: int | None = None
         self._handles: list = []  # hooks and forward patches, each with remove()
         self.layers = [Layer(m, ltype) for m, ltype in self.check_supported(model)]
@@ -159,9 +177,11 @@ class GhostClipper:
     # ----- instrumentation (one pass: each layer type's own, see hf_dp.clipping.registry) ----------------
     def _instrument_two_pass(self, layer: Layer) -> list:
         """Every layer type keeps its own forward and backward; a forward hook notes the input and hooks
-        the output's gradient, which only :meth:`norms_pass` consumes (pass 2 is an ordinary backward)."""
+        the output's gradient, which only :meth:`norms_pass` consumes (pass 2 is an ordinary backward). An entry of
+        several modules (a tied pair) gets a hook on each, its records tagged with the member's ``record_tags``."""
+        tags = layer.type.record_tags or (None,) * len(layer.modules)
 
-        def fwd_hook(module, args, out, _layer=layer):
+        def fwd_hook(module, args, out, _layer=layer, _tag=None):
             if not (module.training and torch.is_grad_enabled()) or not torch.is_tensor(out) or not out.requires_grad:
                 return
             if out.dtype not in (torch.float32, torch.float64):
@@ -174,19 +194,22 @@ class GhostClipper:
             if not (x.is_floating_point() and x.requires_grad):  # nothing trainable below: a root of pass 1
                 self._roots.append(out)
             x = x.detach()
-            out.register_hook(lambda g, _x=x: self._on_grad(_layer, _x, g))
+            out.register_hook(lambda g, _x=x: self._on_grad(_layer, _x, g, _tag))
 
-        return [layer.module.register_forward_hook(fwd_hook)]
+        return [m.register_forward_hook(functools.partial(fwd_hook, _tag=tag)) for m, tag in zip(layer.modules, tags)]
 
-    def _on_grad(self, layer: Layer, x: torch.Tensor, g: torch.Tensor):
+    def _on_grad(self, layer: Layer, x: torch.Tensor, g: torch.Tensor, tag=None):
         if self._phase != "norms":  # pass 2: the output gradients of examples with c_i = 0 become exactly 0
             zero = self._zero_rows
             return None if zero is None else g.masked_fill(zero.view(-1, *([1] * (g.dim() - 1))), 0)
-        layer.records.append((x, g, None))  # no single-query hint: pass 2 sums the exact gradients
+        # no single-query hint: pass 2 sums the exact gradients
+        layer.records.append((x, g, None) if tag is None else (x, g, None, tag))
         if len(layer.records) == layer.calls:  # every call of the layer has its gradient: norms now, then drop
-            sq, _ = self._checked_terms(layer, 1.0, self._affine_now, self._work, with_sum=False)
+            grouped = layer if self._units is None else self._grouped(layer, self._units)
+            sq, _ = self._checked_terms(grouped, 1.0, self._affine_now, self._work, with_sum=False)
             self._sq = sq if self._sq is None else self._sq + sq
             layer.records.clear()
+            del grouped
             layer.done = True
 
     def detach(self) -> None:
@@ -204,6 +227,35 @@ class GhostClipper:
         self._sq = None
         self._work = Workspace()
         self._zero_rows = None
+
+    # ----- privacy units ------------------------------------------------------------------------------------
+    @staticmethod
+    def _grouped(layer: Layer, idx) -> Layer:
+        """A stand-in for ``layer`` whose records are regrouped by privacy unit (:class:`~hf_dp.clipping.common.UnitIndex`):
+        each unit one example, its rows side by side along the token axis (zero-filled). Integers in a record — the
+        single-query head-size hint — become ``None`` when a unit has several rows (their output gradients are not
+        rank one across the rows); tags and ``None`` pass through."""
+        several = idx.max_rows > 1
+
+        def one(t):
+            if torch.is_tensor(t):
+                return idx.regroup(t)
+            if several and isinstance(t, int) and not isinstance(t, bool):
+                return None
+            return t
+
+        out = Layer(layer.module, layer.type)
+        out.records = [tuple(one(t) for t in r) for r in layer.records]
+        return out
+
+    def _unit_index(self, units, rows: int | None = None):
+        """The :class:`~hf_dp.clipping.common.UnitIndex` of ``units`` (``None``: one row per unit, nothing to do)."""
+        if units is None:
+            return None
+        if rows is None:
+            rows = next((int(t.shape[0]) for layer in self.layers for r in layer.records for t in r[:2]
+                         if torch.is_tensor(t) and t.dim() > 0 and t.shape[0] != 1), units.numel())
+        return unit_index(units, rows)
 
     # ----- per-layer terms ---------------------------------------------------------------------------------
     @staticmethod
@@ -277,7 +329,8 @@ class GhostClipper:
         return sq, clipped_all
 
     # ----- public -----------------------------------------------------------------------------------------
-    def _collect(self, loss_scale: float, affine: dict | None = None, release: bool = False):
+    def _collect(self, loss_scale: float, affine: dict | None = None, release: bool = False, units=None):
+        idx = self._unit_index(units)
         if affine:
             owned = {id(p) for layer in self.layers for p in layer.params()}
             if any(id(p) not in owned for p in affine):
@@ -286,7 +339,9 @@ class GhostClipper:
         with _no_autocast():
             terms = []
             for layer in self.layers:
-                terms.append(self._checked_terms(layer, loss_scale, affine, work))
+                grouped = layer if idx is None else self._grouped(layer, idx)
+                terms.append(self._checked_terms(grouped, loss_scale, affine, work))
+                del grouped
                 if release:  # the terms keep what they need (a scaled copy of g, when loss_scale != 1)
                     layer.records.clear()
         del work  # the Gram cache
@@ -296,16 +351,22 @@ class GhostClipper:
         return sq, terms
 
     @torch.no_grad()
-    def per_example_norms(self, loss_scale: float = 1.0, affine: dict | None = None) -> torch.Tensor:
-        """‖v_i‖ per example, v_i = ∇ℓ_i or its per-parameter affine transform (see :meth:`clipped_sum`)."""
+    def per_example_norms(self, loss_scale: float = 1.0, affine: dict | None = None, units=None) -> torch.Tensor:
+        """‖v_i‖ per example — per unit with ``units``, [U] — v_i = ∇ℓ_i or its per-parameter affine transform (see
+        :meth:`clipped_sum`)."""
         if self.two_pass:
             raise RuntimeError("a two-pass GhostClipper gives the norms from norms_pass")
-        return self._collect(loss_scale, affine)[0].clamp_min(0).sqrt()
+        return self._collect(loss_scale, affine, units=units)[0].clamp_min(0).sqrt()
 
     @torch.no_grad()
-    def clipped_sum(self, max_grad_norm: float, loss_scale: float = 1.0, affine: dict | None = None) -> dict:
+    def clipped_sum(self, max_grad_norm: float, loss_scale: float = 1.0, affine: dict | None = None, units=None) -> dict:
         """{param: Σ_i c_i v_i}, c_i = min(1, C/(‖v_i‖·(1 + NORM_MARGIN) + 1e-6)) — 0 where ‖v_i‖² is not finite
         (see the module docstring: every example's contribution is finite with norm ≤ C); clears the records.
+
+        ``units``: an integer tensor [rows], values 0..U−1 with every value present: the rows of one privacy unit
+        are one "example" — v_u = (Σ_{r∈u} ∇ℓ_r + o) ⊙ s, its norm, clip factor and non-finite check per unit, the
+        affine map applied once per unit (each layer's records regrouped by :meth:`_grouped`). ``None``: every row
+        its own unit (the same computation as without the argument).
 
         v_i = ∇ℓ_i, or with ``affine={param: (o, s)}`` the per-sample vector of rules that transform
         each example's gradient by a public per-coordinate map before clipping: v_i = (∇ℓ_i + o) ⊙ s
@@ -315,7 +376,7 @@ class GhostClipper:
         """
         if self.two_pass:
             raise RuntimeError("a two-pass GhostClipper computes norms in norms_pass (see two_pass_clipped_sum)")
-        sq, terms = self._collect(loss_scale, affine, release=True)
+        sq, terms = self._collect(loss_scale, affine, release=True, units=units)
         c = clip_factors(sq, max_grad_norm)
         out: dict = {}
         with _no_autocast():
@@ -340,8 +401,9 @@ class GhostClipper:
         return out
 
     # ----- two passes (two_pass=True): no records kept (≈ 1.1× the non-private memory, see above) -----------
-    def norms_pass(self, losses: torch.Tensor, affine: dict | None = None) -> torch.Tensor:
-        """Pass 1 of two: ‖v_i‖² per example (``losses``: the per-example losses ℓ_i, shape [B]).
+    def norms_pass(self, losses: torch.Tensor, affine: dict | None = None, units=None) -> torch.Tensor:
+        """Pass 1 of two: ‖v_i‖² per example (``losses``: the per-example losses ℓ_i, shape [B]); with ``units``
+        (see :meth:`clipped_sum`) ‖v_u‖² per unit, [U] — pass 2 is then the backward of Σ_r c_{units[r]} ℓ_r.
 
         One backward of Σ_i ℓ_i that computes no parameter gradient (``torch.autograd.grad`` towards the
         outputs of the lowest trainable layers only, so autograd skips every weight-gradient product) and
@@ -363,7 +425,9 @@ class GhostClipper:
                 raise ValueError("per-sample transform given for a parameter ghost clipping does not cover")
         if not self._roots:
             raise ValueError("norms_pass needs a training-mode forward of the model (with grad enabled) first")
+        idx = unit_index(units, losses.shape[0])
         self._phase, self._affine_now, self._sq, self._work = "norms", affine or {}, None, Workspace()
+        self._units = idx
         try:
             torch.autograd.grad(losses.sum(), self._roots, retain_graph=True, allow_unused=True)
             missing = [type(layer.module).__name__ for layer in self.layers if not layer.done]
@@ -371,10 +435,11 @@ class GhostClipper:
                 raise ValueError(f"layers {missing} got no gradient in pass 1; is every trainable layer used in the forward?")
             sq = self._sq
         finally:
-            self._phase, self._affine_now = None, {}
+            self._phase, self._affine_now, self._units = None, {}, None
             self.clear()
-        zero = ~torch.isfinite(sq)  # exactly the examples clip_factors gives c_i = 0
-        self._zero_rows = zero if bool(zero.any()) else None
+        zero = ~torch.isfinite(sq)  # exactly the examples (units) clip_factors gives c_i = 0
+        if bool(zero.any()):
+            self._zero_rows = zero if idx is None else idx.rows_of(zero)  # every row of such a unit
         return sq
 
     def grads_after_backward(self, c: torch.Tensor, loss_scale: float = 1.0, affine: dict | None = None) -> dict:
@@ -400,10 +465,12 @@ class GhostClipper:
             )
         return self._apply_affine(out, c, affine)
 
-    def two_pass_clipped_sum(self, losses: torch.Tensor, max_grad_norm: float, affine: dict | None = None) -> dict:
-        """Both passes after a forward: {param: Σ_i min(1, C/(‖v_i‖+1e-6)) v_i} (as :meth:`clipped_sum`)."""
-        c = clip_factors(self.norms_pass(losses, affine), max_grad_norm)
-        (losses * c).sum().backward()
+    def two_pass_clipped_sum(self, losses: torch.Tensor, max_grad_norm: float, affine: dict | None = None, units=None) -> dict:
+        """Both passes after a forward: {param: Σ_i min(1, C/(‖v_i‖+1e-6)) v_i} (as :meth:`clipped_sum`, also with
+        ``units``)."""
+        c = clip_factors(self.norms_pass(losses, affine, units=units), max_grad_norm)
+        idx = unit_index(units, losses.shape[0])
+        (losses * (c if idx is None else idx.rows_of(c))).sum().backward()
         return self.grads_after_backward(c, 1.0, affine)
 
 

@@ -38,6 +38,20 @@ Extra hooks added by this module:
   ``InstanceNorm`` with running stats) are rejected when they hold trainable
   parameters, as are trainable modules with buffers that Opacus cannot handle.
 
+* **Embeddings with ``padding_idx``.**  Opacus' grad sampler for ``nn.Embedding`` adds the output gradient
+  of every position to the row of its token id, also where the id is ``padding_idx``, whose row autograd never
+  updates. The output gradient at padding positions is not always 0 (a left-padded causal LM scores its first
+  real token from the last padding position), so Opacus' per-sample gradient of that row would differ from the
+  true one. :func:`attach_grad_sampler` registers a grad sampler for ``nn.Embedding`` (in Opacus' registry, for
+  the process) that zeroes the output gradient at ``padding_idx`` positions first (exact zeros, also for a NaN
+  gradient) and is otherwise Opacus' own.
+* **Tied weights.**  A parameter used by two modules (GPT-2's ``lm_head.weight is transformer.wte.weight``) gets
+  the sum of both modules' per-sample gradients (Opacus accumulates ``grad_sample`` over the modules of one
+  backward): exactly the per-example gradient (``tests/test_clm_layers.py``).
+* **RMSNorm.**  transformers' per-family ``*RMSNorm`` classes have no Opacus grad sampler; Opacus computes their
+  per-sample gradients with its generic functorch fallback (a per-example ``vmap`` of the module's own forward),
+  which is exact for any of them; ``torch.nn.RMSNorm`` has Opacus' own sampler.
+
 What cannot be fixed generically: parameters that are used directly rather
 than through their module's forward (DeBERTa's ``rel_embeddings.weight``) get
 no per-sample gradient, and modules called with a non-batch input (MPNet's
@@ -270,6 +284,22 @@ def install_batch_hooks(model: nn.Module, holder) -> list:
     return handles
 
 
+def _embedding_grad_sample(layer: nn.Embedding, activations, backprops):
+    """Opacus' ``nn.Embedding`` grad sampler with the output gradient at ``padding_idx`` positions zeroed first:
+    autograd gives the padding row no gradient from the embedding (see the module docstring)."""
+    from opacus.grad_sample.embedding import compute_embedding_grad_sample
+
+    if layer.padding_idx is not None:
+        backprops = backprops.masked_fill((activations[0] == layer.padding_idx).unsqueeze(-1), 0)  # ids [B, …], g [B, …, d]
+    return compute_embedding_grad_sample(layer, activations, backprops)
+
+
+def _register_grad_samplers() -> None:
+    from opacus.grad_sample.grad_sample_module import GradSampleModule
+
+    GradSampleModule.GRAD_SAMPLERS[nn.Embedding] = _embedding_grad_sample
+
+
 def attach_grad_sampler(model: nn.Module) -> GradSamplerHandle:
     """Register Opacus per-sample-gradient hooks on ``model`` (in place) and return a handle.
 
@@ -288,6 +318,7 @@ def attach_grad_sampler(model: nn.Module) -> GradSamplerHandle:
         raise ValueError("The model has no trainable parameter; call apply_trainable first.")
     _validate(model)
 
+    _register_grad_samplers()
     handles: list = []
     handle = GradSamplerHandle(model, None, handles)
 

@@ -22,7 +22,13 @@ avoid the autograd weight gradient (``linear.py``). Test the new type against th
 (``tests/test_ghost_clipping.py``, ``tests/test_clipping_registry.py``).
 
 A module is matched by its class's MRO: the entry of the most specific registered class wins (so a subclass can
-get its own entry). :func:`unregister_layer` removes an entry.
+get its own entry). :func:`unregister_layer` removes an entry. A family of classes that share no base class —
+transformers defines one ``RMSNorm`` class per model family (``LlamaRMSNorm``, ``MistralRMSNorm``, …) — is matched
+by a predicate instead (:func:`register_matcher`), consulted only when no class of the MRO is registered; the
+entry's :meth:`~GhostLayerType.check` then verifies what the predicate could only guess (``rmsnorm.py``).
+
+An entry may cover several modules that share a parameter (:meth:`GhostLayerType.members`): the tied input/output
+embeddings (``tied.py``) are one :class:`Layer` whose records come from both modules.
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["GhostLayerType", "Layer", "register_layer", "unregister_layer", "layer_type_for", "registered_layers", "patch_forward"]
+__all__ = ["GhostLayerType", "Layer", "register_layer", "unregister_layer", "register_matcher", "unregister_matcher",
+           "layer_type_for", "registered_layers", "patch_forward"]
 
 _REGISTRY: dict[type, "GhostLayerType"] = {}
+_MATCHERS: list = []  # (predicate, entry), consulted in order after the MRO
 
 
 class GhostLayerType:
@@ -41,8 +49,16 @@ class GhostLayerType:
     #: a short name for messages (the class name without ``Type`` if not set)
     name: str = ""
 
+    #: for an entry covering several modules (:meth:`members`): the tag each member's records carry as their last
+    #: element, in the order of :meth:`members` (``None``: one module, untagged records)
+    record_tags: tuple | None = None
+
     def check(self, module: nn.Module, name: str) -> None:
         """Raise ``ValueError`` if this module uses an option ghost clipping cannot handle (default: none)."""
+
+    def members(self, module: nn.Module) -> list:
+        """The modules whose parameters and records this entry handles as one layer (default: ``[module]``)."""
+        return [module]
 
     def instrument(self, layer: "Layer") -> list:
         """Make a one-pass backward append what :meth:`terms` needs to ``layer.records``; return handles with
@@ -73,6 +89,7 @@ class Layer:
     def __init__(self, module: nn.Module, ltype: GhostLayerType):
         self.module = module
         self.type = ltype
+        self.modules = ltype.members(module)  # usually [module]; both modules of a tied pair
         self.records: list = []  # appended during backward (one-pass: by the type's instrumentation)
         self.calls = 0  # two-pass: forward calls since the last clear
         self.done = False  # two-pass: norms computed in this pass 1
@@ -82,7 +99,13 @@ class Layer:
         return self.type.name
 
     def params(self):
-        return [p for p in self.module.parameters(recurse=False) if p.requires_grad]
+        out, seen = [], set()
+        for m in self.modules:
+            for p in m.parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
 
 def register_layer(*module_types: type):
@@ -91,11 +114,7 @@ def register_layer(*module_types: type):
     types = tuple(t for t in module_types if isinstance(t, type))  # an optional dependency may give ()
 
     def deco(cls):
-        if not (isinstance(cls, type) and issubclass(cls, GhostLayerType)):
-            raise TypeError(f"register_layer decorates a GhostLayerType subclass, got {cls!r}")
-        entry = cls()
-        if not entry.name:
-            entry.name = cls.__name__.removesuffix("Type").lower()
+        entry = _entry_of(cls)
         for t in types:
             _REGISTRY[t] = entry
         return cls
@@ -109,11 +128,42 @@ def unregister_layer(*module_types: type) -> None:
         _REGISTRY.pop(t, None)
 
 
+def _entry_of(cls) -> "GhostLayerType":
+    if not (isinstance(cls, type) and issubclass(cls, GhostLayerType)):
+        raise TypeError(f"a GhostLayerType subclass is needed, got {cls!r}")
+    entry = cls()
+    if not entry.name:
+        entry.name = cls.__name__.removesuffix("Type").lower()
+    return entry
+
+
+def register_matcher(predicate):
+    """Class decorator: ghost clipping handles every module for which ``predicate(module)`` is true and whose MRO
+    has no registered class, with an instance of the decorated :class:`GhostLayerType` subclass (for a family of
+    classes without a common base, e.g. transformers' per-model ``*RMSNorm``; the entry's ``check`` should verify
+    the module's computation, since a predicate can only look at names and shapes)."""
+
+    def deco(cls):
+        _MATCHERS.append((predicate, _entry_of(cls)))
+        return cls
+
+    return deco
+
+
+def unregister_matcher(predicate) -> None:
+    """Remove the entries registered with ``predicate``."""
+    _MATCHERS[:] = [(p, e) for p, e in _MATCHERS if p is not predicate]
+
+
 def layer_type_for(module: nn.Module) -> GhostLayerType | None:
-    """The entry of the most specific registered class in ``type(module).__mro__``, or ``None``."""
+    """The entry of the most specific registered class in ``type(module).__mro__``, else of the first matcher whose
+    predicate accepts the module (:func:`register_matcher`), or ``None``."""
     for cls in type(module).__mro__:
         entry = _REGISTRY.get(cls)
         if entry is not None:
+            return entry
+    for predicate, entry in _MATCHERS:
+        if predicate(module):
             return entry
     return None
 

@@ -24,6 +24,7 @@ _NOT_RESULTS = {"epoch", "eval_runtime", "eval_samples_per_second", "eval_steps_
 _METRIC_TITLES = {
     "accuracy": "Accuracy", "f1": "F1", "matthews_correlation": "Matthews Correlation", "pearson": "Pearson",
     "spearmanr": "Spearman Correlation", "mse": "MSE", "combined_score": "Combined Score", "loss": "Loss",
+    "perplexity": "Perplexity",
 }
 _GLUE_TASKS = {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"}
 
@@ -130,15 +131,17 @@ def build_front_matter(
         meta["base_model"] = base_model
     opt_name = _optimizer_name(report)
     tags = (["differential-privacy"] if _is_dp(report) else []) + ["hf_dp"] + ([opt_name] if opt_name != "unknown" else [])
-    tags += ["text-classification"] + ([ds_config] if ds_config else []) + (["glue"] if ds_config else [])
+    lm = report.get("objective") == "causal_lm"
+    pipeline = "text-generation" if lm else "text-classification"
+    tags += [pipeline] + ([ds_config] if ds_config else []) + (["glue"] if ds_config else [])
     meta["tags"] = tags
     if ds_id:
         meta["datasets"] = [ds_id]
-    meta["pipeline_tag"] = "text-classification"
+    meta["pipeline_tag"] = pipeline
     if _is_dp(report):
         meta["differential_privacy"] = {
             k: report[k]
-            for k in ("epsilon", "delta", "target_epsilon", "accountant", "unit_of_privacy", "sampling", "sample_rate",
+            for k in ("epsilon", "delta", "target_epsilon", "accountant", "unit_of_privacy", "privacy_unit", "sampling", "sample_rate",
                       "noise_multiplier", "max_grad_norm", "expected_batch_size", "steps", "epochs")
             if k in report
         }
@@ -157,7 +160,7 @@ def build_front_matter(
         meta["model-index"] = [{
             "name": model_name,
             "results": [{
-                "task": {"type": "text-classification", "name": "Text Classification"},
+                "task": {"type": pipeline, "name": "Text Generation" if lm else "Text Classification"},
                 "dataset": dataset,
                 "metrics": metrics,
             }],

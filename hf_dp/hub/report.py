@@ -32,6 +32,7 @@ def privacy_report(trainer) -> dict:
     return {
         "hf_dp_version": __version__,
         "differential_privacy": True,
+        "objective": _objective(trainer),
         "epsilon": trainer.get_epsilon(),
         "delta": spec.delta,
         "target_epsilon": spec.target_epsilon,
@@ -45,7 +46,8 @@ def privacy_report(trainer) -> dict:
         "planned_steps": spec.planned_steps,
         "epochs": ledger_epochs(trainer.ledger),
         "sampling": "poisson",
-        "unit_of_privacy": "one training example (add/remove adjacency)",
+        "unit_of_privacy": unit_of_privacy(trainer),
+        "privacy_unit": privacy_unit_report(trainer),
         "secure_rng": trainer.randomness == CSPRNG,
         "randomness": trainer.randomness,
         "dp_seed": args.dp_seed if trainer.randomness == SEEDED else None,
@@ -57,6 +59,35 @@ def privacy_report(trainer) -> dict:
         "run_id": getattr(trainer, "run_id", None),
         "ledger": ledger_report(trainer),
     }
+
+
+def _objective(trainer) -> str | None:
+    """The loss the run trained (``hf_dp.models.loss``: sequence_classification, causal_lm)."""
+    obj = getattr(trainer, "objective", None)
+    return getattr(obj, "name", None)
+
+
+def privacy_unit_report(trainer) -> dict:
+    """What one unit of privacy is: a row, or the rows sharing a value of ``--privacy_unit_column``."""
+    args = trainer.args
+    col = getattr(args, "privacy_unit_column", None)
+    n = trainer.privacy_spec.dataset_size
+    rows = getattr(getattr(trainer, "_dp_sampler", None), "num_rows", n)
+    if col is None:
+        return {"level": "row", "column": None, "num_units": n, "num_rows": rows, "max_rows_per_unit": None,
+                "description": f"example-level (row-level) DP: one unit = one row of the training set, N = {n:,}"}
+    k = getattr(args, "max_rows_per_unit", None)
+    cap = f"; at most {k} random rows of a drawn unit per step" if k else "; every row of a drawn unit enters its step"
+    return {"level": "unit", "column": col, "num_units": n, "num_rows": rows, "max_rows_per_unit": k,
+            "description": f"unit-level DP: one unit = all rows with the same '{col}', N = {n:,} units over {rows:,} rows; "
+                           f"each unit's summed gradient is clipped to C{cap}"}
+
+
+def unit_of_privacy(trainer) -> str:
+    col = getattr(trainer.args, "privacy_unit_column", None)
+    if col is None:
+        return "one training example (add/remove adjacency)"
+    return f"all training rows with the same '{col}' (add/remove adjacency of one unit)"
 
 
 def ledger_epochs(ledger) -> float:
@@ -104,6 +135,7 @@ def non_private_report(trainer) -> dict:
     return {
         "hf_dp_version": __version__,
         "differential_privacy": False,
+        "objective": _objective(trainer),
         "steps": trainer.state.global_step,
         "cache_frozen_features": bool(getattr(trainer, "_prefix_cache", False)),
         "optimizer": {"name": str(getattr(args.optim, "value", args.optim)), "hyperparameters": hyper},

@@ -23,6 +23,10 @@ model and re-enables gradients for one of the modes in :data:`TRAINABLE_MODES`:
 ``bias``
     BitFit: every parameter registered under the name ``bias`` (linear,
     layer-norm, ... biases) plus the whole head (as in ``head``).
+Causal LMs (``*ForCausalLM``): ``last_block`` / ``last_k:K`` train the blocks and the final norm but not the
+vocabulary matrices (the LM head is the output embedding, usually tied to the input embedding: ``all`` trains them);
+``lora`` uses ``task_type=CAUSAL_LM`` with no ``modules_to_save`` (adapters only).
+
 ``lora``
     PEFT LoRA with ``task_type=SEQ_CLS``.  Unless a config says otherwise, the
     target modules come from PEFT's own per-architecture default mapping
@@ -270,6 +274,23 @@ def _default_lora_targets(model: nn.Module):
     return "all-linear"
 
 
+def _is_causal_lm(model: nn.Module) -> bool:
+    from hf_dp.models.loss import OBJECTIVES, objective_for
+
+    return objective_for(model) is OBJECTIVES["causal_lm"]
+
+
+def _vocabulary_parameters(model: nn.Module) -> set[int]:
+    """The input and output embedding matrices of a causal LM (vocabulary × width; often one tied tensor)."""
+    out = set()
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        fn = getattr(model, get, None)
+        module = fn() if callable(fn) else None
+        if isinstance(module, nn.Module):
+            out.update(id(p) for p in module.parameters(recurse=False))
+    return out
+
+
 def _apply_lora(model: nn.Module, lora_config) -> nn.Module:
     try:
         from peft import LoraConfig, PeftModel, TaskType, get_peft_model
@@ -278,17 +299,18 @@ def _apply_lora(model: nn.Module, lora_config) -> nn.Module:
 
     if isinstance(model, PeftModel):
         raise ValueError("apply_trainable(..., 'lora') expects a plain transformers model, got a PeftModel.")
+    causal = _is_causal_lm(model)  # the LM head is the (often tied) output embedding: adapters only, no head copy
     if lora_config is None:
         lora_config = {}
     if isinstance(lora_config, dict):
         kwargs = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, **lora_config}
-        kwargs["task_type"] = TaskType.SEQ_CLS
+        kwargs["task_type"] = TaskType.CAUSAL_LM if causal else TaskType.SEQ_CLS
         lora_config = LoraConfig(**kwargs)
     else:
         lora_config = copy.deepcopy(lora_config)
     if getattr(lora_config, "target_modules", None) is None and not getattr(lora_config, "target_parameters", None):
         lora_config.target_modules = _default_lora_targets(model)
-    if getattr(lora_config, "modules_to_save", None) is None:
+    if getattr(lora_config, "modules_to_save", None) is None and not causal:
         # Top-level modules outside base_model that hold parameters = the head.
         base = _base_model(model)
         head = [
@@ -326,7 +348,7 @@ def apply_trainable(
             that ``modules_to_save`` defaults to the head modules when unset), a
             dict of ``LoraConfig`` keyword arguments (defaults ``r=8,
             lora_alpha=16, lora_dropout=0.0``; ``task_type`` is forced to
-            ``SEQ_CLS``) or ``None`` (all defaults).
+            ``SEQ_CLS``, ``CAUSAL_LM`` for a causal LM) or ``None`` (all defaults).
 
     Returns:
         ``(model, info)``: the model to train (the ``PeftModel`` for ``lora``,
@@ -359,6 +381,8 @@ def apply_trainable(
                     selected.add(id(bias))
         else:  # last_block, last_k:K
             selected, last_block_name = _select_last_blocks(model, suffix_blocks(trainable))
+            if _is_causal_lm(model):  # the final norm, not the vocabulary matrices (tied: the input embedding too)
+                selected -= _vocabulary_parameters(model)
         if not selected:
             raise ValueError(
                 f"trainable={trainable!r} selects no parameter of {type(model).__name__}; "

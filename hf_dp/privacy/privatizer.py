@@ -5,7 +5,7 @@ For one logical batch (possibly several physical micro-batches, possibly several
 1. after each backward pass, :meth:`PrivateOptimizer.accumulate` takes the per-sample gradients
    Opacus' grad sampler left in ``p.grad_sample``, undoes any constant loss scale, lets the rule map
    them to its clip space (identity for most rules), clips each example's whole gradient (all
-   parameters jointly) to norm ≤ C as Opacus' ``clip_and_accumulate`` does, adds them to
+   parameters jointly; with ``units=``, each privacy unit's gradient — its rows summed first) to norm ≤ C as Opacus' ``clip_and_accumulate`` does, adds them to
    ``p.summed_grad`` and frees ``p.grad_sample``. Whatever an example's loss, its contribution is finite:
    an example whose norm is NaN, inf or ≥ √(largest float) (2^64 ≈ 1.8e19 in float32, where ghost
    clipping's squared norms overflow) contributes exactly 0 — never 0·inf = NaN — and the others keep
@@ -145,13 +145,18 @@ class PrivateOptimizer(DPOptimizer):
 
     # ----- per micro-batch ----------------------------------------------------------------------------
     @torch.no_grad()
-    def accumulate(self, loss_scale: float = 1.0) -> int:
+    def accumulate(self, loss_scale: float = 1.0, units: torch.Tensor | None = None) -> int:
         """Clip and sum the per-sample gradients of the last backward pass(es); free them.
 
         ``loss_scale``: the constant the per-example losses were multiplied by before backward
         (e.g. 1/accumulation steps); per-sample gradients are divided by it first so that clipping
         sees each example's true gradient. Each example adds a finite vector of norm ≤ C, 0 if its norm is
         not finite (see :meth:`_clip_and_sum`). Returns the number of rows processed.
+
+        ``units``: ``None`` (every row its own privacy unit) or an integer tensor [rows], values 0..U−1 with every
+        value present: the rows' per-sample gradients are summed per unit (``index_add``, in float32 or wider)
+        before the rule's map to clip space and the clipping, so each unit adds one finite vector of norm ≤ C —
+        exactly 0 if its summed vector's norm is not finite (a NaN or inf row zeroes its whole unit).
         """
         params = self.params
         if not params or all(getattr(p, "grad_sample", None) is None for p in params):
@@ -170,12 +175,33 @@ class PrivateOptimizer(DPOptimizer):
             if not loss_scale > 0:
                 raise ValueError(f"loss_scale must be > 0, got {loss_scale}")
             flat = [g / loss_scale for g in flat]
-        flat = self.rule.to_clip_space(params, flat)
         rows = flat[0].shape[0]
+        if units is not None:
+            flat = self._sum_per_unit(flat, units, rows)
+        flat = self.rule.to_clip_space(params, flat)
         self._clip_and_sum(params, flat)
         for p in params:
             p.grad_sample = None
         return rows
+
+    @staticmethod
+    def _sum_per_unit(flat: list, units: torch.Tensor, rows: int) -> list:
+        """[rows, …] per-sample gradients -> [U, …] per-unit sums (``units`` as in :meth:`accumulate`)."""
+        if not torch.is_tensor(units) or units.dim() != 1 or units.dtype.is_floating_point or units.dtype == torch.bool:
+            raise ValueError(f"units must be a 1-D integer tensor (one unit index per row), got {units!r}")
+        if units.numel() != rows:
+            raise ValueError(f"units has {units.numel()} entries for {rows} rows of per-sample gradients")
+        if rows == 0:
+            return flat
+        units = units.long()
+        if int(units.min()) < 0 or not bool((torch.bincount(units) > 0).all()):
+            raise ValueError("units must number the units 0..U-1 with every value present")
+        num = int(units.max()) + 1
+        out = []
+        for g in flat:
+            idx = units.to(g.device)
+            out.append(g.new_zeros((num, *g.shape[1:])).index_add_(0, idx, g))
+        return out
 
     def _clip_and_sum(self, params, flat: list) -> None:
         """``p.summed_grad += Σ_i c_i v_i`` with Opacus' c_i = min(1, C/(‖v_i‖ + 1e-6)) (the same operations as

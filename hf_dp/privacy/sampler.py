@@ -11,6 +11,12 @@ micro-batch pads to a length near its own rows' (less padding, less compute); wh
 the clipped sum, the noise and the accountant's q, are unchanged — the cut only decides which micro-batch computes
 which example's clipped gradient.
 
+**Privacy units** (``units=``, ``--privacy_unit_column``): the draw is over units — groups of rows (a user's
+messages, a document's blocks) — each included independently with probability q; every row of a drawn unit enters
+that logical batch (or, with ``max_rows_per_unit=k``, a uniform random subset of k of its rows drawn afresh from the
+same stream), and all of a unit's rows go to the same micro-batch, so that the clipping engine can clip the unit's
+summed gradient. Ranks shard units, not rows. ``num_samples`` is then the number of units (the accountant's N).
+
 Randomness (:mod:`hf_dp.privacy.randomness`): every iteration (one epoch of HF's loop) draws from a
 new stream — OS entropy by default, the OS CSPRNG with ``secure=True``, or, with a fixed ``seed``,
 a stream keyed by (seed, rank, the ledger step at which the iteration starts). So the draws of a
@@ -50,6 +56,8 @@ class PoissonBatchSampler(Sampler):
         secure: bool = False,
         position: Callable[[], int] | None = None,
         lengths: Sequence[int] | torch.Tensor | None = None,
+        units: Sequence[Sequence[int]] | None = None,
+        max_rows_per_unit: int | None = None,
     ):
         if num_samples <= 0:
             raise ValueError("the training dataset is empty")
@@ -57,6 +65,16 @@ class PoissonBatchSampler(Sampler):
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
         if steps_per_epoch <= 0 or micro_batches <= 0:
             raise ValueError("steps_per_epoch and micro_batches must be positive")
+        if units is not None and len(units) != int(num_samples):
+            raise ValueError(f"{len(units)} units given for num_samples={num_samples} (the number of units)")
+        if units is not None and any(len(u) == 0 for u in units):
+            raise ValueError("every privacy unit needs at least one row")
+        if max_rows_per_unit is not None and max_rows_per_unit < 1:
+            raise ValueError(f"max_rows_per_unit must be >= 1, got {max_rows_per_unit}")
+        #: rows of each unit (``None``: unit i is row i)
+        self.units = None if units is None else [torch.as_tensor(list(u), dtype=torch.long) for u in units]
+        self.max_rows_per_unit = None if max_rows_per_unit is None else int(max_rows_per_unit)
+        self.num_rows = int(num_samples) if units is None else int(sum(len(u) for u in self.units))
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
         self.steps_per_epoch = int(steps_per_epoch)
@@ -80,9 +98,12 @@ class PoissonBatchSampler(Sampler):
             self._lengths = None
             return
         t = torch.as_tensor(lengths).reshape(-1)
-        if t.numel() != self.num_samples:
-            raise ValueError(f"lengths has {t.numel()} entries for a dataset of {self.num_samples} examples")
-        self._lengths = t.to(torch.long)
+        if t.numel() != self.num_rows:
+            raise ValueError(f"lengths has {t.numel()} entries for a dataset of {self.num_rows} examples")
+        t = t.to(torch.long)
+        if self.units is not None:  # a unit's length: its longest row (its rows share a micro-batch)
+            t = torch.stack([t[u].max() for u in self.units])
+        self._lengths = t
 
     @staticmethod
     def steps_for_epoch(sample_rate: float) -> int:
@@ -92,6 +113,19 @@ class PoissonBatchSampler(Sampler):
     def set_epoch(self, epoch: int) -> None:
         """HF calls this every epoch; the draws do not depend on it (each iteration is a new stream)."""
         self.epoch = int(epoch)
+
+    @staticmethod
+    def group_rows(values: Sequence) -> list[list[int]]:
+        """The rows of each unit, from each row's unit value (units in order of first appearance)."""
+        index: dict = {}
+        out: list[list[int]] = []
+        for row, v in enumerate(values):
+            j = index.get(v)
+            if j is None:
+                index[v] = j = len(out)
+                out.append([])
+            out[j].append(row)
+        return out
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.micro_batches
@@ -107,10 +141,33 @@ class PoissonBatchSampler(Sampler):
             self._drawn += 1
             if self._lengths is not None:  # order only: the set drawn (and so the clipped sum) is the same
                 drawn = drawn[torch.argsort(self._lengths[drawn], stable=True)]
-            # split into `micro_batches` contiguous chunks of near-equal size (some may be empty)
-            bounds = [math.floor(i * len(drawn) / self.micro_batches) for i in range(self.micro_batches + 1)]
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                yield drawn[a:b].tolist()
+            if self.units is None:
+                # split into `micro_batches` contiguous chunks of near-equal size (some may be empty)
+                bounds = [math.floor(i * len(drawn) / self.micro_batches) for i in range(self.micro_batches + 1)]
+                for a, b in zip(bounds[:-1], bounds[1:]):
+                    yield drawn[a:b].tolist()
+                continue
+            rows = [self._rows_of(int(j), gen) for j in drawn]
+            # whole units per micro-batch, cut where the running row count crosses each equal share of the rows
+            sizes = torch.tensor([0] + [len(r) for r in rows], dtype=torch.float64).cumsum(0)
+            total = float(sizes[-1])
+            cuts = [0] + [int(torch.searchsorted(sizes, i * total / self.micro_batches, right=False)) for i in range(1, self.micro_batches)] + [len(rows)]
+            cuts = [min(max(c, 0), len(rows)) for c in cuts]
+            for i in range(1, len(cuts)):
+                cuts[i] = max(cuts[i], cuts[i - 1])
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                yield [r for unit_rows in rows[a:b] for r in unit_rows]
+
+    def _rows_of(self, unit: int, gen) -> list[int]:
+        """The rows of a drawn unit that enter this step: all, or a uniform random subset of ``max_rows_per_unit``
+        (from the sampler's own stream), in their dataset order."""
+        rows = self.units[unit]
+        k = self.max_rows_per_unit
+        if k is None or len(rows) <= k:
+            return rows.tolist()
+        keys = csprng_uniform(len(rows)) if self._secure else torch.rand(len(rows), generator=gen, dtype=torch.float64)
+        keep = torch.argsort(keys)[:k].sort().values
+        return rows[keep].tolist()
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to refuse a different dataset size or rate — no seed, no generator state."""

@@ -1,0 +1,313 @@
+"""Causal language models and privacy units through DPTrainer (issue 29).
+
+On c4278d0 every causal LM was refused by the head check (before that, on ff55d8f, trained silently on the
+sequence-classifier loss) and there was no privacy unit: each test here fails there. What is checked:
+
+* DPTrainer's per-sequence loss is the model's own loss on a one-sequence batch, right- or left-padded;
+* a left-padded row gets the same loss as the same row unpadded (positions from the attention mask);
+* unit-level sensitivity through ``DPTrainer.training_step``: removing one unit (of 1–3 rows of very different
+  lengths) moves the clipped sum by at most C, for every engine and both padding sides;
+* the accountant's N is the number of units, q = B/N_units; the sampler puts a unit's rows in one micro-batch;
+* a missing or empty unit column is refused in one sentence before any work; privacy.json and the card name the unit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import DataCollatorForLanguageModeling, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from hf_dp import DPTrainer
+from hf_dp.models.loss import per_example_loss
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from helpers import dp_args, make_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+ENGINES = ["ghost", "ghost_two_pass", "hooks"]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def gpt2(tok, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=tok.pad_token_id, bos_token_id=tok.cls_token_id,
+                     eos_token_id=tok.sep_token_id)
+    return GPT2LMHeadModel(cfg).to(dtype)
+
+
+def llama(tok, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      pad_token_id=tok.pad_token_id, bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)
+    return LlamaForCausalLM(cfg)
+
+
+def lm_data(tok, n=48, users=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(3, 30, (1,), generator=g))
+        ids = [tok.cls_token_id] + torch.randint(5, len(tok), (length,), generator=g).tolist() + [tok.sep_token_id]
+        rows.append(ids)
+    d = {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}
+    if users is not None:
+        d["user_id"] = [users(i) for i in range(n)]
+    return Dataset.from_dict(d)
+
+
+def collator(tok, side="right"):
+    tok.padding_side = side
+    return DataCollatorForLanguageModeling(tok, mlm=False)
+
+
+def make(tmp_path, tok, model, data, side="right", **over):
+    kw = dict(noise_multiplier=1.0, epsilon=None, max_steps=2, trainable="all", per_device_train_batch_size=8)
+    kw.update(over)
+    return DPTrainer(model=model, args=dp_args(tmp_path / "out", **kw), train_dataset=data, data_collator=collator(tok, side))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the objective
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("factory", [gpt2, llama])
+def test_the_per_sequence_loss_is_the_models_own_loss_on_one_sequence(tmp_path, tok, side, factory):
+    data = lm_data(tok)
+    tr = make(tmp_path, tok, factory(tok), data, side=side, clipping="hooks")
+    assert tr.objective.name == "causal_lm"
+    model = tr.model
+    model.eval()  # no dropout; compute_loss's DP path needs training mode: take the objective it calls directly
+    for i in (0, 5):
+        batch = collator(tok, side)([{"input_ids": data[i]["input_ids"]}])
+        own = model(**batch).loss
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        ours = per_example_loss(logits, batch["labels"], model.config, tr.objective, batch["attention_mask"])
+        torch.testing.assert_close(ours, own.reshape(1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("factory", [gpt2, llama])
+def test_a_left_padded_row_gets_the_loss_of_the_same_row_unpadded(tmp_path, tok, factory):
+    """DPTrainer's compute_loss passes positions from the attention mask: a left-padded row's loss does not depend on
+    how long the other rows of its micro-batch are (without them GPT-2's absolute positions would shift)."""
+    data = lm_data(tok)
+    tr = make(tmp_path, tok, factory(tok), data, side="left", clipping="hooks")
+    tr.model.train()
+    tr._contract_probe = True  # compute_loss without the engine
+    short, long_ = {"input_ids": data[0]["input_ids"][:5]}, {"input_ids": data[1]["input_ids"] + [7] * 20}
+    alone = tr.compute_loss(tr.model, tr._prepare_inputs(dict(collator(tok, "left")([short]))))
+    both = tr.compute_loss(tr.model, tr._prepare_inputs(dict(collator(tok, "left")([short, long_]))))
+    b = tr.privacy_spec.expected_batch_size
+    # the returned loss is Σ_i ℓ_i / B: the pair's minus the long row's own
+    long_alone = tr.compute_loss(tr.model, tr._prepare_inputs(dict(collator(tok, "left")([long_]))))
+    torch.testing.assert_close((both - long_alone) * b, alone * b, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# unit-level sensitivity through DPTrainer
+# ---------------------------------------------------------------------------------------------------
+def _clipped_sum(tr, rows, units):
+    """The clipped sum DPTrainer's engine hands the privatizer for one micro-batch of ``rows`` (token-id lists)
+    whose privacy units are ``units`` (one id per row)."""
+    opt = tr.create_optimizer()
+    opt.discard_pending()
+    ids = {u: j for j, u in enumerate(dict.fromkeys(units))}
+    batch = collator(tok_of(tr))([{"input_ids": r} for r in rows])
+    batch["_hf_dp_units"] = torch.tensor([ids[u] for u in units])
+    tr.model.train()
+    tr.training_step(tr.model, dict(batch))
+    out = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params])
+    opt.discard_pending()
+    return out
+
+
+def tok_of(tr):
+    return tr.data_collator.tokenizer
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_removing_one_unit_moves_the_clipped_sum_by_at_most_c(tmp_path, tok, engine, side):
+    data = lm_data(tok, users=lambda i: i // 3)
+    c = 0.01  # every unit's gradient is clipped
+    tr = make(tmp_path, tok, gpt2(tok), data, side=side, clipping=engine, per_sample_max_grad_norm=c,
+              privacy_unit_column="user_id")
+    assert tr.clipping == ("hooks" if engine == "hooks" else engine) or engine != "hooks"
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(5, len(tok), (n,), generator=g).tolist() for n in (3, 40, 7, 2, 25, 12)]
+    units = ["a", "b", "b", "c", "c", "c"]  # units of 1, 2 and 3 rows of very different lengths
+    full = _clipped_sum(tr, rows, units)
+    assert full.norm() <= 3 * c * (1 + 1e-5)
+    for gone in ("a", "b", "c"):
+        keep = [i for i, u in enumerate(units) if u != gone]
+        rest = _clipped_sum(tr, [rows[i] for i in keep], [units[i] for i in keep])
+        diff = float((full - rest).norm())
+        assert diff <= c * (1 + 1e-4), (gone, diff)
+        assert diff >= 0.9 * c, (gone, diff)  # a unit's whole (clipped) gradient, not each row's: C, not k·C
+    # a unit's rows are clipped together: two rows of one unit contribute C, as two units they would contribute 2C
+    two_units = _clipped_sum(tr, rows[1:3], ["b", "x"])
+    one_unit = _clipped_sum(tr, rows[1:3], ["b", "b"])
+    assert float(one_unit.norm()) <= c * (1 + 1e-4) < float(two_units.norm())
+
+
+# ---------------------------------------------------------------------------------------------------
+# sampling and accounting over units
+# ---------------------------------------------------------------------------------------------------
+def test_the_accountant_counts_units_and_each_unit_is_one_draw(tmp_path, tok):
+    data = lm_data(tok, n=60, users=lambda i: f"user{i % 12}")
+    tr = make(tmp_path, tok, gpt2(tok), data, clipping="hooks", privacy_unit_column="user_id",
+              per_device_train_batch_size=3, gradient_accumulation_steps=2)
+    spec = tr.privacy_spec
+    assert spec.dataset_size == 12
+    assert spec.sample_rate == pytest.approx(6 / 12)
+    loader = tr.get_train_dataloader()
+    users = data["user_id"]
+    seen = 0
+    for step, micro in enumerate(loader):
+        got = micro["_hf_dp_units"]
+        assert micro["input_ids"].shape[0] == got.shape[0]
+        seen += 1
+        if seen >= 8:
+            break
+    # every draw: whole units, each unit in one micro-batch
+    sampler = tr._dp_sampler
+    for _ in range(4):
+        it = iter(sampler)  # a new stream each time
+        chunks = [next(it) for _ in range(2)]
+        owners = [{users[r] for r in chunk} for chunk in chunks]
+        assert not (owners[0] & owners[1])
+        for chunk, own in zip(chunks, owners):
+            for u in own:
+                assert sorted(r for r in chunk if users[r] == u) == [r for r in range(60) if users[r] == u]
+
+
+def test_max_rows_per_unit_caps_the_rows_of_a_drawn_unit(tmp_path, tok):
+    data = lm_data(tok, n=40, users=lambda i: 0 if i < 30 else i)
+    tr = make(tmp_path, tok, gpt2(tok), data, clipping="hooks", privacy_unit_column="user_id", max_rows_per_unit=4,
+              per_device_train_batch_size=4)
+    users = data["user_id"]
+    drawn_big = set()
+    it = iter(tr._dp_sampler)
+    for _ in range(tr._dp_sampler.steps_per_epoch):
+        chunk = next(it)
+        big = [r for r in chunk if users[r] == 0]
+        assert len(big) <= 4
+        drawn_big.update(big)
+    assert tr.privacy_spec.dataset_size == 11
+
+
+@pytest.mark.parametrize("column,match", [
+    ("author", r"^--privacy_unit_column author: the training set has no column 'author' \(it has \["),
+    ("user_id", r"^--privacy_unit_column user_id: training row 3 has no unit"),
+])
+def test_a_missing_or_empty_unit_column_is_refused_in_one_sentence(tmp_path, tok, column, match):
+    data = lm_data(tok, users=lambda i: None if i == 3 else f"u{i}")
+    with pytest.raises(ValueError, match=match):
+        make(tmp_path, tok, gpt2(tok), data, clipping="hooks", privacy_unit_column=column)
+
+
+def test_a_unit_level_run_trains_and_its_release_names_the_unit(tmp_path, tok):
+    data = lm_data(tok, n=48, users=lambda i: f"u{i // 4}")
+    tr = make(tmp_path, tok, gpt2(tok), data, privacy_unit_column="user_id", epsilon=3.0, noise_multiplier=None,
+              max_steps=3)
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    tr.train()
+    assert tr.state.global_step == 3
+    assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters())
+    out = tmp_path / "release"
+    tr.save_model(str(out))
+    report = json.loads((out / "privacy.json").read_text())
+    assert report["objective"] == "causal_lm"
+    assert report["dataset_size"] == 12
+    unit = report["privacy_unit"]
+    assert unit["column"] == "user_id" and unit["num_units"] == 12 and unit["num_rows"] == 48 and unit["level"] == "unit"
+    card = (out / "README.md").read_text()
+    assert "User-level (ε, δ)-DP, unit = `user_id`, N = 12 units" in card
+    assert "pipeline_tag: text-generation" in card
+    loaded = GPT2LMHeadModel.from_pretrained(str(out))
+    assert loaded.config.vocab_size == len(tok)
+
+
+# ---------------------------------------------------------------------------------------------------
+# a collator that cuts each example into several rows (issue 29: the same mechanism serves it)
+# ---------------------------------------------------------------------------------------------------
+class Blocks(DataCollatorForLanguageModeling):
+    """Cuts each example into consecutive blocks of at most 8 tokens: several rows per example, each its own."""
+
+    def __call__(self, features):
+        rows = []
+        for f in features:
+            ids = f["input_ids"]
+            rows += [{"input_ids": ids[i:i + 8]} for i in range(0, len(ids), 8)]
+        return super().__call__(rows)
+
+
+class BlocksAfterTheBatch(DataCollatorForLanguageModeling):
+    """Its second blocks come after every example's first: rows of one example are not consecutive (refused)."""
+
+    def __call__(self, features):
+        first = [{"input_ids": f["input_ids"][:8]} for f in features]
+        rest = [{"input_ids": f["input_ids"][8:16]} for f in features if len(f["input_ids"]) > 8]
+        return super().__call__(first + rest)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_collator_that_cuts_examples_into_blocks_is_served_with_each_example_clipped_once(tmp_path, tok, engine):
+    data = lm_data(tok)
+    tok.padding_side = "right"
+    c = 0.01
+    tr = DPTrainer(model=gpt2(tok), args=dp_args(tmp_path / "out", noise_multiplier=1.0, epsilon=None, max_steps=2,
+                                                  trainable="all", clipping=engine, per_sample_max_grad_norm=c,
+                                                  per_device_train_batch_size=8),
+                   train_dataset=data, data_collator=Blocks(tok, mlm=False))
+    loader = tr.get_train_dataloader()
+    long_rows = [i for i in range(len(data)) if len(data[i]["input_ids"]) > 16][:3]
+    batch = loader.collate_fn([loader.dataset[i] for i in long_rows])
+    assert batch["input_ids"].shape[0] >= 3 * 3 and batch["_hf_dp_units"].tolist() == sorted(batch["_hf_dp_units"].tolist())
+    opt = tr.create_optimizer()
+    tr.model.train()
+
+    def clipped(b):
+        opt.discard_pending()
+        tr.training_step(tr.model, dict(b))
+        out = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params])
+        opt.discard_pending()
+        return out
+
+    full = clipped(batch)
+    rest = clipped(loader.collate_fn([loader.dataset[i] for i in long_rows[:-1]]))
+    diff = float((full - rest).norm())
+    assert 0.9 * c <= diff <= c * (1 + 1e-4)  # one example of 3+ blocks moves the sum by C, not 3·C
+    tr.train()
+    assert tr.state.global_step == 2
+
+
+def test_a_collator_whose_rows_of_one_example_are_not_consecutive_is_refused_before_any_step(tmp_path, tok):
+    data = lm_data(tok)
+    tr = DPTrainer(model=gpt2(tok), args=dp_args(tmp_path / "out", noise_multiplier=1.0, epsilon=None, max_steps=2,
+                                                  trainable="all", clipping="hooks"),
+                   train_dataset=data, data_collator=BlocksAfterTheBatch(tok, mlm=False))
+    with pytest.raises(ValueError, match=r"^the data collator returned '\w+' with \d+ rows for \d+ drawn example\(s\)"):
+        tr.train()
+    assert tr.state.global_step == 0
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path, tok):
+    data = lm_data(tok)
+    ids = list(data["input_ids"])
+    ids[11] = ids[11][:2] + [len(tok) + 3] + ids[11][2:]
+    bad = data.remove_columns("input_ids").add_column("input_ids", ids)
+    with pytest.raises(ValueError, match=rf"^training row 11 has token id {len(tok) + 3}, outside the model's vocabulary"):
+        make(tmp_path, tok, gpt2(tok), bad, clipping="hooks")
