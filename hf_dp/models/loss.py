@@ -56,13 +56,16 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, config=None, atte
     """``[B]``: each sequence's mean next-token cross-entropy over its scored tokens (label ≠ -100 after the shift),
     0 for a sequence with none. The shift is the model's own (transformers' ``ForCausalLMLoss``).
 
-    With ``attention_mask``, a position whose own token is padding predicts nothing: under left padding the model's
-    own loss also scores the last pad position against the row's first token, a term that exists only when another,
-    longer row pads this one — so one example's loss would depend on the others' lengths."""
+    With ``attention_mask``, only real tokens predict and are predicted: under left padding the model's own loss
+    also scores the last pad position against the row's first token, and a collator that copies ``input_ids`` into
+    ``labels`` without masking the padding scores a right-padded row's last token against a pad token — terms that
+    exist only when another, longer row pads this one, so one example's loss would depend on the others' lengths."""
     logits = _float(logits)
     shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-    if attention_mask is not None:
-        shift = shift.masked_fill(attention_mask.to(torch.bool).logical_not(), IGNORE_INDEX)
+    if attention_mask is not None:  # neither a padding position nor a padding target is scored
+        real = attention_mask.to(torch.bool)
+        target_real = F.pad(real, (0, 1), value=False)[:, 1:]
+        shift = shift.masked_fill(real.logical_not() | target_real.logical_not(), IGNORE_INDEX)
     tokens = F.cross_entropy(logits.transpose(1, 2), shift, ignore_index=IGNORE_INDEX, reduction="none")  # [B, T]
     scored = (shift != IGNORE_INDEX).sum(1)
     return tokens.sum(1) / scored.clamp_min(1).to(tokens.dtype)

@@ -283,6 +283,7 @@ class PrivacyLedger:
             "history": [[float(spec.noise_multiplier), float(spec.sample_rate), int(own)]] if own > 0 else [],
             "noise_multiplier": spec.noise_multiplier, "sample_rate": spec.sample_rate, "dataset_size": spec.dataset_size,
             "delta": spec.delta, "accountant": spec.accountant, "parent": self.meta.get("parent"),
+            "privacy_unit": self.meta.get("privacy_unit"),
         }
 
     def runs(self) -> list[dict]:
@@ -335,8 +336,9 @@ class PrivacyLedger:
 
 
 def public_run(run: dict) -> dict:
-    """A run's public entry: run id, (σ, q, steps) history, δ, accountant, N, parent checkpoint."""
-    keys = ("run_id", "noise_multiplier", "sample_rate", "dataset_size", "delta", "accountant", "parent")
+    """A run's public entry: run id, (σ, q, steps) history, δ, accountant, N, parent checkpoint, the privacy unit
+    column (``None``: a row)."""
+    keys = ("run_id", "noise_multiplier", "sample_rate", "dataset_size", "delta", "accountant", "parent", "privacy_unit")
     out = {k: run.get(k) for k in keys if k in run}
     out["history"] = [[float(s), float(q), int(n)] for s, q, n in run.get("history") or []]
     out["steps"] = sum(n for _, _, n in out["history"])

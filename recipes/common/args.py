@@ -116,12 +116,15 @@ def parse_layered(
     optimizer_defaults: dict[str, dict[str, Any]],
     run_name: Callable[[Any], str],
     format_help: Callable[[Any, Any], str],
+    cache_frozen_by_default: bool = True,
 ):
     """Parse ``argv`` (``sys.argv[1:]`` if None) with ``parser`` (an ``HfArgumentParser`` whose last dataclass is
     ``DPTrainingArguments``): ``protocol_defaults`` < ``defaults`` < YAML ``--config`` < command line, then the
     dependent defaults. ``run_name(peek)`` names the default output folder ``runs/<run_name>-<optim>-eps<ε>``;
     ``format_help(parser, peek)`` is printed for ``--help`` (after every default is in place, so that it shows the
-    values this command line would use). Returns the parsed dataclasses."""
+    values this command line would use). ``cache_frozen_by_default=False``: a recipe whose runs cannot use the
+    frozen-prefix cache (e.g. one that always trains with a privacy unit column) leaves ``--cache_frozen_features`` at
+    its default. Returns the parsed dataclasses."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and argv[0].lower().endswith(ARGS_FILE_SUFFIXES) and not argv[0].startswith("-"):
         argv = ["--config", argv[0]]  # run_glue's `python run_glue.py args.json`: the file's values are the arguments
@@ -161,7 +164,7 @@ def parse_layered(
     # the frozen prefix is cached when it can be (last_block, last_k:K, head: hf_dp.models.suffix_blocks): the same
     # per-example gradients, minutes instead of an hour on CPU (benchmarks/RESULTS.md §3); the prefix then runs once in
     # eval mode. --cache_frozen_features false: off
-    if "cache_frozen_features" not in explicit and cacheable(getattr(peek, "trainable", None)):
+    if cache_frozen_by_default and "cache_frozen_features" not in explicit and cacheable(getattr(peek, "trainable", None)):
         parser.set_defaults(cache_frozen_features=True)
     # under DP, each Poisson draw is ordered by length before it is cut into micro-batches: the same draws, clipped sum
     # and noise, less padding (benchmarks/RESULTS.md §1(d)). Not for --disable_dp: there HF's group_by_length sampler

@@ -56,6 +56,15 @@ def base_model_id(name: str) -> Optional[str]:
     return MINILM_HUB_ID if name.lower() in MODEL_PRESETS else (None if os.path.exists(name) else name)
 
 
+def check_local_paths(*flags: tuple[str, Optional[str]]) -> None:
+    """``(flag, value)`` pairs: a value that is a local path (absolute, ``./``, ``~``, or with more than one ``/``)
+    and does not exist is a :class:`RecipeError` (rather than a Hub lookup that fails later)."""
+    for flag, value in flags:
+        if value and (os.path.isabs(value) or value.startswith((".", "~")) or value.count("/") > 1) and not os.path.exists(
+                os.path.expanduser(value)):
+            raise RecipeError(f"{flag} {value}: no such folder (a local path that does not exist, not a Hub id)")
+
+
 def load_pretrained(model_args: ModelArguments, model_class, **config_kwargs: Any):
     """``(model, tokenizer, model_path)``: config (with ``config_kwargs``, e.g. ``num_labels``), tokenizer and
     ``model_class.from_pretrained`` (e.g. ``AutoModelForSequenceClassification``) from ``--model_name_or_path`` (or
@@ -64,11 +73,8 @@ def load_pretrained(model_args: ModelArguments, model_class, **config_kwargs: An
     from transformers import AutoConfig, AutoTokenizer
 
     model_path = resolve_model_path(model_args.model_name_or_path)
-    for flag, value in (("--model_name_or_path", model_path), ("--config_name", model_args.config_name),
-                        ("--tokenizer_name", model_args.tokenizer_name)):
-        if value and (os.path.isabs(value) or value.startswith((".", "~")) or value.count("/") > 1) and not os.path.exists(
-                os.path.expanduser(value)):
-            raise RecipeError(f"{flag} {value}: no such folder (a local path that does not exist, not a Hub id)")
+    check_local_paths(("--model_name_or_path", model_path), ("--config_name", model_args.config_name),
+                      ("--tokenizer_name", model_args.tokenizer_name))
     common = dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
                   trust_remote_code=model_args.trust_remote_code)
     try:

@@ -140,9 +140,11 @@ def push_folder(folder: str, training_args) -> dict:
 
 
 def summarize(task: str, training_args, report: dict, metric_name: str, eval_metrics: dict, baseline, start: float,
-              output_dir: Optional[str], pushed) -> dict[str, Any]:
-    """The run's summary dict (what :func:`summary_block` prints and ``main`` returns to the caller)."""
+              output_dir: Optional[str], pushed, extra_rows: Iterable[tuple[str, Any]] = ()) -> dict[str, Any]:
+    """The run's summary dict (what :func:`summary_block` prints and ``main`` returns to the caller).
+    ``extra_rows``: a recipe's own ``(name, value)`` rows, printed after the metric (one line each)."""
     return {
+        "extra_rows": [(str(k), v) for k, v in extra_rows],
         "task": task,
         "optimizer": optim_name(training_args.optim),
         "epsilon": report.get("epsilon"),
@@ -182,6 +184,7 @@ def summary_block(s: dict[str, Any]) -> str:
         ("sampling rate q", _fmt(s.get("sample_rate"))),
         ("steps", _fmt(s.get("steps"))),
         (s.get("metric_name", "metric"), _fmt(s.get("metric"))),
+        *[(k, _fmt(v)) for k, v in s.get("extra_rows", ())],
         *([("constant baseline", s["baseline"]["sentence"])] if s.get("baseline") else []),
         ("wall time", f"{s.get('wall_time', 0.0):.1f} s"),
         ("saved to", s.get("output_dir") or "not saved"),

@@ -1,0 +1,375 @@
+#!/usr/bin/env python
+"""Differentially private causal language modelling with hf_dp — a DP version of transformers' run_clm.py.
+
+    python recipes/clm.py --model_type gpt2 --config_overrides n_layer=2,n_embd=64,n_head=2 --tokenizer_name minilm \\
+        --train_file train.jsonl --validation_file dev.jsonl --privacy_unit_column user_id --epsilon 3 \\
+        --output_dir runs/clm
+
+Flags are those of ``examples/pytorch/language-modeling/run_clm.py`` (``--model_name_or_path``, ``--model_type``,
+``--config_overrides``, ``--tokenizer_name``, ``--train_file``, ``--validation_file``, ``--dataset_name``,
+``--block_size``, ``--max_train_samples`` ...) plus ``--text_column``, the sampling flags and hf_dp's DP flags
+(``--epsilon``, ``--per_sample_max_grad_norm``, ``--optim dp_*``, ``--trainable``, ``--privacy_unit_column`` ...).
+
+What differs from run_clm, and why (recipes/README.md, "Causal language modelling"):
+
+* **The unit of privacy.** Without ``--privacy_unit_column`` each input row (a document) is one unit: the recipe adds
+  the column ``document`` (the row's index) and a row longer than ``--block_size`` becomes several blocks that share
+  it, so that the whole document is clipped together. With ``--privacy_unit_column user_id`` a unit is every row of
+  one user: the user's texts are concatenated and cut into blocks. No block ever holds two units' tokens (run_clm
+  packs the whole corpus into full blocks); the last block of a unit is padded by the collator
+  (``DataCollatorForLanguageModeling(mlm=False)``, right padding), and padding is never scored.
+* **Defaults**: LoRA (``--trainable lora``), ``--block_size`` min(128, the model's and the tokenizer's maximum).
+* **After training**: eval_loss and perplexity = exp(eval_loss) on the validation file (not private data), and a few
+  sampled continuations of a fixed public prompt with a fixed generation seed (post-processing of the released model:
+  no privacy cost), in the summary. The output folder holds the model (LoRA merged), the tokenizer, ``privacy.json``
+  and the model card.
+
+The task-independent plumbing (layered defaults, ``--help``, checks, resume, summary, push) is :mod:`recipes.common`;
+data, model, metrics and sampling of this task are :mod:`recipes.clm_support`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+# `python recipes/clm.py` from a checkout: make `import recipes.common` (and `import hf_dp`, without installing) work.
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+from recipes.clm_support import (  # noqa: E402
+    DOCUMENT_COLUMN,
+    ClmModelArguments,
+    add_document_ids,
+    build_model,
+    check_text_column,
+    check_unit_column,
+    choose_block_size,
+    count_units,
+    describe_blocks,
+    drop_empty_texts,
+    evaluation_blocks,
+    load_config_and_tokenizer,
+    load_raw_datasets,
+    sample_continuations,
+    training_blocks,
+    with_perplexity,
+)
+from recipes.common.args import RecipeError, parse_layered  # noqa: E402
+from recipes.common.help import effective_notes  # noqa: E402
+from recipes.common.help import format_help as _format_help  # noqa: E402
+from recipes.common.model import base_model_id  # noqa: E402
+from recipes.common.run import apply_plan, check_privacy_settings, push_folder, resume_argument, summarize  # noqa: E402
+from recipes.common.run import main as run_main  # noqa: E402
+from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
+
+logger = logging.getLogger("hf_dp.recipes.clm")
+
+#: what the card names as the task
+TASK = "causal language modeling"
+
+# Recipe defaults (recipes/README.md, "Causal language modelling"): LoRA adapters, B = 32 expected units per logical
+# batch (8 per device × 4 accumulation steps), 3 epochs, ε = 3, δ = 1e-5 (must be < 1/N), C = 0.1.
+PROTOCOL_DEFAULTS: dict[str, Any] = {
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 16,
+    "gradient_accumulation_steps": 4,
+    "num_train_epochs": 3.0,
+    "optim": "dp_adamw",
+    "epsilon": 3.0,
+    "delta": 1e-5,
+    "per_sample_max_grad_norm": 0.1,
+    "accountant": "prv",
+    "trainable": "lora",
+    "lr_scheduler_type": "constant",
+    "warmup_steps": 0,
+    "do_train": True,
+    "do_eval": True,
+    "save_strategy": "no",
+    "eval_strategy": "no",
+    "logging_steps": 50,
+    "report_to": "none",
+    "seed": 42,
+}
+
+# Per-optimizer learning rate / weight decay when neither the command line nor the YAML sets them: the GLUE recipe's
+# values (recipes/README.md), not tuned for language modelling; weight decay 0 (LoRA adapters start at zero).
+OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
+    "dp_adamw": {"learning_rate": 1e-3, "weight_decay": 0.0},
+    "dp_adamw_bc": {"learning_rate": 1e-3, "weight_decay": 0.0},
+    "dp_adam": {"learning_rate": 1e-3, "weight_decay": 0.0},
+    "dp_adambc": {"learning_rate": 1e-3, "weight_decay": 0.0},
+    "dp_sgd": {"learning_rate": 40.0, "weight_decay": 0.0},
+    "dp_sgd_l2": {"learning_rate": 40.0, "weight_decay": 0.0},
+    "dp_macadam": {"learning_rate": 1e-3, "weight_decay": 0.0},
+}
+
+#: no large-batch learning rates were tuned for this recipe: with the planner's batch the optimizer's default stays
+PLANNED_LR: dict[str, float] = {}
+
+
+@dataclass
+class DataTrainingArguments:
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "A datasets name (offline: only what is in the local datasets cache)"})
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Its configuration"})
+    train_file: Optional[str] = field(
+        default=None, metadata={"help": "Training data: .txt (one example per line, column 'text'), .json/.jsonl, "
+                                        ".csv/.tsv or .parquet"})
+    validation_file: Optional[str] = field(
+        default=None, metadata={"help": "Evaluation data (same formats) for eval_loss and perplexity; public or held "
+                                        "out, never the training rows"})
+    text_column: str = field(default="text", metadata={"help": "The column holding the text"})
+    block_size: Optional[int] = field(
+        default=None, metadata={"help": "Tokens per block: longer units are cut into blocks (default: min(128, the "
+                                        "model's and the tokenizer's maximum length))"})
+    max_train_samples: Optional[int] = field(
+        default=None, metadata={"help": "Keep the first N training rows (input rows, before blocks; run_clm counts "
+                                        "blocks)"})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep the first N evaluation rows"})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Re-run tokenization"})
+    keep_linebreaks: bool = field(default=True, metadata={"help": "Keep line breaks of .txt rows (as run_clm)"})
+    sample_prompt: str = field(
+        default="the movie", metadata={"help": "A fixed public prompt (never training text) whose sampled "
+                                               "continuations the summary shows"})
+    num_samples: int = field(default=3, metadata={"help": "How many continuations to sample (0: none)"})
+    sample_max_new_tokens: int = field(default=20, metadata={"help": "Tokens per sampled continuation"})
+    generation_seed: int = field(default=0, metadata={"help": "Seed of the sampling (the samples are reproducible)"})
+
+
+# ----------------------------------------------------------------------------------------------- arguments
+
+
+def make_parser():
+    from transformers import HfArgumentParser
+
+    from hf_dp import DPTrainingArguments
+    return HfArgumentParser((ClmModelArguments, DataTrainingArguments, DPTrainingArguments))
+
+
+def _run_name(peek) -> str:
+    if peek.model_type:
+        return f"clm-{peek.model_type}"
+    name = peek.model_name_or_path or peek.config_name or "model"
+    return f"clm-{os.path.basename(os.path.normpath(name))}"
+
+
+def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None):
+    """Parse ``argv``: recipe defaults < ``defaults`` < YAML ``--config`` < command line. The frozen-prefix cache is
+    never on by default: every run trains with a privacy unit column, which the cache does not keep."""
+    return parse_layered(
+        argv, defaults, parser=make_parser(), protocol_defaults=PROTOCOL_DEFAULTS,
+        optimizer_defaults=OPTIMIZER_DEFAULTS, run_name=_run_name, format_help=format_help,
+        cache_frozen_by_default=False,
+    )
+
+
+def format_help(parser, peek) -> str:
+    notes = effective_notes(OPTIMIZER_DEFAULTS, PLANNED_LR, "runs/clm-<model>-<optim>-eps<ε>")
+    notes["learning_rate"] = ("(recipe default depends on --optim — " + ", ".join(
+        f"{k} {v['learning_rate']:g}" for k, v in OPTIMIZER_DEFAULTS.items()) + "; shown for this command line)")
+    notes["cache_frozen_features"] = "(recipe default: off — every run trains with a privacy unit column)"
+    notes["privacy_unit_column"] = (f"(recipe default: each input row is one unit, column '{DOCUMENT_COLUMN}' = its "
+                                    "index; a row longer than --block_size becomes several blocks of that unit)")
+    return _format_help(
+        parser, peek, data_arguments=DataTrainingArguments, model_arguments=ClmModelArguments,
+        data_title="data (as run_clm, plus --text_column and the sampled continuations)",
+        model_title="model (as run_clm)", notes=notes,
+        usage="python recipes/clm.py [--config FILE.yaml] [flags]   |   python recipes/clm.py args.json|args.yaml",
+        description="Differentially private causal language modelling (run_clm's flags plus hf_dp's). Defaults are "
+                    "the recipe's effective values for this command line; see recipes/README.md.",
+    )
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def _sources(data_args: DataTrainingArguments) -> dict[str, str]:
+    if data_args.train_file or data_args.validation_file:
+        return {k: v for k, v in (("train", data_args.train_file), ("validation", data_args.validation_file)) if v}
+    return {split: f"{data_args.dataset_name}[{split}]" for split in ("train", "validation")}
+
+
+def _data_description(data_args: DataTrainingArguments, unit_column: str, user_unit: bool, n_units: int,
+                      block_size: int) -> str:
+    """The card's description of the training data: public facts only (N, the unit, the block length — never a count of
+    blocks or tokens, which depends on the private texts' lengths)."""
+    if data_args.train_file:
+        source = f"local file {os.path.basename(data_args.train_file)} (column `{data_args.text_column}`)"
+    else:
+        source = f"`{data_args.dataset_name}`" + (f" ({data_args.dataset_config_name})" if data_args.dataset_config_name else "")
+    unit = (f"{n_units:,} privacy units (`{unit_column}`; each unit's texts concatenated and cut into blocks)" if user_unit
+            else f"{n_units:,} documents, each one privacy unit (a row longer than a block is cut into several)")
+    return f"{source}: {unit}; blocks of at most {block_size} tokens, never packed across units"
+
+
+def _refuse_training_file_as_validation(data_args: DataTrainingArguments, training_args) -> None:
+    """The perplexity is a non-private number about the validation data: the training file itself is refused."""
+    a, b = data_args.train_file, data_args.validation_file
+    if training_args.do_train and training_args.do_eval and a and b and os.path.isfile(a) and os.path.isfile(b) \
+            and os.path.samefile(a, b):
+        raise RecipeError(f"--validation_file {b} is the training file: its perplexity would be a non-private "
+                          "statistic of the private training data; evaluate on public or held-out data")
+
+
+def _warn_overlap(train, validation, text_column: str) -> None:
+    """Validation texts that also occur in the training rows: their perplexity is not held out (and not private)."""
+    seen = set(train[text_column])
+    shared = sum(1 for t in validation[text_column] if t in seen)
+    if shared:
+        logger.warning("%d of the %d validation rows also occur in the training data: the perplexity on them is not "
+                       "a held-out metric, and not a private one", shared, len(validation))
+
+
+# ----------------------------------------------------------------------------------------------- run
+
+
+def run(model_args, data_args, training_args) -> dict[str, Any]:
+    """Load data and model, train with DP, evaluate, sample, save; return the summary dict."""
+    import transformers
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_dp import DPTrainer
+    from hf_dp.clipping.hooks import unwrap_for_save
+    from hf_dp.hub import write_privacy_artifacts
+
+    start = time.perf_counter()
+    transformers.set_seed(training_args.seed)
+    explicit = getattr(training_args, "_hf_dp_explicit", frozenset())
+    _refuse_training_file_as_validation(data_args, training_args)
+    with training_args.main_process_first(desc="loading the data"):  # several processes: one writes the cache
+        raw = load_raw_datasets(
+            train_file=data_args.train_file, validation_file=data_args.validation_file,
+            dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config_name,
+            cache_dir=model_args.cache_dir, keep_linebreaks=data_args.keep_linebreaks,
+        )
+    sources = _sources(data_args)
+    if training_args.do_train and "train" not in raw:
+        raise RecipeError("--do_train needs training data (--train_file, or a dataset with a 'train' split)")
+    if training_args.do_eval and "validation" not in raw:
+        if "do_eval" in explicit:
+            raise RecipeError("--do_eval needs validation data (--validation_file, or a dataset with a 'validation' "
+                              "split)")
+        logger.warning("no validation data (--validation_file): no eval_loss or perplexity")
+        training_args.do_eval = False
+    check_text_column(raw, data_args.text_column, sources)
+    resume = resume_argument(training_args)
+
+    user_unit = training_args.privacy_unit_column is not None
+    unit_column = training_args.privacy_unit_column or DOCUMENT_COLUMN
+    train = n_units = None
+    if training_args.do_train:
+        train = raw["train"]
+        if data_args.max_train_samples is not None:
+            train = train.select(range(min(len(train), data_args.max_train_samples)))
+        # the unit column, checked on the training rows before anything is tokenized (one error line)
+        check_unit_column(train, training_args.privacy_unit_column, data_args.text_column, sources.get("train", "train"))
+        if not user_unit:
+            train = add_document_ids(train)
+        train = drop_empty_texts(train, data_args.text_column, sources.get("train", "train"))
+        n_units = count_units(train, unit_column)
+        check_privacy_settings(training_args, n_units)  # N = the units; before the model and any tokenization
+    validation = None
+    if training_args.do_eval:
+        validation = raw["validation"]
+        if data_args.max_eval_samples is not None:
+            validation = validation.select(range(min(len(validation), data_args.max_eval_samples)))
+        validation = drop_empty_texts(validation, data_args.text_column, sources.get("validation", "validation"))
+        if train is not None:
+            _warn_overlap(train, validation, data_args.text_column)
+
+    config, tokenizer, pretrained_path = load_config_and_tokenizer(model_args)
+    block_size = choose_block_size(data_args.block_size, config, tokenizer)
+    model = build_model(model_args, config, tokenizer, pretrained_path)
+    if training_args.do_train:
+        planned = apply_plan(training_args, model, n_units, PLANNED_LR)
+        if planned:
+            print(planned, flush=True)
+            check_privacy_settings(training_args, n_units)
+
+    train_blocks = eval_blocks = None
+    with training_args.main_process_first(desc="cutting the texts into blocks"):
+        if train is not None:
+            train_blocks = training_blocks(train, tokenizer, data_args.text_column, unit_column, block_size,
+                                           pack_units=user_unit, overwrite_cache=data_args.overwrite_cache)
+        if validation is not None:
+            eval_blocks = evaluation_blocks(validation, tokenizer, data_args.text_column, block_size,
+                                            overwrite_cache=data_args.overwrite_cache)
+    if train_blocks is not None:
+        training_args.privacy_unit_column = unit_column  # the trainer's unit: the user's column or each document
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+
+    # --push_to_hub: train and save locally first, push the saved folder at the end (a failed push loses nothing)
+    push = bool(training_args.push_to_hub)
+    training_args.push_to_hub = False
+    trainer = DPTrainer(
+        model=model, args=training_args, train_dataset=train_blocks, eval_dataset=eval_blocks,
+        processing_class=tokenizer, data_collator=collator,
+    )
+    # the card fields (no local paths; a Hub dataset only if one was used)
+    trainer.base_model_id = base_model_id(model_args.model_name_or_path) if model_args.model_name_or_path else None
+    trainer.task_name = TASK
+    trainer.dataset_name = None if (data_args.train_file or data_args.validation_file) else data_args.dataset_name
+    if train_blocks is not None:
+        trainer.data_description = _data_description(data_args, unit_column, user_unit, n_units, block_size)
+    report: dict[str, Any] = {}
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=resume)
+        trainer.log_metrics("train", train_result.metrics)
+        report = trainer.privacy_report()
+    eval_metrics: dict[str, Any] = {}
+    if eval_blocks is not None:
+        eval_metrics = with_perplexity(trainer.evaluate())
+        trainer.log_metrics("eval", eval_metrics)
+
+    # post-processing of the trained model: a public prompt, a fixed seed — no privacy cost
+    samples = sample_continuations(
+        unwrap_for_save(trainer.model), tokenizer, data_args.sample_prompt, num=data_args.num_samples,
+        max_new_tokens=data_args.sample_max_new_tokens, seed=data_args.generation_seed,
+    )
+
+    out = None
+    if training_args.do_train:
+        out = training_args.output_dir
+        trainer.save_model(out)  # LoRA merged, DP or not (DPTrainer.save_model)
+        if trainer.is_world_process_zero():  # the card with everything the recipe knows (task, data, eval results)
+            write_privacy_artifacts(
+                out, report, base_model=trainer.base_model_id, task_name=TASK, dataset_name=trainer.dataset_name,
+                eval_results=eval_metrics or None, data_description=trainer.data_description,
+                model_name=os.path.basename(os.path.normpath(out)),
+            )
+    pushed = None
+    if push and out is not None and trainer.is_world_process_zero():
+        pushed = push_folder(out, training_args)
+
+    extra: list[tuple[str, Any]] = []
+    if train_blocks is not None:
+        blocks, tokens = describe_blocks(train_blocks)
+        unit = (f"'{unit_column}': {n_units:,} units" if user_unit
+                else f"each input row (column '{DOCUMENT_COLUMN}'): {n_units:,} documents")
+        extra.append(("privacy unit", f"{unit} -> {blocks:,} blocks of <= {block_size} tokens"))
+    if eval_metrics:
+        extra.append(("eval loss", eval_metrics.get("eval_loss")))
+    if samples:
+        extra.append(("samples", f"{len(samples)} continuations of {data_args.sample_prompt!r}, generation seed "
+                                 f"{data_args.generation_seed} (post-processing of the released model: no privacy cost)"))
+        extra += [(f"sample {i}", text) for i, text in enumerate(samples, start=1)]
+    summary = summarize(TASK, training_args, report, "perplexity", eval_metrics, None, start, out, pushed,
+                        extra_rows=extra)
+    summary.update(samples=samples, block_size=block_size, num_units=n_units, unit_column=unit_column)
+    return summary
+
+
+def main(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> int:
+    """Entry point; returns the process exit code (0 ok, 2 for usage/data/model errors, shown without traceback)."""
+    return run_main(parse_args, run, argv, defaults, user_errors=(DataLoadingError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
