@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,3 +42,41 @@ def results_cli(ap, default_out: str | os.PathLike, report, argv: list[str] | No
         return None
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     return a
+
+
+def rss_mb() -> float:
+    """This process's resident set size in MB (``/proc/self/status``; NaN where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def timed_steps(step, steps: int) -> tuple[list[float], float]:
+    """Run ``step()`` ``steps`` times: (each step's seconds, the peak RSS growth in MB over the RSS before the first),
+    RSS sampled every 2 ms by a thread (``ru_maxrss`` would include loading the model)."""
+    base = rss_mb()
+    peak = [base]
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_mb())
+            time.sleep(0.002)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    times = []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        th.join()
+    return times, peak[0] - base

@@ -25,24 +25,15 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_io import REPO, git_commit, load_jsonl  # noqa: E402
+from bench_io import REPO, git_commit, load_jsonl, timed_steps  # noqa: E402
 
 MODES = ["nonprivate", "dp_ghost", "dp_two_pass", "dp_hooks"]
 CONFIGS = ["lora", "all"]
 OUT = REPO / "benchmarks" / "results" / "clm_step_time.jsonl"
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def child(a) -> dict:
@@ -92,25 +83,8 @@ def child(a) -> dict:
         tr.optimizer.zero_grad(set_to_none=True)
 
     step()  # warm-up
-    base = _rss_mb()
-    peak = [base]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss_mb())
-            time.sleep(0.002)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    times = []
-    for _ in range(a.steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    stop.set()
-    t.join()
-    return {"trainable": a.trainable, "mode": a.mode, "step_s": statistics.median(times), "peak_mb": peak[0] - base,
+    times, peak_extra = timed_steps(step, a.steps)
+    return {"trainable": a.trainable, "mode": a.mode, "step_s": statistics.median(times), "peak_mb": peak_extra,
             "params": sum(p.numel() for p in tr.model.parameters() if p.requires_grad),
             "clipping": getattr(tr, "clipping", None)}
 

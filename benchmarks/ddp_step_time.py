@@ -36,19 +36,13 @@ import time
 MODES = ["nonprivate", "hf_dp_ghost", "hf_dp_hooks"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_io import timed_steps  # noqa: E402
 
 
 def worker(config: str, mode: str, batch: int, length: int, steps: int, warmup: int, out: str,
            model_path: str | None = None) -> None:
     import gc
-    import threading
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -119,25 +113,8 @@ def worker(config: str, mode: str, batch: int, length: int, steps: int, warmup: 
         step()
     dist.barrier()
     gc.collect()
-    base = _rss_mb()
-    peak = [base]
-    stop = threading.Event()
-
-    def poll():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss_mb())
-            time.sleep(0.002)
-
-    th = threading.Thread(target=poll, daemon=True)
-    th.start()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    stop.set()
-    th.join()
-    res = {"config": config, "mode": mode, "rank": rank, "times": times, "peak_extra_mb": peak[0] - base, "trainable": info.num_trainable}
+    times, peak_extra = timed_steps(step, steps)
+    res = {"config": config, "mode": mode, "rank": rank, "times": times, "peak_extra_mb": peak_extra, "trainable": info.num_trainable}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     if own_group:

@@ -43,17 +43,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 MODES = ["nonprivate", "hf_dp_ghost", "hf_dp_ghost_two_pass", "hf_dp_hooks", "opacus_ghost"]
 
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_io import timed_steps  # noqa: E402
 
 
 def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: int, cached: bool = False, first_token: bool = True,
@@ -169,28 +163,10 @@ def child(config: str, mode: str, batch: int, length: int, steps: int, warmup: i
     for _ in range(warmup):
         step()
     import gc
-    import threading
 
     gc.collect()
-    base_rss = _rss_mb()
-    peak = [base_rss]
-    stop = threading.Event()
-
-    def poll():  # RSS sampled every 2 ms during the timed steps (ru_maxrss would include model loading)
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss_mb())
-            time.sleep(0.002)
-
-    th = threading.Thread(target=poll, daemon=True)
-    th.start()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    stop.set()
-    th.join()
-    return {"config": config, "mode": mode, "times": times, "peak_extra_mb": peak[0] - base_rss, "trainable": info.num_trainable}
+    times, peak_extra = timed_steps(step, steps)  # RSS sampled every 2 ms during the timed steps
+    return {"config": config, "mode": mode, "times": times, "peak_extra_mb": peak_extra, "trainable": info.num_trainable}
 
 
 def main(argv: list[str] | None = None):
