@@ -37,7 +37,15 @@ def readme_command() -> tuple[dict[str, str], list[str]]:
     """(environment variables, argv) of the README's main-job command."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
     block = text.split("# 3. run the main job", 1)[1].split("\n", 1)[1].split("```", 1)[0]
-    lines = [ln for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    lines = []
+    for ln in block.splitlines():
+        if not ln.strip() or ln.lstrip().startswith("#"):
+            if lines:
+                break  # the command ended; the README's next numbered step begins
+            continue
+        lines.append(ln)
+        if not ln.rstrip().endswith("\\"):
+            break  # the command's last line
     words = shlex.split(" ".join(ln.rstrip("\\").strip() for ln in lines))
     env = {}
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
