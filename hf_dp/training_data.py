@@ -255,20 +255,18 @@ def unit_rows(dataset, column: str) -> list[list[int]]:
 
 
 def refuse_sharding(args, fsdp_enabled: bool = False, deepspeed_enabled: bool = False) -> None:
-    """Under DP, refuse FSDP and DeepSpeed (from the arguments, or from an Accelerate config): see docs/fsdp.md."""
-    if args.fsdp or args.fsdp_config or fsdp_enabled:
-        raise ValueError(
-            "--fsdp/--fsdp_config is not supported with DP: FSDP reduce-scatters the summed gradient of each shard "
-            "during backward, before hf_dp can clip each example's gradient and add the noise once; use several "
-            "processes with DDP (ghost clipping, --clipping auto) or --trainable last_block/lora to fit the model "
-            "(plan: docs/fsdp.md)"
-        )
+    """Under DP, refuse DeepSpeed (from the arguments, or from an Accelerate config), and what FSDP does not support
+    (:func:`hf_dp.sharding.check_args`: FSDP2 with two-pass ghost clipping is supported): see docs/fsdp.md."""
     if getattr(args, "deepspeed", None) or deepspeed_enabled:
         raise ValueError(
             "--deepspeed is not supported with DP: DeepSpeed's engine runs the backward, the gradient reduction, "
             "the loss scaling and the optimizer step itself, bypassing hf_dp's per-example clipping and noise; use "
-            "several processes with DDP (ghost clipping, --clipping auto) (plan: docs/fsdp.md)"
+            "several processes with DDP (ghost clipping, --clipping auto) or FSDP2 (--fsdp full_shard) (docs/fsdp.md)"
         )
+    from hf_dp import sharding
+
+    if fsdp_enabled or sharding.fsdp_requested(args):
+        sharding.check_args(args)
 
 
 def same_dataset(a, b) -> bool:

@@ -329,8 +329,9 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         trainer.log_metrics("eval", eval_metrics)
 
     # post-processing of the trained model: a public prompt, a fixed seed — no privacy cost
+    # (under FSDP the sharded model itself — every rank generates in step; a PEFT model cannot be copied to merge there)
     samples = sample_continuations(
-        unwrap_for_save(trainer.model), tokenizer, data_args.sample_prompt, num=data_args.num_samples,
+        trainer.model if trainer.is_fsdp_enabled else unwrap_for_save(trainer.model), tokenizer, data_args.sample_prompt, num=data_args.num_samples,
         max_new_tokens=data_args.sample_max_new_tokens, seed=data_args.generation_seed,
     )
 

@@ -35,9 +35,11 @@ from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.model import MINILM_PACKAGE, ModelArguments, base_model_id, load_pretrained  # noqa: E402,F401
 from recipes.common.model import resolve_model_path  # noqa: E402,F401  (tests and users: the preset's folder)
+from recipes.common.early import check_model_loadable, check_resume_settings, resume_checkpoint  # noqa: E402
 from recipes.common.run import apply_plan, check_privacy_settings, push_folder, resume_argument, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.common.run import write_predictions  # noqa: E402
+from recipes.common.tune import TuneArguments, check_tune, run_tune  # noqa: E402
 from recipes.glue_support import (  # noqa: E402
     GLUE_TASKS,
     DataLoadingError,
@@ -79,14 +81,20 @@ PROTOCOL_DEFAULTS: dict[str, Any] = {
     "seed": 42,
 }
 
-# Learning rates for the planner's large logical batches (a few dozen to a few hundred steps), used when the planner
-# chooses the batch and --learning_rate is not given. Chosen on tune splits carved from the *training* rows, never on
-# GLUE dev: dp_adamw on QNLI at the planner's B = 1,024 (benchmarks/RESULTS.md §1, lr grid 1e-3 … 3e-2), the others at
-# B = 256 / 64 steps (§4). OPTIMIZER_DEFAULTS stay the protocol's values for a batch size you give yourself.
-PLANNED_LR: dict[str, float] = {
-    "dp_adamw": 1e-2, "dp_adamw_bc": 1e-2, "dp_adam": 1e-2, "dp_adambc": 3e-3, "dp_sgd": 40.0, "dp_sgd_l2": 40.0,
-    "dp_macadam": 1e-2,
-}
+# Learning rates for the planner's large logical batches, used when the planner chooses the batch and --learning_rate
+# is not given: hf_dp.plan.PLANNED_LR (their sources there; `python -m hf_dp.plan` prints them with its flags), read
+# when needed — importing hf_dp at import time would import Opacus, whose import configures the root logger before
+# the recipe's own logging.basicConfig. OPTIMIZER_DEFAULTS stay the protocol's values for a batch size you give yourself.
+def _planned_lr() -> dict[str, float]:
+    from hf_dp.plan import PLANNED_LR
+
+    return PLANNED_LR
+
+
+def __getattr__(name: str):  # `glue.PLANNED_LR` (tests, users) without importing hf_dp when this module is imported
+    if name == "PLANNED_LR":
+        return _planned_lr()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Per-optimizer learning rate / weight decay used when neither the command line nor the YAML sets them.
@@ -103,7 +111,7 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
 
 
 @dataclass
-class DataTrainingArguments:
+class DataTrainingArguments(TuneArguments):  # --tune, --tune_trials, ...: recipes/common/tune.py
     task_name: Optional[str] = field(
         default=None, metadata={"help": "GLUE task: " + ", ".join(sorted(GLUE_TASKS))}
     )
@@ -141,26 +149,30 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
     return parse_layered(
         argv, defaults, parser=make_parser(), protocol_defaults=PROTOCOL_DEFAULTS,
         optimizer_defaults=OPTIMIZER_DEFAULTS, run_name=lambda peek: peek.task_name or "custom", format_help=format_help,
+        planned_lr=_planned_lr(),
     )
 
 
 def format_help(parser, peek) -> str:
     """``--help``: hf_dp's DP flags, then data, model and the essential training flags with the recipe's effective
     defaults, then the other TrainingArguments flags, each marked with what it does under DP (hf_dp/flags.py)."""
+    script = os.path.basename(sys.argv[0]) if os.path.basename(sys.argv[0]) in ("glue.py", "qnli.py") else "glue.py"
+    cmd = f"python recipes/{script}"
     return _format_help(
         parser, peek, data_arguments=DataTrainingArguments, model_arguments=ModelArguments,
         data_title="data (as run_glue, plus --data_dir)", model_title="model (as run_glue)",
-        notes=effective_notes(OPTIMIZER_DEFAULTS, PLANNED_LR, "runs/<task>-<optim>-eps<ε>"),
-        usage="python recipes/glue.py [--config FILE.yaml] [flags]   |   python recipes/glue.py args.json|args.yaml",
-        description="Differentially private GLUE fine-tuning (run_glue's flags plus hf_dp's). Defaults are the "
-                    "recipe's effective values for this command line; see recipes/README.md.",
+        notes=effective_notes(OPTIMIZER_DEFAULTS, _planned_lr(), "runs/<task>-<optim>-eps<ε>"),
+        usage=f"{cmd} [--config FILE.yaml] [flags]   |   {cmd} args.json|args.yaml   |   {cmd} --help-all",
+        description=("DP fine-tuning on QNLI: recipes/glue.py with --task_name qnli preset. " if script == "qnli.py"
+                     else "") + "Differentially private GLUE fine-tuning (run_glue's flags plus hf_dp's). Defaults are "
+                    "the recipe's effective values for this command line; see recipes/README.md.",
     )
 
 
 def _apply_plan(training_args, model, n_train: int) -> Optional[str]:
     """The planner's logical batch (and :data:`PLANNED_LR`) when the user set no batch size, accumulation, epochs or
     steps (:func:`recipes.common.run.apply_plan`). Returns the line to print."""
-    return apply_plan(training_args, model, n_train, PLANNED_LR)
+    return apply_plan(training_args, model, n_train, _planned_lr())
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -204,6 +216,11 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
 
     start = time.perf_counter()
     transformers.set_seed(training_args.seed)
+    local_data = bool(data_args.data_dir or data_args.train_file or data_args.validation_file)
+    if local_data:  # before reading local files (offline, an uncached Hub id fails here); Hub data: its own error first
+        check_model_loadable(model_args)
+    resume = resume_argument(training_args)
+    resume_checkpoint(resume, training_args.output_dir)  # --resume_from_checkpoint True with nothing to resume
     raw = load_raw_datasets(
         task_name=data_args.task_name, dataset_name=data_args.dataset_name,
         dataset_config_name=data_args.dataset_config_name, data_dir=data_args.data_dir,
@@ -216,17 +233,22 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         raise RecipeError("--do_eval needs validation data (dev.tsv in --data_dir, or --validation_file)")
     if training_args.do_predict and "test" not in raw:
         raise RecipeError("--do_predict needs test data (test.tsv in --data_dir, or --test_file)")
-    resume = resume_argument(training_args)
+    if not local_data:
+        check_model_loadable(model_args)
     n_train = len(raw["train"]) if "train" in raw else 0
     if data_args.max_train_samples is not None:
         n_train = min(n_train, data_args.max_train_samples)
     check_privacy_settings(training_args, n_train)  # before the model, tokenization and any caching
+    # --tune: GLUE's own dev set (local GLUE layout or the Hub's nyu-mll/glue) is public data, declared so for scoring
+    glue_dev = bool(data_args.task_name) and not data_args.validation_file and not data_args.dataset_name
+    tune_space = check_tune(data_args, training_args, resume, public_dev=glue_dev)
     info = label_info(raw, data_args.task_name)
     model, tokenizer, model_path = load_model_and_tokenizer(model_args, data_args, info)
     planned = _apply_plan(training_args, model, n_train)
     if planned:
         print(planned, flush=True)
         check_privacy_settings(training_args, n_train)
+    check_resume_settings(training_args, resume, n_train)  # the checkpoint's σ, C, q, B, N, δ: before tokenizing
     tokenized = preprocess(
         raw, tokenizer, task_name=data_args.task_name, max_seq_length=data_args.max_seq_length,
         pad_to_max_length=data_args.pad_to_max_length, max_train_samples=data_args.max_train_samples,
@@ -253,9 +275,14 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     if training_args.do_train:
         trainer.data_description = _data_description(data_args, len(tokenized["train"]))
     report: dict[str, Any] = {}
-    if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=resume)
-        trainer.log_metrics("train", train_result.metrics)
+    if training_args.do_train and tune_space is not None:  # the best of K private runs (recipes/common/tune.py)
+        best = run_tune(trainer, data_args, tune_space, metric=main_metric_name(data_args.task_name, info.is_regression),
+                        model_init=lambda: load_model_and_tokenizer(model_args, data_args, info)[0])
+        print(f"private selection: kept {best.hyperparameters}", flush=True)
+        report = trainer.privacy_report()
+    elif training_args.do_train:
+        trainer.train(resume_from_checkpoint=resume)
+        # (no log_metrics: HF's log line already printed these metrics once; the summary block follows)
         report = trainer.privacy_report()
     eval_metrics: dict[str, Any] = {}
     if training_args.do_eval:
@@ -263,7 +290,6 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         if "validation_mismatched" in tokenized:  # MNLI: both evaluation sets, named as run_glue does (…_mm)
             mm = trainer.evaluate(eval_dataset=tokenized["validation_mismatched"])
             eval_metrics.update({f"{k}_mm": v for k, v in mm.items() if k.startswith("eval_")})
-        trainer.log_metrics("eval", eval_metrics)
     if training_args.do_predict:
         _predict(trainer, tokenized["test"], info, data_args, training_args)
 

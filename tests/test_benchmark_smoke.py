@@ -321,3 +321,55 @@ def test_smoke_clm_cpu_experiment(tmp_path):
     assert ft[0]["perplexity"] > 1 and ft[0]["epsilon"] <= 3.0
     text = _main(exp, ["--report", "--out", str(tmp_path / "r.jsonl")])
     assert "| row |" in text
+
+
+@pytest.mark.distributed
+def test_smoke_fsdp_step_time():
+    """``--smoke``: the DP FSDP2 mode at tiny sizes in one torchrun pair of gloo processes."""
+    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo not available")
+    fsdp = bench("fsdp_step_time")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = fsdp.main(["--smoke"])
+    assert [s["mode"] for s in summary] == ["dp_fsdp"]
+    assert summary[0]["wrapped"].startswith("FSDP") and summary[0]["median_s_per_step"] > 0
+    assert summary[0]["params"] > 0 and summary[0]["grads"] > 0 and summary[0]["optimizer"] > 0
+    assert "| dp_fsdp | FSDP" in out.getvalue()
+
+
+@needs_glue("SST-2")
+def test_smoke_private_selection(tmp_path, monkeypatch, tiny):
+    """Issue 32: the fixed recipe run and the --tune run side by side, on the first SST-2 rows (q = 1: fast accounting)."""
+    from hf_dp.privacy.selection import TrialCount
+
+    ps = bench("private_selection")
+    monkeypatch.setattr(ps, "RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setattr(TrialCount, "sample", lambda self, uniform: 2)
+    out = str(tmp_path / "p.jsonl")
+    _main(ps, ["--max_train_samples", "32", "--max_eval_samples", "16", "--batch", "32", "--epochs", "1",
+               "--model", tiny, "--tune", "learning_rate=1e-3,1e-2", "--out", out])
+    rows = [json.loads(line) for line in open(out)]
+    assert [r["mode"] for r in rows] == ["fixed", "tuned"] and all(r["exit_code"] == 0 for r in rows), rows
+    assert all(r["epsilon"] <= 3.0 + 1e-9 for r in rows)
+    assert rows[1]["k_drawn"] == 2 and len(rows[1]["trials"]) == 2 and rows[1]["per_trial_epsilon"] < rows[1]["epsilon"]
+    assert "| sst2 | tuned | 0 |" in _main(ps, ["--report", "--out", out])
+
+
+# ------------------------------------------------------------------------------------------------ one-run audit (issue 33)
+@needs_glue("QNLI")
+def test_smoke_one_run_main_job(tmp_path, monkeypatch, tiny):
+    """The main job with --audit_canaries and the no_noise break, on the first rows of QNLI with the tiny model: the
+    audit record is printed and in privacy.json; the break is undone after the test (monkeypatch)."""
+    from hf_dp.trainer import DPTrainer
+
+    orm = bench("one_run_main_job")
+    monkeypatch.setattr(DPTrainer, "create_optimizer", DPTrainer.create_optimizer)  # restored at teardown
+    out = tmp_path / "run"
+    text = _main(orm, ["--variant", "no_noise", "--", "--optim", "dp_adamw", "--noise_multiplier", "1.0",
+                       "--model_name_or_path", tiny, "--data_dir", str(GLUE), "--output_dir", str(out),
+                       "--max_train_samples", "32", "--max_eval_samples", "16", "--max_seq_length", "32", "--max_steps", "2",
+                       "--per_device_train_batch_size", "16", "--audit_canaries", "100", "--disable_tqdm", "true"])
+    record = json.loads(text[text.index('{\n "variant"'):])
+    assert record["variant"] == "no_noise" and record["dataset_size"] == 32 + 100 and record["audit"]["canaries"] == 100
+    assert json.loads((out / "privacy.json").read_text())["audit"] == record["audit"]

@@ -59,7 +59,7 @@ def test_card_body_states_guarantee_optimizer_parameters_and_exclusions():
     body = card.split("\n---\n", 1)[1]
     for text in ("(2.97, 1e-05)-differential privacy", "one training example", "poisson", "| sampling rate q | 0.0035 |",
                  "| noise multiplier σ | 0.83 |", "| per-example clipping norm C | 0.1 |", "| steps | 843 |",
-                 "| epochs | 3 |", "| accountant | prv |", "`dp_adamw`", "| lr | 0.001 |", "| betas | 0.9, 0.999 |",
+                 "| epochs (expected passes over the data, q × steps) | 3 |", "| accountant | prv |", "`dp_adamw`", "| lr | 0.001 |", "| betas | 0.9, 0.999 |",
                  "| weight_decay | 0.01 |", "`last_block`", "1,900,000 of 22,700,000", "classifier.weight",
                  "| accuracy | 0.7926 |", "hf_dp 0.1.0", "bert-base-cased"):
         assert text in body, text

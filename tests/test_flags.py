@@ -46,8 +46,7 @@ REFUSAL_EXAMPLES = [
     ("label_names", {"label_names": ["start_positions", "end_positions"]}),
     ("train_sampling_strategy", {"train_sampling_strategy": "batch_rebalance"}),
     ("train_sampling_strategy", {"train_sampling_strategy": "sequential"}),
-    ("fsdp", {"fsdp": "full_shard"}),
-    ("fsdp_config", {"fsdp_config": {"version": 2}}),
+    ("fsdp_config", {"fsdp_config": {"version": 2}}),  # without --fsdp (--fsdp itself is adjusted: hf_dp.sharding)
     ("deepspeed", {"deepspeed": {"train_micro_batch_size_per_gpu": 8}}),
     ("debug", {"debug": "underflow_overflow"}),
     ("skip_memory_metrics", {"skip_memory_metrics": False}),

@@ -33,6 +33,13 @@ def bert():
     return BertForSequenceClassification(_cfg())
 
 
+def gpt2_tied():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32, tie_word_embeddings=True))
+
+
 def bert_with_batchnorm():
     model = bert()
     model.classifier = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 2))
@@ -115,11 +122,7 @@ def _eval_set(kind, train):
 
 # id: (args overrides (a callable value gets the output_dir), train dataset factory, model factory, extra DPTrainer kwargs, exception, message regex)
 # keep in sync with docs/misuse.md (test_doc_table_lists_every_case checks the ids)
-FSDP_REFUSED = (
-    r"^--fsdp/--fsdp_config is not supported with DP: FSDP reduce-scatters the summed gradient of each shard during "
-    r"backward, before hf_dp can clip each example's gradient and add the noise once; use several processes with DDP "
-    r"\(ghost clipping, --clipping auto\) or --trainable last_block/lora to fit the model \(plan: docs/fsdp.md\)$"
-)
+FSDP = {"fsdp": "full_shard"}
 
 CASES = {
     "epsilon-zero": ({"epsilon": 0.0, "noise_multiplier": None}, dataset, bert, {},
@@ -182,8 +185,26 @@ CASES = {
                            ValueError, r"^DP-MacAdam needs betas\[0\] \(--adam_beta1\) > 0: its bound refresh divides by κ_t ∝ β1 − β1\^t; got 0\.0$"),
     "two-pass-bf16": ({"bf16": True, "clipping": "ghost_two_pass"}, dataset, bert, {},
                       ValueError, r"^--clipping ghost_two_pass needs float32 training: its second backward sums the clipped per-example gradients in the autocast precision"),
-    "fsdp": ({"fsdp": "full_shard"}, dataset, bert, {}, ValueError, FSDP_REFUSED),
-    "fsdp-config": ({"fsdp_config": {"version": 2}}, dataset, bert, {}, ValueError, FSDP_REFUSED),
+    "fsdp-one-process": (FSDP, dataset, bert, {},
+                         ValueError, r"^--fsdp needs several processes \(torchrun --nproc_per_node 2 \.\.\. or accelerate launch, on CPU with --ddp_backend gloo --use_cpu\); in one process train without --fsdp$"),
+    "fsdp-config": ({"fsdp_config": {"version": 2}}, dataset, bert, {},
+                    ValueError, r"^--fsdp_config without --fsdp is not allowed with DP: HF ignores it and trains with DDP; add --fsdp full_shard \(or drop --fsdp_config\)$"),
+    "fsdp-version-1": ({**FSDP, "fsdp_config": {"version": 1}}, dataset, bert, {},
+                       ValueError, r"^DP under FSDP needs FSDP2 \(fsdp_config version 2, the default\); FSDP1 is not supported$"),
+    "fsdp-clipping-ghost": ({**FSDP, "clipping": "ghost"}, dataset, bert, {},
+                            ValueError, r"^--clipping ghost is not supported under FSDP: only two-pass ghost clipping keeps the sharded gradients"),
+    "fsdp-clipping-hooks": ({**FSDP, "clipping": "hooks"}, dataset, bert, {},
+                            ValueError, r"^--clipping hooks is not supported under FSDP: only two-pass ghost clipping"),
+    "fsdp-bf16": ({**FSDP, "bf16": True}, dataset, bert, {},
+                  ValueError, r"^--bf16/--fp16 are not supported with DP under FSDP: the second backward and FSDP's reduce-scatter would sum the clipped per-example gradients in reduced precision"),
+    "fsdp-cache-frozen-features": ({**FSDP, "trainable": "last_block", "cache_frozen_features": True}, dataset, bert, {},
+                                   ValueError, r"^--cache_frozen_features is not supported under FSDP: the prefix cache is built with the full model on one rank"),
+    "fsdp-affine-rule": ({**FSDP, "optim": "dp_sgd_l2"}, dataset, bert, {},
+                         ValueError, r"^--optim dp_sgd_l2 is not supported under FSDP: its per-sample affine map needs every layer's full offset and scale"),
+    "fsdp-checkpoints": ({**FSDP, "save_strategy": "steps", "save_steps": 2}, dataset, bert, {},
+                         ValueError, r"^checkpoints are not supported with DP under FSDP yet"),
+    "fsdp-tied-weights": (FSDP, dataset, gpt2_tied, {},
+                          ValueError, r"^the trainable parameter transformer\.wte\.weight is shared with lm_head\.weight \(tied weights\), which DP under FSDP does not support"),
     "trainable-batchnorm": ({}, dataset, bert_with_batchnorm, {},
                             ValueError, r"^Cannot compute per-sample gradients for this model: classifier\.0 \(BatchNorm1d\) is trainable, but BatchNorm mixes the examples of a batch, so per-example gradients \(and DP\) are undefined; freeze it or replace it by GroupNorm/LayerNorm\.$"),
     "trainable-selects-nothing": ({"trainable": "head"}, dataset, bert_without_head, {},
@@ -260,6 +281,19 @@ CASES = {
     "cache-dir-inside-output-dir": ({"trainable": "last_block", "cache_frozen_features": True,
                                      "cache_frozen_features_dir": lambda out: f"{out}/cache"}, dataset, bert, {},
                                     ValueError, r"^--cache_frozen_features_dir \S+/cache is inside --output_dir \S+, whose files are saved and pushed with the model, and the cache holds the hidden states of every training example; use a folder outside output_dir \(or, with --keep_frozen_features_cache, output_dir itself or a subfolder whose name starts with '_', which pushes skip\)$"),
+    "audit-canaries-too-few": ({"audit_canaries": 50, "delta": 1e-5}, dataset, bert, {},
+                               ValueError, r"^--audit_canaries must be a whole number >= 100 \(fewer canaries cannot refute any useful epsilon\), got 50$"),
+    "audit-canaries-delta-too-large": ({"audit_canaries": 100}, dataset, bert, {},
+                                       ValueError, r"^--audit_canaries 100 with --delta 0\.001: 2\*m\*delta = 0\.2 >= 0\.05, so the one-run bound can certify nothing; use fewer canaries or a smaller delta$"),
+    "audit-canaries-disable-dp": ({"audit_canaries": 100, "disable_dp": True, "optim": "adamw_torch", "noise_multiplier": None},
+                                  dataset, bert, {}, ValueError,
+                                  r"^--audit_canaries audits a DP run; a --disable_dp baseline has no epsilon to bound$"),
+    "audit-canaries-kept-cache": ({"audit_canaries": 100, "delta": 1e-5, "trainable": "last_block", "cache_frozen_features": True,
+                                   "keep_frozen_features_cache": True, "cache_frozen_features_dir": lambda out: f"{out}/_cache"},
+                                  dataset, bert, {}, ValueError,
+                                  r"^--audit_canaries with --keep_frozen_features_cache: the kept cache of the training set would hold the included canaries' features, i\.e\. the secret draw; drop --keep_frozen_features_cache$"),
+    "audit-canaries-regression": ({"audit_canaries": 100, "delta": 1e-5}, dataset, bert_regression, {},
+                                  ValueError, r"^--audit_canaries supports single-label sequence classifiers \(>= 2 labels\) only: its black-box canaries are random token sequences with random labels$"),
 }
 
 
@@ -324,3 +358,49 @@ def test_doc_table_lists_every_case():
     missing = [case for case in CASES if f"`{case}`" not in doc]
     assert not missing, f"docs/misuse.md does not document {missing}"
     assert len(CASES) >= 15
+
+
+# ------------------------------------------------------------- private selection (docs/misuse.md, `search-*` rows)
+SEARCH_SPACE = {"learning_rate": [1e-3, 1e-2]}
+SEARCH_CASES = {
+    # id: (args overrides, hyperparameter_search overrides, message regex)
+    "search-space-empty": ({}, {"hp_space": {}}, r"^the search space is empty"),
+    "search-space-mechanism-flag": ({}, {"hp_space": {"num_train_epochs": [1, 2]}},
+                                    r"^the search space may not hold --num_train_epochs: it defines the mechanism"),
+    "search-adaptive-backend": ({}, {"backend": "optuna"},
+                                r"^under DP hyperparameter_search runs backend='dp_random_stopping' only"),
+    "search-score-undeclared": ({}, {"score_data": None}, r"^declare what the trials are scored on: score_data='public'"),
+    "search-score-private": ({}, {"score_data": "private"}, r"^score_data='private' .* is not implemented"),
+    "search-without-model-init": ({}, {"model_init": None}, r"^hyperparameter_search needs model_init="),
+    "search-with-sigma": ({"epsilon": None, "noise_multiplier": 1.0}, {},
+                          r"^private selection calibrates each trial's sigma for the total: give --epsilon"),
+}
+
+
+@pytest.mark.parametrize("case", list(SEARCH_CASES))
+def test_private_selection_misuse_is_refused_before_any_trial(case, tmp_path):
+    from hf_dp import DPTrainer, DPTrainingArguments
+
+    overrides, search_kw, pattern = SEARCH_CASES[case]
+    built = []
+
+    def model_init():
+        built.append(bert())
+        return built[-1]
+
+    kw = {**BASE, "output_dir": str(tmp_path), "epsilon": 3.0, "noise_multiplier": None, "per_device_train_batch_size": N,
+          **overrides}  # q = 1: the accountant answers in milliseconds
+    trainer = DPTrainer(model=bert(), args=DPTrainingArguments(**kw), train_dataset=dataset(), eval_dataset=dataset(16))
+    search = {**dict(hp_space=SEARCH_SPACE, n_trials=2, direction="minimize", backend="dp_random_stopping",
+                     model_init=model_init, score_data="public"), **search_kw}
+    with pytest.raises(ValueError) as info:
+        trainer.hyperparameter_search(**search)
+    assert info.match(pattern), str(info.value)
+    assert "\n" not in str(info.value) and built == [] and trainer.state.global_step == 0
+
+
+def test_doc_lists_every_private_selection_case():
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "misuse.md").read_text()
+    assert not [case for case in SEARCH_CASES if f"`{case}`" not in doc]

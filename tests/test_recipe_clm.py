@@ -450,3 +450,40 @@ def test_the_training_file_as_validation_file_is_refused(clm, tok_dir, tmp_path,
     train, _ = _user_files(tmp_path)
     code, _, err = _run(clm, capsys, _tiny(tok_dir, train, train, tmp_path / "o"))
     assert code == 2 and "is the training file" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("trainable", ["all", "lora"])
+def test_clm_recipe_under_fsdp2_with_two_processes(tok_dir, tmp_path, trainable):
+    """Issue 30: ``torchrun --nproc_per_node 2 recipes/clm.py … --fsdp full_shard`` trains on shards, reports ε and saves a
+    release that loads: full fine-tuning of a GPT-2 with untied embeddings (trainable tied ones are refused under FSDP),
+    and the recipe's default LoRA (the tied embeddings frozen; the release merged on rank 0)."""
+    import socket
+
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    train, dev = _user_files(tmp_path)
+    out = tmp_path / "out"
+    untie = "n_layer=2,n_embd=16,n_head=2,tie_word_embeddings=False"
+    argv = [a if a != "n_layer=2,n_embd=16,n_head=2" or trainable == "lora" else untie for a in _tiny(tok_dir, train, dev, out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", port, str(REPO / "recipes" / "clm.py"), *argv, "--trainable", trainable, "--fsdp", "full_shard",
+           "--fsdp_config", '{"transformer_layer_cls_to_wrap": ["GPT2Block"]}', "--ddp_backend", "gloo", "--use_cpu"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = _summary(proc.stdout)
+    assert 0 < float(s["epsilon spent"].split()[0]) < float("inf")
+    privacy = json.loads((out / "privacy.json").read_text())
+    assert privacy["steps"] == 2
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert (model.lm_head.weight is model.transformer.wte.weight) == (trainable == "lora")
+    assert not (out / "adapter_config.json").exists()

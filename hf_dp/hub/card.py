@@ -54,16 +54,24 @@ def template_source(name: str = TEMPLATE_NAME) -> tuple[str, str]:
     )
 
 
+#: the eval loss is shown with what it measures: beside a fair accuracy, a high cross-entropy means over-confident
+#: (poorly calibrated) probabilities, not a wrong number
+_EVAL_LOSS_LABEL = ("loss (cross-entropy of the predicted probabilities: it measures calibration too — a high loss beside a "
+                    "fair accuracy means over-confident probabilities; use the label, not the probability)")
+
+
 def _num(x: Any) -> str:
     if x is None:
         return "not recorded"
     if isinstance(x, bool):
         return str(x)
     if isinstance(x, int):
-        return str(x)
+        return f"{x:,}"  # 8,999 as the run's log writes it
     if isinstance(x, float):
         if math.isinf(x) or math.isnan(x):
             return str(x)
+        if x.is_integer() and abs(x) < 1e6:
+            return f"{int(x):,}"
         if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e6):
             return f"{x:.4g}"
         return f"{x:.6g}"
@@ -201,17 +209,20 @@ def render_model_card(
     eval_split: str = "validation",
     data_description: str | None = None,
     baseline: dict | None = None,
+    task_description: str | None = None,
 ) -> str:
     """Render the README.md model card for a privacy report produced by ``DPTrainer.privacy_report()``.
 
     ``baseline``: the recipe's constant-predictor comparison (``recipes.glue_support.constant_baseline``: a dict with
     ``at_or_below`` and ``sentence``) of the evaluation results; the card says plainly when the
-    model does no better than a constant predictor."""
+    model does no better than a constant predictor. ``task_description``: the Task line when no ``task_name`` is
+    given (e.g. the labels, :func:`hf_dp.hub.describe.card_fields`)."""
     import jinja2
 
     dp = _is_dp(report)
     model_name = model_name or (
-        f"{base_model.rstrip('/').split('/')[-1]}-{'dp-' if dp else ''}{task_name}" if base_model and task_name else "hf_dp-model"
+        "-".join(x for x in (base_model.rstrip('/').split('/')[-1], "dp" if dp else "", task_name) if x) if base_model
+        else "hf_dp-model"
     )
     local_data = bool(data_description) and dataset_name is None
     front = build_front_matter(
@@ -224,7 +235,7 @@ def render_model_card(
     opt = report.get("optimizer") or {}
     hps = (opt.get("hyperparameters") or {}) if isinstance(opt, dict) else {}
     optimizer_rows = [(k, ", ".join(_num(x) for x in v) if isinstance(v, (list, tuple)) else _num(v)) for k, v in hps.items()]
-    eval_rows = [(k, _num(v)) for k, v in _metric_items(eval_results)]
+    eval_rows = [(_EVAL_LOSS_LABEL if k == "loss" else k, _num(v)) for k, v in _metric_items(eval_results)]
 
     text, _ = template_source()
     env = jinja2.Environment(
@@ -237,7 +248,7 @@ def render_model_card(
         r=report, title=model_name, base_model=base_model, task_name=task_name, dataset_desc=dataset_desc,
         eval_rows=eval_rows, eval_split=eval_split, optimizer_name=_optimizer_name(report),
         optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=dp, num=_num, pct=_pct,
-        selection=_selection(report), baseline=baseline,
+        selection=_selection(report), baseline=baseline, task_description=task_description,
     )
 
 

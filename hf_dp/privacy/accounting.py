@@ -294,9 +294,13 @@ class PrivacyLedger:
         """Numbers and run ids only — no fingerprint of the data, no path: the runs counted, the runs accounted
         separately, the parent checkpoint's run and step (and its ancestors'), the steps counted past the parent."""
         meta = self.meta
+        selection = meta.get("hyperparameter_selection")
         return {
             "format": 1,
-            "epsilon": self.cached_epsilon(),
+            # a model released by private selection: its epsilon is the selection's total (the trial's own ledger
+            # alone, under "trial_epsilon", is not what the model cost)
+            "epsilon": float(selection["total_epsilon"]) if selection else self.cached_epsilon(),
+            **({"trial_epsilon": self.cached_epsilon()} if selection else {}),
             "delta": self.spec.delta,
             "accountant": self.spec.accountant,
             "steps": self.steps,
@@ -306,6 +310,9 @@ class PrivacyLedger:
             "parent": meta.get("parent"),
             "ancestry": [{"run_id": a.get("run_id"), "global_step": a.get("global_step")} for a in meta.get("ancestry") or []],
             "counted_past_parent": meta.get("counted_past_parent"),
+            # a model released by private selection (hf_dp.selection): the total, which no (σ, q, steps) history holds
+            **({"hyperparameter_selection": dict(meta["hyperparameter_selection"])}
+               if meta.get("hyperparameter_selection") else {}),
         }
 
     def state_dict(self) -> dict:

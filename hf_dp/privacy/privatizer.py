@@ -37,6 +37,34 @@ from .accounting import PrivacyLedger
 from .randomness import secure_gaussian_like, source_name, stream_generator
 
 
+def _is_sharded(params) -> bool:
+    """True when the summed gradients are FSDP2 shards (``DTensor`` with a ``Shard`` placement)."""
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # pragma: no cover - torch without distributed tensors
+        return False
+    ref = params[0].summed_grad if params else None
+    return isinstance(ref, DTensor) and any(isinstance(pl, Shard) for pl in ref.placements)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local shard of a ``DTensor`` (the same storage), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _shard_offset(t) -> int:
+    """Offset of this rank's shard in the flattened full tensor (FSDP2 shards dim 0 in rank order)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    stride = 1
+    flat = 0
+    for size, off in zip(reversed(t.shape), reversed(offset)):
+        flat += off * stride
+        stride *= size
+    return int(flat)
+
+
 class PrivacyBudgetExceeded(RuntimeError):
     """Raised instead of taking a step that would push ε past the target."""
 
@@ -128,8 +156,11 @@ class PrivateOptimizer(DPOptimizer):
         return gen
 
     def add_noise(self):
-        """``p.grad = p.summed_grad + N(0, σ²C²)``, the noise from this optimizer's stream (see the module docstring)."""
+        """``p.grad = p.summed_grad + N(0, σ²C²)``, the noise from this optimizer's stream (see the module docstring);
+        under FSDP (sharded ``summed_grad``) on this rank's shard of each tensor only (:meth:`_add_shard_noise`)."""
         std = self.noise_multiplier * self.max_grad_norm
+        if _is_sharded(self.params):
+            return self._add_shard_noise(std)
         if self.secure_mode:
             for p in self.params:
                 p.grad = (p.summed_grad + secure_gaussian_like(p.summed_grad, std)).view_as(p)
@@ -142,6 +173,30 @@ class PrivateOptimizer(DPOptimizer):
             else:
                 noise = torch.normal(0.0, std, size=ref.shape, device=ref.device, dtype=ref.dtype, generator=gen)
             p.grad = (ref + noise).view_as(p)
+
+    def _add_shard_noise(self, std: float) -> None:
+        """FSDP: ``p.grad = p.summed_grad + N(0, σ²C²)`` on this rank's local shard of every parameter, no other rank
+        touching those coordinates, so every coordinate of the model gets exactly one draw per step. The stream of
+        each (parameter, shard) is its own: ``--secure_rng`` draws from the OS CSPRNG; otherwise a generator seeded
+        from (``noise_seed`` — OS entropy when ``None`` —, "fsdp_noise", the ledger's step, the parameter's index, the
+        shard's offset in the flattened parameter), so no two shards and no two steps share a stream."""
+        step = self.step_index
+        if not all(_is_sharded([p]) for p in self.params):  # a replicated one would get world-size draws, unreduced
+            raise RuntimeError("under FSDP every trainable parameter must be sharded by fully_shard (its gradient a "
+                               "sharded DTensor); one is not, so its noise would be drawn on every rank")
+        for index, p in enumerate(self.params):
+            ref = p.summed_grad
+            local = _local(ref)
+            if std == 0 or local.numel() == 0:
+                noise = torch.zeros_like(local)
+            elif self.secure_mode:
+                noise = secure_gaussian_like(local, std)
+            else:
+                gen = stream_generator(self.noise_seed, "fsdp_noise", step, index, _shard_offset(ref), device=local.device)
+                noise = torch.normal(0.0, std, size=local.shape, device=local.device, dtype=local.dtype, generator=gen)
+            local.add_(noise)
+            p.grad = ref
+        return None
 
     # ----- per micro-batch ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -244,7 +299,8 @@ class PrivateOptimizer(DPOptimizer):
             if g is None:
                 raise ValueError("ghost clipping returned no clipped sum for a trainable parameter")
             g = g.view_as(p)
-            p.summed_grad = g if p.summed_grad is None else p.summed_grad + g
+            prev = getattr(p, "summed_grad", None)  # FSDP: Accelerate swapped in sharded parameters without it
+            p.summed_grad = g if prev is None else prev + g
 
     # Opacus' pre_step calls clip_and_accumulate on pending grad samples; we route it through accumulate
     def clip_and_accumulate(self):
@@ -293,9 +349,13 @@ class PrivateOptimizer(DPOptimizer):
         params = self.params
         rank, world = _world()
         for p in params:
-            if p.summed_grad is None:  # an empty logical batch still gets its noise
+            if getattr(p, "summed_grad", None) is None:  # an empty logical batch still gets its noise
                 p.summed_grad = torch.zeros_like(p)
-        if rank == 0:
+        sharded = _is_sharded(params)
+        if sharded:  # FSDP: each rank holds the summed shards of its own coordinates; their noise is drawn there
+            self.add_noise()
+            world = 1  # FSDP's reduce-scatter already summed the ranks' clipped sums: nothing to all-reduce
+        elif rank == 0:
             self.add_noise()  # p.grad = summed_grad + N(0, σ²C²)
         else:
             for p in params:

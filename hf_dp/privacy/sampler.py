@@ -58,6 +58,7 @@ class PoissonBatchSampler(Sampler):
         lengths: Sequence[int] | torch.Tensor | None = None,
         units: Sequence[Sequence[int]] | None = None,
         max_rows_per_unit: int | None = None,
+        allow_empty_units: bool = False,
     ):
         if num_samples <= 0:
             raise ValueError("the training dataset is empty")
@@ -67,8 +68,8 @@ class PoissonBatchSampler(Sampler):
             raise ValueError("steps_per_epoch and micro_batches must be positive")
         if units is not None and len(units) != int(num_samples):
             raise ValueError(f"{len(units)} units given for num_samples={num_samples} (the number of units)")
-        if units is not None and any(len(u) == 0 for u in units):
-            raise ValueError("every privacy unit needs at least one row")
+        if units is not None and not allow_empty_units and any(len(u) == 0 for u in units):
+            raise ValueError("every privacy unit needs at least one row")  # (empty units: --audit_canaries' excluded canaries)
         if max_rows_per_unit is not None and max_rows_per_unit < 1:
             raise ValueError(f"max_rows_per_unit must be >= 1, got {max_rows_per_unit}")
         #: rows of each unit (``None``: unit i is row i)
@@ -102,7 +103,7 @@ class PoissonBatchSampler(Sampler):
             raise ValueError(f"lengths has {t.numel()} entries for a dataset of {self.num_rows} examples")
         t = t.to(torch.long)
         if self.units is not None:  # a unit's length: its longest row (its rows share a micro-batch)
-            t = torch.stack([t[u].max() for u in self.units])
+            t = torch.stack([t[u].max() if len(u) else torch.zeros((), dtype=torch.long) for u in self.units])
         self._lengths = t
 
     @staticmethod

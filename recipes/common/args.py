@@ -107,6 +107,22 @@ def cacheable(trainable) -> bool:
         return False  # an invalid mode is refused with its own error when the arguments are checked
 
 
+#: giving any of these keeps the batch the user chose; giving none lets the planner choose it (recipes.common.run.apply_plan)
+PLANNER_KEYS = frozenset({"per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps"})
+
+
+def _planner_help_defaults(parser, peek, explicit: set, planned_lr: dict[str, float]) -> None:
+    """For ``--help``: when the planner will choose the batch (a DP run with --epsilon, none of :data:`PLANNER_KEYS`
+    given), the batch flags' default is the planner's and the learning rate the planned one, as the run will use."""
+    if getattr(peek, "disable_dp", False) or getattr(peek, "epsilon", None) is None or PLANNER_KEYS & explicit:
+        return
+    parser.set_defaults(per_device_train_batch_size="the planner's, printed at start",
+                        gradient_accumulation_steps="the planner's, printed at start")
+    optim = optim_name(peek.optim)
+    if "learning_rate" not in explicit and optim in planned_lr:
+        parser.set_defaults(learning_rate=planned_lr[optim])
+
+
 def parse_layered(
     argv: Optional[list[str]],
     defaults: Optional[dict[str, Any]],
@@ -117,6 +133,7 @@ def parse_layered(
     run_name: Callable[[Any], str],
     format_help: Callable[[Any, Any], str],
     cache_frozen_by_default: bool = True,
+    planned_lr: Optional[dict[str, float]] = None,
 ):
     """Parse ``argv`` (``sys.argv[1:]`` if None) with ``parser`` (an ``HfArgumentParser`` whose last dataclass is
     ``DPTrainingArguments``): ``protocol_defaults`` < ``defaults`` < YAML ``--config`` < command line, then the
@@ -128,8 +145,9 @@ def parse_layered(
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and argv[0].lower().endswith(ARGS_FILE_SUFFIXES) and not argv[0].startswith("-"):
         argv = ["--config", argv[0]]  # run_glue's `python run_glue.py args.json`: the file's values are the arguments
-    want_help = any(a in ("-h", "--help") for a in argv)
-    argv = [a for a in argv if a not in ("-h", "--help")]
+    want_help = any(a in ("-h", "--help", "--help-all") for a in argv)
+    parser._hf_dp_help_all = "--help-all" in argv  # --help shows the recipe's flags; --help-all every HF flag too
+    argv = [a for a in argv if a not in ("-h", "--help", "--help-all")]
     config_path, argv = extract_config(argv)
     dests = {a.dest for a in parser._actions}
     layered: dict[str, Any] = {k: v for k, v in protocol_defaults.items() if k in dests}
@@ -163,17 +181,25 @@ def parse_layered(
             parser.set_defaults(**{key: value})
     # the frozen prefix is cached when it can be (last_block, last_k:K, head: hf_dp.models.suffix_blocks): the same
     # per-example gradients, minutes instead of an hour on CPU (benchmarks/RESULTS.md §3); the prefix then runs once in
-    # eval mode. --cache_frozen_features false: off
-    if cache_frozen_by_default and "cache_frozen_features" not in explicit and cacheable(getattr(peek, "trainable", None)):
+    # eval mode. --cache_frozen_features false: off. Not under --fsdp (the cache is built with the full model on one rank)
+    if (cache_frozen_by_default and "cache_frozen_features" not in explicit and cacheable(getattr(peek, "trainable", None))
+            and not getattr(peek, "fsdp", None)):
         parser.set_defaults(cache_frozen_features=True)
     # under DP, each Poisson draw is ordered by length before it is cut into micro-batches: the same draws, clipped sum
     # and noise, less padding (benchmarks/RESULTS.md §1(d)). Not for --disable_dp: there HF's group_by_length sampler
     # changes which examples share a batch. --train_sampling_strategy random: off
     if "train_sampling_strategy" not in explicit and not getattr(peek, "disable_dp", False):
         parser.set_defaults(train_sampling_strategy="group_by_length")
+    # pinned memory only where batches go to an accelerator (torch warns at every data loader otherwise)
+    if "dataloader_pin_memory" not in explicit:
+        from .logs import pin_memory_default
+
+        parser.set_defaults(dataloader_pin_memory=pin_memory_default())
     # HF's meaning: --save_steps N saves every N steps (HF's default strategy is "steps"; the recipe's is "no")
     if "save_steps" in explicit and "save_strategy" not in explicit:
         parser.set_defaults(save_strategy="steps")
+    if want_help and planned_lr is not None:
+        _planner_help_defaults(parser, peek, explicit, planned_lr)
     if want_help:  # after every default above is in place: --help shows the values this command line would use
         print(format_help(parser, peek))
         raise SystemExit(0)

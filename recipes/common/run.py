@@ -115,6 +115,11 @@ def write_predictions(trainer, dataset, output_dir: str, name: str, decode: Call
                 writer.write(f"{i}\t{p}\n")
 
 
+#: what a push leaves out of the saved folder: checkpoints, the run's records (not part of the release: README.md)
+RELEASE_IGNORE = ("checkpoint-*", "_*", "runs/*", "training_args.bin", "hf_dp_*", "*_results.json", "trainer_state.json",
+                  "predict_results_*")
+
+
 def push_folder(folder: str, training_args) -> dict:
     """Upload the saved release folder (model, tokenizer, card, privacy.json; never checkpoint-* or _* files) to the
     Hub. Returns ``{"ok": True, "repo": …}`` or ``{"ok": False, "repo": …, "error": …, "command": …}`` (no network,
@@ -122,7 +127,7 @@ def push_folder(folder: str, training_args) -> dict:
     import shlex
 
     repo = training_args.hub_model_id or os.path.basename(os.path.normpath(folder))
-    ignore = ["checkpoint-*", "_*", "runs/*"]
+    ignore = list(RELEASE_IGNORE)
     command = (f"python -c \"from huggingface_hub import HfApi; api = HfApi(); api.create_repo({repo!r}, exist_ok=True, "
                f"private={bool(training_args.hub_private_repo)}); api.upload_folder(repo_id={repo!r}, folder_path="
                f"{os.path.abspath(folder)!r}, ignore_patterns={ignore!r})\"")
@@ -178,6 +183,7 @@ def summary_block(s: dict[str, Any]) -> str:
         ("task", s.get("task")),
         ("optimizer", s.get("optimizer")),
         ("epsilon spent", _fmt(s.get("epsilon")) + (f" (target {_fmt(s.get('target_epsilon'))})" if s.get("target_epsilon") else "")),
+        *([("one-run audit", s["report"]["audit"]["summary"])] if (s.get("report") or {}).get("audit") else []),  # --audit_canaries
         ("delta", _fmt(s.get("delta"))),
         ("noise multiplier sigma", _fmt(s.get("noise_multiplier"))),
         ("clipping norm C", _fmt(s.get("max_grad_norm"))),
@@ -238,6 +244,9 @@ class StripAnsi(logging.Filter):
 
 
 def plain_text_logs() -> None:
+    from .logs import quiet_load_reports
+
+    quiet_load_reports()  # the new head's MISSING weights: one plain line, not a table
     for name in ("", "transformers"):
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, StripAnsi) for f in handler.filters):

@@ -63,6 +63,14 @@ def _metric_spec(task_name: str | None, is_regression: bool | None) -> tuple[str
     return "accuracy", None, "accuracy", False
 
 
+def _offline() -> bool:
+    """HF_HUB_OFFLINE / HF_EVALUATE_OFFLINE set (as huggingface_hub reads them)."""
+    import os
+
+    return any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for k in ("HF_HUB_OFFLINE", "HF_EVALUATE_OFFLINE"))
+
+
 def load_metric_fn(
     task_name: str | None = None,
     *,
@@ -76,6 +84,12 @@ def load_metric_fn(
     path, config, fallback_key, _ = _metric_spec(task_name, is_regression)
     if metric_path is not None:
         path = metric_path
+    if backend == "auto" and metric_path is None and _offline():
+        # offline, evaluate.load would only fail ("Couldn't find a module script at …/glue/glue.py"), which reads
+        # like an error on every offline run: the same metrics from scikit-learn/scipy, said plainly
+        desc = "scikit-learn/scipy (offline mode: evaluate's metric scripts are not downloaded)"
+        logger.info("hf_dp metrics: using %s", desc)
+        return _fallback_metrics(fallback_key), desc
     if backend in ("auto", "evaluate"):
         try:
             import evaluate

@@ -1,0 +1,76 @@
+"""What a model card can say about a run from the Python API without being told: the base model
+(``config._name_or_path`` when it reads as a Hub id), the task and labels (``config.finetuning_task``,
+``config.id2label``), the fine-tuning data (a ``datasets.Dataset``'s own info: dataset name, config, split) and a
+title. A recipe (or the user) sets ``trainer.base_model_id``, ``trainer.task_name``, ``trainer.dataset_name``,
+``trainer.data_description`` or ``trainer.model_name`` to override any of them (README.md, "Model cards")."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+#: builders of local files: their "dataset name" is a file format, not a dataset anyone can look up
+_FILE_BUILDERS = {"csv", "json", "parquet", "text", "arrow", "pandas", "generator", "imagefolder", "audiofolder"}
+
+
+def hub_id_or_none(name: str | None) -> str | None:
+    """``name`` if it reads as a Hub id (``org/model`` or ``model``), ``None`` for a local path (never in a card)."""
+    if not name or os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name) or name.count("/") > 1:
+        return None
+    return name
+
+
+def labels_of(config: Any) -> list[str] | None:
+    """The label names of a classifier's config, or None when they are HF's placeholders (LABEL_0, …)."""
+    id2label = getattr(config, "id2label", None) or {}
+    names = [str(id2label[k]) for k in sorted(id2label, key=lambda k: int(k))] if id2label else []
+    if not names or all(re.fullmatch(r"LABEL_\d+", n) for n in names):
+        return None
+    return names
+
+
+def dataset_info(dataset: Any) -> tuple[str | None, str | None]:
+    """(Hub dataset id or None, a description) from a ``datasets.Dataset``'s own info; (None, None) otherwise."""
+    info = getattr(dataset, "info", None)
+    if info is None:
+        return None, None
+    name = getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)
+    if not name or name in _FILE_BUILDERS:
+        return None, None
+    config = getattr(info, "config_name", None)
+    split = getattr(dataset, "split", None)
+    desc = f"`{name}`" + (f" (config `{config}`)" if config and config != "default" else "") + (
+        f", split `{split}`" if split else "")
+    return None if name.count("/") > 1 else name, desc
+
+
+def card_fields(trainer) -> dict[str, Any]:
+    """The keyword arguments :func:`hf_dp.hub.card.render_model_card` gets from a trainer: what was set on it
+    (``base_model_id``, ``task_name``, ``dataset_name``, ``data_description``, ``model_name``) first, else what the
+    model's config and the training set say."""
+    config = getattr(getattr(trainer, "model", None), "config", None)
+    base = getattr(trainer, "base_model_id", None) or hub_id_or_none(getattr(config, "_name_or_path", None))
+    task = getattr(trainer, "task_name", None) or getattr(config, "finetuning_task", None)
+    dataset_name = getattr(trainer, "dataset_name", None)
+    description = getattr(trainer, "data_description", None)
+    if dataset_name is None and description is None:
+        dataset_name, description = dataset_info(getattr(trainer, "train_dataset", None))
+        n = _rows(getattr(trainer, "train_dataset", None))
+        if description and n:
+            description += f", {n:,} training examples"
+    labels = labels_of(config) if config is not None else None
+    task_description = None
+    if labels:
+        kind = "sequence classification" if getattr(config, "problem_type", None) != "regression" else "regression"
+        task_description = f"{kind} — labels: {', '.join(labels)}"
+    title = getattr(trainer, "model_name", None)
+    return {"base_model": base, "task_name": task, "dataset_name": dataset_name, "data_description": description,
+            "model_name": title, "task_description": task_description}
+
+
+def _rows(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None

@@ -1,0 +1,299 @@
+"""DP under FSDP2 (``--fsdp full_shard``, two-pass ghost clipping) on two CPU processes (gloo): hf_dp.sharding.
+
+* the same ``--dp_seed`` with the noise switched off (inside ``add_noise`` only, as the audit's ``no_noise``):
+  FSDP and DDP train the same model up to float rounding; the release (gathered from the shards) loads with
+  ``from_pretrained`` as a plain model, with its card and privacy.json;
+* the FSDP run's noise, drawn by the privatizer, recorded and taken out again: every rank adds noise to its own shard only — the shards of each
+  parameter tile it exactly, each coordinate drawn once — with std σC, from the stream keyed by
+  (seed, step, parameter, shard offset); ε equals the one-process ε for the same global batch.
+
+Each launch is ``python -m torch.distributed.run --nproc_per_node 2`` (as tests/test_distributed.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from test_distributed import _gloo_available, _launch  # noqa: E402
+
+N, PER_DEVICE, GA, STEPS, SEED = 64, 2, 2, 4, 7
+
+WORKER = textwrap.dedent(
+    r"""
+    import os, sys, warnings
+    warnings.filterwarnings("ignore")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    sys.path.insert(0, {tests!r})
+    import torch
+    torch.set_num_threads(1)
+    import transformers
+    transformers.logging.set_verbosity_error()
+    import hf_dp.trainer as trainer_module
+    from hf_dp import DPTrainer
+    from hf_dp.privacy.privatizer import PrivateOptimizer, _local, _shard_offset
+    from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+    from test_fsdp import shard_noise_checks
+
+    out, mode, noise, trainable = sys.argv[1], {mode!r}, {noise!r}, {trainable!r}
+    rank = int(os.environ["RANK"])
+    shards = []  # per step: [(offset, noise on this rank's shard)] per parameter
+    orig = PrivateOptimizer.add_noise
+    def add_noise(self):
+        if noise == "off":  # the privatizer adds N(0, (0·C)²); the optimizer keeps its σ between steps
+            sigma, self.noise_multiplier = self.noise_multiplier, 0.0
+            try:
+                return orig(self)
+            finally:
+                self.noise_multiplier = sigma
+        # "recorded": the real draw on each shard is recorded, then taken out again (so the run trains the noiseless model)
+        before = [_local(p.summed_grad).clone() for p in self.params]
+        step = self.step_index
+        r = orig(self)
+        shards.append((step, [(_shard_offset(p.grad), (_local(p.grad) - b).clone(), tuple(p.shape)) for p, b in zip(self.params, before)]))
+        for p, b in zip(self.params, before):
+            _local(p.grad).copy_(b)
+        return r
+    PrivateOptimizer.add_noise = add_noise
+
+    placeholders = []
+    orig_call = trainer_module._EmptySafeCollator.__call__
+    def counting_call(self, features):
+        if len(features) == 0:
+            placeholders.append(1)
+        return orig_call(self, features)
+    trainer_module._EmptySafeCollator.__call__ = counting_call
+
+    tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
+    ds = make_pair_dataset(tok, n={n})
+    kw = dict(fsdp="full_shard", fsdp_config={{"transformer_layer_cls_to_wrap": ["BertLayer"]}}) if mode == "fsdp" else {{}}
+    args = dp_args(
+        os.path.join(out, "run"), optim="dp_adamw", learning_rate=1e-2, epsilon=8.0,
+        accountant="rdp", per_device_train_batch_size={per_device}, gradient_accumulation_steps={ga}, max_steps={steps},
+        logging_steps=2, ddp_backend="gloo", dp_seed={seed}, trainable=trainable, clipping="auto" if mode == "fsdp" else "ghost_two_pass",
+        **kw,
+    )
+    trainer = DPTrainer(model=make_model(), args=args, train_dataset=ds, data_collator=make_collator(tok), processing_class=tok)
+    trainer.train()
+    from torch.distributed.tensor import DTensor
+    full = {{n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in trainer.model.named_parameters()}}
+    trainer.save_model(os.path.join(out, "release"))
+    PrivateOptimizer.add_noise = orig  # shard_noise_checks runs the privatizer as it is
+    torch.save(
+        dict(
+            params=full, epsilon=trainer.get_epsilon(), shards=shards, clipping=trainer.clipping,
+            names=[n for n, p in trainer.model.named_parameters() if p.requires_grad],
+            wrapped=type(trainer.model_wrapped).__name__, spec=trainer.privacy_spec.as_dict(),
+            history=list(trainer.ledger.accountant.history), placeholders=len(placeholders),
+            sharded=[isinstance(p, DTensor) for p in trainer.model.parameters()],
+            shard_noise=shard_noise_checks() if mode == "fsdp" and trainable == "all" else None,
+        ),
+        os.path.join(out, f"rank{{rank}}.pt"),
+    )
+    """
+)
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+    pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available"),
+]
+
+
+def _run(tmp_path, mode: str, noise: str, trainable: str = "all") -> tuple[dict, dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    _launch(tmp_path, WORKER.format(tests=HERE, mode=mode, noise=noise, trainable=trainable, n=N, per_device=PER_DEVICE, ga=GA,
+                                    steps=STEPS, seed=SEED))
+    return tuple(torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One FSDP run (noise drawn, recorded and taken out again) and one DDP run (noise zeroed), same --dp_seed."""
+    base = tmp_path_factory.mktemp("fsdp_runs")
+    f0, f1 = _run(base / "fsdp", "fsdp", "recorded")
+    d0, _ = _run(base / "ddp", "ddp", "off")
+    return base, f0, f1, d0
+
+
+def test_fsdp_trains_the_ddp_model_and_releases_a_plain_model(runs):
+    tmp_path, f0, f1, d0 = runs
+    assert f0["wrapped"].startswith("FSDP") and all(f0["sharded"]), f0["wrapped"]
+    assert d0["wrapped"] == "DistributedDataParallel"
+    assert f0["clipping"] == "ghost_two_pass"  # --clipping auto under FSDP
+    # an empty micro-batch on one rank (its placeholder row runs both passes, weighted 0) kept the ranks in step
+    assert f0["placeholders"] + f1["placeholders"] > 0
+    from helpers import make_model
+
+    init = dict(make_model().named_parameters())
+    moved = max((f0["params"][n] - init[n]).abs().max().item() for n in f0["names"])
+    assert moved > 1e-3  # it trained
+    for n in f0["params"]:
+        torch.testing.assert_close(f0["params"][n], f1["params"][n], rtol=0, atol=0)
+        torch.testing.assert_close(f0["params"][n], d0["params"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    assert f0["epsilon"] == d0["epsilon"] <= 8.0 and f0["history"] == d0["history"]
+
+    # the release: a plain PreTrainedModel folder with the card and privacy.json, the weights FSDP trained
+    import json
+
+    from transformers import AutoModelForSequenceClassification
+
+    release = tmp_path / "fsdp" / "release"
+    assert (release / "README.md").is_file() and (release / "privacy.json").is_file()
+    report = json.loads((release / "privacy.json").read_text())
+    assert abs(float(report["epsilon"]) - f0["epsilon"]) < 1e-9 * max(1.0, f0["epsilon"])
+    model = AutoModelForSequenceClassification.from_pretrained(release)
+    assert type(model).__name__ == "BertForSequenceClassification"
+    assert model.config.architectures == ["BertForSequenceClassification"]
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), f0["params"][n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_fsdp_noise_is_drawn_once_per_coordinate_on_each_shard(runs, tmp_path):
+    _, r0, r1, _ = runs
+    spec = r0["spec"]
+    std = spec["noise_multiplier"] * spec["max_grad_norm"]
+    from helpers import make_model
+
+    numel = sum(p.numel() for p in make_model().parameters())
+    assert len(r0["shards"]) == len(r1["shards"]) == STEPS
+    from hf_dp.privacy.randomness import stream_generator
+
+    draws = []
+    for (s0, a), (s1, b) in zip(r0["shards"], r1["shards"]):
+        assert s0 == s1
+        assert len(a) == len(b) == len(r0["names"])
+        for index, ((o0, z0, shape), (o1, z1, shape1)) in enumerate(zip(a, b)):
+            assert shape == shape1
+            shape = torch.Size(shape)
+            # the two shards tile the parameter: rank 0 from offset 0, rank 1 right after it, nothing drawn twice
+            assert o0 == 0 and o1 == z0.numel() and z0.numel() + z1.numel() == shape.numel(), (index, o0, o1, shape)
+            draws.append(torch.cat([z0.reshape(-1), z1.reshape(-1)]))
+            # each shard's stream is keyed by (seed, step, parameter, offset) (hf_dp.privacy.privatizer._add_shard_noise)
+            for offset, z in ((o0, z0), (o1, z1)):
+                if z.numel():
+                    gen = stream_generator(SEED, "fsdp_noise", s0, index, offset)
+                    torch.testing.assert_close(z, torch.normal(0.0, std, size=z.shape, generator=gen), rtol=0, atol=1e-6)
+            if z0.numel() and z0.shape == z1.shape:
+                assert not torch.equal(z0, z1)
+    z = torch.cat(draws)
+    assert z.numel() == STEPS * numel
+    assert abs(z.std().item() / std - 1) < 0.03 and abs(z.mean().item()) < 0.03 * std  # 25 160 draws: ±1% (1σ)
+
+    # ε equals a one-process run with the same global batch (per_device × 2, same accumulation)
+    import transformers
+
+    from hf_dp import DPTrainer
+    from helpers import dp_args, make_collator, make_pair_dataset, make_tokenizer
+
+    transformers.logging.set_verbosity_error()
+    tok = make_tokenizer(tmp_path / "tok_single")
+    ds = make_pair_dataset(tok, n=N)
+    args = dp_args(tmp_path / "single", optim="dp_adamw", learning_rate=1e-2, epsilon=8.0, accountant="rdp",
+                   per_device_train_batch_size=PER_DEVICE * 2, gradient_accumulation_steps=GA, max_steps=STEPS,
+                   logging_steps=100, trainable="all", clipping="ghost_two_pass")
+    single = DPTrainer(model=make_model(), args=args, train_dataset=ds, data_collator=make_collator(tok))
+    single.train()
+    assert single.privacy_spec.as_dict() == spec
+    assert single.ledger.accountant.history == r0["history"] == r1["history"]
+    assert single.get_epsilon() == r0["epsilon"] == r1["epsilon"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the privatizer on shards alone (no trainer), run by the FSDP launch's processes after training (saves a launch)
+# ------------------------------------------------------------------------------------------------------------------
+def shard_noise_checks() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from hf_dp.optim import make_optimizer
+    from hf_dp.privacy.privatizer import _local
+
+    mesh = init_device_mesh("cpu", (2,))
+    results = {}
+    for name, kw in {"secure": dict(secure_mode=True), "seeded": dict(noise_seed=5), "entropy": {}}.items():
+        full = torch.zeros(101, 3)  # 101 rows: uneven shards (51 + 50)
+        p = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+        opt = make_optimizer("dp_sgd", [p], lr=1.0, noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=1.0, **kw)
+        noise = []
+        for _ in range(40):
+            p.summed_grad = distribute_tensor(torch.zeros(101, 3), mesh, [Shard(0)])
+            opt.privatize()
+            noise.append(_local(p.grad).clone())
+        results[name] = torch.stack(noise)
+    # a parameter FSDP did not shard (replicated) is refused: its noise would be drawn on every rank
+    q = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]))
+    r = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Replicate()]))
+    opt = make_optimizer("dp_sgd", [q, r], lr=1.0, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=1.0)
+    q.summed_grad = distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])
+    r.summed_grad = distribute_tensor(torch.zeros(4, 2), mesh, [Replicate()])
+    try:
+        opt.privatize()
+        results["replicated"] = "accepted"
+    except RuntimeError as e:
+        results["replicated"] = str(e)
+    # the ranks' loss scales must agree (their gradients are summed before each undoes its own)
+    import torch.distributed as dist
+
+    from hf_dp import sharding
+
+    sharding.check_loss_scale_agrees(0.25)
+    try:
+        sharding.check_loss_scale_agrees(0.25 * (1 + dist.get_rank()))
+        results["scales"] = "accepted"
+    except RuntimeError as e:
+        results["scales"] = str(e)
+    return results
+
+
+def test_shard_noise_streams_secure_seeded_and_entropy(runs):
+    """Each rank's noise covers its own rows only, std σC per coordinate, independent across ranks and steps, with
+    --secure_rng (OS CSPRNG), --dp_seed and OS entropy alike; a parameter left unsharded is refused."""
+    r0, r1 = runs[1]["shard_noise"], runs[2]["shard_noise"]
+    std = 2.0 * 0.5  # σC; expected batch 1, so p.grad = summed + noise
+    for name in ("secure", "seeded", "entropy"):
+        a, b = r0[name], r1[name]
+        assert a.shape == (40, 51, 3) and b.shape == (40, 50, 3), name  # each rank: its own rows, nothing else
+        z = torch.cat([a.reshape(40, -1), b.reshape(40, -1)], dim=1)  # 40 steps × 303 coordinates
+        assert abs(z.std().item() / std - 1) < 0.04, (name, z.std().item())  # 12 120 draws: ±0.6% (1σ)
+        per_coordinate = z.std(dim=0)  # over steps: every coordinate is drawn, every step
+        assert (per_coordinate > 0.3 * std).all(), name
+        assert not torch.equal(a[:, :50], b[:, :50]) and not torch.equal(a[0], a[1]), name  # ranks, steps: fresh draws
+        c = torch.corrcoef(torch.stack([a[:, :50].reshape(-1), b.reshape(-1)]))[0, 1].abs().item()
+        assert c < 0.1, (name, c)
+    assert r0["replicated"].startswith("under FSDP every trainable parameter must be sharded")
+    assert r0["scales"] == r1["scales"] and r0["scales"].startswith("the ranks scaled their losses differently")
+
+
+def test_fsdp_lora_release_is_the_merged_plain_model(tmp_path):
+    """--trainable lora under FSDP: the adapters train on the shards (only they change), and the release is the plain
+    model with W + (α/r)·B·A merged from the gathered weights (hf_dp.sharding.plain_release), not an adapter folder."""
+    r0, _ = _run(tmp_path, "fsdp", "off", trainable="lora")
+    assert r0["names"] and all(".lora_" in n or ".modules_to_save." in n for n in r0["names"])  # adapters + head
+    from transformers import AutoModelForSequenceClassification
+
+    release = tmp_path / "release"
+    assert not (release / "adapter_config.json").exists() and (release / "privacy.json").is_file()
+    model = AutoModelForSequenceClassification.from_pretrained(release)
+    got, full, merged = dict(model.named_parameters()), r0["params"], 0
+    for name, p in got.items():
+        stem, leaf = ("base_model.model." + name).rsplit(".", 1)
+        if stem + ".lora_A.default.weight" in full:  # a LoRA-wrapped linear layer
+            expected = full[f"{stem}.base_layer.{leaf}"]
+            if leaf == "weight":
+                delta = full[stem + ".lora_B.default.weight"] @ full[stem + ".lora_A.default.weight"] * (16 / 8)  # α/r
+                assert delta.abs().max() > 0  # B trained away from 0
+                expected = expected + delta
+                merged += 1
+            torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-7)
+        else:  # untouched base weights, or the trained head (PEFT's modules_to_save copy)
+            key = stem + ".modules_to_save.default." + leaf
+            torch.testing.assert_close(p.detach(), full[key if key in full else stem + "." + leaf], rtol=0, atol=0)
+    assert merged >= 4
