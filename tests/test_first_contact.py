@@ -299,3 +299,19 @@ def test_pin_memory_only_with_an_accelerator_and_metrics_printed_once(glue, tiny
     assert out.count("eval_accuracy") == 1 and "***** eval metrics *****" not in out
     if not pin_memory_default():
         assert "pin_memory" not in err
+
+
+def test_the_quick_tiers_slow_list_names_tests_that_exist():
+    """README's quick tier (-m "not slow") deselects tests/conftest.py's SLOW_FILES and SLOW_TESTS: a renamed test or
+    file would silently move back into the quick tier, so every entry must name something that exists."""
+    import re
+    from pathlib import Path
+
+    from tests.conftest import SLOW_FILES, SLOW_TESTS
+
+    here = Path(__file__).parent
+    names = set()
+    for path in here.glob("test_*.py"):
+        names.update(re.findall(r"^def (test_\w+)", path.read_text(encoding="utf-8"), re.M))
+    assert all((here / f).is_file() for f in SLOW_FILES)
+    assert [s for s in SLOW_TESTS if not any(s in n for n in names)] == []
