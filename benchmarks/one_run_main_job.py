@@ -34,20 +34,10 @@ def install_break(variant: str) -> None:
     create = cls.create_optimizer
 
     def create_without_noise(self, model=None):
+        from hf_dp.audit_trainer import zero_noise
+
         out = create(self, model)
-        opt = self._dp_optimizer
-        if opt is not None and not getattr(opt, "_bench_zero_noise", False):
-            opt._bench_zero_noise = True
-            add_noise = opt.add_noise
-
-            def add_zero_noise():  # σ = 0 while the noise is drawn; the nominal σ stays everywhere else
-                sigma, opt.noise_multiplier = opt.noise_multiplier, 0.0
-                try:
-                    add_noise()
-                finally:
-                    opt.noise_multiplier = sigma
-
-            opt.add_noise = add_zero_noise
+        zero_noise(self._dp_optimizer)  # σ = 0 while the noise is drawn; the nominal σ stays everywhere else
         return out
 
     cls.create_optimizer = create_without_noise

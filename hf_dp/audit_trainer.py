@@ -276,6 +276,24 @@ def _stop_at(k: int):
     return StopAt()
 
 
+def zero_noise(opt) -> None:
+    """The audit's no_noise break: the privatizer ``opt`` adds N(0, (0·C)²); the ledger keeps the nominal σ, and so
+    does the optimizer between steps (DPTrainer checks it). Idempotent; ``None`` is left alone."""
+    if opt is None or getattr(opt, "_audit_zero_noise", False):
+        return
+    opt._audit_zero_noise = True
+    add_noise = opt.add_noise
+
+    def add_zero_noise():
+        sigma, opt.noise_multiplier = opt.noise_multiplier, 0.0
+        try:
+            add_noise()
+        finally:
+            opt.noise_multiplier = sigma
+
+    opt.add_noise = add_zero_noise
+
+
 def optimizer_flags(hyper: dict) -> dict:
     """An audit's optimizer hyper-parameters (without lr) as DPTrainingArguments flags: eps → adam_epsilon, gamma →
     bc_gamma, the rest through --optim_args. ``hyper`` is consumed."""
@@ -344,20 +362,7 @@ def _trainer(cfg, model, args, dataset, require_ghost: bool = True):
 
         def create_without_noise(model=None):
             out = create(model)
-            opt = tr._dp_optimizer  # the privatizer (HF may hand back Accelerate's wrapper of it)
-            if getattr(opt, "_audit_zero_noise", False):
-                return out
-            opt._audit_zero_noise = True
-            add_noise = opt.add_noise
-
-            def add_zero_noise():  # the privatizer adds N(0, (0·C)²); the ledger keeps the nominal σ, and so does the
-                sigma, opt.noise_multiplier = opt.noise_multiplier, 0.0  # optimizer between steps (DPTrainer checks it)
-                try:
-                    add_noise()
-                finally:
-                    opt.noise_multiplier = sigma
-
-            opt.add_noise = add_zero_noise
+            zero_noise(tr._dp_optimizer)  # the privatizer (HF may hand back Accelerate's wrapper of it)
             return out
 
         tr.create_optimizer = create_without_noise

@@ -56,7 +56,8 @@ auditor's null hypothesis, or a real unit, each sampled at that q: canaries are 
 guarantee is the reported ε. The reported N (``dataset_size``, the card's N) counts the m canaries; the record says so.
 With ``--privacy_unit_column`` each canary is its own unit (its unit column is empty). A run cannot be resumed (the
 draw is not stored, so a new process cannot rebuild the training set) and is audited after its one ``train()``.
-What is still visible: the frozen-prefix cache's progress bar counts the training rows (real + included).
+The frozen-prefix cache of the training set is built without its progress bar and log line (their row count would
+be real + included).
 
 White-box canaries (:func:`hf_dp.audit_one_run.white_box_run`) — the command line only: each canary owns one
 coordinate of the audit's bias-free linear "classifier" (:mod:`hf_dp.audit_trainer`'s ``CanaryModel``) and its

@@ -419,13 +419,22 @@ def test_audit_canaries_with_privacy_units_and_refusals(tmp_path):
         DPTrainer(model=lm, args=args, train_dataset=real.remove_columns(["user", "labels"]))
 
 
-def test_audit_canaries_with_the_frozen_prefix_cache(tmp_path):
-    """--cache_frozen_features: the canaries are cached with the training set, and scored through the cache."""
+def test_audit_canaries_with_the_frozen_prefix_cache(tmp_path, caplog):
+    """--cache_frozen_features: the canaries are cached with the training set, and scored through the cache; the
+    training cache's log line (and progress bar), whose row count is real + included, is not written (it was)."""
+    import logging
+
     real = _real_rows()
-    tr = _tiny_trainer(real, 2, tmp_path, trainable="last_block", cache_frozen_features=True)
-    assert len(tr.train_dataset) == TINY["n"] + tr._audit.included_rows
-    tr.train()
+    with caplog.at_level(logging.INFO, logger="hf_dp"):
+        tr = _tiny_trainer(real, 2, tmp_path, trainable="last_block", cache_frozen_features=True)
+        assert len(tr.train_dataset) == TINY["n"] + tr._audit.included_rows
+        tr.train()
     assert tr.audit_record["canaries"] == 100 and tr.audit_record["guesses"] >= 5
+    assert not [r for r in caplog.records if "prefix cache (train)" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_dp"):  # control: without canaries the line is there
+        _tiny_trainer(real, 2, tmp_path / "plain", trainable="last_block", cache_frozen_features=True, canaries=None).train()
+    assert [r for r in caplog.records if "prefix cache (train)" in r.getMessage()]
 
 
 def _broadcast_worker(rank, path):

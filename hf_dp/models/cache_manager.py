@@ -97,6 +97,8 @@ class PrefixCacheManager:
             dtype=getattr(torch, self.args.cache_frozen_features_dtype), cache_dir=self.args.cache_frozen_features_dir,
             keep_file=self.args.keep_frozen_features_cache, progress=not self.args.disable_tqdm, name=name,
             suffix_blocks=self.suffix_blocks,
+            # --audit_canaries: the training set's row count is real rows + the canaries a secret draw included
+            quiet=name == "train" and bool(getattr(self.args, "audit_canaries", None)),
         )
 
     def cache_all(self, train_dataset, eval_dataset):

@@ -329,6 +329,7 @@ def build_prefix_cache(
     progress: bool = False,
     name: str = "dataset",
     suffix_blocks: int = 1,
+    quiet: bool = False,
 ) -> CachedFeatures:
     """Run the frozen prefix of ``model`` once over ``dataset`` and cache the input of the last block
     (of ``blocks[-suffix_blocks]``).
@@ -355,6 +356,8 @@ def build_prefix_cache(
         progress: show a tqdm progress bar over the rows (the trainer passes ``not args.disable_tqdm``).
         name: what is cached (``train``, ``eval`` ...), for the bar and the log line.
         suffix_blocks: K: cache the input of ``blocks[-K]`` (1: the last block; ``--trainable last_k:K``).
+        quiet: no progress bar and no log line (their row count would be secret, e.g. under ``--audit_canaries``
+            the training set's rows are the real ones plus the canaries a secret draw included).
 
     Logs one INFO line when done: rows, seconds, rows/s, the cache's size and where it lives.  The size is the
     dataset's total token count times the hidden size: for a private training set a non-private statistic in the
@@ -425,7 +428,7 @@ def build_prefix_cache(
     handle = last.register_forward_pre_hook(capture, with_kwargs=True)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=n, desc=f"Caching the frozen prefix ({name})", unit=" rows", disable=not progress)
+    bar = tqdm(total=n, desc=f"Caching the frozen prefix ({name})", unit=" rows", disable=quiet or not progress)
     t0 = time.perf_counter()
     try:
         model.eval()
@@ -518,8 +521,9 @@ def build_prefix_cache(
                               file_backed=fobj is not None, suffix_blocks=suffix_blocks, prefix_signature=signature)
     seconds = time.perf_counter() - t0
     where = f"file-backed in {cache_dir}" if fobj is not None else "in memory"
-    logger.info("hf_dp prefix cache (%s): %s rows in %.1f s (%.0f rows/s), %s of %s states %s", name, f"{n:,}", seconds,
-                n / max(seconds, 1e-9), _size(features.nbytes), str(dtype).replace("torch.", ""), where)
+    if not quiet:
+        logger.info("hf_dp prefix cache (%s): %s rows in %.1f s (%.0f rows/s), %s of %s states %s", name, f"{n:,}", seconds,
+                    n / max(seconds, 1e-9), _size(features.nbytes), str(dtype).replace("torch.", ""), where)
     if fobj is not None and not keep_file and not unlinked:
         weakref.finalize(features, _remove_quietly, path)  # runs on garbage collection or at exit
         warnings.warn(f"could not unlink the open prefix cache file {path}; it is removed when the cache is released")
