@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import tempfile
 from typing import Any
 
@@ -494,6 +495,33 @@ def other_runs_checkpoints(output_dir: str, own_runs: set[str]) -> list[tuple[st
     return found
 
 
+def _choose_stream_tag(trainer, checkpoint: str, own_id: str | None, clean: bool, recorded: bool = True) -> None:
+    """The seeded streams' tag of a resumed run (``ledger.meta["stream_tag"]``; :mod:`hf_dp.privacy.randomness`).
+
+    Under ``--dp_seed`` the noise and the Poisson draws are keyed by the ledger step. A **clean continuation** —
+    nothing computed past ``checkpoint`` by any run (``clean``: no step counted past it) and no other resume of it
+    recorded — keeps the checkpoint's tag, so it draws what its run would have drawn. Any other resume starts a branch
+    of its own: tagged with its run id and start step, never another run's, so two resumes from checkpoints of one run
+    (e.g. checkpoint-2 after its run took 2 more steps, and checkpoint-4) never draw the same noise or batches at the
+    same ledger step (identical noise in two released models would cancel in their difference). This run's own resume
+    record is written before the check, so of two concurrent resumes at least the later one sees the other; a resume
+    whose record could not be written into ``checkpoint`` (``recorded`` False: a read-only folder) is invisible to the
+    next one, so it is never a clean continuation either."""
+    ledger = trainer.ledger
+    if clean:
+        clean = recorded and not [r for r in read_resume_records(checkpoint) if r["run_id"] != own_id]
+    import torch.distributed as dist
+
+    if trainer.args.world_size > 1 and dist.is_available() and dist.is_initialized():
+        import torch  # every rank keys its streams alike (only rank 0 may see the records)
+
+        t = torch.tensor([1 if clean else 0], dtype=torch.long, device=trainer.args.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        clean = bool(t.item())
+    if not clean:
+        ledger.meta["stream_tag"] = f"{own_id if own_id is not None else secrets.token_hex(8)}@{ledger.steps}"
+
+
 def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
     """After ``DPTrainer`` loaded ``checkpoint``'s optimizer state (and with it the ledger): refuse a
     checkpoint whose ledger does not match its marker or whose training data differ, put back into the
@@ -561,15 +589,18 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
         counted_past_parent={"parent_run_steps": past, "other_resumes": forks},
     )
     trainer._hf_dp_resume_start = taken  # this run's steps past its resume: its ledger minus this (lineage.record_spent)
+    own_record_written = not trainer.args.should_save  # the saving process writes the records (the others: its view counts)
     if trainer.args.should_save and own_id is not None:
         record = {"run_id": own_id, "output_dir": os.path.abspath(trainer.args.output_dir), "start_steps": taken,
                   "steps": taken, "parent": meta["parent"]}
         unwritable = [a["checkpoint"] for a in ancestry if os.path.isdir(a["checkpoint"]) and not write_resume_record(a["checkpoint"], record)]
+        own_record_written = os.path.abspath(checkpoint) not in unwritable
         if unwritable:
             logger.warning(
                 "hf_dp: could not record this resume in %s (not writable): a later resume from it will not count the "
                 "steps of this run", ", ".join(unwritable),
             )
+    _choose_stream_tag(trainer, checkpoint, own_id, clean=past == 0 and taken == steps, recorded=own_record_written)
     opt = trainer._dp_optimizer
     if opt is not None and opt.max_epsilon is not None and opt._would_exceed_budget():
         raise ValueError(

@@ -349,7 +349,7 @@ FLAGS: dict[str, tuple[Rule, ...]] = {
     "ddp_timeout": (Rule(SAFE, "process-group timeout"),),
     "fsdp": (Rule(ADJUSTED, "FSDP2 (fully_shard, through Accelerate; also on CPU/gloo) with two-pass ghost clipping: per-example norms "
                             "on each rank, the clipped sums reduce-scattered and summed (not averaged) by FSDP, the noise added once "
-                            "per coordinate on each rank's own shard; other engines, --bf16/--fp16, checkpoints, DP-SGD-L2/DP-MacAdam, "
+                            "per coordinate on each rank's own shard, checkpoints sharded with the ledger; other engines, --bf16/--fp16, DP-SGD-L2/DP-MacAdam, "
                             "--cache_frozen_features, FSDP1, CPU offload and tied trainable weights are refused (docs/fsdp.md)",
                   "set", _true("fsdp")),
              Rule(SAFE, "unset (default)")),

@@ -353,6 +353,11 @@ def before_train(trainer, resume_from_checkpoint) -> None:
             _refuse_selected(model, None, str(getattr(trainer.args, "prior_privacy", None) or "auto"))
             _take(trainer, _carried(model), None, str(getattr(trainer.args, "prior_privacy", None) or "auto"))
         _check_prior_budget(trainer)
+        if ledger.steps > 0:
+            # a continuation that is not a resume (a second train(), or a new trainer on a model that carries this
+            # ledger) starts at a ledger step that a clean resume of one of the run's checkpoints may also start at:
+            # under --dp_seed its streams get a tag of their own, so the two never draw the same batches or noise
+            ledger.meta["stream_tag"] = f"{trainer.run_id}@{ledger.steps}"
     attach(trainer)
 
 

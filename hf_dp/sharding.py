@@ -12,13 +12,28 @@ What a DP run under FSDP2 (``fully_shard`` through Accelerate, as plain ``Traine
   gradient accumulation) and **summed, not averaged** (gradient divide factor 1), so each rank ends with its shard
   of Σ_ranks Σ_i c_i ∇ℓ_i — no raw gradient is ever reduced.
 * **noise**: :meth:`hf_dp.privacy.privatizer.PrivateOptimizer.add_noise` adds N(0, σ²C²) on each rank's own shard
-  only, from a stream keyed by (seed, ledger step, parameter, shard offset) — every coordinate gets exactly one
-  draw per step — and nothing is all-reduced.
+  only, from a stream keyed by (seed, the resume's stream tag if any, ledger step, parameter, shard offset) — every
+  coordinate gets exactly one draw per step — and nothing is all-reduced.
 * **precision**: float32 only (``--bf16``/``--fp16`` refused): pass 2 would otherwise sum the clipped per-example
   gradients across examples in the reduced precision, and FSDP would reduce-scatter them in it.
 * **saving**: the release is the full model gathered from the shards (``get_model_state_dict(full_state_dict=True)``)
   written by rank 0 with ``save_pretrained`` — a plain ``PreTrainedModel`` folder with its card and privacy.json; a
   LoRA model is rebuilt on rank 0 from the gathered weights and merged (:func:`plain_release`).
+* **checkpoints** (``--save_strategy steps/epoch``): the model through Accelerate's own ``save_fsdp_model``, as HF's
+  ``Trainer`` writes it under FSDP (each rank's shards with ``fsdp_config`` ``state_dict_type: SHARDED_STATE_DICT``;
+  gathered by rank 0 with HF's default ``FULL_STATE_DICT``; HF's ``_load_from_checkpoint`` loads it on resume), the DP
+  optimizer's state — the update rule's sharded state and the privacy ledger — always sharded, with
+  ``torch.distributed.checkpoint`` into :data:`OPTIMIZER_DIR` (:func:`save_checkpoint_state` /
+  :func:`load_checkpoint_state`; Accelerate's ``save_fsdp_optimizer``/``load_fsdp_optimizer`` cannot be used: they
+  read torch's optimizer state format, which the privatizer's is not, and before loading they initialise an empty
+  optimizer by *stepping* it on zero gradients, which on the privatizer would be a noisy step). The completion marker
+  is written by rank 0 after every rank has written its shards (``DPTrainer._save_checkpoint``) and records the
+  number of processes; such a checkpoint resumes under FSDP with that many processes only (:func:`check_resume`).
+  ``torch.distributed.checkpoint`` reads ``.metadata`` with plain ``pickle.load`` and non-tensor entries with
+  ``torch.load(weights_only=False)``; before any load every ``.metadata`` of the checkpoint (and every rank-local
+  ``__<rank>.metadata``, DCP's fallback) is read with an unpickler restricted to DCP's metadata classes (symlinked folders
+  refused), a model's sharded state must hold tensors only, and the DP optimizer's
+  non-tensor entries are read with ``weights_only=True`` — a crafted checkpoint is refused, no code runs.
 
 **CPU / gloo.** Accelerate drops an FSDP plugin when the processes run on CPU (``DistributedType.MULTI_CPU``), so plain
 ``Trainer`` with ``--fsdp`` on CPU silently trains with DDP (checked with transformers 5.24 / accelerate 1.15).
@@ -30,18 +45,21 @@ its environment) and marks the state FSDP (in ``PartialState``'s shared state to
 Refused under DP in one sentence at construction (:func:`check_args`, :func:`check_model`): FSDP1; engines other
 than ``ghost_two_pass`` (``--clipping auto`` chooses it); ``--bf16``/``--fp16``; ``--cache_frozen_features``;
 update rules with a per-sample affine map (DP-SGD-L2, DP-MacAdam); CPU offload and activation
-checkpointing; trainable parameters shared between modules (tied embeddings). DeepSpeed stays refused
-(:func:`hf_dp.training_data.refuse_sharding`).
+checkpointing; trainable parameters shared between modules (tied embeddings). At ``train(resume_from_checkpoint=...)``:
+a checkpoint written under FSDP resumed without it or with another number of processes, and one written without
+FSDP resumed under it (:func:`check_resume`). DeepSpeed stays refused (:func:`hf_dp.training_data.refuse_sharding`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
 __all__ = ["fsdp_requested", "check_args", "check_model", "check_processes", "enable_on_cpu", "is_fsdp_model", "prepare_micro_batch",
-           "check_loss_scale_agrees", "full_state_dict", "plain_release"]
+           "check_loss_scale_agrees", "full_state_dict", "plain_release", "OPTIMIZER_DIR", "save_checkpoint_state",
+           "load_checkpoint_state", "check_resume"]
 
 
 def _env_true(name: str) -> bool:
@@ -99,9 +117,6 @@ def check_args(args) -> None:
             f"--optim {args.optim} is not supported under FSDP: its per-sample affine map needs every layer's full "
             "offset and scale in the per-example norms of pass 1; use dp_sgd, dp_adam, dp_adamw or a BC rule"
         )
-    if str(getattr(getattr(args, "save_strategy", "no"), "value", getattr(args, "save_strategy", "no"))) != "no":
-        raise ValueError("checkpoints are not supported with DP under FSDP yet (the sharded optimizer state and the "
-                         "ledger are not saved together); use --save_strategy no: the final release is still saved")
     if plugin.get("cpu_offload"):
         raise ValueError("FSDP CPU offload is not supported with DP (untested with the sharded noise); drop cpu_offload")
     if plugin.get("activation_checkpointing") or getattr(args, "gradient_checkpointing", False):
@@ -222,3 +237,200 @@ def full_state_dict(model) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# sharded checkpoints (--save_strategy steps/epoch under FSDP)
+# ------------------------------------------------------------------------------------------------------------------
+#: the folder of a checkpoint that holds the DP optimizer's state under FSDP (``torch.distributed.checkpoint``): the
+#: update rule's state, sharded as its parameters, and the privatizer's own part (the privacy ledger, the sampler's N
+#: and q, the steps taken: ``PrivateOptimizer.state_dict()["hf_dp"]``, no seed and no generator state)
+OPTIMIZER_DIR = "hf_dp_optimizer_fsdp"
+
+
+def save_checkpoint_state(trainer, output_dir: str) -> None:
+    """In place of HF's ``_save_optimizer_and_scheduler`` under DP with FSDP (every rank calls it): the model with
+    Accelerate's ``save_fsdp_model`` (as HF writes it: sharded or gathered by ``state_dict_type``), the DP optimizer's state into :data:`OPTIMIZER_DIR` with
+    ``torch.distributed.checkpoint`` (each rank its own shards), the scheduler by the saving process."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from accelerate.utils import save_fsdp_model
+    from transformers.distributed.fsdp import get_fsdp_ckpt_kwargs
+    from transformers.trainer import SCHEDULER_NAME
+
+    save_fsdp_model(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.model, output_dir,
+                    **get_fsdp_ckpt_kwargs())
+    state = trainer._dp_optimizer.state_dict()
+    extras = io.BytesIO()
+    torch.save(state["hf_dp"], extras)  # one opaque leaf: loaded with weights_only=True, as optimizer.pt is
+    dcp.save({"optimizer": state["rule"], "hf_dp": extras.getvalue()},
+             storage_writer=dcp.FileSystemWriter(os.path.join(output_dir, OPTIMIZER_DIR)))
+    if trainer.args.should_save:
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+
+def load_checkpoint_state(trainer, checkpoint: str) -> None:
+    """In place of HF's optimizer and scheduler load under DP with FSDP (every rank calls it, after HF loaded the
+    model's shards): the DP optimizer's state from :data:`OPTIMIZER_DIR` into ``PrivateOptimizer.load_state_dict`` —
+    the path of ``optimizer.pt`` without FSDP (the ledger and the sampler's N and q checked, the rule's state
+    restored) — and the scheduler. The state to load into is built from the checkpoint's own metadata (as torch's
+    ``_EmptyStateDictLoadPlanner`` does), each tensor shaped like its parameter sharded as that parameter: the
+    optimizer is never stepped to create it."""
+    import io
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element  # as torch's _EmptyStateDictLoadPlanner rebuilds
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from transformers.trainer import SCHEDULER_NAME
+
+    path = os.path.join(checkpoint, OPTIMIZER_DIR)
+    _check_dcp_metadata(os.path.join(path, ".metadata"), checkpoint, tensors_only=False)  # before torch unpickles it
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    private = trainer._dp_optimizer
+    params = [p for group in private.rule.param_groups for p in group["params"]]
+    template: dict = {}
+    for key, md in metadata.state_dict_metadata.items():
+        # the saved object's path: dict keys as str, list positions as int, e.g. ("optimizer", "state", "3", "exp_avg")
+        where = tuple(metadata.planner_data[key])
+        value = None  # a non-tensor leaf: replaced by the saved object
+        if isinstance(md, TensorStorageMetadata):
+            p = None
+            if len(where) == 4 and where[:2] == ("optimizer", "state") and str(where[2]).isdigit() and int(where[2]) < len(params):
+                p = params[int(where[2])]
+            if p is not None and tuple(md.size) == tuple(p.shape):
+                value = torch.zeros_like(p, dtype=md.properties.dtype)  # sharded as its parameter: each rank its shard
+            else:
+                value = torch.empty(md.size, dtype=md.properties.dtype)
+        set_element(template, where, value)
+    if "hf_dp" not in template or not isinstance(template.get("optimizer"), dict):
+        raise ValueError(f"refusing to resume from {checkpoint}: {OPTIMIZER_DIR} is not an hf_dp optimizer state")
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: every rank's failures)
+
+    try:
+        dcp.load(template, storage_reader=dcp.FileSystemReader(path), planner=_weights_only_load_planner())
+    except (CheckpointException, pickle.UnpicklingError) as e:
+        if "Weights only load failed" in str(e):
+            raise ValueError(f"refusing to resume from {checkpoint}: {OPTIMIZER_DIR} holds an object other than tensors "
+                             "and plain values (it is read with weights_only=True)") from None
+        raise
+    rule_state = template["optimizer"]
+    rule_state["state"] = {int(k): v for k, v in (rule_state.get("state") or {}).items()}  # torch's ids (DCP's keys are str)
+    extras = torch.load(io.BytesIO(template["hf_dp"]), weights_only=True)
+    private.load_state_dict({"rule": rule_state, "hf_dp": extras})
+    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+
+#: what a ``torch.distributed.checkpoint`` ``.metadata`` file is built of (torch 2.x; plus torch's dtypes): it is a
+#: pickle, which torch reads with plain ``pickle.load`` — any other global in it could run code at resume
+_DCP_METADATA_GLOBALS = frozenset(
+    {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
+        "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")}
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+       ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+       ("collections", "OrderedDict")}
+)
+
+
+def _check_dcp_metadata(path: str, checkpoint: str, tensors_only: bool) -> None:
+    """Read a DCP ``.metadata`` pickle allowing only :data:`_DCP_METADATA_GLOBALS` (Python's documented way of
+    restricting an unpickler) before torch reads it with plain ``pickle.load``; ``tensors_only``: refuse non-tensor
+    entries (DCP loads those with ``torch.load(weights_only=False)``)."""
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in _DCP_METADATA_GLOBALS or (
+                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name}")
+
+    rel = os.path.relpath(path, checkpoint)
+    try:
+        with open(path, "rb") as f:
+            metadata = Restricted(f).load()
+    except Exception as e:  # noqa: BLE001 - any failure: not a plain DCP metadata file
+        raise ValueError(f"refusing to resume from {checkpoint}: {rel} is not a plain torch.distributed.checkpoint "
+                         f"metadata file ({type(e).__name__}: {str(e)[:80]}), and it is read with pickle") from None
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict) or (tensors_only and any(isinstance(m, BytesStorageMetadata) for m in entries.values())):
+        raise ValueError(f"refusing to resume from {checkpoint}: {rel} is not a model's sharded state (tensors only); "
+                         "torch would unpickle its other entries with weights_only=False")
+
+
+#: the files ``torch.distributed.checkpoint`` unpickles as a folder's metadata: ``.metadata``, and, when that is missing
+#: or unreadable, the rank-local ``__<rank>.metadata`` (``dcp.load`` falls back to it, also with plain ``pickle.load``)
+_DCP_METADATA_NAME = re.compile(r"^(__\d+)?\.metadata$")
+
+
+def _check_dcp_files(checkpoint: str) -> None:
+    """Every DCP metadata file of ``checkpoint`` checked (:func:`_check_dcp_metadata`): the privatizer's state may hold
+    non-tensor entries (read with :class:`_WeightsOnlyLoadPlanner`), a model's sharded state (HF's load) tensors only.
+    The rank-local ``__<rank>.metadata`` files too (DCP's fallback when ``.metadata`` is missing or unreadable); a
+    metadata name that is not a regular file, and a symlinked folder (which the walk would not enter, while
+    Accelerate's load follows it), are refused."""
+    for root, dirs, files in os.walk(checkpoint):
+        own = os.path.abspath(root) == os.path.abspath(os.path.join(checkpoint, OPTIMIZER_DIR))
+        for name in dirs:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, checkpoint)
+            if os.path.islink(path):
+                raise ValueError(f"refusing to resume from {checkpoint}: {rel} is a symbolic link to a folder (a "
+                                 "checkpoint hf_dp writes has none; its files would be loaded unchecked)")
+            if _DCP_METADATA_NAME.match(name):
+                raise ValueError(f"refusing to resume from {checkpoint}: {rel} is a folder, not a "
+                                 "torch.distributed.checkpoint metadata file")
+        for name in files:
+            if _DCP_METADATA_NAME.match(name):
+                _check_dcp_metadata(os.path.join(root, name), checkpoint, tensors_only=not own)
+
+
+def _weights_only_load_planner():
+    """DCP's default load planner, except that its non-tensor entries are read with ``torch.load(weights_only=True)``
+    (torch's own reads them with ``weights_only=False``)."""
+    import io
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # DefaultLoadPlanner's, with weights_only=True
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _WeightsOnlyLoadPlanner()
+
+
+def check_resume(checkpoint: str, marker: dict | None, fsdp: bool, world_size: int) -> None:
+    """Before resuming under DP (one ``ValueError`` sentence): a checkpoint written under FSDP resumes only under FSDP
+    with the number of processes that wrote it (its shards, and the ranks' noise streams, are laid out for that
+    number; resharding is untested), and only if it holds the DP optimizer's state; one written without FSDP does not
+    resume under FSDP (HF's FSDP load reads sharded checkpoints only)."""
+    written = (marker or {}).get("fsdp")
+    world_size = max(1, int(world_size))
+    if written:
+        w = int(written.get("world_size") or 0)
+        if not fsdp or w != world_size:
+            now = f"{world_size} process{'es' if world_size > 1 else ''}" + (" under --fsdp" if fsdp else " without --fsdp")
+            raise ValueError(
+                f"refusing to resume from {checkpoint}: it was written under FSDP by {w} processes (a sharded model and "
+                f"optimizer state), not with {now}; resume it with --fsdp and {w} processes"
+            )
+        if not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_DIR, ".metadata")):
+            raise ValueError(
+                f"refusing to resume from {checkpoint}: it holds no sharded DP optimizer state ({OPTIMIZER_DIR}), so no "
+                "privacy ledger (it was written with --save_only_model or without DP); resume from a checkpoint that has it"
+            )
+        _check_dcp_files(checkpoint)  # before HF's and hf_dp's loads unpickle them
+    elif fsdp:
+        raise ValueError(
+            f"refusing to resume from {checkpoint} under --fsdp: it was written without FSDP (a full model and "
+            "optimizer.pt); resume it without --fsdp, with the processes that wrote it"
+        )

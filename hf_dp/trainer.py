@@ -41,6 +41,8 @@ interrupted run took past the checkpoint it resumes from.
 ``_save_checkpoint`` writes the completion marker ``hf_dp_checkpoint.json`` after HF's files and
 before old checkpoints are rotated; ``train(resume_from_checkpoint=True|path)`` only resumes from a
 complete checkpoint, and ε counts every noisy step ever taken (see :mod:`hf_dp.checkpointing`).
+Under FSDP2 a checkpoint is sharded (the model's shards as HF writes them, the privatizer's state with the ledger by
+``torch.distributed.checkpoint``; :mod:`hf_dp.sharding`) and resumes under FSDP with as many processes.
 """
 
 from __future__ import annotations
@@ -102,10 +104,15 @@ HF_PRIVATE_OVERRIDES = {
     # method: why no public hook serves
     "_save_checkpoint": "the completion marker must be written after HF's files and before old checkpoints are "
     "rotated; HF rotates inside _save_checkpoint, and on_save (the first public hook) runs after the rotation",
+    "_save_optimizer_and_scheduler": "under DP with FSDP the privatizer's state (the sharded rule state and the ledger) "
+    "is written with torch.distributed.checkpoint (hf_dp.sharding.save_checkpoint_state): Accelerate's "
+    "save_fsdp_optimizer, which HF calls there, reads torch's optimizer state format only; elsewhere HF's own",
     "_load_optimizer_and_scheduler": "the ledger that optimizer.pt just restored must be checked (marker, data "
     "fingerprint, budget) and topped up with steps taken past the checkpoint before training resumes, and the "
     "frozen-prefix caches checked against the weights HF has just loaded; "
-    "on_train_begin runs later and gets neither the checkpoint nor the ledger as it was before the load",
+    "on_train_begin runs later and gets neither the checkpoint nor the ledger as it was before the load; under DP "
+    "with FSDP the privatizer's sharded state is loaded there (hf_dp.sharding.load_checkpoint_state: Accelerate's "
+    "load_fsdp_optimizer would step the empty optimizer on zero gradients first)",
     "_get_train_sampler": "under DP the Poisson sampler replaces HF's, so HF's is not built (its group_by_length "
     "sampler would read every row's input_ids, which a prefix cache does not have); without DP a prefix cache's own "
     "lengths go to HF's LengthGroupedSampler",
@@ -237,11 +244,16 @@ class DPTrainer(Trainer):
 
     def _check_not_train(self, dataset) -> None:
         """Under DP, at every evaluate() / predict(): the data evaluated is not (and does not overlap) the training
-        set, whatever was passed at construction."""
-        if not self.args.dp_enabled:
-            return
+        set, whatever was passed at construction, nor the held-out private set a private selection scored its trials
+        on (:func:`hf_dp.selection.refuse_evaluating_the_score_set`)."""
         if isinstance(dataset, str) and isinstance(self.eval_dataset, dict):
             dataset = self.eval_dataset.get(dataset)
+        if getattr(self, "private_score_sets", None):
+            from hf_dp.selection import refuse_evaluating_the_score_set
+
+            refuse_evaluating_the_score_set(self, dataset)
+        if not self.args.dp_enabled:
+            return
         for train in {id(x): x for x in (self._fingerprint_source, self.train_dataset) if x is not None}.values():
             _check_eval_is_not_train(dataset, train)
 
@@ -302,12 +314,14 @@ class DPTrainer(Trainer):
             n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
             rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: self.ledger.steps,
             units=self._unit_rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=self._audit is not None,
+            stream_tag=lambda: self.ledger.meta.get("stream_tag"),
         )
         self._lengths_of = None
         self._set_sampler_lengths()  # refused here, before any step, if the lengths are unknown
         self._dp_noise_seed = args.dp_seed
-        #: the run's lineage: a random id (no randomness is derived from it) written with every record of steps taken;
-        #: a resumed trainer takes its checkpoint's, so that the steps of the same run are counted across resumes
+        #: the run's lineage: a random public id written with every record of steps taken (a resume is a new run, its
+        #: parent the checkpoint's run); under --dp_seed, a resume that is not a clean continuation keys its seeded
+        #: streams with it (ledger.meta["stream_tag"], hf_dp.checkpointing.reconcile_resumed_ledger)
         self.run_id = secrets.token_hex(8)
         self._dp_optimizer: PrivateOptimizer | None = None
         self._loss_scale: float | None = None
@@ -586,13 +600,16 @@ class DPTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: float = 20, direction="minimize",
                               backend=None, hp_name=None, *, model_init=None, distribution="geometric", eta=None,
-                              score_data=None, **kwargs):
+                              score_data=None, score_dataset=None, score_noise_multiplier=None, example_score=None,
+                              **kwargs):
         """Under DP: private selection (``backend="dp_random_stopping"``, :mod:`hf_dp.selection`): the best of K
         fresh DP runs, K random with mean ``n_trials`` (``distribution``: geometric, logarithmic, negative_binomial
         with ``eta``, poisson), each with a configuration drawn from ``hp_space`` (a dict ``{flag: [choices]}`` or HF's
         function ``trial -> dict``) and a model from ``model_init``, scored by ``compute_objective(evaluate())`` on an
-        eval set declared public (``score_data="public"``); each trial's σ is calibrated so that the selection's
-        total ε meets ``--epsilon``. Afterwards this trainer holds the best trial's model, and ``get_epsilon()`` and
+        eval set declared public (``score_data="public"``) or by a DP score on held-out private data
+        (``score_data="private"``: ``score_dataset``, ``example_score``, ``score_noise_multiplier``; its cost is in the
+        total); each trial's σ is calibrated so that the selection's total ε meets ``--epsilon``. Afterwards this
+        trainer holds the best trial's model, and ``get_epsilon()`` and
         ``privacy.json`` report the total. Without DP: HF's own search."""
         if not self.args.dp_enabled:
             return super().hyperparameter_search(hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
@@ -602,7 +619,9 @@ class DPTrainer(Trainer):
             raise ValueError(f"hyperparameter_search under DP takes no backend options ({', '.join(sorted(kwargs))})")
         return selection.run_search(self, hp_space=hp_space, compute_objective=compute_objective, n_trials=n_trials,
                                     direction=direction, backend=backend, model_init=model_init,
-                                    distribution=distribution, eta=eta, score_data=score_data, hp_name=hp_name)
+                                    distribution=distribution, eta=eta, score_data=score_data, hp_name=hp_name,
+                                    score_dataset=score_dataset, score_noise_multiplier=score_noise_multiplier,
+                                    example_score=example_score)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if getattr(self, "hyperparameter_selection", None) is not None:
@@ -611,6 +630,9 @@ class DPTrainer(Trainer):
             refuse_train_after_selection(self)
         # only complete checkpoints (with hf_dp's marker) are resumed from; see hf_dp.checkpointing
         resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if self.args.dp_enabled and resume_from_checkpoint is not None:  # FSDP's sharded checkpoints (hf_dp.sharding)
+            sharding.check_resume(resume_from_checkpoint, checkpointing.read_marker(resume_from_checkpoint),
+                                  getattr(self, "_fsdp", False), self.args.world_size)
         self.resumed_from = resume_from_checkpoint
         one_run_audit.before_train(self, resume_from_checkpoint)  # --audit_canaries: no resume, one train()
         if self.args.dp_enabled and self._dp_optimizer is not None:
@@ -667,7 +689,10 @@ class DPTrainer(Trainer):
         if checkpoint is not None and self._prefix_cache:
             evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
             self.prefix_cache.check_after_resume([("train", self.train_dataset)] + [("eval", v) for v in evals], checkpoint)
-        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.args.dp_enabled and getattr(self, "_fsdp", False):
+            sharding.load_checkpoint_state(self, checkpoint)  # the privatizer's sharded state, the ledger, the scheduler
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
         if self.args.dp_enabled:
             lineage.after_optimizer_load(self, checkpoint)
         if checkpoint is not None and self.args.dp_enabled:
@@ -688,12 +713,14 @@ class DPTrainer(Trainer):
             checkpointing.remove_marker(folder)
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
+        self._saving_checkpoint = True  # save_model writes a checkpoint's model, not a release (not the folder's name)
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+            self._saving_checkpoint = False
         if self.args.world_size > 1:
-            self.accelerator.wait_for_everyone()  # every rank's files (rng_state_i.pth) are written
+            self.accelerator.wait_for_everyone()  # every rank's files (rng_state_i.pth; FSDP: its shards) are written
         if self.args.should_save:
             checkpointing.write_marker(folder, self._checkpoint_info())
             rotate_checkpoints(
@@ -703,8 +730,16 @@ class DPTrainer(Trainer):
                 use_mtime=True,
             )
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:  # private HF API: see HF_PRIVATE_OVERRIDES
+        if self.args.dp_enabled and getattr(self, "_fsdp", False):
+            sharding.save_checkpoint_state(self, output_dir)  # the model's and the privatizer's shards, the scheduler
+        else:
+            super()._save_optimizer_and_scheduler(output_dir)
+
     def _checkpoint_info(self) -> dict:
         info = {"hf_dp_version": __version__, "global_step": self.state.global_step, "differential_privacy": self.args.dp_enabled}
+        if getattr(self, "is_fsdp_enabled", False):  # sharded: resumed under FSDP with as many processes (hf_dp.sharding)
+            info["fsdp"] = {"world_size": self.args.world_size}
         if self.args.dp_enabled:
             info.update(
                 ledger_steps=self.ledger.steps, epsilon=self.get_epsilon(), privacy_spec=self.privacy_spec.as_dict(),
@@ -714,9 +749,19 @@ class DPTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         output_dir = output_dir or self.args.output_dir
-        is_checkpoint = os.path.basename(os.path.normpath(output_dir)).startswith("checkpoint-")
+        # a checkpoint iff called from _save_checkpoint (a release folder may be named "checkpoint-…" too)
+        is_checkpoint = getattr(self, "_saving_checkpoint", False)
         self._record_spent()  # on record (and in the model's config.json: hf_dp.lineage) before the model is written
-        if getattr(self, "_fsdp", False) and sharding.is_fsdp_model(self.model):
+        if getattr(self, "_fsdp", False) and sharding.is_fsdp_model(self.model) and is_checkpoint and not self.args.save_only_model:
+            # FSDP2, a checkpoint: the model stays sharded (its shards are written with the optimizer's, by
+            # _save_optimizer_and_scheduler: hf_dp.sharding.save_checkpoint_state); rank 0 writes its config
+            if self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
+                self.model.config.save_pretrained(output_dir)
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        elif getattr(self, "_fsdp", False) and sharding.is_fsdp_model(self.model):
             # FSDP2: the full model gathered from the shards (every rank takes part), written by rank 0 as a plain
             # save_pretrained folder (HF's own FSDP save path reads the Accelerate state, see hf_dp.sharding)
             state_dict = sharding.full_state_dict(self.model)

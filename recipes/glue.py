@@ -39,7 +39,7 @@ from recipes.common.early import check_model_loadable, check_resume_settings, re
 from recipes.common.run import apply_plan, check_privacy_settings, push_folder, resume_argument, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.common.run import write_predictions  # noqa: E402
-from recipes.common.tune import TuneArguments, check_tune, run_tune  # noqa: E402
+from recipes.common.tune import HOLDOUT, TuneArguments, carve_holdout, check_tune, check_tune_score, run_tune  # noqa: E402
 from recipes.glue_support import (  # noqa: E402
     GLUE_TASKS,
     DataLoadingError,
@@ -243,6 +243,11 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     glue_dev = bool(data_args.task_name) and not data_args.validation_file and not data_args.dataset_name
     tune_space = check_tune(data_args, training_args, resume, public_dev=glue_dev)
     info = label_info(raw, data_args.task_name)
+    check_tune_score(data_args, is_regression=info.is_regression)
+    carved = carve_holdout(raw, data_args, training_args, data_args.max_train_samples)  # --tune_score private
+    if carved is not None:
+        n_train = carved
+        check_privacy_settings(training_args, n_train)
     model, tokenizer, model_path = load_model_and_tokenizer(model_args, data_args, info)
     planned = _apply_plan(training_args, model, n_train)
     if planned:
@@ -255,6 +260,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         max_eval_samples=data_args.max_eval_samples, max_predict_samples=data_args.max_predict_samples,
         overwrite_cache=data_args.overwrite_cache,
     )
+    holdout = tokenized.pop(HOLDOUT, None)  # --tune_score private: the held-out training rows, scored privately
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(tokenizer)
     compute_metrics = build_compute_metrics(data_args.task_name, is_regression=info.is_regression)
 
@@ -277,7 +283,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     report: dict[str, Any] = {}
     if training_args.do_train and tune_space is not None:  # the best of K private runs (recipes/common/tune.py)
         best = run_tune(trainer, data_args, tune_space, metric=main_metric_name(data_args.task_name, info.is_regression),
-                        model_init=lambda: load_model_and_tokenizer(model_args, data_args, info)[0])
+                        model_init=lambda: load_model_and_tokenizer(model_args, data_args, info)[0], holdout=holdout)
         print(f"private selection: kept {best.hyperparameters}", flush=True)
         report = trainer.privacy_report()
     elif training_args.do_train:

@@ -16,8 +16,8 @@ def single_thread():
 # The quick tier (`pytest -m "not slow"`, README): the integration tests that start processes (gloo, torchrun,
 # accelerate, the recipes' subprocesses), run the benchmarks' smoke runs or train reference runs are marked `slow`
 # here, by file or by test name (the slowest of the full suite, `pytest --durations=60`); CI runs everything.
-SLOW_FILES = ("test_fsdp.py", "test_distributed.py", "test_distributed_units.py", "test_benchmark_smoke.py",
-              "test_faults.py", "test_accounting_crosscheck.py")
+SLOW_FILES = ("test_fsdp.py", "test_fsdp_checkpoint.py", "test_distributed.py", "test_distributed_units.py", "test_benchmark_smoke.py",
+              "test_faults.py", "test_accounting_crosscheck.py", "test_fsdp_resume_release.py")
 SLOW_TESTS = (
     "test_trainer_path_replay_resume_is_a_violation", "test_trainer_path_replay_train_is_a_violation",
     "test_bound_holds_and_is_close_on_the_gaussian_mechanism", "under_fsdp2_with_two_processes",
@@ -26,7 +26,7 @@ SLOW_TESTS = (
     "test_ranks_holding_other_data_orders_or_settings_are_refused", "test_sigma_is_the_accountants_and_meets_the_target",
     "test_offline_hub_message_exit_code_2_no_traceback", "test_qnli_help_says_its_own_usage",
     "test_target_epsilon_stops_a_resumed_run_instead_of_exceeding_it", "test_ddp_ranks_train_on_rank_0s_draw",
-    "test_cli_module_runs",
+    "test_cli_module_runs", "test_the_recipe_scores_privately_on_a_random_holdout",
 )
 
 

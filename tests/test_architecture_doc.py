@@ -87,7 +87,8 @@ MAY_IMPORT = [
     ("hf_dp.hub.*", ANYWHERE, ["hf_dp.hub.*", "hf_dp", "hf_dp.privacy.randomness"]),
     ("hf_dp.checkpointing", ANYWHERE, ["hf_dp.privacy.accounting"]),
     ("hf_dp.lineage", ANYWHERE, ["hf_dp.checkpointing", "hf_dp.privacy.accounting"]),
-    ("hf_dp.selection", ANYWHERE, ["hf_dp.privacy.selection", "hf_dp.privacy.randomness", "hf_dp.lineage"]),
+    ("hf_dp.selection", ANYWHERE, ["hf_dp.privacy.selection", "hf_dp.privacy.randomness", "hf_dp.training_data",
+                                    "hf_dp.lineage"]),
     ("hf_dp.audit_stats", ANYWHERE, []),
     ("hf_dp.one_run_audit", ANYWHERE, []),  # the trainer imports it (--audit_canaries): it takes the trainer as an argument
 ]

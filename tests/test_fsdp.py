@@ -1,11 +1,17 @@
 """DP under FSDP2 (``--fsdp full_shard``, two-pass ghost clipping) on two CPU processes (gloo): hf_dp.sharding.
 
+Two launches, one FSDP and one DDP (same ``--dp_seed``), each training one job after another in the same processes:
+full fine-tuning (``full``) and LoRA (``lora``, ``--trainable lora``); the FSDP launch then resumes a LoRA checkpoint.
+
 * the same ``--dp_seed`` with the noise switched off (inside ``add_noise`` only, as the audit's ``no_noise``):
-  FSDP and DDP train the same model up to float rounding; the release (gathered from the shards) loads with
-  ``from_pretrained`` as a plain model, with its card and privacy.json;
+  FSDP and DDP train the same model up to float rounding, for full fine-tuning and for LoRA, at the same ε; the
+  release (gathered from the shards; for LoRA merged) loads with ``from_pretrained`` as a plain model, with its card
+  and privacy.json, equal to the DDP release;
 * the FSDP run's noise, drawn by the privatizer, recorded and taken out again: every rank adds noise to its own shard only — the shards of each
   parameter tile it exactly, each coordinate drawn once — with std σC, from the stream keyed by
-  (seed, step, parameter, shard offset); ε equals the one-process ε for the same global batch.
+  (seed, step, parameter, shard offset); ε equals the one-process ε for the same global batch;
+* LoRA under FSDP with its checkpoint (noise on, sharded state dict): a run stopped at its checkpoint and resumed ends
+  with the uninterrupted run's weights, ε and step count (as tests/test_fsdp_checkpoint.py for full fine-tuning).
 
 Each launch is ``python -m torch.distributed.run --nproc_per_node 2`` (as tests/test_distributed.py).
 """
@@ -24,7 +30,8 @@ sys.path.insert(0, HERE)
 
 from test_distributed import _gloo_available, _launch  # noqa: E402
 
-N, PER_DEVICE, GA, STEPS, SEED = 64, 2, 2, 4, 7
+N, PER_DEVICE, GA, STEPS, SEED = 64, 2, 2, 4, 15  # SEED: a --dp_seed whose draws leave a micro-batch empty (asserted below)
+CKPT_N, CKPT_SIGMA = 16, 1.0  # the LoRA checkpoint runs: B = 2 × 2 × 2 = 8, 2 steps per epoch (checkpoint at step 2)
 
 WORKER = textwrap.dedent(
     r"""
@@ -35,19 +42,24 @@ WORKER = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     import transformers
+    from transformers import TrainerCallback
     transformers.logging.set_verbosity_error()
     import hf_dp.trainer as trainer_module
     from hf_dp import DPTrainer
     from hf_dp.privacy.privatizer import PrivateOptimizer, _local, _shard_offset
     from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
     from test_fsdp import shard_noise_checks
+    from torch.distributed.tensor import DTensor
 
-    out, mode, noise, trainable = sys.argv[1], {mode!r}, {noise!r}, {trainable!r}
+    out, mode, jobs, lora_checkpoint = sys.argv[1], {mode!r}, {jobs!r}, {lora_checkpoint!r}
     rank = int(os.environ["RANK"])
+    NOISE = ["on"]  # the current job's: "off", "recorded" or "on" (the privatizer as it is)
     shards = []  # per step: [(offset, noise on this rank's shard)] per parameter
     orig = PrivateOptimizer.add_noise
     def add_noise(self):
-        if noise == "off":  # the privatizer adds N(0, (0·C)²); the optimizer keeps its σ between steps
+        if NOISE[0] == "on":
+            return orig(self)
+        if NOISE[0] == "off":  # the privatizer adds N(0, (0·C)²); the optimizer keeps its σ between steps
             sigma, self.noise_multiplier = self.noise_multiplier, 0.0
             try:
                 return orig(self)
@@ -73,30 +85,69 @@ WORKER = textwrap.dedent(
 
     tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
     ds = make_pair_dataset(tok, n={n})
-    kw = dict(fsdp="full_shard", fsdp_config={{"transformer_layer_cls_to_wrap": ["BertLayer"]}}) if mode == "fsdp" else {{}}
-    args = dp_args(
-        os.path.join(out, "run"), optim="dp_adamw", learning_rate=1e-2, epsilon=8.0,
-        accountant="rdp", per_device_train_batch_size={per_device}, gradient_accumulation_steps={ga}, max_steps={steps},
-        logging_steps=2, ddp_backend="gloo", dp_seed={seed}, trainable=trainable, clipping="auto" if mode == "fsdp" else "ghost_two_pass",
-        **kw,
-    )
-    trainer = DPTrainer(model=make_model(), args=args, train_dataset=ds, data_collator=make_collator(tok), processing_class=tok)
-    trainer.train()
-    from torch.distributed.tensor import DTensor
-    full = {{n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in trainer.model.named_parameters()}}
-    trainer.save_model(os.path.join(out, "release"))
-    PrivateOptimizer.add_noise = orig  # shard_noise_checks runs the privatizer as it is
-    torch.save(
-        dict(
-            params=full, epsilon=trainer.get_epsilon(), shards=shards, clipping=trainer.clipping,
-            names=[n for n, p in trainer.model.named_parameters() if p.requires_grad],
-            wrapped=type(trainer.model_wrapped).__name__, spec=trainer.privacy_spec.as_dict(),
-            history=list(trainer.ledger.accountant.history), placeholders=len(placeholders),
+
+    def make_trainer(output_dir, trainable, dataset=ds, config=None, callbacks=(), **overrides):
+        kw = dict(epsilon=8.0, logging_steps=2)
+        if mode == "fsdp":
+            kw.update(fsdp="full_shard", fsdp_config=dict({{"transformer_layer_cls_to_wrap": ["BertLayer"]}}, **(config or {{}})))
+        kw.update(overrides)
+        args = dp_args(
+            output_dir, optim="dp_adamw", learning_rate=1e-2, accountant="rdp", per_device_train_batch_size={per_device},
+            gradient_accumulation_steps={ga}, max_steps={steps}, ddp_backend="gloo", dp_seed={seed}, trainable=trainable,
+            clipping="auto" if mode == "fsdp" else "ghost_two_pass", **kw,
+        )
+        return DPTrainer(model=make_model(), args=args, train_dataset=dataset, data_collator=make_collator(tok),
+                         processing_class=tok, callbacks=list(callbacks))
+
+    def summary(trainer):
+        return dict(
+            params={{n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in trainer.model.named_parameters()}},
+            epsilon=trainer.get_epsilon(), names=[n for n, p in trainer.model.named_parameters() if p.requires_grad],
+            history=list(trainer.ledger.accountant.history), ledger_steps=trainer.ledger.steps,
+            global_step=trainer.state.global_step, resumed_from=trainer.resumed_from,
+        )
+
+    for name, trainable, noise in jobs:
+        NOISE[0] = noise
+        shards.clear()
+        placeholders.clear()
+        trainer = make_trainer(os.path.join(out, name, "run"), trainable)
+        trainer.train()
+        result = summary(trainer)
+        trainer.save_model(os.path.join(out, name, "release"))
+        NOISE[0] = "on"  # shard_noise_checks runs the privatizer as it is
+        result.update(
+            shards=list(shards), clipping=trainer.clipping, wrapped=type(trainer.model_wrapped).__name__,
+            spec=trainer.privacy_spec.as_dict(), placeholders=len(placeholders),
             sharded=[isinstance(p, DTensor) for p in trainer.model.parameters()],
             shard_noise=shard_noise_checks() if mode == "fsdp" and trainable == "all" else None,
-        ),
-        os.path.join(out, f"rank{{rank}}.pt"),
-    )
+        )
+        torch.save(result, os.path.join(out, f"{{name}}_rank{{rank}}.pt"))
+
+    if lora_checkpoint:  # LoRA under FSDP, the noise on: uninterrupted (U), stopped at its checkpoint (A), resumed (R)
+        NOISE[0] = "on"
+        small = make_pair_dataset(tok, n={ckpt_n})
+
+        class StopAt(TrainerCallback):  # an interruption right after the checkpoint of step `at`
+            def __init__(self, at):
+                self.at = at
+            def on_step_end(self, args, state, control, **kw):
+                if state.global_step == self.at:
+                    control.should_training_stop = True
+                return control
+
+        def ckpt_run(output_dir, resume=None, callbacks=(), save=True):
+            trainer = make_trainer(
+                os.path.join(out, "lora_ckpt", output_dir), "lora", dataset=small, callbacks=callbacks,
+                config={{"state_dict_type": "SHARDED_STATE_DICT"}}, epsilon=None, noise_multiplier={ckpt_sigma},
+                logging_steps=1, save_strategy="steps" if save else "no", save_steps=2, save_total_limit=None,
+            )
+            trainer.train(resume_from_checkpoint=resume)
+            return summary(trainer)
+
+        results = dict(U=ckpt_run("u", save=False), A=ckpt_run("a", callbacks=[StopAt(2)]))
+        results["R"] = ckpt_run("a", resume=True)
+        torch.save(results, os.path.join(out, f"lora_ckpt_rank{{rank}}.pt"))
     """
 )
 
@@ -106,21 +157,33 @@ pytestmark = [
     pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available"),
 ]
 
+JOBS = {"fsdp": [("full", "all", "recorded"), ("lora", "lora", "off")], "ddp": [("full", "all", "off"), ("lora", "lora", "off")]}
 
-def _run(tmp_path, mode: str, noise: str, trainable: str = "all") -> tuple[dict, dict]:
+
+def _run(tmp_path, mode: str) -> dict:
+    """One launch: each job of ``JOBS[mode]`` (and, under FSDP, the LoRA checkpoint runs); {job: (rank 0's, rank 1's)}."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    _launch(tmp_path, WORKER.format(tests=HERE, mode=mode, noise=noise, trainable=trainable, n=N, per_device=PER_DEVICE, ga=GA,
-                                    steps=STEPS, seed=SEED))
-    return tuple(torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    jobs = JOBS[mode]
+    _launch(tmp_path, WORKER.format(tests=HERE, mode=mode, jobs=jobs, lora_checkpoint=mode == "fsdp", n=N,
+                                    per_device=PER_DEVICE, ga=GA, steps=STEPS, seed=SEED, ckpt_n=CKPT_N,
+                                    ckpt_sigma=CKPT_SIGMA), timeout=420)
+    names = [name for name, _, _ in jobs] + (["lora_ckpt"] if mode == "fsdp" else [])
+    return {name: tuple(torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)) for name in names}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One FSDP run (noise drawn, recorded and taken out again) and one DDP run (noise zeroed), same --dp_seed."""
+def launches(tmp_path_factory):
+    """The FSDP launch (full fine-tuning: noise drawn, recorded and taken out again; LoRA: noise zeroed; LoRA's
+    checkpoint runs: noise on) and the DDP launch (noise zeroed), same --dp_seed."""
     base = tmp_path_factory.mktemp("fsdp_runs")
-    f0, f1 = _run(base / "fsdp", "fsdp", "recorded")
-    d0, _ = _run(base / "ddp", "ddp", "off")
-    return base, f0, f1, d0
+    return base, _run(base / "fsdp", "fsdp"), _run(base / "ddp", "ddp")
+
+
+@pytest.fixture(scope="module")
+def runs(launches):
+    """Full fine-tuning: FSDP's rank 0 and rank 1, DDP's rank 0."""
+    base, fsdp, ddp = launches
+    return base, fsdp["full"][0], fsdp["full"][1], ddp["full"][0]
 
 
 def test_fsdp_trains_the_ddp_model_and_releases_a_plain_model(runs):
@@ -145,7 +208,7 @@ def test_fsdp_trains_the_ddp_model_and_releases_a_plain_model(runs):
 
     from transformers import AutoModelForSequenceClassification
 
-    release = tmp_path / "fsdp" / "release"
+    release = tmp_path / "fsdp" / "full" / "release"
     assert (release / "README.md").is_file() and (release / "privacy.json").is_file()
     report = json.loads((release / "privacy.json").read_text())
     assert abs(float(report["epsilon"]) - f0["epsilon"]) < 1e-9 * max(1.0, f0["epsilon"])
@@ -272,16 +335,63 @@ def test_shard_noise_streams_secure_seeded_and_entropy(runs):
     assert r0["scales"] == r1["scales"] and r0["scales"].startswith("the ranks scaled their losses differently")
 
 
-def test_fsdp_lora_release_is_the_merged_plain_model(tmp_path):
-    """--trainable lora under FSDP: the adapters train on the shards (only they change), and the release is the plain
-    model with W + (α/r)·B·A merged from the gathered weights (hf_dp.sharding.plain_release), not an adapter folder."""
-    r0, _ = _run(tmp_path, "fsdp", "off", trainable="lora")
-    assert r0["names"] and all(".lora_" in n or ".modules_to_save." in n for n in r0["names"])  # adapters + head
+# ------------------------------------------------------------------------------------------------------------------
+# LoRA (--trainable lora) under FSDP: DDP's model at the same ε, the merged release, the checkpoint
+# ------------------------------------------------------------------------------------------------------------------
+def _plain_name(name: str) -> str:
+    """The plain model's name of a LoRA model's frozen parameter (PEFT's prefix and wrappers dropped)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
+
+
+def test_fsdp_lora_trains_the_ddp_model_at_the_same_epsilon(launches):
+    """--trainable lora, the same --dp_seed, the noise zeroed: under FSDP (adapters and head sharded, two-pass ghost
+    clipping) the adapters and the head end as under DDP up to float rounding, the frozen weights untouched, same ε."""
+    _, fsdp, ddp = launches
+    f0, f1 = fsdp["lora"]
+    d0 = ddp["lora"][0]
+    assert f0["wrapped"].startswith("FSDP") and all(f0["sharded"]), f0["wrapped"]
+    assert d0["wrapped"] == "DistributedDataParallel"
+    assert f0["clipping"] == d0["clipping"] == "ghost_two_pass"
+    assert f0["names"] == d0["names"] and all(".lora_" in n or ".modules_to_save." in n for n in f0["names"])
+    assert f0["params"].keys() == d0["params"].keys()
+    from helpers import make_model
+
+    init = dict(make_model().named_parameters())
+    trained, frozen = set(f0["names"]), set()
+    for n in f0["params"]:
+        torch.testing.assert_close(f0["params"][n], f1["params"][n], rtol=0, atol=0)  # both ranks gathered the same
+        if n in trained:
+            torch.testing.assert_close(f0["params"][n], d0["params"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        else:  # frozen: the initial weights, under FSDP as under DDP
+            torch.testing.assert_close(f0["params"][n], init[_plain_name(n)], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(d0["params"][n], init[_plain_name(n)], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+            frozen.add(_plain_name(n))
+    assert frozen == init.keys()  # every base weight (the head's original too) checked
+    lora_b = [n for n in trained if ".lora_B." in n]
+    assert len(lora_b) >= 4 and min(f0["params"][n].abs().max().item() for n in lora_b) > 1e-3  # B trained away from 0
+    assert f0["epsilon"] == d0["epsilon"] <= 8.0 and f0["history"] == d0["history"] and f0["spec"] == d0["spec"]
+    assert f0["ledger_steps"] == d0["ledger_steps"] == STEPS
+
+
+def test_fsdp_lora_release_is_the_merged_plain_model_equal_to_ddps(launches):
+    """--trainable lora under FSDP: the release is the plain model with W + (α/r)·B·A merged from the gathered weights
+    (hf_dp.sharding.plain_release), not an adapter folder, and it equals DDP's release (hf_dp's merge without FSDP)."""
+    base, fsdp, _ = launches
+    r0 = fsdp["lora"][0]
+    import json
+
     from transformers import AutoModelForSequenceClassification
 
-    release = tmp_path / "release"
-    assert not (release / "adapter_config.json").exists() and (release / "privacy.json").is_file()
+    release, ddp_release = base / "fsdp" / "lora" / "release", base / "ddp" / "lora" / "release"
+    for folder in (release, ddp_release):
+        assert not (folder / "adapter_config.json").exists() and (folder / "privacy.json").is_file(), folder
+        assert (folder / "README.md").is_file(), folder
+    assert sorted(os.listdir(release)) == sorted(os.listdir(ddp_release))
+    epsilons = [float(json.loads((f / "privacy.json").read_text())["epsilon"]) for f in (release, ddp_release)]
+    assert epsilons[0] == epsilons[1] and abs(epsilons[0] - r0["epsilon"]) < 1e-9 * max(1.0, r0["epsilon"])
     model = AutoModelForSequenceClassification.from_pretrained(release)
+    assert type(model).__name__ == "BertForSequenceClassification"
+    assert model.config.architectures == ["BertForSequenceClassification"]
     got, full, merged = dict(model.named_parameters()), r0["params"], 0
     for name, p in got.items():
         stem, leaf = ("base_model.model." + name).rsplit(".", 1)
@@ -297,3 +407,38 @@ def test_fsdp_lora_release_is_the_merged_plain_model(tmp_path):
             key = stem + ".modules_to_save.default." + leaf
             torch.testing.assert_close(p.detach(), full[key if key in full else stem + "." + leaf], rtol=0, atol=0)
     assert merged >= 4
+    # DDP's release: the same plain model (every tensor of the state dict) up to float rounding
+    ddp_model = AutoModelForSequenceClassification.from_pretrained(ddp_release)
+    assert type(ddp_model) is type(model) and ddp_model.config.architectures == model.config.architectures
+    mine, theirs = model.state_dict(), ddp_model.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name, t in mine.items():
+        torch.testing.assert_close(t, theirs[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_fsdp_lora_resumed_from_its_checkpoint_equals_the_uninterrupted_run(launches):
+    """LoRA under FSDP, the noise on, SHARDED_STATE_DICT: a run stopped at its checkpoint (step 2, an epoch's end) and
+    resumed ends with the uninterrupted run's adapters and head, ε and step count; the checkpoint's model part holds
+    the adapters and the head only (HF's adapter_only save), each rank's shards."""
+    base, fsdp, _ = launches
+    r0, r1 = fsdp["lora_ckpt"]
+    u, a, res = r0["U"], r0["A"], r0["R"]
+    assert a["global_step"] == a["ledger_steps"] == 2 and a["resumed_from"] is None  # A stopped at its checkpoint
+    assert str(res["resumed_from"]).endswith(os.path.join("a", "checkpoint-2"))
+    assert res["global_step"] == u["global_step"] == STEPS and res["ledger_steps"] == u["ledger_steps"] == STEPS
+    q = PER_DEVICE * GA * 2 / CKPT_N
+    assert res["epsilon"] == u["epsilon"] and res["history"] == u["history"] == [(CKPT_SIGMA, q, STEPS)]
+    trained = u["names"]
+    assert trained == res["names"] and all(".lora_" in n or ".modules_to_save." in n for n in trained)
+    assert max((res["params"][k] - a["params"][k]).abs().max().item() for k in trained) > 1e-3  # R trained past step 2
+    for k in u["params"]:
+        torch.testing.assert_close(res["params"][k], u["params"][k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        assert torch.equal(r0["R"]["params"][k], r1["R"]["params"][k])  # both ranks gathered the same model
+    assert r1["R"]["ledger_steps"] == STEPS and r1["R"]["epsilon"] == res["epsilon"]
+
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = base / "fsdp" / "lora_ckpt" / "a" / "checkpoint-2"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt / "pytorch_model_fsdp_0"))
+    saved = set(dcp.FileSystemReader(str(ckpt / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata)
+    assert saved and all(".lora_" in k or ".classifier." in k for k in saved), sorted(saved)

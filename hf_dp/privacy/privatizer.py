@@ -19,9 +19,12 @@ For one logical batch (possibly several physical micro-batches, possibly several
 Randomness (:mod:`hf_dp.privacy.randomness`): the noise comes from a stream that starts at this
 optimizer's first noisy step (and again after ``load_state_dict``) — a ``torch.Generator`` seeded
 from OS entropy (default), or, with ``noise_seed``, seeded with ``noise_seed`` itself when that first
-step is step 0 of the ledger and with a hash of (``noise_seed``, step) otherwise, so a resumed run
-never redraws noise already used; ``secure_mode=True`` draws from the OS CSPRNG (Opacus' secure-mode
-construction). ``state_dict`` holds no seed and no generator state: nothing on disk lets anyone
+step is step 0 of the ledger and with a hash of (``noise_seed``, the ledger's :attr:`~PrivateOptimizer.stream_tag`,
+step) otherwise — the tag is ``None`` for a fresh run and for a clean continuation of a checkpoint, and a new id for
+a resume from which other steps were already computed (:func:`hf_dp.checkpointing.reconcile_resumed_ledger`) and for a
+``train()`` that continues a ledger without resuming (:func:`hf_dp.lineage.before_train`), so a resumed or continued
+run never redraws noise already used, by its own lineage or by another resume of the same run;
+``secure_mode=True`` draws from the OS CSPRNG (Opacus' secure-mode construction). ``state_dict`` holds no seed and no generator state: nothing on disk lets anyone
 recompute the noise.
 """
 
@@ -142,16 +145,28 @@ class PrivateOptimizer(DPOptimizer):
         """Noisy steps taken so far (the ledger's count when there is one): keys a seeded noise stream."""
         return self.ledger.steps if self.ledger is not None else self.steps_taken
 
+    @property
+    def stream_tag(self) -> str | None:
+        """Keys the seeded streams together with the step (``ledger.meta["stream_tag"]``): ``None`` for a fresh run and
+        a clean continuation of a checkpoint (nothing computed past it, no other resume of it), else the id the resume
+        drew (:func:`hf_dp.checkpointing.reconcile_resumed_ledger`), or that a ``train()`` continuing the ledger without
+        a resume drew (:func:`hf_dp.lineage.before_train`): two resumes of one run never share a stream."""
+        return self.ledger.meta.get("stream_tag") if self.ledger is not None else None
+
+    def _stream_key(self, purpose: str, step: int, *rest) -> tuple:
+        tag = self.stream_tag
+        return (purpose, step, *rest) if tag is None else (purpose, tag, step, *rest)
+
     def _noise_generator(self, device) -> torch.Generator:
         """The noise stream on ``device``: started at the first noisy step of this object (or after a load)."""
         gen = self.generator
         if gen is None or gen.device != torch.device(device):
             start = self.step_index
-            if self.noise_seed is not None and start == 0:
+            if self.noise_seed is not None and start == 0 and self.stream_tag is None:
                 gen = torch.Generator(device=device)
                 gen.manual_seed(self.noise_seed)  # a fresh run: the documented stream of noise_seed
             else:
-                gen = stream_generator(self.noise_seed, "noise", start, device=device)
+                gen = stream_generator(self.noise_seed, *self._stream_key("noise", start), device=device)
             self.generator = gen
         return gen
 
@@ -178,8 +193,9 @@ class PrivateOptimizer(DPOptimizer):
         """FSDP: ``p.grad = p.summed_grad + N(0, σ²C²)`` on this rank's local shard of every parameter, no other rank
         touching those coordinates, so every coordinate of the model gets exactly one draw per step. The stream of
         each (parameter, shard) is its own: ``--secure_rng`` draws from the OS CSPRNG; otherwise a generator seeded
-        from (``noise_seed`` — OS entropy when ``None`` —, "fsdp_noise", the ledger's step, the parameter's index, the
-        shard's offset in the flattened parameter), so no two shards and no two steps share a stream."""
+        from (``noise_seed`` — OS entropy when ``None`` —, "fsdp_noise", the :attr:`stream_tag` when set, the ledger's
+        step, the parameter's index, the shard's offset in the flattened parameter), so no two shards, no two steps and
+        no two resumes of one run share a stream."""
         step = self.step_index
         if not all(_is_sharded([p]) for p in self.params):  # a replicated one would get world-size draws, unreduced
             raise RuntimeError("under FSDP every trainable parameter must be sharded by fully_shard (its gradient a "
@@ -192,7 +208,8 @@ class PrivateOptimizer(DPOptimizer):
             elif self.secure_mode:
                 noise = secure_gaussian_like(local, std)
             else:
-                gen = stream_generator(self.noise_seed, "fsdp_noise", step, index, _shard_offset(ref), device=local.device)
+                gen = stream_generator(self.noise_seed, *self._stream_key("fsdp_noise", step, index, _shard_offset(ref)),
+                                       device=local.device)
                 noise = torch.normal(0.0, std, size=local.shape, device=local.device, dtype=local.dtype, generator=gen)
             local.add_(noise)
             p.grad = ref
@@ -429,8 +446,8 @@ class PrivateOptimizer(DPOptimizer):
 
     # ----- state ----------------------------------------------------------------------------------------
     def state_dict(self):
-        """The rule's state, the ledger and the sampler's N and q. No seed, no generator state: a resumed
-        run draws fresh noise and fresh batches (the accountant's steps are independent)."""
+        """The rule's state, the ledger (with its public stream tag) and the sampler's N and q. No seed, no generator
+        state: a resumed run draws fresh noise and fresh batches (the accountant's steps are independent)."""
         return {
             "rule": self.rule.state_dict(),
             "hf_dp": {

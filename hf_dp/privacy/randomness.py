@@ -4,17 +4,25 @@ The accountant assumes that every step's batch and every step's noise are *fresh
 every other step's. Nothing has to be replayed — not after a resume, not in a second ``train()`` —
 so hf_dp never stores a seed or a generator state, and three sources cover every use:
 
-* **OS entropy** (default): each stream is a ``torch.Generator`` (Mersenne Twister, fast, on the
-  parameters' device) seeded with 64 bits from :func:`secrets.randbits` when the stream starts —
-  once per sampler iteration, once per privatizer (a resumed or rebuilt optimizer starts a new one).
-  The seed is held only in memory. MT is not a cryptographic generator: its seed is unpredictable,
+* **OS entropy** (default): each stream is a ``torch.Generator`` (Mersenne Twister on the CPU, Philox on
+  CUDA; fast, on the parameters' device) started from fresh OS entropy (:mod:`secrets`) when the stream
+  starts — once per sampler iteration, once per privatizer (a resumed or rebuilt optimizer starts a new
+  one), once per (step, parameter, shard) under FSDP. On the CPU the whole 19,968-bit Mersenne Twister state
+  is set (:func:`stream_generator`): ``manual_seed`` keeps only the low 32 bits of a seed there, so
+  streams seeded through it would have 2³² possible outputs and two of a run's many FSDP streams would
+  draw the same noise after about 2¹⁶ streams (birthday bound). The state is held only in memory. MT is not a cryptographic generator: its seed is unpredictable,
   but whoever observes enough of its *output* could in principle reconstruct its state; the noise
   itself is never released, only noisy sums, so this is the usual choice of DP libraries (Opacus'
   default) — ``--secure_rng`` removes the question.
-* **A fixed seed** (``--dp_seed``, reproducible research): each stream is seeded by a hash of
-  (seed, purpose, rank, the ledger step at which the stream starts). An uninterrupted run is
-  reproducible; a resumed run or a second ``train()`` starts new, independent streams (the ledger step
-  differs), so no batch or noise is ever reused. Whoever knows the seed can recompute the batches and
+* **A fixed seed** (``--dp_seed``, reproducible research): each stream's state is derived from a hash of
+  (seed, purpose, the ledger's stream tag when set, rank, the ledger step at which the stream starts) — on the CPU
+  the whole Mersenne Twister state, expanded from SHAKE-256 of that key, so distinct keys never share a stream. An
+  uninterrupted run is reproducible, and so is a clean continuation of its checkpoint (nothing computed past it, no
+  other resume of it: the tag stays unset); a ``train()`` that continues a ledger without resuming (a second
+  ``train()``, a new trainer on a model carrying its ledger) tags its streams with its run id and start step
+  (:func:`hf_dp.lineage.before_train`: a clean resume of the run's checkpoint may start at the same step), and any other resume — e.g. of checkpoint-2 after its run went on to checkpoint-4, whose own resume
+  starts at the same ledger step — tags its streams with its own run id
+  (:func:`hf_dp.checkpointing.reconcile_resumed_ledger`), so no batch or noise is ever reused. Whoever knows the seed can recompute the batches and
   the noise, i.e. remove the noise from a released model's updates: the card and ``privacy.json`` say so.
 * **A cryptographically secure generator** (``--secure_rng``): uniforms from :func:`os.urandom` (the
   kernel's CSPRNG), 53 bits each; Gaussians by Box–Muller in float64; the noise of each coordinate is
@@ -48,10 +56,43 @@ def source_name(seed: int | None, secure: bool) -> str:
     return CSPRNG if secure else (SEEDED if seed is not None else ENTROPY)
 
 
+#: PyTorch's CPU generator state (``torch.Generator.get_state()``): the Mersenne Twister's 624 32-bit words are stored
+#: as little-endian uint64 at this byte offset (after the initial seed, ``left``, ``seeded`` and ``next``)
+_MT_WORDS, _MT_OFFSET, _MT_STATE_BYTES = 624, 24, 5056
+
+
+def _mt_words(seed: int | None, key: tuple) -> bytes:
+    """624 32-bit words as little-endian uint64 (the layout of the generator state): from the OS CSPRNG (``seed``
+    None), else SHAKE-256 of (seed, *key)."""
+    import numpy as np
+
+    if seed is None:
+        raw = secrets.token_bytes(4 * _MT_WORDS)
+    else:
+        raw = hashlib.shake_256(":".join(str(p) for p in (seed, *key)).encode()).digest(4 * _MT_WORDS)
+    return np.frombuffer(raw, dtype="<u4").astype("<u8").tobytes()
+
+
 def stream_generator(seed: int | None, *key, device="cpu") -> torch.Generator:
-    """A new ``torch.Generator`` on ``device``: seeded by ``mix(seed, *key)``, or from OS entropy when ``seed`` is None."""
+    """A new ``torch.Generator`` on ``device`` keyed by ``(seed, *key)``, or from OS entropy when ``seed`` is None.
+
+    On the CPU (Mersenne Twister) the generator's whole state is set — 624 words from the OS CSPRNG or from SHAKE-256 of
+    the key — because ``manual_seed`` there keeps only the seed's low 32 bits (2³² streams in all; distinct keys would
+    collide, e.g. two FSDP noise streams of one run drawing the same noise). ``initial_seed()`` still reports
+    ``mix(seed, *key)`` (a label of the stream, not its state). On CUDA (Philox, 64-bit seeds) ``manual_seed`` with a
+    63-bit hash or 63 bits of OS entropy."""
     gen = torch.Generator(device=device)
     gen.manual_seed(secrets.randbits(63) if seed is None else mix(seed, *key))
+    if gen.device.type != "cpu":
+        return gen
+    state = gen.get_state()
+    if state.numel() != _MT_STATE_BYTES:  # pragma: no cover - a torch whose CPU generator state has another layout
+        raise RuntimeError(f"hf_dp: unexpected torch CPU generator state ({state.numel()} bytes, expected "
+                           f"{_MT_STATE_BYTES}): re-check hf_dp.privacy.randomness.stream_generator for this torch")
+    raw = bytearray(state.numpy().tobytes())
+    raw[_MT_OFFSET:_MT_OFFSET + 8 * _MT_WORDS] = _mt_words(seed, key)
+    raw[8:12] = (1).to_bytes(4, "little", signed=True)  # left = 1: the next draw regenerates (twists) the state
+    gen.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
     return gen
 
 

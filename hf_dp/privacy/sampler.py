@@ -19,9 +19,12 @@ summed gradient. Ranks shard units, not rows. ``num_samples`` is then the number
 
 Randomness (:mod:`hf_dp.privacy.randomness`): every iteration (one epoch of HF's loop) draws from a
 new stream — OS entropy by default, the OS CSPRNG with ``secure=True``, or, with a fixed ``seed``,
-a stream keyed by (seed, rank, the ledger step at which the iteration starts). So the draws of a
-second ``train()``, of a resumed run (with or without HF's data skip) and of a new epoch are never
-those of an earlier step: nothing is replayed, and no seed is saved anywhere.
+a stream keyed by (seed, the ledger's stream tag when set, rank, the ledger step at which the iteration starts). The
+tag is ``None`` for a fresh run and a clean continuation of a checkpoint, and a new id for a resume from which other
+steps were already computed (:func:`hf_dp.checkpointing.reconcile_resumed_ledger`) or for a ``train()`` that continues
+a ledger without resuming (:func:`hf_dp.lineage.before_train`). So the draws of a second
+``train()``, of a resumed run (with or without HF's data skip), of two resumes from checkpoints of one run and of a
+new epoch are never those of an earlier step: nothing is replayed, and no seed is saved anywhere.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class PoissonBatchSampler(Sampler):
 
     ``position``: a callable giving the number of noisy steps taken so far (the ledger's); it keys a
     seeded stream (default: the number of logical batches this sampler has drawn).
+    ``stream_tag``: a callable giving the tag keying a seeded stream with the position (``None``: none; the trainer's
+    gives the ledger's ``meta["stream_tag"]``, see :attr:`hf_dp.privacy.privatizer.PrivateOptimizer.stream_tag`).
     ``lengths``: optional ``[num_samples]`` token counts; when set, each draw is sorted by them (stable) before it is
     cut into micro-batches. It changes no draw: the same stream yields the same set of indices with or without it.
     """
@@ -59,6 +64,7 @@ class PoissonBatchSampler(Sampler):
         units: Sequence[Sequence[int]] | None = None,
         max_rows_per_unit: int | None = None,
         allow_empty_units: bool = False,
+        stream_tag: Callable[[], str | None] | None = None,
     ):
         if num_samples <= 0:
             raise ValueError("the training dataset is empty")
@@ -86,6 +92,7 @@ class PoissonBatchSampler(Sampler):
         self.rank, self.world_size = int(rank), int(world_size)
         self._drawn = 0  # logical batches drawn by this object (the default position)
         self._position = position if position is not None else (lambda: self._drawn)
+        self._stream_tag = stream_tag if stream_tag is not None else (lambda: None)
         self.epoch = 0
         self.lengths = lengths
 
@@ -135,7 +142,9 @@ class PoissonBatchSampler(Sampler):
         shard = torch.arange(self.rank, self.num_samples, self.world_size)
         gen = None
         if not self._secure:
-            gen = stream_generator(self._seed, "poisson", self.rank, int(self._position()))
+            tag = self._stream_tag()
+            key = ("poisson", self.rank, int(self._position())) if tag is None else ("poisson", tag, self.rank, int(self._position()))
+            gen = stream_generator(self._seed, *key)
         for _ in range(self.steps_per_epoch):
             u = csprng_uniform(len(shard)) if self._secure else torch.rand(len(shard), generator=gen, dtype=torch.float64)
             drawn = shard[u < self.sample_rate]

@@ -22,19 +22,26 @@ Gaussian mechanism (q, σ) composed over the run's T steps).
 
       ε' = ε(λ) + μ·δ̂ + log(μ)/(λ-1).
 
+**A trial scored on held-out private data** (``score_data="private"``, :mod:`hf_dp.selection`): Q is then the DP
+training run *followed by* the DP score — the sum of per-example (per-unit) scores in [0, 1] released with Gaussian
+noise N(0, σ_s²), sensitivity 1 under add/remove of one unit — so Q's curve is their sequential composition,
+ε(λ) = ε_train(λ) + λ/(2σ_s²) (it holds whether or not the held-out rows are also training rows), and the theorems
+above apply to that curve: the score's cost enters the total once per trial, inside the selection.
+
 The resulting curve is converted to (ε, δ) as any RDP curve. The computation is dp-accounting's
 (``RdpAccountant`` with ``RepeatAndSelectDpEvent`` of a ``SelfComposedDpEvent`` of a ``PoissonSampledDpEvent`` of a
-``GaussianDpEvent``: the per-trial curve, the theorems above with the minimum over λ̂ on the order grid, then the
-RDP-to-(ε, δ) conversion); ``tests/test_selection.py`` re-computes Theorems 2 and 6 independently from Opacus' RDP
-curve and checks both against the exact Rényi divergence of a best-of-K selection on a two-point mechanism.
+``GaussianDpEvent`` — with a DP score, a ``ComposedDpEvent`` of that and the score's ``GaussianDpEvent(σ_s)``: the
+per-trial curve, the theorems above with the minimum over λ̂ on the order grid, then the RDP-to-(ε, δ) conversion);
+``tests/test_selection.py`` re-computes Theorems 2 and 6 independently from Opacus' RDP curve (plus λ/(2σ_s²) for a
+DP score) and checks both against the exact Rényi divergence of a best-of-K selection on a two-point mechanism.
 
 **Why K stays secret.** The bound is on the distribution of the released output alone; the pair (K, output) can be
 far less private (given K = k, the best of k runs costs up to k times one run). So K drawn, the number of trials
 run, the other trials' scores and the search's wall time are not part of the release (:mod:`hf_dp.selection` keeps
 them out of privacy.json and the card).
 
-:func:`calibrate_selection_sigma` finds the per-trial σ (for the trials' q and steps) for which the total ε of the
-selection at δ meets a target, by bisection on σ.
+:func:`calibrate_selection_sigma` finds the per-trial σ (for the trials' q and steps, and the score's σ_s) for which
+the total ε of the selection at δ meets a target, by bisection on σ.
 """
 
 from __future__ import annotations
@@ -52,6 +59,14 @@ ORDERS = tuple(
     [round(1.0 + i / 100.0, 4) for i in range(1, 10)] + [round(1.0 + i / 10.0, 4) for i in range(1, 100)]
     + [float(x) for x in range(11, 64)] + [80.0, 96.0, 128.0, 192.0, 256.0, 384.0, 512.0, 1024.0]
 )
+
+#: σ_s of the DP score when none is given: the noisy mean score's standard deviation is σ_s/n on n held-out units
+#: (1 point of accuracy on 2,000 rows, 0.3 on 6,700 — a 10 % hold-out of SST-2), and one score alone is the Gaussian
+#: mechanism at σ 20 (RDP λ/800; ε ≈ 0.25 at δ = 1e-5), a small part of a total ε of a few units
+DEFAULT_SCORE_NOISE_MULTIPLIER = 20.0
+
+#: the DP score may take at most this share of the selection's total ε (more leaves the training too little budget)
+MAX_SCORE_SHARE = 0.5
 
 #: the distributions of the number of trials K, by name: their shape η (``inf``: Poisson)
 DISTRIBUTIONS = {"logarithmic": 0.0, "geometric": 1.0, "negative_binomial": None, "poisson": math.inf}
@@ -167,38 +182,77 @@ def _quiet_absl():
         log.setLevel(level)
 
 
-def _trial_event(sigma: float, q: float, steps: int):
+def check_score_noise_multiplier(value) -> float:
+    """σ_s of a DP score: a finite number > 0 (one sentence otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"score_noise_multiplier (the DP score's noise sigma_s, sensitivity 1) must be a finite number "
+                         f"> 0, got {value!r}")
+    return float(value)
+
+
+def _trial_event(sigma: float, q: float, steps: int, score_noise_multiplier: float | None = None):
+    """One trial: ``steps`` Poisson-subsampled Gaussian steps (q, σ), then (with ``score_noise_multiplier`` σ_s) the
+    Gaussian DP score of sensitivity 1 — sequential composition."""
     import dp_accounting as dpa
 
-    return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), int(steps))
+    train = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), int(steps))
+    if score_noise_multiplier is None:
+        return train
+    return dpa.ComposedDpEvent([train, dpa.GaussianDpEvent(float(score_noise_multiplier))])
 
 
-@functools.lru_cache(maxsize=4096)
-def trial_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> float:
-    """ε at δ of one trial alone (the same RDP computation as the selection's, without the selection)."""
+def _epsilon(event, delta: float) -> float:
     from dp_accounting.rdp import RdpAccountant
 
     acc = RdpAccountant(orders=list(ORDERS))
     with _quiet_absl():
-        acc.compose(_trial_event(sigma, sample_rate, steps))
+        acc.compose(event)
         return float(acc.get_epsilon(delta))
 
 
 @functools.lru_cache(maxsize=4096)
-def selection_epsilon(sigma: float, sample_rate: float, steps: int, delta: float, count: TrialCount) -> float:
+def trial_epsilon(sigma: float, sample_rate: float, steps: int, delta: float,
+                  score_noise_multiplier: float | None = None) -> float:
+    """ε at δ of one trial alone — its training, and its DP score if ``score_noise_multiplier`` is given (the same
+    RDP computation as the selection's, without the selection)."""
+    return _epsilon(_trial_event(sigma, sample_rate, steps, score_noise_multiplier), delta)
+
+
+@functools.lru_cache(maxsize=4096)
+def selection_epsilon(sigma: float, sample_rate: float, steps: int, delta: float, count: TrialCount,
+                      score_noise_multiplier: float | None = None) -> float:
     """ε at δ of releasing the best of K trials, K ~ ``count``, each trial ``steps`` Poisson-subsampled Gaussian steps
-    (q, σ): Theorem 2 (truncated negative binomial) or Theorem 6 (Poisson) of Papernot & Steinke 2022 (see the module
-    docstring), by dp-accounting's ``RdpAccountant``."""
+    (q, σ) — composed with a Gaussian DP score of noise ``score_noise_multiplier`` (sensitivity 1) when the trials are
+    scored on held-out private data: Theorem 2 (truncated negative binomial) or Theorem 6 (Poisson) of Papernot &
+    Steinke 2022 (see the module docstring), by dp-accounting's ``RdpAccountant``."""
     import dp_accounting as dpa
-    from dp_accounting.rdp import RdpAccountant
 
     if sigma <= 0:
         return math.inf
-    acc = RdpAccountant(orders=list(ORDERS))
-    with _quiet_absl():
-        acc.compose(dpa.dp_event.RepeatAndSelectDpEvent(_trial_event(sigma, sample_rate, steps), float(count.mean),
-                                                        count.shape))
-        return float(acc.get_epsilon(delta))
+    return _epsilon(dpa.dp_event.RepeatAndSelectDpEvent(_trial_event(sigma, sample_rate, steps, score_noise_multiplier),
+                                                        float(count.mean), count.shape), delta)
+
+
+@functools.lru_cache(maxsize=256)
+def score_selection_epsilon(score_noise_multiplier: float, delta: float, count: TrialCount) -> float:
+    """ε at δ of the selection if the trials' training cost nothing: the DP scores' own share of the total (the limit
+    of :func:`selection_epsilon` as the training σ grows)."""
+    import dp_accounting as dpa
+
+    return _epsilon(dpa.dp_event.RepeatAndSelectDpEvent(dpa.GaussianDpEvent(float(score_noise_multiplier)),
+                                                        float(count.mean), count.shape), delta)
+
+
+def check_score_share(score_noise_multiplier, target_epsilon: float, delta: float, count: TrialCount) -> float:
+    """σ_s checked (:func:`check_score_noise_multiplier`), and refused if the DP scores alone would take more than
+    :data:`MAX_SCORE_SHARE` of the selection's total (independent of the training's q and steps). Returns σ_s."""
+    sigma = check_score_noise_multiplier(score_noise_multiplier)
+    share = score_selection_epsilon(sigma, float(delta), count)
+    if share > MAX_SCORE_SHARE * target_epsilon:
+        raise ValueError(f"score_noise_multiplier={sigma:g}: the DP scores alone would spend epsilon {share:.3g} of the "
+                         f"selection's total {target_epsilon:g} (more than half, leaving the training too little); "
+                         "raise it")
+    return sigma
 
 
 @dataclass(frozen=True)
@@ -214,20 +268,29 @@ class SelectionPlan:
     total_epsilon: float
     per_trial_epsilon: float
     target_epsilon: float
+    #: σ_s of the trials' DP score (held-out private data), None when they are scored on public data
+    score_noise_multiplier: float | None = None
+    #: ε of one trial's training alone (= per_trial_epsilon without a DP score)
+    per_trial_training_epsilon: float | None = None
 
 
 @functools.lru_cache(maxsize=256)
 def calibrate_selection_sigma(target_epsilon: float, delta: float, sample_rate: float, steps: int,
-                              count: TrialCount, rel_tolerance: float = 1e-3) -> SelectionPlan:
+                              count: TrialCount, rel_tolerance: float = 1e-3,
+                              score_noise_multiplier: float | None = None) -> SelectionPlan:
     """The smallest σ (to ``rel_tolerance``) such that the best-of-K selection of trials of ``steps`` steps at rate q
-    has total ε ≤ ``target_epsilon`` at ``delta`` (:func:`selection_epsilon`); bisection on σ."""
+    — each followed by a Gaussian DP score of noise ``score_noise_multiplier`` if given — has total ε ≤
+    ``target_epsilon`` at ``delta`` (:func:`selection_epsilon`); bisection on σ. A σ_s whose scores alone would take
+    more than :data:`MAX_SCORE_SHARE` of the target is refused."""
     check_epsilon(target_epsilon)
     check_delta(delta)
     check_sample_rate(sample_rate)
     if int(steps) <= 0:
         raise ValueError(f"the number of steps must be positive, got {steps}")
+    if score_noise_multiplier is not None:
+        score_noise_multiplier = check_score_share(score_noise_multiplier, target_epsilon, delta, count)
     total = functools.partial(selection_epsilon, sample_rate=float(sample_rate), steps=int(steps), delta=float(delta),
-                              count=count)
+                              count=count, score_noise_multiplier=score_noise_multiplier)
     hi = 1.0
     while total(hi) > target_epsilon:
         hi *= 2.0
@@ -246,5 +309,7 @@ def calibrate_selection_sigma(target_epsilon: float, delta: float, sample_rate: 
     sigma = float(hi)
     return SelectionPlan(noise_multiplier=sigma, sample_rate=float(sample_rate), steps=int(steps), delta=float(delta),
                          count=count, total_epsilon=total(sigma),
-                         per_trial_epsilon=trial_epsilon(sigma, float(sample_rate), int(steps), float(delta)),
-                         target_epsilon=float(target_epsilon))
+                         per_trial_epsilon=trial_epsilon(sigma, float(sample_rate), int(steps), float(delta),
+                                                         score_noise_multiplier),
+                         target_epsilon=float(target_epsilon), score_noise_multiplier=score_noise_multiplier,
+                         per_trial_training_epsilon=trial_epsilon(sigma, float(sample_rate), int(steps), float(delta)))
