@@ -248,6 +248,23 @@ def test_smoke_main_job_tuning(tmp_path, monkeypatch, tiny):
 
 
 @needs_glue("QNLI")
+def test_smoke_planner_calibration(tmp_path, monkeypatch, tiny):
+    pc = bench("planner_calibration")
+    monkeypatch.setattr(bench("main_job_tuning"), "RUNS_DIR", str(tmp_path / "runs"))
+    out = str(tmp_path / "c.jsonl")
+    _main(pc, ["--tasks", "qnli", "--sizes", "all", "--epsilons", "3", "--epochs", "1", "--max_rows", "32",
+               "--model", tiny, "--out", out])
+    (row,) = pc.load_jsonl(out)
+    assert row["n"] == 32 and row["epsilon"] <= 3.0 + 1e-9 and row["planned"]["batch_size"] == row["batch"]
+    assert row["above_constant"] == pc.above_constant(row["dev_accuracy"], row["majority"], row["n_dev"])
+    assert "| qnli | 32 | 3 |" in _main(pc, ["--report", "--out", out])
+    assert pc.above_constant(0.60, 0.5, 1000) and not pc.above_constant(0.53, 0.5, 1000)
+    assert pc.outcome(0.531, 0.5) == "learned" and pc.outcome(0.529, 0.5) == "constant"
+    rows = [{"dev_accuracy": a, "majority": 0.5, "planned": {"r_run": r}} for a, r in ((0.6, 0.3), (0.51, 0.9), (0.55, 0.5))]
+    assert pc.threshold(rows) == (0.5, 0.9)
+
+
+@needs_glue("QNLI")
 def test_smoke_cache_end_to_end(tmp_path, monkeypatch, tiny):
     e2e = bench("cache_end_to_end")
     _recipe_in_process(monkeypatch, e2e)

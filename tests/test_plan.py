@@ -16,7 +16,7 @@ import pytest
 
 from hf_dp import DPTrainer
 from hf_dp import plan as planner
-from hf_dp.plan import WARN_R_RUN, PlanRow, make_plan, planned_steps, recommend, run_block, split_batch
+from hf_dp.plan import CALIBRATION, CONSTANT_R_RUN, CONSTANT_R_RUN_ALL, WARN_R_RUN, PlanRow, make_plan, planned_steps, recommend, run_block, split_batch
 from hf_dp.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
 from hf_dp.privacy.sampler import PoissonBatchSampler
 
@@ -141,10 +141,91 @@ def test_warning_fires_above_the_threshold_only(r_run, fires):
     assert math.isclose(row.r_run, row.r_step / math.sqrt(row.steps))
     block, warning = run_block(n=row.n, batch_size=row.batch_size, steps=row.steps, sigma=row.sigma, delta=1e-5,
                                accountant="prv", max_grad_norm=0.1, params=row.params, epsilon=None)
-    assert (warning is not None) is fires
+    assert ("noise-dominated" in (warning or "")) is fires
     assert "hf_dp plan" in block and f"σ = {row.sigma:.4g}" in block
     if fires:
-        assert "noise-dominated" in warning and f"> {WARN_R_RUN:g}" in warning
+        assert f"> {WARN_R_RUN:g}" in warning
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.98, 1.0, 1.02, 3.0])
+def test_the_calibrated_expectation_fires_at_its_threshold_with_a_remedy_in_d(factor):
+    """Issue 31 item 3: at R_run ≥ CONSTANT_R_RUN (calibrated in benchmarks/RESULTS.md §0b) the run's block says the
+    expected result is the constant predictor and how many trainable parameters would bring R_run below it."""
+    row = _row_with_r_run(factor * CONSTANT_R_RUN * 1.0005)  # int(d) rounds down: stay on the intended side
+    fires = factor >= 1.0
+    assert row.constant_expected is fires
+    block, warning = run_block(n=row.n, batch_size=row.batch_size, steps=row.steps, sigma=row.sigma, delta=1e-5,
+                               accountant="prv", max_grad_norm=0.1, params=row.params, epsilon=None)
+    assert ("expected result of this plan on a task as hard as QNLI: the constant predictor" in (warning or "")) is fires
+    smaller = PlanRow(**{**{f: getattr(row, f) for f in ("batch_size", "epochs", "steps", "sample_rate", "sigma", "n")},
+                         "params": row.max_params})
+    assert not smaller.constant_expected  # the d it names is below the threshold ...
+    assert PlanRow(**{**smaller.__dict__, "params": row.max_params + 1}).constant_expected  # ... and the largest such d
+    if fires:
+        assert f"at most {row.max_params:,} trainable parameters" in warning
+
+
+@pytest.mark.parametrize("factor", [0.98, 1.02])
+def test_above_the_all_tasks_threshold_the_message_says_every_task(factor):
+    row = _row_with_r_run(factor * CONSTANT_R_RUN_ALL * 1.0005)
+    assert row.constant_expected and row.constant_expected_all is (factor > 1)
+    _, warning = run_block(n=row.n, batch_size=row.batch_size, steps=row.steps, sigma=row.sigma, delta=1e-5,
+                           accountant="prv", max_grad_norm=0.1, params=row.params, epsilon=None)
+    assert ("expected result of this plan: the constant predictor" in warning) is (factor > 1)
+    assert ("on a task as hard as QNLI" in warning) is (factor < 1)
+    if factor < 1:
+        assert f"learned at R_run up to {CALIBRATION['easy_learned_up_to']:g}" in warning
+
+
+def _calibration_rows():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("hf_dp_bench_planner_calibration", root / "planner_calibration.py")
+    pc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pc)
+    rows = [json.loads(line) for line in (root / "results" / "planner_calibration.jsonl").read_text().splitlines() if line]
+    return pc, rows
+
+
+def test_the_thresholds_are_those_of_the_measured_runs():
+    """Issue 31 item 3: CONSTANT_R_RUN / CONSTANT_R_RUN_ALL and the message's numbers are what the raw calibration
+    file says (benchmarks/results/planner_calibration.jsonl; RESULTS.md §0b): at or above CONSTANT_R_RUN every QNLI
+    run ended at the constant predictor and some QNLI run below it learned; at or above CONSTANT_R_RUN_ALL every run
+    of both tasks did; SST-2 learned up to CALIBRATION['easy_learned_up_to']."""
+    pc, rows = _calibration_rows()
+    assert {r["task"] for r in rows} == {"qnli", "sst2"}
+    assert {float(r["epsilon_target"]) for r in rows} == {1.0, 3.0, 8.0}
+    for task in ("qnli", "sst2"):
+        sizes = sorted({r["n"] for r in rows if r["task"] == task})
+        assert sizes[0] == 1000 and len(sizes) >= 4, (task, sizes)  # 1,000 rows to the full set
+    learned = {t: [r["planned"]["r_run"] for r in rows if r["task"] == t and pc.outcome(r["dev_accuracy"], r["majority"]) == "learned"]
+               for t in ("qnli", "sst2")}
+    const = [(r["task"], r["planned"]["r_run"]) for r in rows if pc.outcome(r["dev_accuracy"], r["majority"]) == "constant"]
+    assert max(learned["qnli"]) < CONSTANT_R_RUN <= min(r for t, r in const if t == "qnli")
+    assert max(learned["qnli"] + learned["sst2"]) < CONSTANT_R_RUN_ALL  # every run at or above it: constant ...
+    assert {t for t, r in const if r >= CONSTANT_R_RUN_ALL} == {"qnli", "sst2"}  # ... and both tasks have such runs
+    assert round(max(learned["sst2"]), 2) == CALIBRATION["easy_learned_up_to"]
+
+
+def test_the_plan_names_the_data_and_epsilon_that_would_leave_the_constant_predictor():
+    n, d = 1000, 3_000_000  # MiniLM-sized trainable set on 1,000 rows at ε = 1: deep in the constant region
+    plan = recommend(n, 1.0, 1e-5, d, epochs=10, accountant="rdp", disk_cache=False)
+    assert plan.choice.constant_expected
+    (constant, *_), remedies = plan.warnings(), plan._remedies()
+    assert "the constant predictor" in constant and "§0b" in constant
+    for key, value in (("n", remedies["n"]), ("epsilon", remedies["epsilon"])):
+        if value is None:
+            continue
+        bigger = {"n": dict(n=value, epsilon=1.0, delta=min(1e-5, 0.5 / value)), "epsilon": dict(n=n, epsilon=value, delta=1e-5)}[key]
+        from hf_dp.plan import plan_row
+
+        row = plan_row(bigger["n"], bigger["epsilon"], bigger["delta"], plan.choice.batch_size, 10, accountant="rdp",
+                       params=d, disk_cache=False)
+        assert not row.constant_expected, (key, value, row.r_run)
+        assert (f"about {value:,} training rows" if key == "n" else f"ε = {value:g} at this N") in constant
+    assert remedies["n"] or remedies["epsilon"]
 
 
 def test_cli_prints_the_table(capsys):

@@ -147,7 +147,7 @@ def test_qnli_minilm_short_run_saves_card_and_privacy_json(glue, tmp_path, capsy
         assert dp[key] == privacy[key], key
     assert privacy["target_epsilon"] is None and 0 < privacy["epsilon"] < float("inf")
     assert privacy["noise_multiplier"] == 1.0 and privacy["max_grad_norm"] == 0.1
-    assert privacy["optimizer"]["name"] == "dp_adamw" and privacy["trainable"]["mode"] == "last_block"
+    assert privacy["optimizer"]["name"] == "dp_adamw" and privacy["trainable"]["mode"] == "last_k:2"  # the preset
     assert privacy["optimizer"]["hyperparameters"]["lr"] == 1e-3
     assert meta["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
     metrics = meta["model-index"][0]["results"][0]["metrics"]

@@ -157,7 +157,9 @@ def parse_layered(
     if unknown:
         raise RecipeError(f"{config_path}: unknown option(s) {unknown}; use the command-line flag names")
     layered.update(yaml_values)
-    explicit = set(yaml_values) | explicit_dests(parser, argv) | set(defaults or {})
+    # a recipe's preset (qnli.py) counts as set, except its epochs: they are the planner's compute budget, and the
+    # planner still chooses the batch when the user gives none of PLANNER_KEYS (recipes.common.run.apply_plan)
+    explicit = set(yaml_values) | explicit_dests(parser, argv) | (set(defaults or {}) - {"num_train_epochs"})
 
     # --noise_multiplier replaces the protocol's default target epsilon (exactly one of the two is allowed)
     if "noise_multiplier" in explicit and "epsilon" not in explicit and "epsilon" in layered:
