@@ -44,8 +44,9 @@ def spies(monkeypatch):
     return draws, noises
 
 
-def test_two_resumes_of_one_seeded_run_draw_different_noise_and_batches(spies, tmp_path):
-    draws, noises = spies
+def _seeded_runs(tmp_path, draws, noises):
+    """run(out, max_steps, resume=None, **flags) -> (trainer, its Poisson draws, its noise vectors): a --dp_seed 7 run
+    on 32 rows, B = 8, a checkpoint every 2 steps."""
     tok = make_tokenizer(tmp_path / "tok")
     ds, collator = make_pair_dataset(tok, n=32, seed=0), make_collator(tok)
 
@@ -57,6 +58,13 @@ def test_two_resumes_of_one_seeded_run_draw_different_noise_and_batches(spies, t
         t = DPTrainer(model=make_model(), args=args, train_dataset=ds, data_collator=collator)
         t.train(resume_from_checkpoint=resume)
         return t, list(draws), list(noises)
+
+    return run
+
+
+def test_two_resumes_of_one_seeded_run_draw_different_noise_and_batches(spies, tmp_path):
+    draws, noises = spies
+    run = _seeded_runs(tmp_path, draws, noises)
 
     run("U", 4)
     # ignore_data_skip: each resume's first draws are the first steps it trains (none skipped by HF)
@@ -81,17 +89,7 @@ def test_two_resumes_of_a_checkpoint_they_cannot_record_in_draw_different_noise(
     from hf_dp import checkpointing
 
     draws, noises = spies
-    tok = make_tokenizer(tmp_path / "tok")
-    ds, collator = make_pair_dataset(tok, n=32, seed=0), make_collator(tok)
-
-    def run(out, max_steps, resume=None, **kw):
-        del draws[:], noises[:]
-        args = dp_args(str(tmp_path / out), epsilon=None, noise_multiplier=1.0, max_steps=max_steps,
-                       per_device_train_batch_size=8, dp_seed=7, save_strategy="steps", save_steps=2,
-                       save_total_limit=None, **kw)
-        t = DPTrainer(model=make_model(), args=args, train_dataset=ds, data_collator=collator)
-        t.train(resume_from_checkpoint=resume)
-        return t, list(draws), list(noises)
+    run = _seeded_runs(tmp_path, draws, noises)
 
     run("U", 4)
     monkeypatch.setattr(checkpointing, "write_resume_record", lambda checkpoint, record: False)  # not writable
