@@ -498,7 +498,7 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
     plan = calibrate_selection_sigma(float(args.epsilon), float(spec.delta), float(spec.sample_rate),
                                      int(spec.planned_steps), count,
                                      score_noise_multiplier=float(score_noise_multiplier) if private else None)
-    scoring = _Scoring(trainer, score_dataset, private, example_score)
+    scoring = _Scoring(trainer, score_dataset, private)
     objective = (example_score or accuracy) if private else (compute_objective or _default_objective)
     trainer._selection_started = True  # a failed or interrupted search spent budget too: no second search here
     seeded = args.dp_seed is not None
@@ -573,10 +573,10 @@ class _Scoring:
     """The set the trials are scored on: the eval set, or ``score_dataset`` (cached once with the trainer's frozen
     prefix under ``--cache_frozen_features``); for a DP score, its units and their number n."""
 
-    def __init__(self, trainer, score_dataset, private, example_score):
+    def __init__(self, trainer, score_dataset, private):
         from hf_dp.training_data import unit_rows
 
-        self.private, self.example_score = private, example_score
+        self.private = private
         self.raw = score_dataset if score_dataset is not None else _raw_eval(trainer)
         self.is_eval_set = score_dataset is None
         if score_dataset is None:
