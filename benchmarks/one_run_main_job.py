@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The one-run audit (``--audit_canaries``) of the README's main job, as is or with a deliberate break
 (benchmarks/audit.md §5): the recipe ``recipes/qnli.py`` runs in this process with the given arguments; with
-``--variant no_noise`` the privatizer adds N(0, (0·C)²) instead of N(0, (σC)²) (hf_dp.audit_trainer's ``no_noise``
+``--variant no_noise`` the privatizer adds N(0, (0·C)²) instead of N(0, (σC)²) (hf_dp.audit.trainer_path's ``no_noise``
 break, installed on every DPTrainer the recipe makes), while the ledger, privacy.json and the card keep claiming σ.
 
     python benchmarks/one_run_main_job.py --variant no_noise -- --optim dp_adamw --epsilon 3 \\
@@ -34,7 +34,7 @@ def install_break(variant: str) -> None:
     create = cls.create_optimizer
 
     def create_without_noise(self, model=None):
-        from hf_dp.audit_trainer import zero_noise
+        from hf_dp.audit.trainer_path import zero_noise
 
         out = create(self, model)
         zero_noise(self._dp_optimizer)  # σ = 0 while the noise is drawn; the nominal σ stays everywhere else

@@ -62,7 +62,7 @@ def _load_glue():
 
 
 def run_one(args, mode: str, seed: int) -> dict:
-    import hf_dp.selection as selection
+    import hf_dp.tuning.search as selection
 
     glue = _load_glue()
     out = os.path.join(RUNS_DIR, f"{args.task}-{mode}-s{seed}")

@@ -167,7 +167,7 @@ class DPTrainingArguments(TrainingArguments):
     audit_canaries: int | None = field(
         default=None,
         metadata={
-            "help": "One-run privacy audit (Steinke, Nasr & Jagielski 2023; hf_dp.one_run_audit): m >= 100 black-box "
+            "help": "One-run privacy audit (Steinke, Nasr & Jagielski 2023; hf_dp.audit.canaries): m >= 100 black-box "
             "canaries (random token sequences with random labels), each added to the training set with probability 1/2 "
             "by a draw kept in memory only (never in the model, checkpoints, logs or privacy.json); after training the "
             "canaries are scored, inclusion guessed, and an empirical lower bound on epsilon (at 95 percent confidence) written "
@@ -185,7 +185,7 @@ class DPTrainingArguments(TrainingArguments):
     prior_privacy: str = field(
         default="auto",
         metadata={
-            "help": "What the ledger does with earlier DP training of the model (hf_dp.lineage): auto (count the earlier "
+            "help": "What the ledger does with earlier DP training of the model (hf_dp.run.lineage): auto (count the earlier "
             "runs on the same training data; warn about runs on other data or data that cannot be compared, e.g. a "
             "model loaded from a release), continue (count every earlier run: the data overlap), separate (count none: "
             "the data share no example; refused on the same data), or the path of a release's privacy.json (or its "
@@ -263,7 +263,7 @@ class DPTrainingArguments(TrainingArguments):
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:
                 raise ValueError(f"--max_rows_per_unit must be a whole number >= 1, got {k!r}")
         m = self.audit_canaries
-        if m is not None:  # the limits of hf_dp.one_run_audit.check_canary_count (MIN_CANARIES, AUDIT_BETA)
+        if m is not None:  # the limits of hf_dp.audit.canaries.check_canary_count (MIN_CANARIES, AUDIT_BETA)
             if isinstance(m, bool) or not isinstance(m, int) or m < 100:
                 raise ValueError(f"--audit_canaries must be a whole number >= 100 (fewer canaries cannot refute any useful "
                                  f"epsilon), got {m!r}")

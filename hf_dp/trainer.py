@@ -24,11 +24,11 @@ What it changes, and nothing else (each override calls ``super()``):
   runs in ``no_sync`` for every micro-batch (DDP all-reduces no raw gradient); each rank clips its own
   examples and the privatizer all-reduces the noisy clipped sum once per logical batch. Under FSDP2
   (``--fsdp full_shard``) two-pass ghost clipping runs on the shards and each rank adds the noise to its own shard
-  (:mod:`hf_dp.sharding`); DeepSpeed is refused under DP (docs/fsdp.md).
+  (:mod:`hf_dp.clipping.sharding`); DeepSpeed is refused under DP (docs/fsdp.md).
 * ``log``: adds ``epsilon`` (spent so far) and drops HF's ``grad_norm`` (the norm of the
   *non-private* gradient). The logged training loss is **not** private (it is computed from the
   private batch); eval metrics are computed on the eval set.
-* ``hyperparameter_search``: under DP, private selection (:mod:`hf_dp.selection`): the best of a random number of
+* ``hyperparameter_search``: under DP, private selection (:mod:`hf_dp.tuning.search`): the best of a random number of
   fresh DP runs, ε the selection's total (``backend="dp_random_stopping"``; without DP, HF's own search).
 * ``save_model`` / ``create_model_card``: a plain ``PreTrainedModel`` (LoRA merged), the tokenizer,
   ``privacy.json`` and a model card stating the guarantee.
@@ -40,9 +40,9 @@ training data (the completion marker records a fingerprint of it), and counts th
 interrupted run took past the checkpoint it resumes from.
 ``_save_checkpoint`` writes the completion marker ``hf_dp_checkpoint.json`` after HF's files and
 before old checkpoints are rotated; ``train(resume_from_checkpoint=True|path)`` only resumes from a
-complete checkpoint, and ε counts every noisy step ever taken (see :mod:`hf_dp.checkpointing`).
+complete checkpoint, and ε counts every noisy step ever taken (see :mod:`hf_dp.run.checkpointing`).
 Under FSDP2 a checkpoint is sharded (the model's shards as HF writes them, the privatizer's state with the ledger by
-``torch.distributed.checkpoint``; :mod:`hf_dp.sharding`) and resumes under FSDP with as many processes.
+``torch.distributed.checkpoint``; :mod:`hf_dp.clipping.sharding`) and resumes under FSDP with as many processes.
 """
 
 from __future__ import annotations
@@ -63,9 +63,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_dp import __version__
 from hf_dp.arguments import DPTrainingArguments, check_no_full_eval_cast
-from hf_dp import checkpointing, contract, sharding
-from hf_dp import lineage
-from hf_dp import one_run_audit
+from hf_dp.clipping import sharding
+from hf_dp.run import checkpointing
+from hf_dp.run import contract
+from hf_dp.run import lineage
+from hf_dp.audit import canaries
 from hf_dp.hub import report, write_privacy_artifacts
 from hf_dp.hub.describe import card_fields
 from hf_dp.clipping import ClippingEngine, choose_engine, make_engine, unwrap_for_save
@@ -79,15 +81,15 @@ from hf_dp.privacy.privatizer import PrivateOptimizer
 from hf_dp.privacy.randomness import SEEDED, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
 from hf_dp.models.loss import OBJECTIVES, objective_for, per_example_loss, positions_from_mask
-from hf_dp.training_data import EMPTY_KEY as _EMPTY_KEY
-from hf_dp.training_data import example_lengths
-from hf_dp.training_data import UNITS_KEY as _UNITS_KEY
-from hf_dp.training_data import EmptySafeCollator as _EmptySafeCollator
-from hf_dp.training_data import UnitTagged as _UnitTagged
-from hf_dp.training_data import unit_rows as _unit_rows
-from hf_dp.training_data import PoissonDataLoader as _PoissonDataLoader
-from hf_dp.training_data import check_eval_is_not_train as _check_eval_is_not_train
-from hf_dp.training_data import refuse_sharding as _refuse_sharding
+from hf_dp.run.data import EMPTY_KEY as _EMPTY_KEY
+from hf_dp.run.data import example_lengths
+from hf_dp.run.data import UNITS_KEY as _UNITS_KEY
+from hf_dp.run.data import EmptySafeCollator as _EmptySafeCollator
+from hf_dp.run.data import UnitTagged as _UnitTagged
+from hf_dp.run.data import unit_rows as _unit_rows
+from hf_dp.run.data import PoissonDataLoader as _PoissonDataLoader
+from hf_dp.run.data import check_eval_is_not_train as _check_eval_is_not_train
+from hf_dp.run.data import refuse_sharding as _refuse_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -97,21 +99,21 @@ _MIN_TRANSFORMERS = "5.0.0"
 # Checked against transformers 5.23.0 and 5.24.0 (5.24 changed neither method; _check_transformers_version admits
 # >=5.0,<6). Everything else DPTrainer overrides is public — __init__, get_train_dataloader,
 # create_optimizer, compute_loss, training_step, log, train, evaluate, predict, save_model,
-# create_model_card, create_accelerator_and_postprocess (--fsdp on CPU: hf_dp.sharding), num_examples,
-# hyperparameter_search (under DP: hf_dp.selection) — and the budget stop is a TrainerCallback (_BudgetGuard).
+# create_model_card, create_accelerator_and_postprocess (--fsdp on CPU: hf_dp.clipping.sharding), num_examples,
+# hyperparameter_search (under DP: hf_dp.tuning.search) — and the budget stop is a TrainerCallback (_BudgetGuard).
 HF_PRIVATE_API_CHECKED_WITH = ("5.23.0", "5.24.0")
 HF_PRIVATE_OVERRIDES = {
     # method: why no public hook serves
     "_save_checkpoint": "the completion marker must be written after HF's files and before old checkpoints are "
     "rotated; HF rotates inside _save_checkpoint, and on_save (the first public hook) runs after the rotation",
     "_save_optimizer_and_scheduler": "under DP with FSDP the privatizer's state (the sharded rule state and the ledger) "
-    "is written with torch.distributed.checkpoint (hf_dp.sharding.save_checkpoint_state): Accelerate's "
+    "is written with torch.distributed.checkpoint (hf_dp.clipping.sharding.save_checkpoint_state): Accelerate's "
     "save_fsdp_optimizer, which HF calls there, reads torch's optimizer state format only; elsewhere HF's own",
     "_load_optimizer_and_scheduler": "the ledger that optimizer.pt just restored must be checked (marker, data "
     "fingerprint, budget) and topped up with steps taken past the checkpoint before training resumes, and the "
     "frozen-prefix caches checked against the weights HF has just loaded; "
     "on_train_begin runs later and gets neither the checkpoint nor the ledger as it was before the load; under DP "
-    "with FSDP the privatizer's sharded state is loaded there (hf_dp.sharding.load_checkpoint_state: Accelerate's "
+    "with FSDP the privatizer's sharded state is loaded there (hf_dp.clipping.sharding.load_checkpoint_state: Accelerate's "
     "load_fsdp_optimizer would step the empty optimizer on zero gradients first)",
     "_get_train_sampler": "under DP the Poisson sampler replaces HF's, so HF's is not built (its group_by_length "
     "sampler would read every row's input_ids, which a prefix cache does not have); without DP a prefix cache's own "
@@ -200,15 +202,15 @@ class DPTrainer(Trainer):
             # --trainable applies to non-private baselines too, so that they train the same parameters
             lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
             model, self.trainable_info = apply_trainable(model, args.trainable, lora_config)
-            if args.dp_enabled and sharding.fsdp_requested(args):  # FSDP2 under DP: hf_dp.sharding
+            if args.dp_enabled and sharding.fsdp_requested(args):  # FSDP2 under DP: hf_dp.clipping.sharding
                 sharding.check_model(model)
                 sharding.check_processes(args)
         #: how each example's loss is computed under DP (hf_dp.models.loss; check_head refused heads without one)
         self.objective = (objective_for(model) or OBJECTIVES["sequence_classification"]) if model is not None else None
         self._fingerprint_source, self._train_fingerprint = train_dataset, None  # before any caching
-        self._dp_init_kwargs = dict(kwargs)  # what a private selection's trials are built with (hf_dp.selection)
-        # --audit_canaries: the included canaries appended (the real rows stay the fingerprint's source; hf_dp.one_run_audit)
-        train_dataset = one_run_audit.attach(self, model, args, train_dataset, kwargs.get("processing_class"))
+        self._dp_init_kwargs = dict(kwargs)  # what a private selection's trials are built with (hf_dp.tuning.search)
+        # --audit_canaries: the included canaries appended (the real rows stay the fingerprint's source; hf_dp.audit.canaries)
+        train_dataset = canaries.attach(self, model, args, train_dataset, kwargs.get("processing_class"))
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         if args.dp_enabled:
             _check_eval_is_not_train(self.eval_dataset, self.train_dataset)
@@ -222,7 +224,7 @@ class DPTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
-        sharding.enable_on_cpu(self)  # --fsdp on CPU/gloo: the plugin Accelerate drops there (hf_dp.sharding)
+        sharding.enable_on_cpu(self)  # --fsdp on CPU/gloo: the plugin Accelerate drops there (hf_dp.clipping.sharding)
 
     # ------------------------------------------------------------------------------------------------
     # frozen-prefix caching (--cache_frozen_features): hf_dp.models.cache_manager
@@ -245,11 +247,11 @@ class DPTrainer(Trainer):
     def _check_not_train(self, dataset) -> None:
         """Under DP, at every evaluate() / predict(): the data evaluated is not (and does not overlap) the training
         set, whatever was passed at construction, nor the held-out private set a private selection scored its trials
-        on (:func:`hf_dp.selection.refuse_evaluating_the_score_set`)."""
+        on (:func:`hf_dp.tuning.search.refuse_evaluating_the_score_set`)."""
         if isinstance(dataset, str) and isinstance(self.eval_dataset, dict):
             dataset = self.eval_dataset.get(dataset)
         if getattr(self, "private_score_sets", None):
-            from hf_dp.selection import refuse_evaluating_the_score_set
+            from hf_dp.tuning.search import refuse_evaluating_the_score_set
 
             refuse_evaluating_the_score_set(self, dataset)
         if not self.args.dp_enabled:
@@ -287,7 +289,7 @@ class DPTrainer(Trainer):
         contract.check_labels(self._fingerprint_source, getattr(self.model, "config", None), self.objective)
         contract.check_token_ids(self._fingerprint_source, getattr(self.model, "config", None))
         self._setup_units(n)
-        one_run_audit.extend_units(self, n)  # --audit_canaries: one unit per canary, included or not (N = real + m)
+        canaries.extend_units(self, n)  # --audit_canaries: one unit per canary, included or not (N = real + m)
         n = self.num_units
         world = max(1, args.world_size)
         self.privacy_spec, steps_per_epoch, self.planned_epsilon = plan_mechanism(
@@ -300,7 +302,7 @@ class DPTrainer(Trainer):
         q, b, planned, sigma = spec.sample_rate, int(spec.expected_batch_size), spec.planned_steps, spec.noise_multiplier
         self.ledger = PrivacyLedger(spec)
         self.ledger.meta["privacy_unit"] = args.privacy_unit_column  # each run's record says what it protected
-        lineage.adopt_model_ledger(self)  # the earlier runs the model carries (--prior_privacy; hf_dp.lineage)
+        lineage.adopt_model_ledger(self)  # the earlier runs the model carries (--prior_privacy; hf_dp.run.lineage)
         self.randomness = source_name(args.dp_seed, args.secure_rng)
         if self.randomness == SEEDED:
             logger.warning(
@@ -321,7 +323,7 @@ class DPTrainer(Trainer):
         self._dp_noise_seed = args.dp_seed
         #: the run's lineage: a random public id written with every record of steps taken (a resume is a new run, its
         #: parent the checkpoint's run); under --dp_seed, a resume that is not a clean continuation keys its seeded
-        #: streams with it (ledger.meta["stream_tag"], hf_dp.checkpointing.reconcile_resumed_ledger)
+        #: streams with it (ledger.meta["stream_tag"], hf_dp.run.checkpointing.reconcile_resumed_ledger)
         self.run_id = secrets.token_hex(8)
         self._dp_optimizer: PrivateOptimizer | None = None
         self._loss_scale: float | None = None
@@ -371,7 +373,7 @@ class DPTrainer(Trainer):
         all-reduces the noisy clipped sum once per logical batch. FSDP and DeepSpeed are refused."""
         _refuse_sharding(self.args, getattr(self, "is_fsdp_enabled", False), getattr(self, "is_deepspeed_enabled", False))
         self._fsdp = bool(getattr(self, "is_fsdp_enabled", False))
-        if self._fsdp:  # FSDP2: two-pass ghost clipping only (hf_dp.sharding)
+        if self._fsdp:  # FSDP2: two-pass ghost clipping only (hf_dp.clipping.sharding)
             if self.args.clipping == "auto":
                 logger.info("hf_dp: --clipping auto chose ghost_two_pass: the only engine supported under FSDP")
             return choose_engine("ghost_two_pass", self.model, optim=self.args.optim, rule_cls=get_entry(self.args.optim).rule_cls,
@@ -508,7 +510,7 @@ class DPTrainer(Trainer):
         self._empty_micro_batch = empty
         self._units = None if units is None else units.to(losses.device)
         fsdp = getattr(self, "_fsdp", False) and sharding.is_fsdp_model(model)
-        if fsdp:  # every micro-batch's pass 2 reduce-scattered, summed over ranks (hf_dp.sharding)
+        if fsdp:  # every micro-batch's pass 2 reduce-scattered, summed over ranks (hf_dp.clipping.sharding)
             sharding.prepare_micro_batch(model)
         # ghost_two_pass: its pass 1 (the norms) runs here; under FSDP on every rank for every micro-batch, the empty
         # one's placeholder included (its loss is then multiplied by 0), so that the ranks' all-gathers stay in step
@@ -562,14 +564,14 @@ class DPTrainer(Trainer):
         if not self.args.dp_enabled:
             return math.inf
         selection = getattr(self, "hyperparameter_selection", None)
-        if selection is not None:  # the model a private selection released: the selection's total (hf_dp.selection)
+        if selection is not None:  # the model a private selection released: the selection's total (hf_dp.tuning.search)
             return float(selection["total_epsilon"])
         return self.ledger.get_epsilon()  # the ledger counts every noisy step, an interrupted run's included
 
     def _record_spent(self, compute_epsilon: bool = True) -> None:
         """Write the record of steps taken (the count is what resumes rely on; ε is informative, and with
         ``compute_epsilon=False`` written only when the ledger already has it), the run's records in the checkpoints
-        it resumed from, and the model's public ledger record (:func:`hf_dp.lineage.record_spent`)."""
+        it resumed from, and the model's public ledger record (:func:`hf_dp.run.lineage.record_spent`)."""
         if self.args.dp_enabled:
             lineage.record_spent(self, compute_epsilon)
         else:
@@ -584,7 +586,7 @@ class DPTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.args.dp_enabled:
             logs.pop("grad_norm", None)  # norm of the non-private gradient: never logged
-            self._record_spent()  # persisted before it is reported (see hf_dp.checkpointing)
+            self._record_spent()  # persisted before it is reported (see hf_dp.run.checkpointing)
             logs["epsilon"] = self.get_epsilon()
             rule = getattr(self._dp_optimizer, "rule", None)
             if getattr(rule, "last_clamp_rate", None) is not None:
@@ -602,7 +604,7 @@ class DPTrainer(Trainer):
                               backend=None, hp_name=None, *, model_init=None, distribution="geometric", eta=None,
                               score_data=None, score_dataset=None, score_noise_multiplier=None, example_score=None,
                               **kwargs):
-        """Under DP: private selection (``backend="dp_random_stopping"``, :mod:`hf_dp.selection`): the best of K
+        """Under DP: private selection (``backend="dp_random_stopping"``, :mod:`hf_dp.tuning.search`): the best of K
         fresh DP runs, K random with mean ``n_trials`` (``distribution``: geometric, logarithmic, negative_binomial
         with ``eta``, poisson), each with a configuration drawn from ``hp_space`` (a dict ``{flag: [choices]}`` or HF's
         function ``trial -> dict``) and a model from ``model_init``, scored by ``compute_objective(evaluate())`` on an
@@ -613,28 +615,28 @@ class DPTrainer(Trainer):
         ``privacy.json`` report the total. Without DP: HF's own search."""
         if not self.args.dp_enabled:
             return super().hyperparameter_search(hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
-        from hf_dp import selection
+        from hf_dp.tuning import search
 
         if kwargs:
             raise ValueError(f"hyperparameter_search under DP takes no backend options ({', '.join(sorted(kwargs))})")
-        return selection.run_search(self, hp_space=hp_space, compute_objective=compute_objective, n_trials=n_trials,
-                                    direction=direction, backend=backend, model_init=model_init,
-                                    distribution=distribution, eta=eta, score_data=score_data, hp_name=hp_name,
-                                    score_dataset=score_dataset, score_noise_multiplier=score_noise_multiplier,
-                                    example_score=example_score)
+        return search.run_search(self, hp_space=hp_space, compute_objective=compute_objective, n_trials=n_trials,
+                                 direction=direction, backend=backend, model_init=model_init,
+                                 distribution=distribution, eta=eta, score_data=score_data, hp_name=hp_name,
+                                 score_dataset=score_dataset, score_noise_multiplier=score_noise_multiplier,
+                                 example_score=example_score)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if getattr(self, "hyperparameter_selection", None) is not None:
-            from hf_dp.selection import refuse_train_after_selection
+            from hf_dp.tuning.search import refuse_train_after_selection
 
             refuse_train_after_selection(self)
-        # only complete checkpoints (with hf_dp's marker) are resumed from; see hf_dp.checkpointing
+        # only complete checkpoints (with hf_dp's marker) are resumed from; see hf_dp.run.checkpointing
         resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        if self.args.dp_enabled and resume_from_checkpoint is not None:  # FSDP's sharded checkpoints (hf_dp.sharding)
+        if self.args.dp_enabled and resume_from_checkpoint is not None:  # FSDP's sharded checkpoints (hf_dp.clipping.sharding)
             sharding.check_resume(resume_from_checkpoint, checkpointing.read_marker(resume_from_checkpoint),
                                   getattr(self, "_fsdp", False), self.args.world_size)
         self.resumed_from = resume_from_checkpoint
-        one_run_audit.before_train(self, resume_from_checkpoint)  # --audit_canaries: no resume, one train()
+        canaries.before_train(self, resume_from_checkpoint)  # --audit_canaries: no resume, one train()
         if self.args.dp_enabled and self._dp_optimizer is not None:
             # an interrupted step's clipped sums (e.g. an exception between micro-batches) never reach a later step
             self._dp_optimizer.discard_pending()
@@ -645,12 +647,12 @@ class DPTrainer(Trainer):
                     f"refusing to train: {self.ledger.steps} noisy steps were already taken (epsilon "
                     f"{self.get_epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
                 )
-        lineage.before_train(self, resume_from_checkpoint)  # the model's ledger, another run's checkpoints (hf_dp.lineage)
+        lineage.before_train(self, resume_from_checkpoint)  # the model's ledger, another run's checkpoints (hf_dp.run.lineage)
         with self._suffix_ctx(), _library_bars_off():
             if self.args.dp_enabled:
                 self._check_contract()
             out = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        one_run_audit.after_train(self)  # --audit_canaries: score, bound (trainer.audit_record), drop the draw
+        canaries.after_train(self)  # --audit_canaries: score, bound (trainer.audit_record), drop the draw
         return out
 
     def num_examples(self, dataloader) -> int:
@@ -660,7 +662,7 @@ class DPTrainer(Trainer):
         return super().num_examples(dataloader)
 
     def _check_contract(self) -> None:
-        """At every ``train()``, before any step (see :mod:`hf_dp.contract`): the mechanism is still the one planned,
+        """At every ``train()``, before any step (see :mod:`hf_dp.run.contract`): the mechanism is still the one planned,
         every rank holds the same data in the same order, and each example's loss depends on that example alone."""
         if self.train_dataset is not self._planned_train_dataset:
             raise ValueError(
@@ -738,7 +740,7 @@ class DPTrainer(Trainer):
 
     def _checkpoint_info(self) -> dict:
         info = {"hf_dp_version": __version__, "global_step": self.state.global_step, "differential_privacy": self.args.dp_enabled}
-        if getattr(self, "is_fsdp_enabled", False):  # sharded: resumed under FSDP with as many processes (hf_dp.sharding)
+        if getattr(self, "is_fsdp_enabled", False):  # sharded: resumed under FSDP with as many processes (hf_dp.clipping.sharding)
             info["fsdp"] = {"world_size": self.args.world_size}
         if self.args.dp_enabled:
             info.update(
@@ -751,10 +753,10 @@ class DPTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         # a checkpoint iff called from _save_checkpoint (a release folder may be named "checkpoint-…" too)
         is_checkpoint = getattr(self, "_saving_checkpoint", False)
-        self._record_spent()  # on record (and in the model's config.json: hf_dp.lineage) before the model is written
+        self._record_spent()  # on record (and in the model's config.json: hf_dp.run.lineage) before the model is written
         if getattr(self, "_fsdp", False) and sharding.is_fsdp_model(self.model) and is_checkpoint and not self.args.save_only_model:
             # FSDP2, a checkpoint: the model stays sharded (its shards are written with the optimizer's, by
-            # _save_optimizer_and_scheduler: hf_dp.sharding.save_checkpoint_state); rank 0 writes its config
+            # _save_optimizer_and_scheduler: hf_dp.clipping.sharding.save_checkpoint_state); rank 0 writes its config
             if self.args.should_save:
                 os.makedirs(output_dir, exist_ok=True)
                 self.model.config.save_pretrained(output_dir)
@@ -763,7 +765,7 @@ class DPTrainer(Trainer):
                 torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         elif getattr(self, "_fsdp", False) and sharding.is_fsdp_model(self.model):
             # FSDP2: the full model gathered from the shards (every rank takes part), written by rank 0 as a plain
-            # save_pretrained folder (HF's own FSDP save path reads the Accelerate state, see hf_dp.sharding)
+            # save_pretrained folder (HF's own FSDP save path reads the Accelerate state, see hf_dp.clipping.sharding)
             state_dict = sharding.full_state_dict(self.model)
             if self.args.should_save:
                 os.makedirs(output_dir, exist_ok=True)

@@ -83,18 +83,25 @@ MAY_IMPORT = [
     ("hf_dp.optim.*", MODULE_LEVEL, ["hf_dp.optim.*"]),
     ("hf_dp.privacy.*", ANYWHERE, ["hf_dp.privacy.*", "hf_dp.optim.base"]),
     ("hf_dp.models.*", ANYWHERE, ["hf_dp.models.*"]),
-    ("hf_dp.clipping.*", ANYWHERE, ["hf_dp.clipping.*", "hf_dp.models.*"]),
+    # (clipping.sharding, FSDP2 under DP, reads which update rules have a per-sample affine map: refused under FSDP)
+    ("hf_dp.clipping.*", ANYWHERE, ["hf_dp.clipping.*", "hf_dp.models.*", "hf_dp.optim.registry", "hf_dp.optim.base"]),
     ("hf_dp.hub.*", ANYWHERE, ["hf_dp.hub.*", "hf_dp", "hf_dp.privacy.randomness"]),
-    ("hf_dp.checkpointing", ANYWHERE, ["hf_dp.privacy.accounting"]),
-    ("hf_dp.lineage", ANYWHERE, ["hf_dp.checkpointing", "hf_dp.privacy.accounting"]),
-    ("hf_dp.selection", ANYWHERE, ["hf_dp.privacy.selection", "hf_dp.privacy.randomness", "hf_dp.training_data",
-                                    "hf_dp.lineage"]),
-    ("hf_dp.audit_stats", ANYWHERE, []),
-    ("hf_dp.one_run_audit", ANYWHERE, []),  # the trainer imports it (--audit_canaries): it takes the trainer as an argument
+    # the guards of one run: below the trainer, above the models, the sampler and the accountant
+    ("hf_dp.run.*", ANYWHERE, ["hf_dp.run.*", "hf_dp.flags", "hf_dp.models.*", "hf_dp.privacy.accounting",
+                               "hf_dp.privacy.sampler", "hf_dp.clipping.sharding"]),
+    ("hf_dp.run.checkpointing", ANYWHERE, ["hf_dp.privacy.accounting"]),
+    ("hf_dp.run.lineage", ANYWHERE, ["hf_dp.run.checkpointing", "hf_dp.privacy.accounting"]),
+    ("hf_dp.tuning.*", ANYWHERE, ["hf_dp.tuning.*", "hf_dp.privacy.selection", "hf_dp.privacy.randomness",
+                                  "hf_dp.run.data", "hf_dp.run.lineage"]),
+    # the audits sit on top of the library: they drive the mechanism or DPTrainer; nothing below imports them
+    ("hf_dp.audit.*", ANYWHERE, ["hf_dp.audit.*", "hf_dp.arguments", "hf_dp.trainer", "hf_dp.run.contract",
+                                 "hf_dp.clipping.hooks", "hf_dp.optim.*", "hf_dp.privacy.*"]),
+    ("hf_dp.audit.stats", ANYWHERE, []),
+    ("hf_dp.audit.canaries", ANYWHERE, []),  # the trainer imports it (--audit_canaries): it takes the trainer as an argument
 ]
 # modules of hf_dp that only the listed importers may import
 ONLY_IMPORTED_BY = {
-    "hf_dp.trainer": ["hf_dp", "hf_dp.audit_trainer"],  # the package's lazy `hf_dp.DPTrainer`; the audit's trainer path
+    "hf_dp.trainer": ["hf_dp", "hf_dp.audit.trainer_path"],  # the package's lazy `hf_dp.DPTrainer`; the audit's trainer path
 }
 # top-level packages of this repository that nothing in hf_dp imports
 NEVER_IMPORTED = ("recipes", "benchmarks", "tests")
@@ -186,8 +193,8 @@ def test_the_import_rules_name_existing_modules():
         assert any(_matches(m, pattern) for m in MODULES), f"the import rules name {pattern}, which matches no module"
     assert "hf_dp.optim.base" in _imports("hf_dp.privacy.privatizer")  # the parser sees what it should
     assert "hf_dp.models.freezing" in _imports("hf_dp.arguments")  # a package's re-export: the defining module
-    assert "hf_dp.trainer" in _imports("hf_dp.audit_trainer")  # inside a function
-    assert "hf_dp.trainer" not in _imports("hf_dp.audit_trainer", MODULE_LEVEL)
+    assert "hf_dp.trainer" in _imports("hf_dp.audit.trainer_path")  # inside a function
+    assert "hf_dp.trainer" not in _imports("hf_dp.audit.trainer_path", MODULE_LEVEL)
 
 
 @pytest.mark.parametrize("who,level,allowed", MAY_IMPORT, ids=[r[0] for r in MAY_IMPORT])

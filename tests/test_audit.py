@@ -1,4 +1,4 @@
-"""Empirical privacy audit (hf_dp.audit, hf_dp.audit_trainer): the statistics, the batched-trial
+"""Empirical privacy audit (hf_dp.audit.many_runs, hf_dp.audit.trainer_path): the statistics, the batched-trial
 construction, the real mechanism staying below the accountant's ε, power against broken privatizers,
 the certifiable ceiling and its warning, and the audit through DPTrainer (replayed batches, no noise).
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy.stats import beta, ks_2samp
 
-from hf_dp.audit import (
+from hf_dp.audit.many_runs import (
     AuditConfig,
     audit,
     clopper_pearson_upper,
@@ -221,7 +221,7 @@ def test_cli_module_entry_point():
 # power: the certifiable ceiling and the warning
 # ------------------------------------------------------------------------------------------------
 def test_ceiling_is_the_zero_error_bound_and_monotone():
-    from hf_dp.audit import certifiable_ceiling
+    from hf_dp.audit.many_runs import certifiable_ceiling
 
     for trials in (10, 101, 1000, 4000, 20000):
         # a perfectly non-private mechanism: every D' trial above every D trial, 0 errors in the evaluation part
@@ -237,7 +237,7 @@ def test_ceiling_is_the_zero_error_bound_and_monotone():
 
 def _claim_of(argv):
     """The claimed ε of a ``python -m hf_dp.audit`` command line (without running it)."""
-    from hf_dp.audit import build_parser
+    from hf_dp.audit.many_runs import build_parser
     from hf_dp.privacy.accounting import compute_epsilon
 
     a = build_parser().parse_args(argv)
@@ -252,7 +252,7 @@ def test_power_warning_fires_for_the_old_command_not_for_the_recommended_ones():
     import os
     import re
 
-    from hf_dp.audit import RECOMMENDED, low_power
+    from hf_dp.audit.many_runs import RECOMMENDED, low_power
 
     claim, a = _claim_of(OLD_README)
     assert claim == pytest.approx(7.43, abs=0.01) and low_power(claim, a.trials, a.delta)
@@ -261,17 +261,17 @@ def test_power_warning_fires_for_the_old_command_not_for_the_recommended_ones():
     readme = open(os.path.join(root, "README.md")).read()
     section = readme.split("## Checking the guarantee yourself", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"`python -m hf_dp\.audit ([^`]+)`", section)
-    import hf_dp.audit
+    import hf_dp.audit.many_runs
 
-    for text in (RECOMMENDED, hf_dp.audit.__doc__):  # the CLI epilog and the module docstring's Usage
+    for text in (RECOMMENDED, hf_dp.audit.many_runs.__doc__):  # the CLI epilog and the module docstring's Usage
         commands += [c.replace("\\\n", " ") for c in re.findall(r"python -m hf_dp\.audit ((?:\\\n|[^\n])+)", text)]
     assert len(commands) >= 10
     assert any("--one_run" in c for c in commands)
     for cmd in commands:
         claim, a = _claim_of(cmd.split())
-        if a.one_run:  # the one-run audit's ceiling: every guess right (hf_dp.one_run_audit.ceiling)
-            from hf_dp.audit import POWER_MARGIN
-            from hf_dp.one_run_audit import ceiling
+        if a.one_run:  # the one-run audit's ceiling: every guess right (hf_dp.audit.canaries.ceiling)
+            from hf_dp.audit.many_runs import POWER_MARGIN
+            from hf_dp.audit.canaries import ceiling
 
             assert claim < ceiling(a.canaries, a.delta, a.alpha) - POWER_MARGIN, cmd
         else:
@@ -292,7 +292,7 @@ def test_cli_warns_on_stderr_and_flags_the_row(capsys):
 
 
 # ------------------------------------------------------------------------------------------------
-# the trainer path (hf_dp.audit_trainer): DPTrainer, ghost clipping, checkpoint/resume, train() calls
+# the trainer path (hf_dp.audit.trainer_path): DPTrainer, ghost clipping, checkpoint/resume, train() calls
 # ------------------------------------------------------------------------------------------------
 class _ListSampler:
     """A stand-in batch sampler: epoch e yields [[e, 0], [e, 1], [e, 2]]."""
@@ -314,7 +314,7 @@ class _ListSampler:
 
 
 def test_replay_batch_sampler_records_substitutes_and_delegates():
-    from hf_dp.audit_trainer import ReplayBatchSampler
+    from hf_dp.audit.trainer_path import ReplayBatchSampler
 
     w = ReplayBatchSampler(_ListSampler())
     assert list(w) == [[0, 0], [0, 1], [0, 2]] and len(w) == 3
@@ -334,7 +334,7 @@ def test_trainer_path_noiseless_is_the_clipped_canary():
     """σ = 0 in the privatizer, q = 1, lr = B: each step moves a canary coordinate by exactly C (ghost clipping of a
     gradient of norm ~2e6), through a checkpoint + resume in a new trainer and a second train() call; D coordinates
     stay 0. The trainer's ledger counts every step and the claim is evaluated for those steps."""
-    from hf_dp.audit_trainer import TrainerAuditConfig, run_trainer_trials
+    from hf_dp.audit.trainer_path import TrainerAuditConfig, run_trainer_trials
     from hf_dp.privacy.accounting import compute_epsilon
 
     cfg = TrainerAuditConfig(variant="no_noise", sample_rate=1.0, steps=3, resume_at=1, train_calls=2, trials=8,
@@ -350,7 +350,7 @@ def test_trainer_path_no_clip_sums_unclipped_gradients():
     """Variant no_clip (used by the one-run audit): the engine clips to C = ∞ — a canary's gradient ≈ 2e6 moves its
     coordinate by ≈ 2e6 (lr = B, q = 1, one step) instead of C = 0.7; the noise keeps σ·C (D coordinates stay small);
     the optimizer's C is restored after every backward pass."""
-    from hf_dp.audit_trainer import TrainerAuditConfig, run_trainer_trials
+    from hf_dp.audit.trainer_path import TrainerAuditConfig, run_trainer_trials
 
     cfg = TrainerAuditConfig(variant="no_clip", noise_multiplier=0.5, sample_rate=1.0, steps=1, trials=8,
                              batch_trials=16, max_grad_norm=0.7)
@@ -361,7 +361,7 @@ def test_trainer_path_no_clip_sums_unclipped_gradients():
 def test_trainer_path_real_resume_is_not_a_violation():
     """One train() with a checkpoint at step 1, an interruption and a resume in a new DPTrainer (HF's data skip):
     correct on this branch."""
-    from hf_dp.audit_trainer import trainer_audit
+    from hf_dp.audit.trainer_path import trainer_audit
 
     r = trainer_audit(variant="real", noise_multiplier=0.5, steps=2, resume_at=1, trials=8192, **TRAINER)
     assert r.info["steps"] == 2
@@ -371,7 +371,7 @@ def test_trainer_path_real_resume_is_not_a_violation():
 
 
 def test_trainer_path_no_noise_is_a_violation():
-    from hf_dp.audit_trainer import trainer_audit
+    from hf_dp.audit.trainer_path import trainer_audit
 
     r = trainer_audit(variant="no_noise", noise_multiplier=0.5, steps=1, trials=4096, **TRAINER)
     assert r.eps_lower > r.eps_claimed + 2, r.row()
@@ -383,7 +383,7 @@ REPLAY4 = dict(noise_multiplier=0.6, steps=1, train_calls=4, trials=8000, **TRAI
 def test_trainer_path_replay_train_is_a_violation():
     """Four train() calls, the last three fed the first call's batches: true ε = ε(σ/2, q, 1) ≈ 6.1 against the
     claimed ε(σ, q, 4) = 2.59 at δ = 0.05."""
-    from hf_dp.audit_trainer import replay_epsilon, trainer_audit
+    from hf_dp.audit.trainer_path import replay_epsilon, trainer_audit
 
     assert replay_epsilon(0.6, 0.25, 1, 4, 0.05) > 6
     r = trainer_audit(variant="replay_train", **REPLAY4)
@@ -394,7 +394,7 @@ def test_trainer_path_replay_train_is_a_violation():
 def test_trainer_path_real_second_train_is_not_a_violation():
     """The same schedule as the replay_train test through the unmodified trainer (at 0b9495a, before the sampler
     drew fresh batches in every train() call, this was a VIOLATION: ε_lower 4.17 against the claimed 2.59)."""
-    from hf_dp.audit_trainer import trainer_audit
+    from hf_dp.audit.trainer_path import trainer_audit
 
     r = trainer_audit(variant="real", **REPLAY4)
     assert not r.violation, r.row()
@@ -403,7 +403,7 @@ def test_trainer_path_real_second_train_is_not_a_violation():
 @pytest.mark.slow
 def test_trainer_path_replay_resume_is_a_violation():
     """After the resume, step 2 is fed step 1's batch: true ε = ε(σ/√2, q, 1) = 4.16 against ε(σ, q, 2) = 2.62."""
-    from hf_dp.audit_trainer import trainer_audit
+    from hf_dp.audit.trainer_path import trainer_audit
 
     r = trainer_audit(variant="replay_resume", noise_multiplier=0.5, steps=2, resume_at=1, trials=100000, **TRAINER)
     assert r.violation, r.row()
@@ -414,7 +414,7 @@ def test_trainer_path_contract_breaks_are_violations(variant):
     """Issue 27 items 1 and 3 with DPTrainer's checks bypassed: two rows per drawn example (true ε = ε(σ/2, q, 1)),
     and gradient_accumulation_steps changed after construction (three Poisson draws per noisy step) — both claim the
     ε of one draw at q and come out VIOLATION; DPTrainer refuses both unmodified (tests/test_contract.py)."""
-    from hf_dp.audit_trainer import trainer_audit
+    from hf_dp.audit.trainer_path import trainer_audit
 
     r = trainer_audit(variant=variant, noise_multiplier=0.6, steps=1, trials=8000, **TRAINER)
     assert not r.low_power
@@ -423,7 +423,7 @@ def test_trainer_path_contract_breaks_are_violations(variant):
 
 def test_trainer_path_contract_variants_are_refused_without_the_bypass():
     """The same two breaks through the unmodified trainer fail before any step, in one sentence."""
-    from hf_dp.audit_trainer import CanaryDataset, TrainerAuditConfig, _args, _model_classes
+    from hf_dp.audit.trainer_path import CanaryDataset, TrainerAuditConfig, _args, _model_classes
     from hf_dp import DPTrainer
 
     _, CanaryModel = _model_classes()

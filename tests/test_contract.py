@@ -1,4 +1,4 @@
-"""The per-example contract enforced at run time (issue 27; hf_dp/contract.py).
+"""The per-example contract enforced at run time (issue 27; hf_dp/run/contract.py).
 
 Each test reproduces a way the reported ε could be false on ff55d8f — accepted silently there — and checks that it
 is now refused in one sentence before a step is taken (or, for a callback, before the step it would falsify).
@@ -192,7 +192,7 @@ def test_a_per_example_override_passes_the_probe_and_trains(tmp_path, tok, data,
 
 def test_the_probe_leaves_no_engine_state_behind(tmp_path, tok, data):
     """The probe's forwards run without autograd: the same dp_seed trains the same model with and without it."""
-    import hf_dp.contract as contract
+    import hf_dp.run.contract as contract
 
     a, _ = _trainer(tmp_path / "a", tok, data, clipping="ghost")
     a.train()

@@ -185,7 +185,7 @@ FAULTS = {
 
 
 def _checkpoints(out: str) -> dict[int, bool]:
-    from hf_dp.checkpointing import checkpoint_problem, list_checkpoints
+    from hf_dp.run.checkpointing import checkpoint_problem, list_checkpoints
 
     return {int(p.rsplit("-", 1)[1]): checkpoint_problem(p) is None for p in list_checkpoints(out)}
 
@@ -335,7 +335,7 @@ def finished_run(runs, tmp_path_factory):
 
 
 def test_explicit_half_written_checkpoint_is_refused(finished_run, tmp_path):
-    from hf_dp.checkpointing import IncompleteCheckpointError
+    from hf_dp.run.checkpointing import IncompleteCheckpointError
 
     import shutil
 

@@ -46,7 +46,7 @@ REFUSAL_EXAMPLES = [
     ("label_names", {"label_names": ["start_positions", "end_positions"]}),
     ("train_sampling_strategy", {"train_sampling_strategy": "batch_rebalance"}),
     ("train_sampling_strategy", {"train_sampling_strategy": "sequential"}),
-    ("fsdp_config", {"fsdp_config": {"version": 2}}),  # without --fsdp (--fsdp itself is adjusted: hf_dp.sharding)
+    ("fsdp_config", {"fsdp_config": {"version": 2}}),  # without --fsdp (--fsdp itself is adjusted: hf_dp.clipping.sharding)
     ("deepspeed", {"deepspeed": {"train_micro_batch_size_per_gpu": 8}}),
     ("debug", {"debug": "underflow_overflow"}),
     ("skip_memory_metrics", {"skip_memory_metrics": False}),
@@ -203,7 +203,7 @@ def test_jit_checkpoint_is_never_resumable_under_hf_dp(tmp_path):
     from transformers.trainer_jit_checkpoint import CheckpointManager
 
     from hf_dp import DPTrainer
-    from hf_dp.checkpointing import checkpoint_problem
+    from hf_dp.run.checkpointing import checkpoint_problem
     from tests.test_misuse import bert, dataset
 
     trainer = DPTrainer(model=bert(), args=_args(tmp_path, max_steps=1), train_dataset=dataset())

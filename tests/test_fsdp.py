@@ -1,4 +1,4 @@
-"""DP under FSDP2 (``--fsdp full_shard``, two-pass ghost clipping) on two CPU processes (gloo): hf_dp.sharding.
+"""DP under FSDP2 (``--fsdp full_shard``, two-pass ghost clipping) on two CPU processes (gloo): hf_dp.clipping.sharding.
 
 Two launches, one FSDP and one DDP (same ``--dp_seed``), each training one job after another in the same processes:
 full fine-tuning (``full``) and LoRA (``lora``, ``--trainable lora``); the FSDP launch then resumes a LoRA checkpoint.
@@ -305,7 +305,7 @@ def shard_noise_checks() -> dict:
     # the ranks' loss scales must agree (their gradients are summed before each undoes its own)
     import torch.distributed as dist
 
-    from hf_dp import sharding
+    from hf_dp.clipping import sharding
 
     sharding.check_loss_scale_agrees(0.25)
     try:
@@ -375,7 +375,7 @@ def test_fsdp_lora_trains_the_ddp_model_at_the_same_epsilon(launches):
 
 def test_fsdp_lora_release_is_the_merged_plain_model_equal_to_ddps(launches):
     """--trainable lora under FSDP: the release is the plain model with W + (α/r)·B·A merged from the gathered weights
-    (hf_dp.sharding.plain_release), not an adapter folder, and it equals DDP's release (hf_dp's merge without FSDP)."""
+    (hf_dp.clipping.sharding.plain_release), not an adapter folder, and it equals DDP's release (hf_dp's merge without FSDP)."""
     base, fsdp, _ = launches
     r0 = fsdp["lora"][0]
     import json

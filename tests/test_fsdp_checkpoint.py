@@ -1,4 +1,4 @@
-"""Sharded checkpoints under FSDP2 that resume with the privacy ledger (issue 30; hf_dp.sharding).
+"""Sharded checkpoints under FSDP2 that resume with the privacy ledger (issue 30; hf_dp.clipping.sharding).
 
 One 2-process gloo launch (``--fsdp full_shard``, tiny BERT, ``--dp_seed``, the noise on) trains, one after another:
 
@@ -230,9 +230,9 @@ def test_fsdp_checkpoint_is_refused_without_fsdp(runs, tmp_path):
 
 
 def test_check_resume_refuses_other_world_sizes_and_unsharded_checkpoints(tmp_path):
-    """hf_dp.sharding.check_resume on its own (no launch): another number of processes under FSDP, a checkpoint
+    """hf_dp.clipping.sharding.check_resume on its own (no launch): another number of processes under FSDP, a checkpoint
     without the DP optimizer's shards, a checkpoint written without FSDP resumed under it; the accepted cases."""
-    from hf_dp.sharding import OPTIMIZER_DIR, check_resume
+    from hf_dp.clipping.sharding import OPTIMIZER_DIR, check_resume
 
     ckpt = tmp_path / "checkpoint-2"
     (ckpt / OPTIMIZER_DIR).mkdir(parents=True)
@@ -280,7 +280,7 @@ def test_a_crafted_checkpoint_runs_no_code_at_resume(tmp_path, where):
     import pickle
     import types
 
-    from hf_dp.sharding import OPTIMIZER_DIR, check_resume, load_checkpoint_state
+    from hf_dp.clipping.sharding import OPTIMIZER_DIR, check_resume, load_checkpoint_state
 
     ckpt, ran = tmp_path / "checkpoint-2", tmp_path / "ran"
     optimizer = {"optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": []}]}, "hf_dp": b"ledger"}
@@ -310,7 +310,7 @@ def test_a_crafted_model_folder_runs_no_code_at_resume(tmp_path, where):
 
     import torch.distributed.checkpoint as dcp
 
-    from hf_dp.sharding import OPTIMIZER_DIR, check_resume
+    from hf_dp.clipping.sharding import OPTIMIZER_DIR, check_resume
 
     ckpt, ran = tmp_path / "checkpoint-2", tmp_path / "ran"
     _dcp_save({"optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": []}]}, "hf_dp": b"ledger"},

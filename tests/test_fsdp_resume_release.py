@@ -4,7 +4,7 @@
   checkpoint-2 (its ledger counts U's 2 steps past it, so its first step is ledger step 4), R4 resumes checkpoint-4
   (ledger step 4 too). Before the fix both keyed the FSDP noise of each (parameter, shard) by the ledger step alone and
   drew the same noise (the difference of the two models' updates noise-free); now R2, not a clean continuation, keys
-  its streams by an id of its own (hf_dp.checkpointing.reconcile_resumed_ledger);
+  its streams by an id of its own (hf_dp.run.checkpointing.reconcile_resumed_ledger);
 * ``save_model()`` into a folder whose name starts with ``checkpoint-`` is a release like any other: it writes the
   gathered model's weights (before the fix it took the folder's name for a checkpoint and wrote no weights, only the
   config, the card and privacy.json). A checkpoint is what ``DPTrainer._save_checkpoint`` writes, not a name.

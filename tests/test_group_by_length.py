@@ -8,7 +8,7 @@ import torch
 
 from hf_dp import DPTrainer
 from hf_dp.privacy.sampler import PoissonBatchSampler
-from hf_dp.training_data import example_lengths
+from hf_dp.run.data import example_lengths
 
 from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
 

@@ -230,7 +230,7 @@ def test_a_non_private_run_after_dp_training_is_marked_in_the_release(ds, collat
 def test_forks_of_one_checkpoint_count_each_other(ds, collator, tmp_path, caplog):
     """ff55d8f: two forks of checkpoint-2 each claimed 4 + 2 = 6 steps; a third one into fork 1's folder 8; the
     lineage took 4 + 2 + 2 + 2 = 10."""
-    from hf_dp.checkpointing import checkpoint_problem
+    from hf_dp.run.checkpointing import checkpoint_problem
 
     out = tmp_path / "run"
     original = _trainer(out, ds, collator, max_steps=4, save_strategy="steps", save_steps=2, save_total_limit=None)
@@ -321,7 +321,7 @@ def test_every_runs_record_is_kept(ds, collator, tmp_path):
     b.train()
     record = (out / "hf_dp_epsilon_spent.json").read_text()
     assert a.run_id in record and b.run_id in record  # ff55d8f: b's record replaced a's
-    from hf_dp.checkpointing import read_spent, read_spent_runs
+    from hf_dp.run.checkpointing import read_spent, read_spent_runs
 
     runs = read_spent_runs(str(out))
     assert runs[a.run_id]["steps"] == 2 and runs[b.run_id]["steps"] == 3
@@ -337,7 +337,7 @@ def test_the_single_record_format_is_read_and_kept(ds, collator, tmp_path):
     t = _trainer(out, ds, collator, max_steps=2)
     t.train()
     assert "0123456789abcdef" in (out / "hf_dp_epsilon_spent.json").read_text()  # ff55d8f: replaced
-    from hf_dp.checkpointing import read_spent_runs
+    from hf_dp.run.checkpointing import read_spent_runs
 
     runs = read_spent_runs(str(out))
     assert runs["0123456789abcdef"]["steps"] == 7 and runs[t.run_id]["steps"] == 2
@@ -350,7 +350,7 @@ def test_the_data_reference_never_leaves_memory():
     import copy
     import pickle
 
-    from hf_dp.lineage import DataRef
+    from hf_dp.run.lineage import DataRef
 
     rows = [{"input_ids": [1, 2], "labels": 0}]  # a list: no weak reference, held
     ref = DataRef(rows, 1)
@@ -363,7 +363,7 @@ def test_the_data_reference_never_leaves_memory():
 
 def test_a_resume_record_leaves_the_checkpoint_folder_times_alone(tmp_path):
     """HF rotates checkpoints by mtime: a record of a resume must not make an old checkpoint look new."""
-    from hf_dp.checkpointing import read_resume_records, write_resume_record
+    from hf_dp.run.checkpointing import read_resume_records, write_resume_record
 
     folder = tmp_path / "checkpoint-2"
     folder.mkdir()

@@ -266,7 +266,7 @@ class PoisonCollator:
         return batch
 
 
-#: DPTrainer's per-example contract probe (hf_dp/contract.py) runs compute_loss on the first training rows; NaN
+#: DPTrainer's per-example contract probe (hf_dp/run/contract.py) runs compute_loss on the first training rows; NaN
 #: gradients there would be compared with themselves (NaN != NaN), so the poisoned rows start after them
 PROBE_ROWS = 16
 
@@ -325,7 +325,7 @@ def test_train_with_bad_labels_in_every_batch_releases_a_finite_model(tmp_path, 
     """Every 4th row's label (after the first PROBE_ROWS) is 1e30, resp. -1e38, inside the collator — finite labels,
     so no check refuses them, but their squared gradient norms overflow float32: train() releases a finite model,
     the same for both (those rows contribute nothing either way; same --dp_seed, so the same batches and noise). A NaN
-    label made by the collator is refused before any step (hf_dp.contract.check_every_row: a refusal at the step
+    label made by the collator is refused before any step (hf_dp.run.contract.check_every_row: a refusal at the step
     that draws the row would reveal it)."""
     ds = _regression_dataset(tok, 64, poison_every=4)
     params = {}

@@ -1,4 +1,4 @@
-"""The one-run audit (hf_dp.one_run_audit; Steinke, Nasr & Jagielski 2023): the bound's arithmetic against the paper's
+"""The one-run audit (hf_dp.audit.canaries; Steinke, Nasr & Jagielski 2023): the bound's arithmetic against the paper's
 formula recomputed here from the binomial tail, its validity on the extremal ε-DP mechanism, the guessing, the
 black-box canaries for a sequence classifier through DPTrainer, and ``python -m hf_dp.audit --one_run`` flagging
 broken variants (tiny settings; the documented command is recorded in benchmarks/audit.md)."""
@@ -11,7 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
-from hf_dp.one_run_audit import (
+from hf_dp.audit.canaries import (
     METHOD,
     NOTE,
     SequenceCanaries,
@@ -305,7 +305,7 @@ def test_audit_canaries_through_dptrainer(tmp_path):
     draw; a second train() and a resume are refused. On the pre-change code --audit_canaries did not exist."""
     import json
 
-    from hf_dp.one_run_audit import ACCOUNTING, NOTE
+    from hf_dp.audit.canaries import ACCOUNTING, NOTE
 
     real = _real_rows()
     tr = _tiny_trainer(real, 3, tmp_path, save_strategy="steps", save_steps=2)
@@ -319,7 +319,7 @@ def test_audit_canaries_through_dptrainer(tmp_path):
     assert tr.train_dataset[:TINY["n"]] == real[:]
     # the data fingerprint (checkpoint markers, lineage) hashes the real rows only: a hash of the set with the
     # included canaries would be a function of the draw
-    from hf_dp.checkpointing import dataset_fingerprint
+    from hf_dp.run.checkpointing import dataset_fingerprint
 
     assert tr._train_data_info()["sha256"] == dataset_fingerprint(real)
     # HF's count of training examples (logged, and in train_samples_per_second) is real + m, not real + included
@@ -440,7 +440,7 @@ def test_audit_canaries_with_the_frozen_prefix_cache(tmp_path, caplog):
 def _broadcast_worker(rank, path):
     import torch.distributed as dist
 
-    from hf_dp.one_run_audit import _shared_bits
+    from hf_dp.audit.canaries import _shared_bits
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:
@@ -464,10 +464,10 @@ def test_ddp_ranks_train_on_rank_0s_draw(tmp_path):
 
 
 def test_arguments_and_trainer_check_the_canary_count_alike(tmp_path):
-    """DPTrainingArguments (which may not import hf_dp.one_run_audit) and check_canary_count refuse the same counts
+    """DPTrainingArguments (which may not import hf_dp.audit.canaries) and check_canary_count refuse the same counts
     with the same sentence."""
     from hf_dp import DPTrainingArguments
-    from hf_dp.one_run_audit import AUDIT_BETA, MIN_CANARIES, check_canary_count
+    from hf_dp.audit.canaries import AUDIT_BETA, MIN_CANARIES, check_canary_count
 
     assert (MIN_CANARIES, AUDIT_BETA) == (100, 0.05)
     for m, delta in ((99, 1e-5), (100, 1e-5), (2500, 1e-5), (2499, 1e-5), (100, 2.5e-4), (100, 2.4e-4), (150.0, 1e-5)):
@@ -516,7 +516,7 @@ def test_cli_one_run_white_box_flags_the_broken_variants(capsys):
     """One DPTrainer run of the gradient-canary model, 500 canaries, q = 1, T = 1, σ = 2 (claim 2.00): no noise and
     no clipping are caught (the canary coordinates move by ~C or ~2e6, the others by the noise or 0), the real run is
     not."""
-    from hf_dp.audit import main
+    from hf_dp.audit.many_runs import main
 
     code = main(["--one_run", "--canary_kind", "white-box", "--variant", "real,no_noise,no_clip", "--canaries", "500",
                  "--steps", "1", "--sample_rate", "1", "--noise_multiplier", "2"])
@@ -533,7 +533,7 @@ def test_cli_one_run_black_box_flags_no_noise(capsys):
     σ = 40 claims 0.27): without noise the random-token canaries are memorised (VIOLATION needs 38 of 50 guesses right;
     seen 43–48). The documented command (1000 canaries, no_noise and no_clip flagged, real ok) is recorded in
     benchmarks/audit.md."""
-    from hf_dp.audit import main
+    from hf_dp.audit.many_runs import main
 
     code = main(["--one_run", "--variant", "no_noise", "--canaries", "100", "--background", "100", "--steps", "40",
                  "--noise_multiplier", "40", "--sample_rate", "0.5", "--hyper", "lr=0.02"])
@@ -544,7 +544,7 @@ def test_cli_one_run_black_box_flags_no_noise(capsys):
 
 
 def test_one_run_config_refuses_bad_input():
-    from hf_dp.audit_one_run import OneRunConfig
+    from hf_dp.audit.one_run import OneRunConfig
 
     for kw in (dict(variant="replay_train"), dict(kind="grey-box"), dict(canaries=1), dict(sample_rate=0.0),
                dict(canaries=50), dict(canaries=3000), dict(delta=0.0)):
@@ -554,7 +554,7 @@ def test_one_run_config_refuses_bad_input():
 
 
 def test_cli_one_run_refuses_bad_input_in_one_line_before_any_run(capsys):
-    from hf_dp.audit import main
+    from hf_dp.audit.many_runs import main
 
     assert main(["--one_run", "--variant", "real,no_noise", "--canaries", "50"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -86,7 +86,7 @@ def test_two_resumes_of_a_checkpoint_they_cannot_record_in_draw_different_noise(
     """A checkpoint folder the resumes cannot write their record into (read-only, another user's): neither sees the
     other, so neither can tell it is not the only continuation. Each must then key its streams by its own id — before
     the fix both kept the run's streams and drew the same noise and batches from the same model at the same step."""
-    from hf_dp import checkpointing
+    from hf_dp.run import checkpointing
 
     draws, noises = spies
     run = _seeded_runs(tmp_path, draws, noises)
@@ -108,7 +108,7 @@ def test_a_continuation_that_is_not_a_resume_does_not_replay_a_clean_resume(spie
     from the same weights) is not a resume, so nothing tags its streams: it draws R's batches and R's noise at the same
     ledger step, with another optimizer state and learning-rate schedule (the same held for a second ``U.train()``:
     the same batches; under FSDP, whose noise is keyed by the step, the same noise too). Now such a train() tags its
-    streams (hf_dp.lineage.before_train)."""
+    streams (hf_dp.run.lineage.before_train)."""
     draws, noises = spies
     tok = make_tokenizer(tmp_path / "tok")
     ds, collator = make_pair_dataset(tok, n=32, seed=0), make_collator(tok)

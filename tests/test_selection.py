@@ -1,4 +1,4 @@
-"""Issue 32: private hyper-parameter selection (hf_dp/privacy/selection.py, hf_dp/selection.py).
+"""Issue 32: private hyper-parameter selection (hf_dp/privacy/selection.py, hf_dp/tuning/search.py).
 
 * The accounting: dp-accounting's computation (what hf_dp uses) against an independent one of Papernot & Steinke's
   Theorems 2 and 6 from Opacus' RDP curve; both against the exact Rényi divergence of a best-of-K selection on a
@@ -290,7 +290,7 @@ def trial_dirs(tmp_path, monkeypatch):
     """The trials' folders, made under tmp_path so that the test can see they are gone."""
     import tempfile
 
-    import hf_dp.selection as sel
+    import hf_dp.tuning.search as sel
 
     made = []
     root = tmp_path / "trials"
@@ -467,7 +467,7 @@ def test_incompatible_flags_are_refused(data, tmp_path, args, expect):
 
 
 def test_the_search_space_syntax():
-    from hf_dp.selection import parse_space
+    from hf_dp.tuning.search import parse_space
 
     assert parse_space("learning_rate=1e-3,3e-3;per_sample_max_grad_norm=0.1") == {
         "learning_rate": ["1e-3", "3e-3"], "per_sample_max_grad_norm": ["0.1"]}
@@ -652,7 +652,7 @@ def test_several_processes_are_refused(data, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------- the DP score on held-out private data
 @pytest.mark.parametrize("source", ["os_entropy", "dp_seed", "csprng"])
 def test_the_noisy_score_is_unbiased_with_std_sigma_over_n(source):
-    from hf_dp.selection import dp_score
+    from hf_dp.tuning.search import dp_score
 
     exact, n, sigma, draws = 13.0, 24, 3.0, 20000
     if source == "dp_seed":
@@ -672,7 +672,7 @@ def test_the_score_stream_is_not_a_training_stream():
     import torch
 
     from hf_dp.privacy.randomness import mix, stream_generator
-    from hf_dp.selection import score_noise
+    from hf_dp.tuning.search import score_noise
 
     seed = 5
     score = {stream_generator(seed, "selection", "score", i).initial_seed() for i in range(8)}
@@ -689,7 +689,7 @@ def test_the_score_stream_is_not_a_training_stream():
 def test_heldout_scores_are_the_accuracy_clipped_and_unit_means(data, tmp_path):
     import torch
 
-    from hf_dp.selection import heldout_scores, unit_sum
+    from hf_dp.tuning.search import heldout_scores, unit_sum
 
     tok, _, heldout = data
     trainer = _trainer(tmp_path, data)
@@ -724,7 +724,7 @@ def test_one_example_moves_the_score_sum_by_at_most_one_whatever_the_score_funct
     removing one held-out example moves the sum by at most 1 (it moved it by up to the eval batch size)."""
     import torch
 
-    from hf_dp.selection import heldout_scores, unit_sum
+    from hf_dp.tuning.search import heldout_scores, unit_sum
 
     _, _, heldout = data
     trainer = _trainer(tmp_path, data, per_device_eval_batch_size=8)
@@ -775,7 +775,7 @@ def test_a_private_score_releases_the_noisy_score_only(data, tmp_path, monkeypat
     stdout, privacy.json or the card; the record holds the noisy score, σ_s and the composed total."""
     import logging
 
-    import hf_dp.selection as sel
+    import hf_dp.tuning.search as sel
     from hf_dp import DPTrainer
     from tests.helpers import dp_args, make_collator, make_model
 
@@ -830,7 +830,7 @@ def test_a_private_score_releases_the_noisy_score_only(data, tmp_path, monkeypat
 
 @pytest.mark.parametrize("source", ["os_entropy", "dp_seed", "csprng"])
 def test_each_trial_draws_its_score_noise_from_the_run_source(data, tmp_path, monkeypatch, trial_dirs, source):
-    import hf_dp.selection as sel
+    import hf_dp.tuning.search as sel
 
     monkeypatch.setattr(TrialCount, "sample", lambda self, uniform: 2)
     calls = []
@@ -919,7 +919,7 @@ def test_after_a_private_score_the_heldout_set_cannot_be_evaluated(data, tmp_pat
 def test_the_default_dp_score_needs_one_label_per_example():
     from types import SimpleNamespace
 
-    from hf_dp.selection import check_private_score
+    from hf_dp.tuning.search import check_private_score
 
     for config in (SimpleNamespace(problem_type="regression", num_labels=1),
                    SimpleNamespace(problem_type="multi_label_classification", num_labels=3)):
@@ -1034,7 +1034,7 @@ def test_delta_must_be_below_one_over_the_private_rows_with_the_heldout_set(data
     with pytest.raises(ValueError, match=r"^delta=0\.0125 is not below 1/\(N \+ n\) = 1/88"):
         _search(trainer, inits, score_data="private", direction="maximize")
     other = make_pair_dataset(tok, n=10, seed=3)  # N + n = 74 < 80: accepted by the check
-    from hf_dp.selection import check_private_score
+    from hf_dp.tuning.search import check_private_score
 
     check_private_score(trainer, other, None, None, None, "maximize")
     assert inits.models == []
@@ -1105,8 +1105,8 @@ def test_the_score_reads_the_heldout_rows_in_order(data, tmp_path, monkeypatch, 
     refuses an unordered loader, and the trials of a private selection read the held-out set in order."""
     import torch
 
-    import hf_dp.selection as sel
-    from hf_dp.selection import heldout_scores
+    import hf_dp.tuning.search as sel
+    from hf_dp.tuning.search import heldout_scores
 
     tok, train, heldout = data
     rows = [{k: heldout[i][k] for k in ("input_ids", "token_type_ids", "attention_mask", "labels")}

@@ -56,10 +56,10 @@ def privacy_report(trainer) -> dict:
         "optimizer": {"name": str(args.optim), "hyperparameters": hyper},
         "trainable": trainable_report(trainer),
         "model_selection": model_selection_report(trainer),
-        "hyperparameter_selection": getattr(trainer, "hyperparameter_selection", None),  # hf_dp.selection
+        "hyperparameter_selection": getattr(trainer, "hyperparameter_selection", None),  # hf_dp.tuning.search
         "run_id": getattr(trainer, "run_id", None),
         "ledger": ledger_report(trainer),
-        # --audit_canaries: the one-run audit's record (hf_dp.one_run_audit.after_train), once the run was audited
+        # --audit_canaries: the one-run audit's record (hf_dp.audit.canaries.after_train), once the run was audited
         **({"audit": dict(trainer.audit_record)} if getattr(trainer, "audit_record", None) else {}),
     }
 

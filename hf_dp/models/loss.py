@@ -12,7 +12,7 @@ One registry, the source of truth for which heads DP training supports (:data:`O
   padding position predicts nothing, so a left-padded row scores the same tokens as unpadded).
 
 A head no objective covers (masked LM, token classification, QA, seq2seq, …) is refused before training
-(:func:`hf_dp.contract.check_head`): DPTrainer would train it on the wrong objective.
+(:func:`hf_dp.run.contract.check_head`): DPTrainer would train it on the wrong objective.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ class PrivacyLedger:
     ``state_dict``/``load_state_dict`` so that ε continues across resumes.
 
     **Earlier runs** (``prior``): the runs that trained the same model on the same data before this one (see
-    :mod:`hf_dp.lineage`), each a dict with its own ``history`` ``[(σ, q, steps), ...]``. The accountant's history is
+    :mod:`hf_dp.run.lineage`), each a dict with its own ``history`` ``[(σ, q, steps), ...]``. The accountant's history is
     their histories followed by this run's steps, so ``steps`` and ε count them; ``own_steps`` are this run's.
     ``meta`` holds public facts about the lineage (parent checkpoint, runs accounted separately), saved with the state.
     """
@@ -310,7 +310,7 @@ class PrivacyLedger:
             "parent": meta.get("parent"),
             "ancestry": [{"run_id": a.get("run_id"), "global_step": a.get("global_step")} for a in meta.get("ancestry") or []],
             "counted_past_parent": meta.get("counted_past_parent"),
-            # a model released by private selection (hf_dp.selection): the total, which no (σ, q, steps) history holds
+            # a model released by private selection (hf_dp.tuning.search): the total, which no (σ, q, steps) history holds
             **({"hyperparameter_selection": dict(meta["hyperparameter_selection"])}
                if meta.get("hyperparameter_selection") else {}),
         }

@@ -21,8 +21,8 @@ optimizer's first noisy step (and again after ``load_state_dict``) — a ``torch
 from OS entropy (default), or, with ``noise_seed``, seeded with ``noise_seed`` itself when that first
 step is step 0 of the ledger and with a hash of (``noise_seed``, the ledger's :attr:`~PrivateOptimizer.stream_tag`,
 step) otherwise — the tag is ``None`` for a fresh run and for a clean continuation of a checkpoint, and a new id for
-a resume from which other steps were already computed (:func:`hf_dp.checkpointing.reconcile_resumed_ledger`) and for a
-``train()`` that continues a ledger without resuming (:func:`hf_dp.lineage.before_train`), so a resumed or continued
+a resume from which other steps were already computed (:func:`hf_dp.run.checkpointing.reconcile_resumed_ledger`) and for a
+``train()`` that continues a ledger without resuming (:func:`hf_dp.run.lineage.before_train`), so a resumed or continued
 run never redraws noise already used, by its own lineage or by another resume of the same run;
 ``secure_mode=True`` draws from the OS CSPRNG (Opacus' secure-mode construction). ``state_dict`` holds no seed and no generator state: nothing on disk lets anyone
 recompute the noise.
@@ -149,8 +149,8 @@ class PrivateOptimizer(DPOptimizer):
     def stream_tag(self) -> str | None:
         """Keys the seeded streams together with the step (``ledger.meta["stream_tag"]``): ``None`` for a fresh run and
         a clean continuation of a checkpoint (nothing computed past it, no other resume of it), else the id the resume
-        drew (:func:`hf_dp.checkpointing.reconcile_resumed_ledger`), or that a ``train()`` continuing the ledger without
-        a resume drew (:func:`hf_dp.lineage.before_train`): two resumes of one run never share a stream."""
+        drew (:func:`hf_dp.run.checkpointing.reconcile_resumed_ledger`), or that a ``train()`` continuing the ledger without
+        a resume drew (:func:`hf_dp.run.lineage.before_train`): two resumes of one run never share a stream."""
         return self.ledger.meta.get("stream_tag") if self.ledger is not None else None
 
     def _stream_key(self, purpose: str, step: int, *rest) -> tuple:

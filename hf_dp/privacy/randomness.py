@@ -20,9 +20,9 @@ so hf_dp never stores a seed or a generator state, and three sources cover every
   uninterrupted run is reproducible, and so is a clean continuation of its checkpoint (nothing computed past it, no
   other resume of it: the tag stays unset); a ``train()`` that continues a ledger without resuming (a second
   ``train()``, a new trainer on a model carrying its ledger) tags its streams with its run id and start step
-  (:func:`hf_dp.lineage.before_train`: a clean resume of the run's checkpoint may start at the same step), and any other resume — e.g. of checkpoint-2 after its run went on to checkpoint-4, whose own resume
+  (:func:`hf_dp.run.lineage.before_train`: a clean resume of the run's checkpoint may start at the same step), and any other resume — e.g. of checkpoint-2 after its run went on to checkpoint-4, whose own resume
   starts at the same ledger step — tags its streams with its own run id
-  (:func:`hf_dp.checkpointing.reconcile_resumed_ledger`), so no batch or noise is ever reused. Whoever knows the seed can recompute the batches and
+  (:func:`hf_dp.run.checkpointing.reconcile_resumed_ledger`), so no batch or noise is ever reused. Whoever knows the seed can recompute the batches and
   the noise, i.e. remove the noise from a released model's updates: the card and ``privacy.json`` say so.
 * **A cryptographically secure generator** (``--secure_rng``): uniforms from :func:`os.urandom` (the
   kernel's CSPRNG), 53 bits each; Gaussians by Box–Muller in float64; the noise of each coordinate is

@@ -22,7 +22,7 @@ Gaussian mechanism (q, σ) composed over the run's T steps).
 
       ε' = ε(λ) + μ·δ̂ + log(μ)/(λ-1).
 
-**A trial scored on held-out private data** (``score_data="private"``, :mod:`hf_dp.selection`): Q is then the DP
+**A trial scored on held-out private data** (``score_data="private"``, :mod:`hf_dp.tuning.search`): Q is then the DP
 training run *followed by* the DP score — the sum of per-example (per-unit) scores in [0, 1] released with Gaussian
 noise N(0, σ_s²), sensitivity 1 under add/remove of one unit — so Q's curve is their sequential composition,
 ε(λ) = ε_train(λ) + λ/(2σ_s²) (it holds whether or not the held-out rows are also training rows), and the theorems
@@ -37,7 +37,7 @@ DP score) and checks both against the exact Rényi divergence of a best-of-K sel
 
 **Why K stays secret.** The bound is on the distribution of the released output alone; the pair (K, output) can be
 far less private (given K = k, the best of k runs costs up to k times one run). So K drawn, the number of trials
-run, the other trials' scores and the search's wall time are not part of the release (:mod:`hf_dp.selection` keeps
+run, the other trials' scores and the search's wall time are not part of the release (:mod:`hf_dp.tuning.search` keeps
 them out of privacy.json and the card).
 
 :func:`calibrate_selection_sigma` finds the per-trial σ (for the trials' q and steps, and the score's σ_s) for which

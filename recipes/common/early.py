@@ -33,7 +33,7 @@ def check_model_loadable(model_args) -> None:
 def resume_checkpoint(value, output_dir: str) -> Optional[str]:
     """The checkpoint folder ``--resume_from_checkpoint`` names (``True``: the newest complete one in ``output_dir``),
     or None for a fresh run; a resume with nothing complete to resume from is refused."""
-    from hf_dp import checkpointing
+    from hf_dp.run import checkpointing
 
     if value is None or value is False:
         return None
@@ -59,7 +59,7 @@ def check_resume_settings(training_args, value, n_train: int) -> None:
     """A resume (``value`` as :func:`resume_checkpoint` takes it) whose planned mechanism — σ (calibrated as DPTrainer
     will calibrate it), C, q, B, N, δ, accountant — differs from the checkpoint's recorded one is refused now, with
     the same list of differences DPTrainer would give after tokenizing and caching."""
-    from hf_dp import checkpointing
+    from hf_dp.run import checkpointing
     from hf_dp.privacy.accounting import _same
     from hf_dp.privacy.planning import plan_mechanism
 
@@ -67,7 +67,7 @@ def check_resume_settings(training_args, value, n_train: int) -> None:
     if path is None or not training_args.dp_enabled or not training_args.do_train:
         return
     if getattr(training_args, "audit_canaries", None):
-        return  # N counts the canaries there, and DPTrainer refuses a resume of an audited run (hf_dp.one_run_audit)
+        return  # N counts the canaries there, and DPTrainer refuses a resume of an audited run (hf_dp.audit.canaries)
     saved = (checkpointing.read_marker(path) or {}).get("privacy_spec")
     if not isinstance(saved, dict):
         return  # DPTrainer refuses a marker without its spec when it loads the checkpoint

@@ -20,7 +20,7 @@ from .args import RecipeError, optim_name
 def resume_argument(training_args):
     """``--resume_from_checkpoint``: ``True``/``true`` = the newest complete checkpoint in output_dir (as HF), a path,
     or None. Refuses to start a fresh run over an output_dir whose checkpoints record privacy already spent."""
-    from hf_dp import checkpointing
+    from hf_dp.run import checkpointing
 
     value = training_args.resume_from_checkpoint
     if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes"):

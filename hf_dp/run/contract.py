@@ -252,7 +252,7 @@ def _first_dim(batch) -> int | None:
 
 def check_every_row(dataset, collate, config, objective=None) -> str:
     """Before any step, each training row through the collator alone: one row out (or several consecutive rows that
-    are that row's own, also beside another row: see :class:`hf_dp.training_data.EmptySafeCollator`), labels finite
+    are that row's own, also beside another row: see :class:`hf_dp.run.data.EmptySafeCollator`), labels finite
     and inside the model's classes (a causal LM's: inside its vocabulary). Otherwise a row that breaks the contract would stop training
     exactly at the step that draws it, and whether a model is released would reveal that row's presence. Skipped
     (returns why) for HF's per-row collators, whose rows are the dataset's and whose labels :func:`check_labels` has
@@ -268,7 +268,7 @@ def check_every_row(dataset, collate, config, objective=None) -> str:
         several = several or _first_dim(batch) not in (None, 1)
         if _first_dim(batch) not in (None, 1) and len(dataset) > 1:
             # several rows for this example: they must be consecutive and its own also beside another example
-            # (hf_dp.training_data.EmptySafeCollator attributes them or refuses), here rather than at a step
+            # (hf_dp.run.data.EmptySafeCollator attributes them or refuses), here rather than at a step
             partner = dataset[1 if i == 0 else 0]
             collate([dataset[i], partner])
             collate([partner, dataset[i]])

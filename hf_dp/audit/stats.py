@@ -1,13 +1,13 @@
 """What both paths of the empirical privacy audit share: the bound, the power check, the result and its table.
 
-:mod:`hf_dp.audit` (the mechanism driven directly, and the command line ``python -m hf_dp.audit``) and
-:mod:`hf_dp.audit_trainer` (``--path trainer``: every trial through DPTrainer) produce test statistics on D and D';
+:mod:`hf_dp.audit.many_runs` (the mechanism driven directly, and the command line ``python -m hf_dp.audit``) and
+:mod:`hf_dp.audit.trainer_path` (``--path trainer``: every trial through DPTrainer) produce test statistics on D and D';
 this module turns them into ε_lower (:func:`epsilon_lower_bound`: the test — one tail or both tails pooled, its
 thresholds — chosen on 20 % of the trials, one-sided Clopper–Pearson limits on the rest, Bonferroni), says what the
 trials can certify at most
 (:func:`certifiable_ceiling`, :func:`low_power`), and holds the default audit hyper-parameters
 (:data:`AUDIT_HYPER`), :class:`AuditResult` and :func:`format_table`. The method is described in
-:mod:`hf_dp.audit`'s docstring ("The bound", "Power"). It imports nothing of hf_dp.
+:mod:`hf_dp.audit.many_runs`'s docstring ("The bound", "Power"). It imports nothing of hf_dp.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def power_warning(eps_claimed: float, trials: int, delta: float, alpha: float = 
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class AuditResult:
-    config: Any  # hf_dp.audit.AuditConfig or hf_dp.audit_trainer.TrainerAuditConfig
+    config: Any  # hf_dp.audit.many_runs.AuditConfig or hf_dp.audit.trainer_path.TrainerAuditConfig
     eps_lower: float
     eps_claimed: float
     bound: BoundResult

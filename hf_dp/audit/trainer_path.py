@@ -1,6 +1,6 @@
 """The privacy audit through the real trainer path (``python -m hf_dp.audit --path trainer``).
 
-:mod:`hf_dp.audit` drives the sampler, the privatizer and the update rule directly. This module runs
+:mod:`hf_dp.audit.many_runs` drives the sampler, the privatizer and the update rule directly. This module runs
 each trial through what a user runs: :class:`~hf_dp.trainer.DPTrainer` with
 :class:`~hf_dp.arguments.DPTrainingArguments` (``--noise_multiplier``, no ``--dp_seed``: sampler and
 noise seeds come from OS entropy in every run), HF's dataloader with ``default_data_collator`` and
@@ -17,7 +17,7 @@ clipping for it). A row holds ``canary_index`` and ``labels``: row index −1 is
 its gradient 2(θ_k + 10⁶)·e_k is ≈ 2·10⁶ ≫ C along +e_k and is clipped to exactly C·e_k (the worst
 case) as long as θ_k > −10⁶. Released output: the final weights; statistic ⟨θ_0 − θ_T, e_k⟩.
 
-K trials per run (exact, as in :mod:`hf_dp.audit`): trial k owns coordinate k; half of the
+K trials per run (exact, as in :mod:`hf_dp.audit.many_runs`): trial k owns coordinate k; half of the
 coordinates have a canary row (D' trials), half have none (D trials); the dataset is ``background``
 zero rows plus the canary rows. Each trial sees exactly the real mechanism on its pair of neighbouring
 datasets because (i) every row's gradient lies on its own coordinate, so the engine's joint per-example
@@ -50,10 +50,10 @@ and the steps in the ledger — evaluated at the audit's δ):
 * ``replay_resume``: after the resume, the first k steps are fed the lists of steps 1…k of the
   interrupted run (the lists HF's resume skips in the current epoch are passed through first).
 * ``two_rows``: a collator that emits every drawn row twice (augmented views), with DPTrainer's
-  one-row-per-example check (:func:`hf_dp.contract.check_rows`) bypassed: a canary moves its coordinate by 2C, the
+  one-row-per-example check (:func:`hf_dp.run.contract.check_rows`) bypassed: a canary moves its coordinate by 2C, the
   true ε is ε(σ/2, q, T).
 * ``accumulation_changed``: ``trainer.args.gradient_accumulation_steps = 3`` after the trainer is built, with its
-  mechanism check (:func:`hf_dp.contract.check_mechanism`) bypassed: every noisy step sums three independent
+  mechanism check (:func:`hf_dp.run.contract.check_mechanism`) bypassed: every noisy step sums three independent
   Poisson draws at q (a canary can enter a step up to three times), while the accountant is told one draw at q.
 
 Unmodified, DPTrainer refuses the last two before any step (``tests/test_contract.py``); the variants show that the
@@ -73,7 +73,7 @@ informative tests would need FPR ≪ 1e-4. At δ = 0.05 the bulk of the distribu
 honest trainer comes within ≈ 1 of its claim, and a replay exceeds it (``benchmarks/audit.md``). The trainer's own δ
 (``--delta`` of the run, which must be < 1/N) is independent of the audit's δ.
 
-Only DP-SGD and the coordinate-wise Adam family can share runs (as in :mod:`hf_dp.audit`).
+Only DP-SGD and the coordinate-wise Adam family can share runs (as in :mod:`hf_dp.audit.many_runs`).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class TrainerAuditConfig:
     variant: str = "real"
     batch_trials: int = 8192  # K trials (coordinates) per run
     background: int = 4  # minimum number of zero-gradient rows
-    hyper: dict = field(default_factory=dict)  # overrides hf_dp.audit_stats.AUDIT_HYPER (lr default: B); eps, gamma, others via optim_args
+    hyper: dict = field(default_factory=dict)  # overrides hf_dp.audit.stats.AUDIT_HYPER (lr default: B); eps, gamma, others via optim_args
     accountant: str = "prv"
     alpha: float = 0.05
     trainer_delta: float = 1e-5  # the run's own --delta (must be < 1/N)
@@ -310,7 +310,7 @@ def optimizer_flags(hyper: dict) -> dict:
 def _args(cfg: TrainerAuditConfig, out: str, batch: int, save_steps: int | None):
     from hf_dp import DPTrainingArguments
 
-    from hf_dp.audit_stats import AUDIT_HYPER
+    from hf_dp.audit.stats import AUDIT_HYPER
 
     # the mechanism path's audit hyper-parameters (e.g. a large Adam eps: the step is ≈ linear in g̃), but
     # lr = B by default: one clipped canary then moves a DP-SGD coordinate by exactly C
@@ -379,7 +379,7 @@ def _trainer(cfg, model, args, dataset, require_ghost: bool = True):
 
         tr.get_train_dataloader = duplicating_loader
     if cfg.variant == "accumulation_changed":  # the issue's trainer.args change after construction, check bypassed
-        from hf_dp import contract
+        from hf_dp.run import contract
 
         tr.args.gradient_accumulation_steps = 3
         tr._planned_mechanism = contract.mechanism_snapshot(tr)
@@ -468,9 +468,9 @@ def run_trainer_trials(cfg: TrainerAuditConfig) -> tuple[np.ndarray, np.ndarray,
 
 
 def trainer_audit(cfg: TrainerAuditConfig | None = None, **kwargs):
-    """Run the trials through DPTrainer; returns an :class:`hf_dp.audit_stats.AuditResult` whose claimed ε is
+    """Run the trials through DPTrainer; returns an :class:`hf_dp.audit.stats.AuditResult` whose claimed ε is
     the accountant's ε for the trainer's own σ, q and ledger steps at ``cfg.delta``."""
-    from hf_dp.audit_stats import AuditResult, epsilon_lower_bound
+    from hf_dp.audit.stats import AuditResult, epsilon_lower_bound
     from hf_dp.privacy.accounting import compute_epsilon
 
     cfg = cfg or TrainerAuditConfig(**kwargs)

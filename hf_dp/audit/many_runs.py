@@ -40,7 +40,7 @@ probability q. ``dp_macadam`` (global bound b_t, centring inside the clip) and `
 
 The bound
 ---------
-The first 20 % of the trials of each dataset (:data:`~hf_dp.audit_stats.SELECT_FRACTION`) *select* the test —
+The first 20 % of the trials of each dataset (:data:`~hf_dp.audit.stats.SELECT_FRACTION`) *select* the test —
 its thresholds and which events it counts —, the other 80 %, independent of that choice, *evaluate* it. Any (ε, δ)-DP
 mechanism (add/remove DP holds in both directions) satisfies, for every event E of the output,
 P_D'(E) ≤ e^ε·P_D(E) + δ and P_D(E) ≤ e^ε·P_D'(E) + δ. The selected test is one of
@@ -68,7 +68,7 @@ T = 1, σ = 1 (claim 4.39 at δ = 1e-5) the statistic is exactly Gaussian and th
 limited by how precisely small rates can be estimated: ≈ 2.1 (0.48·ε) at 20 000 trials with one tail and half of the
 trials selecting, ≈ 2.35 with the pooled test, ≈ 2.75 (0.63·ε) at 100 000 trials (``benchmarks/audit.md``).
 
-One-run audit (``--one_run``, :mod:`hf_dp.one_run_audit`): instead of ``--trials`` runs per dataset, one DPTrainer run
+One-run audit (``--one_run``, :mod:`hf_dp.audit.canaries`): instead of ``--trials`` runs per dataset, one DPTrainer run
 with ``--canaries`` m canaries, each included with probability ½, and the bound of Steinke, Nasr & Jagielski (2023)
 from the number of inclusions guessed right: black-box (random-token canaries with random labels in a tiny BERT
 classifier, ``--canary_kind black-box``) or white-box (gradient canaries, one coordinate each of the trainer path's
@@ -83,7 +83,7 @@ skipped; noise still σC) — all *claiming* the ε of the nominal σ and C.
 The same audit through :class:`~hf_dp.trainer.DPTrainer` itself — HF's dataloader and collator, ghost
 clipping, OS-entropy seeds, checkpoint + resume, several ``train()`` calls, and the broken variants
 ``no_noise``, ``replay_train`` and ``replay_resume`` (batches re-drawn) — is ``--path trainer``
-(:mod:`hf_dp.audit_trainer`).
+(:mod:`hf_dp.audit.trainer_path`).
 
 Hyper-parameters are the auditor's choice (DP must hold for all of them). By default
 (:data:`AUDIT_HYPER`) lr = 1 and, for the Adam family, a large ``eps``/``gamma`` that makes the
@@ -116,12 +116,12 @@ Usage
         --trials 100000 --delta 1e-5
     python -m hf_dp.audit --optim dp_sgd_l2,dp_macadam --variant real,no_clip --noise_multiplier 2.0 \
         --trials 1000 --delta 1e-5
-    # through DPTrainer itself (hf_dp.audit_trainer): second train() call, checkpoint + resume
+    # through DPTrainer itself (hf_dp.audit.trainer_path): second train() call, checkpoint + resume
     python -m hf_dp.audit --path trainer --variant real,no_noise,replay_train --train_calls 2 \
         --noise_multiplier 0.5 --sample_rate 0.25 --steps 1 --delta 0.05 --trials 100000
     python -m hf_dp.audit --path trainer --variant real,replay_resume --steps 2 --resume_at 1 \
         --noise_multiplier 0.5 --sample_rate 0.25 --delta 0.05 --trials 100000
-    # one training run per variant, 200 black-box canaries through DPTrainer --audit_canaries (hf_dp.audit_one_run);
+    # one training run per variant, 200 black-box canaries through DPTrainer --audit_canaries (hf_dp.audit.one_run);
     # seconds per variant on 2 idle CPU cores (1-2 min at load average 7)
     python -m hf_dp.audit --one_run --variant real,no_noise,no_clip --canaries 200 --background 200 --steps 150 \
         --noise_multiplier 10 --sample_rate 0.25
@@ -131,7 +131,7 @@ The exit status is 1 if a ``real`` row shows ε_lower > claimed ε (a privacy vi
 
 Output columns: ε_lower, the claimed ε, the ceiling, and TPR/FPR of "canary iff the statistic is on the canary's
 side of ``thresh``" on the evaluation part (for a ``lower`` test, thresh is its τ and the informative region is the
-*low*-FNR end, TPR ≈ 1; a ``pooled`` test also counts the other tail, :class:`~hf_dp.audit_stats.BoundResult`).
+*low*-FNR end, TPR ≈ 1; a ``pooled`` test also counts the other tail, :class:`~hf_dp.audit.stats.BoundResult`).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hf_dp.audit_stats import (  # noqa: F401  (the statistics are part of this module's interface)
+from hf_dp.audit.stats import (  # noqa: F401  (the statistics are part of this module's interface)
     AUDIT_HYPER,
     POWER_MARGIN,
     AuditResult,
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--one_run", action="store_true",
                    help="one training run through DPTrainer with --canaries canaries, each included with probability "
-                        "1/2, and the one-run bound of Steinke, Nasr & Jagielski (2023) (hf_dp.one_run_audit) instead "
+                        "1/2, and the one-run bound of Steinke, Nasr & Jagielski (2023) (hf_dp.audit.canaries) instead "
                         "of --trials runs per dataset")
     p.add_argument("--canaries", type=int, default=1000, help="--one_run: the number of canaries m")
     p.add_argument("--canary_kind", default="black-box", choices=("black-box", "white-box"),
@@ -371,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "synthetic task, scored by their label margin) or white-box (one gradient canary per "
                         "coordinate of the audit's linear model, scored by its movement)")
     p.add_argument("--path", default="mechanism", choices=("mechanism", "trainer"),
-                   help="mechanism: sampler + privatizer + rule driven directly (hf_dp.audit); trainer: every trial "
-                        "through DPTrainer (hf_dp.audit_trainer)")
+                   help="mechanism: sampler + privatizer + rule driven directly (hf_dp.audit.many_runs); trainer: every trial "
+                        "through DPTrainer (hf_dp.audit.trainer_path)")
     p.add_argument("--optim", default=None,
                    help="optimizer name, comma list, or 'all' (default dp_sgd; --one_run black-box: dp_adamw)")
     p.add_argument("--variant", default="real",
@@ -421,7 +421,7 @@ def main(argv=None) -> int:
     for name in names:
         for v in variants:
             if a.path == "trainer":
-                from hf_dp.audit_trainer import TrainerAuditConfig, trainer_audit
+                from hf_dp.audit.trainer_path import TrainerAuditConfig, trainer_audit
 
                 cfg = TrainerAuditConfig(
                     optim=name, noise_multiplier=a.noise_multiplier, max_grad_norm=a.max_grad_norm,
@@ -456,8 +456,8 @@ def main(argv=None) -> int:
 
 
 def one_run_config(a) -> list:
-    """The :class:`hf_dp.audit_one_run.OneRunConfig` of each (optimizer, variant) of a parsed ``--one_run`` command."""
-    from hf_dp.audit_one_run import OneRunConfig
+    """The :class:`hf_dp.audit.one_run.OneRunConfig` of each (optimizer, variant) of a parsed ``--one_run`` command."""
+    from hf_dp.audit.one_run import OneRunConfig
 
     black = a.canary_kind == "black-box"
     optim = a.optim or ("dp_adamw" if black else "dp_sgd")
@@ -476,8 +476,8 @@ def one_run_config(a) -> list:
 def _main_one_run(a) -> int:
     import sys
 
-    from hf_dp.audit_one_run import format_table as one_run_table
-    from hf_dp.audit_one_run import one_run_audit
+    from hf_dp.audit.one_run import format_table as one_run_table
+    from hf_dp.audit.one_run import one_run_audit
 
     results = []
     configs = one_run_config(a)

@@ -41,7 +41,7 @@ The best of a random number K of full DP runs is released, and the reported ε i
 5. The trainer then holds the best trial's model (what ``save_model`` writes), its ledger and configuration; its
    ``get_epsilon()`` and ``privacy.json`` report the total, with a ``hyperparameter_selection`` record. It refuses to
    ``train()`` again, and a new DPTrainer on the released model refuses to continue its ledger (the selection's cost
-   is not a (σ, q, steps) history the ledger can compose; :func:`hf_dp.lineage.adopt_model_ledger`).
+   is not a (σ, q, steps) history the ledger can compose; :func:`hf_dp.run.lineage.adopt_model_ledger`).
 
 What the search space may hold: flags that do not change the mechanism's q, steps, δ or unit (learning rate, C,
 weight decay, warm-up, the rule's flags, ...); a flag that does is refused (:data:`FIXED_BY_THE_MECHANISM`).
@@ -300,7 +300,7 @@ def check_search(trainer, *, hp_space, direction, backend, score_data, model_ini
 def check_private_score(trainer, score_dataset, score_noise_multiplier, example_score, compute_objective,
                         direction) -> None:
     """The refusals of ``score_data="private"`` (a DP score on held-out private data), one sentence each."""
-    from hf_dp.training_data import check_eval_is_not_train, unit_rows
+    from hf_dp.run.data import check_eval_is_not_train, unit_rows
 
     args = trainer.args
     heldout = score_dataset if score_dataset is not None else _raw_eval(trainer)
@@ -574,7 +574,7 @@ class _Scoring:
     prefix under ``--cache_frozen_features``); for a DP score, its units and their number n."""
 
     def __init__(self, trainer, score_dataset, private):
-        from hf_dp.training_data import unit_rows
+        from hf_dp.run.data import unit_rows
 
         self.private = private
         self.raw = score_dataset if score_dataset is not None else _raw_eval(trainer)
@@ -773,7 +773,7 @@ def adopt(trainer, winner, params, record, score_sets=()) -> None:
         "per_trial_epsilon": record["per_trial_epsilon"], "trials_distribution": record["trials_distribution"],
     }
     trainer.private_score_sets = tuple({id(d): d for d in score_sets if d is not None}.values())
-    from hf_dp import lineage
+    from hf_dp.run import lineage
 
     lineage.attach(trainer)
 
@@ -783,7 +783,7 @@ def refuse_evaluating_the_score_set(trainer, dataset) -> None:
     trials were scored on — the same object, the same 🤗 Datasets fingerprint, or a ``Subset`` overlapping it (a copy
     of its rows is not detectable) — whose exact metrics would go into the logs, the card and ``privacy.json`` of the
     release, outside the selection's ε (only its noisy score is covered)."""
-    from hf_dp.training_data import same_dataset, subset_base
+    from hf_dp.run.data import same_dataset, subset_base
 
     held = getattr(trainer, "private_score_sets", None) or ()
     if dataset is None or not held:

@@ -47,7 +47,7 @@ than ``ghost_two_pass`` (``--clipping auto`` chooses it); ``--bf16``/``--fp16``;
 update rules with a per-sample affine map (DP-SGD-L2, DP-MacAdam); CPU offload and activation
 checkpointing; trainable parameters shared between modules (tied embeddings). At ``train(resume_from_checkpoint=...)``:
 a checkpoint written under FSDP resumed without it or with another number of processes, and one written without
-FSDP resumed under it (:func:`check_resume`). DeepSpeed stays refused (:func:`hf_dp.training_data.refuse_sharding`).
+FSDP resumed under it (:func:`check_resume`). DeepSpeed stays refused (:func:`hf_dp.run.data.refuse_sharding`).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def plain_release(model, state_dict: dict):
     fresh = get_peft_model(cls(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[model.active_adapter]))
     fresh.load_state_dict(state_dict, strict=True)
     merged = fresh.merge_and_unload()
-    merged.config = base.config  # the trained model's config (its ledger record: hf_dp.lineage)
+    merged.config = base.config  # the trained model's config (its ledger record: hf_dp.run.lineage)
     return merged
 
 

@@ -4,7 +4,7 @@
 plain ``PreTrainedModel``, the one the user passed):
 
 * in memory, :data:`MODEL_ATTR`: the trainer's live ledger, its run id and a reference to its training data (the
-  object, weakly, and its SHA-256 fingerprint once known — :func:`hf_dp.checkpointing.dataset_fingerprint`). The
+  object, weakly, and its SHA-256 fingerprint once known — :func:`hf_dp.run.checkpointing.dataset_fingerprint`). The
   fingerprint is a function of the private data: it is **never written** into a release (a hash of the training set
   in a public file lets anyone confirm a guessed dataset);
 * in ``model.config`` (so in every ``config.json`` that ``save_pretrained`` writes, and back with
@@ -23,7 +23,7 @@ plain ``PreTrainedModel``, the one the user passed):
 * a path to a release's ``privacy.json`` (or its folder): its runs start the ledger (e.g. a model whose config lost
   its record, or an earlier hf_dp's release).
 
-Forks (a checkpoint resumed more than once) are counted in :func:`hf_dp.checkpointing.reconcile_resumed_ledger`;
+Forks (a checkpoint resumed more than once) are counted in :func:`hf_dp.run.checkpointing.reconcile_resumed_ledger`;
 this module also keeps each run's record of steps taken (:func:`record_spent`) and refuses a fresh run into an
 output_dir that holds another run's checkpoints (:func:`before_train`).
 """
@@ -35,7 +35,7 @@ import logging
 import os
 import weakref
 
-from hf_dp import checkpointing
+from hf_dp.run import checkpointing
 from hf_dp.privacy.accounting import canonical_history, composed_epsilon, public_run as _public_run
 
 logger = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ def _selection_of(model) -> dict | None:
 
 
 def _refuse_selected(model, from_file_path: str | None, choice: str) -> None:
-    """A model released by private hyper-parameter selection (:mod:`hf_dp.selection`) cannot continue its ledger: its ε
+    """A model released by private hyper-parameter selection (:mod:`hf_dp.tuning.search`) cannot continue its ledger: its ε
     is the selection's total, which no (σ, q, steps) history expresses — its ledger holds one trial's steps only.
     Training it on other data (``--prior_privacy separate``) stays possible."""
     selection = _selection_of(model)

@@ -1,6 +1,6 @@
 """The one-run audit's command-line runs (``python -m hf_dp.audit --one_run``): one DPTrainer run of a tiny BERT
-classifier on a synthetic task with black-box canaries (through ``--audit_canaries``, :mod:`hf_dp.one_run_audit`), or
-of :mod:`hf_dp.audit_trainer`'s linear canary model with white-box (gradient) canaries, with a variant's break
+classifier on a synthetic task with black-box canaries (through ``--audit_canaries``, :mod:`hf_dp.audit.canaries`), or
+of :mod:`hf_dp.audit.trainer_path`'s linear canary model with white-box (gradient) canaries, with a variant's break
 (``real``, ``no_noise``, ``no_clip``, ...), and the one-run bound next to the run's own ε. See ``benchmarks/audit.md``."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hf_dp.one_run_audit import KINDS, OneRunBound, SequenceCanaries, audit_scores, ceiling, record
+from hf_dp.audit.canaries import KINDS, OneRunBound, SequenceCanaries, audit_scores, ceiling, record
 
-#: the one-run command line's variants (hf_dp.audit_trainer's trainer-path variants that need no schedule)
+#: the one-run command line's variants (hf_dp.audit.trainer_path's trainer-path variants that need no schedule)
 ONE_RUN_VARIANTS = ("real", "no_noise", "no_clip", "two_rows", "accumulation_changed")
 
 # ------------------------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ class OneRunConfig:
         if not 0 <= self.delta < 1:
             raise ValueError(f"error: --delta must be in [0, 1), got {self.delta}")
         if self.kind == "black-box":  # DPTrainer's --audit_canaries limits, before any run
-            from hf_dp.one_run_audit import check_canary_count
+            from hf_dp.audit.canaries import check_canary_count
 
             if not self.delta > 0:
                 raise ValueError("error: --one_run black-box runs DPTrainer, which needs --delta > 0")
@@ -84,7 +84,7 @@ class OneRunResult:
 
     @property
     def low_power(self) -> bool:
-        from hf_dp.audit_stats import POWER_MARGIN
+        from hf_dp.audit.stats import POWER_MARGIN
 
         return self.eps_claimed > self.ceiling - POWER_MARGIN
 
@@ -114,7 +114,7 @@ def _tiny_classifier(cfg: OneRunConfig):
 def _one_run_args(cfg: OneRunConfig, out: str, batch: int, lr: float):
     from hf_dp import DPTrainingArguments
 
-    from hf_dp.audit_trainer import optimizer_flags
+    from hf_dp.audit.trainer_path import optimizer_flags
 
     hyper = dict(cfg.hyper)
     hyper.pop("lr", None)
@@ -130,8 +130,8 @@ def _one_run_args(cfg: OneRunConfig, out: str, batch: int, lr: float):
 
 
 def _variant_trainer(cfg: OneRunConfig, model, args, dataset):
-    """A DPTrainer with the variant's break (hf_dp.audit_trainer's variants)."""
-    from hf_dp.audit_trainer import TrainerAuditConfig, _trainer
+    """A DPTrainer with the variant's break (hf_dp.audit.trainer_path's variants)."""
+    from hf_dp.audit.trainer_path import TrainerAuditConfig, _trainer
 
     tcfg = TrainerAuditConfig(optim=cfg.optim, variant=cfg.variant)
     return _trainer(tcfg, model, args, dataset, require_ghost=False)
@@ -179,13 +179,13 @@ def black_box_run(cfg: OneRunConfig) -> tuple[OneRunBound, float, dict]:
 
 
 def white_box_run(cfg: OneRunConfig) -> tuple[np.ndarray, np.ndarray, float, dict]:
-    """One DPTrainer run of :mod:`hf_dp.audit_trainer`'s ``CanaryModel`` (θ ∈ R^m, canary k's gradient clipped to
+    """One DPTrainer run of :mod:`hf_dp.audit.trainer_path`'s ``CanaryModel`` (θ ∈ R^m, canary k's gradient clipped to
     C·e_k); canary k included with probability ½; background zero-gradient rows fill in for the excluded canaries so
     that N (hence q = B/N) does not depend on the draw (a zero-gradient row is indistinguishable from an absent one
     for every coordinate). Score: θ_0 − θ_T per coordinate."""
     import torch
 
-    from hf_dp.audit_trainer import CanaryDataset, TrainerAuditConfig, _args, _model_classes, _sizes, _trainer
+    from hf_dp.audit.trainer_path import CanaryDataset, TrainerAuditConfig, _args, _model_classes, _sizes, _trainer
 
     m = cfg.canaries
     included = np.random.default_rng(secrets.randbits(128)).random(m) < 0.5

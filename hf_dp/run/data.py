@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
-from hf_dp.contract import check_rows
+from hf_dp.run.contract import check_rows
 from hf_dp.models.prefix_cache import CachedFeatures
 from hf_dp.models.prefix_cache import row_length
 
@@ -79,7 +79,7 @@ class EmptySafeCollator:
     the same mechanism: :meth:`_attribute` checks that each example's rows are what the collator makes of that example
     alone, and the batch's :data:`UNITS_KEY` then says which rows are one example (or one unit), clipped together.
     Any other row count (packing, views appended after the batch, rows that differ from the example's own) is refused
-    (:func:`hf_dp.contract.check_rows`)."""
+    (:func:`hf_dp.run.contract.check_rows`)."""
 
     def __init__(self, collate_fn, dataset, units: bool = False, unit_column: str | None = None, attribute: bool = False):
         self.collate_fn = collate_fn
@@ -122,7 +122,7 @@ class EmptySafeCollator:
             units = owner if units is None else units[owner]
             units = torch.unique(units, return_inverse=True)[1]  # an example with no row leaves no gap in 0..U-1
         else:
-            check_rows(batch, len(features))  # one row per drawn example (hf_dp.contract)
+            check_rows(batch, len(features))  # one row per drawn example (hf_dp.run.contract)
         if empty:
             batch[EMPTY_KEY] = True
             units = None if units is None else torch.zeros_like(units)
@@ -256,14 +256,14 @@ def unit_rows(dataset, column: str) -> list[list[int]]:
 
 def refuse_sharding(args, fsdp_enabled: bool = False, deepspeed_enabled: bool = False) -> None:
     """Under DP, refuse DeepSpeed (from the arguments, or from an Accelerate config), and what FSDP does not support
-    (:func:`hf_dp.sharding.check_args`: FSDP2 with two-pass ghost clipping is supported): see docs/fsdp.md."""
+    (:func:`hf_dp.clipping.sharding.check_args`: FSDP2 with two-pass ghost clipping is supported): see docs/fsdp.md."""
     if getattr(args, "deepspeed", None) or deepspeed_enabled:
         raise ValueError(
             "--deepspeed is not supported with DP: DeepSpeed's engine runs the backward, the gradient reduction, "
             "the loss scaling and the optimizer step itself, bypassing hf_dp's per-example clipping and noise; use "
             "several processes with DDP (ghost clipping, --clipping auto) or FSDP2 (--fsdp full_shard) (docs/fsdp.md)"
         )
-    from hf_dp import sharding
+    from hf_dp.clipping import sharding
 
     if fsdp_enabled or sharding.fsdp_requested(args):
         sharding.check_args(args)

@@ -59,14 +59,14 @@ draw is not stored, so a new process cannot rebuild the training set) and is aud
 The frozen-prefix cache of the training set is built without its progress bar and log line (their row count would
 be real + included).
 
-White-box canaries (:func:`hf_dp.audit_one_run.white_box_run`) — the command line only: each canary owns one
-coordinate of the audit's bias-free linear "classifier" (:mod:`hf_dp.audit_trainer`'s ``CanaryModel``) and its
+White-box canaries (:func:`hf_dp.audit.one_run.white_box_run`) — the command line only: each canary owns one
+coordinate of the audit's bias-free linear "classifier" (:mod:`hf_dp.audit.trainer_path`'s ``CanaryModel``) and its
 gradient is clipped to exactly C along that coordinate (a Dirac gradient canary); the score is the coordinate's
 movement θ_0 − θ_T. Through DPTrainer on a real model, gradient canaries would need the clipping engine to accept
 injected per-example gradients; that is not done.
 
-The command line: ``python -m hf_dp.audit --one_run ...`` (:mod:`hf_dp.audit_one_run`: the black-box run is a
-DPTrainer run with ``--audit_canaries``, variants as the trainer path of :mod:`hf_dp.audit_trainer`); see
+The command line: ``python -m hf_dp.audit --one_run ...`` (:mod:`hf_dp.audit.one_run`: the black-box run is a
+DPTrainer run with ``--audit_canaries``, variants as the trainer path of :mod:`hf_dp.audit.trainer_path`); see
 ``benchmarks/audit.md``.
 """
 

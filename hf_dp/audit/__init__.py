@@ -1,0 +1,9 @@
+"""Privacy audits: empirical lower bounds on ε that can expose a broken mechanism, never prove privacy.
+
+* :mod:`hf_dp.audit.many_runs` — the mechanism (sampler, privatizer, update rule) driven directly over many trials,
+  and the command line ``python -m hf_dp.audit``;
+* :mod:`hf_dp.audit.trainer_path` — the same trials through ``DPTrainer`` itself (``--path trainer``);
+* :mod:`hf_dp.audit.stats` — the bound and the power both share;
+* :mod:`hf_dp.audit.canaries` — the one-run audit inside a training run (``--audit_canaries``);
+* :mod:`hf_dp.audit.one_run` — the one-run audit's command-line runs (``python -m hf_dp.audit --one_run``).
+"""
