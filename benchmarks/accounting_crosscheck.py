@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     gaps = [r["gap_prv_minus_pld_upper"] for r in rows]
     rel = [r["gap_prv_minus_pld_upper"] / r["eps_pld_upper"] for r in rows if r["eps_pld_upper"] > 0]
     rdp_rel = [r["gap_rdp_minus_google_rdp"] / r["eps_google_rdp"] for r in rows]
-    cmd = "cd /work/main && .venv/bin/python " + " ".join(["benchmarks/accounting_crosscheck.py"] + (sys.argv[1:] if argv is None else argv))
+    # (run from the repo root; paths outside the repo, e.g. a --json under the system's temporary directory, are not named)
+    shown = [x if not os.path.isabs(x) else "<" + os.path.basename(x) + ">" for x in (sys.argv[1:] if argv is None else argv)]
+    cmd = "python " + " ".join(["benchmarks/accounting_crosscheck.py"] + shown)
     report = f"""### Accounting cross-check: hf_dp (Opacus) vs Google `dp_accounting`
 
 Produced by `{cmd}` on {datetime.date.today().isoformat()} ({platform.machine()}, CPU; dp_accounting {getattr(dp_accounting, '__version__', '0.6')}, opacus {opacus.__version__}; {time.time() - t0:.0f} s).

@@ -1,5 +1,5 @@
-"""Small helpers shared by the benchmark scripts: JSON-lines result files, their --out/--report options, and the commit
-a row ran on."""
+"""Small helpers shared by the benchmark scripts: JSON-lines result files, their --out/--report options, the --work
+folder their runs write under, and the commit a row ran on."""
 
 from __future__ import annotations
 
@@ -42,6 +42,19 @@ def results_cli(ap, default_out: str | os.PathLike, report, argv: list[str] | No
         return None
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     return a
+
+
+def add_work_option(ap, name: str) -> None:
+    """Add ``--work``: the folder the runs' output folders go under (made when a run starts). Default ``runs/<name>`` in
+    this checkout (git-ignored), never a fixed folder under the system's temporary directory."""
+    ap.add_argument("--work", default=str(REPO / "runs" / name),
+                    help=f"the runs' output folders go under this folder (default: runs/{name} in the repo, git-ignored)")
+
+
+def work_dir(path: str | os.PathLike) -> str:
+    """``path`` made (with its parents) and returned as a string."""
+    os.makedirs(path, exist_ok=True)
+    return os.fspath(path)
 
 
 def rss_mb() -> float:

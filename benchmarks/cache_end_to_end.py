@@ -27,10 +27,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_io import load_jsonl, results_cli  # noqa: E402
+from bench_io import add_work_option, load_jsonl, results_cli  # noqa: E402
 SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "cache_end_to_end.jsonl"
-RUNS_DIR = "/tmp/hf_dp_e2e"  # each run's --output_dir: RUNS_DIR/<mode>_s<seed>
 
 
 
@@ -50,7 +49,7 @@ def _parse_summary(text: str) -> dict:
 
 
 def run_one(mode: str, seed: int, a) -> dict:
-    out_dir = f"{RUNS_DIR}/{mode}_s{seed}"
+    out_dir = os.path.join(a.work, f"{mode}_s{seed}")  # each run's --output_dir
     cmd = [
         sys.executable, str(REPO / "recipes" / "qnli.py"), "--model_name_or_path", a.model,
         "--data_dir", str(SHARED / "data" / "glue"), "--output_dir", out_dir,
@@ -119,6 +118,7 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--modes", default="cached,uncached")
     ap.add_argument("--max_eval_samples", type=int, default=None, help="smoke runs only (default: the full GLUE dev set)")
     ap.add_argument("--model", default="minilm", help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
+    add_work_option(ap, "cache_end_to_end")
     a = results_cli(ap, DEFAULT_OUT, report, argv)
     if a is None:
         return

@@ -150,7 +150,7 @@ def finetune(a) -> None:
         wall = time.time() - t0
         row = {"phase": "finetune", "run": name, "returncode": proc.returncode, "wall_s": round(wall, 1),
                "command": " ".join(cmd[1:]), "commit": git_commit(), "seed": a.seed, "smoke": a.smoke}
-        privacy = out_dir / "privacy.json"
+        privacy = out_dir / "release" / "privacy.json"  # the recipe saves the release in <output_dir>/release
         if privacy.exists():
             rep = json.loads(privacy.read_text())
             ev = rep.get("eval", {})

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_io import REPO, git_commit, load_jsonl, timed_steps  # noqa: E402
+from bench_io import REPO, add_work_option, git_commit, load_jsonl, timed_steps  # noqa: E402
 
 MODES = ["nonprivate", "dp_ghost", "dp_two_pass", "dp_hooks"]
 CONFIGS = ["lora", "all"]
@@ -60,7 +60,7 @@ def child(a) -> dict:
     rows = torch.randint(1000, len(tok), (max(4 * a.batch, 64), a.length), generator=g).tolist()
     data = Dataset.from_dict({"input_ids": rows})
     dp = a.mode != "nonprivate"
-    kw = dict(output_dir=os.path.join(a.tmp, f"{a.trainable}_{a.mode}"), per_device_train_batch_size=a.batch,
+    kw = dict(output_dir=os.path.join(a.work, f"{a.trainable}_{a.mode}"), per_device_train_batch_size=a.batch,
               max_steps=a.steps + 1, trainable=a.trainable, report_to=[], use_cpu=True, disable_tqdm=True,
               save_strategy="no", learning_rate=1e-3, dataloader_num_workers=0)
     if dp:
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--trainable", default="lora")
     ap.add_argument("--mode", default="nonprivate")
-    ap.add_argument("--tmp", default="/tmp/clm_step_time")
+    add_work_option(ap, "clm_step_time")
     a = ap.parse_args(argv)
     if a.report:
         return report(a.out)
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
             for mode in a.modes.split(","):
                 cmd = [sys.executable, __file__, "--child", "--trainable", trainable, "--mode", mode,
                        "--batch", str(a.batch), "--length", str(a.length), "--steps", str(a.steps),
-                       "--threads", str(a.threads), "--config", a.config, "--tmp", a.tmp]
+                       "--threads", str(a.threads), "--config", a.config, "--work", a.work]
                 if a.model:
                     cmd += ["--model", a.model]
                 # tensors ≥ 64 KiB mmapped and unmapped when freed: RSS then follows the live bytes (benchmarks/step_time.py)

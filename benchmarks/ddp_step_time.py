@@ -37,7 +37,7 @@ MODES = ["nonprivate", "hf_dp_ghost", "hf_dp_hooks"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_io import timed_steps  # noqa: E402
+from bench_io import add_work_option, timed_steps, work_dir  # noqa: E402
 
 
 def worker(config: str, mode: str, batch: int, length: int, steps: int, warmup: int, out: str,
@@ -127,8 +127,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config, mode, batch, length, steps, warmup, env_extra) -> list[dict] | None:
-    with tempfile.TemporaryDirectory() as out:
+def launch(config, mode, batch, length, steps, warmup, env_extra, work: str) -> list[dict] | None:
+    with tempfile.TemporaryDirectory(dir=work_dir(work)) as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), os.path.abspath(__file__),
                "--worker", config, mode, "--batch", str(batch), "--length", str(length), "--steps", str(steps),
@@ -156,14 +156,14 @@ def _smoke_rank(rank: int, port: int, runs: list, out: str, model_path: str | No
         dist.destroy_process_group()
 
 
-def smoke(configs, modes, batch: int = 2, length: int = 8, model_path: str | None = None) -> list[dict]:
+def smoke(configs, modes, work: str, batch: int = 2, length: int = 8, model_path: str | None = None) -> list[dict]:
     """Every (config, mode) once, 1 warm-up step and 1 timed step, in one pair of gloo processes: the rows
     ``summarize`` takes (kind ``time``)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     runs = [(c, m, batch, length, 1, 1) for c in configs for m in modes]
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory(dir=work_dir(work)) as out:
         env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # inherited by the two processes
@@ -200,13 +200,14 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--smoke", action="store_true", help="every config and mode at tiny sizes in one pair of processes "
                     "(checks the code runs; measures nothing)")
     ap.add_argument("--model", default=None, help="with --smoke: a model folder instead of all-MiniLM-L6-v2")
+    add_work_option(ap, "ddp_step_time")
     a = ap.parse_args(argv)
     if a.worker:
         worker(a.worker[0], a.worker[1], a.batch, a.length, a.steps, a.warmup, a.outdir)
         return
     configs, modes = a.configs.split(","), a.modes.split(",")
     if a.smoke:
-        summary = summarize(smoke(configs, modes, model_path=a.model), configs, modes)
+        summary = summarize(smoke(configs, modes, a.work, model_path=a.model), configs, modes)
         print_table(summary, {"model": f"{a.model or 'all-MiniLM-L6-v2'} (smoke run)", "per_rank_batch": 2, "length": 8, "reps": 1,
                               "steps": 1, "torch": "", "cpus": os.cpu_count()})
         return summary
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None):
             for mode in modes:
                 runs = [("time", a.steps, a.warmup, {})] + ([] if a.no_live else [("live", 2, 1, {"MALLOC_MMAP_THRESHOLD_": "65536"})])
                 for kind, steps, warmup, env in runs:
-                    rows = launch(config, mode, a.batch, a.length, steps, warmup, env)
+                    rows = launch(config, mode, a.batch, a.length, steps, warmup, env, a.work)
                     if rows is None:
                         continue
                     for row in rows:

@@ -32,6 +32,9 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ["dp_fsdp", "nonprivate_fsdp", "dp_ddp"]
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_io import add_work_option, work_dir  # noqa: E402
+
 
 def worker(mode: str, hidden: int, layers: int, batch: int, length: int, steps: int, warmup: int, out: str) -> None:
     import time
@@ -134,6 +137,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    add_work_option(ap, "fsdp_step_time")
     a = ap.parse_args(argv)
     if a.worker:
         worker(a.worker, a.hidden, a.layers, a.batch, a.length, a.steps, a.warmup, a.out)
@@ -142,7 +146,7 @@ def main(argv=None) -> list[dict]:
         a.hidden, a.layers, a.batch, a.length, a.steps, a.warmup, a.modes = 16, 1, 2, 8, 2, 0, "dp_fsdp"
     modes = a.modes.split(",")
     rows = {}
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory(dir=work_dir(a.work)) as out:
         for mode in modes:
             ranks = launch(mode, a, out)
             rows[mode] = dict(mode=mode, wrapped=ranks[0]["wrapped"], median_s_per_step=ranks[0]["median_s_per_step"],

@@ -23,11 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 if str(REPO) not in sys.path:  # recipes.glue_support: the recipes' GLUE data and metrics
     sys.path.append(str(REPO))
-from bench_io import git_commit, load_jsonl, results_cli  # noqa: E402
+from bench_io import add_work_option, git_commit, load_jsonl, results_cli  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "group_by_length.jsonl"
 MODES = ("random", "group_by_length")
-RUNS_DIR = "/tmp/hf_dp_gbl"  # each run's output_dir: RUNS_DIR/<mode>
 
 
 def run(a) -> None:
@@ -65,7 +64,7 @@ def run(a) -> None:
 
         model.register_forward_pre_hook(count, with_kwargs=True)
         args = DPTrainingArguments(
-            output_dir=f"{RUNS_DIR}/{mode}", per_device_train_batch_size=per_device,
+            output_dir=f"{a.work}/{mode}", per_device_train_batch_size=per_device,
             gradient_accumulation_steps=accum, max_steps=1 if rep is None else a.steps, learning_rate=1e-3, save_strategy="no",
             eval_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
             cache_frozen_features=True, trainable=a.trainable, optim="dp_adamw", per_sample_max_grad_norm=0.1,
@@ -114,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--model", default=None, help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
+    add_work_option(ap, "group_by_length")
     a = results_cli(ap, DEFAULT_OUT, report, argv)
     if a is None:
         return

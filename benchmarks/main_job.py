@@ -28,9 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_io import git_commit, load_jsonl, results_cli  # noqa: E402
+from bench_io import add_work_option, git_commit, load_jsonl, results_cli  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job.jsonl"
-RUNS_DIR = "/tmp/hf_dp_main_job"  # each run's --output_dir: RUNS_DIR/s<seed>
 
 
 def readme_command() -> tuple[dict[str, str], list[str]]:
@@ -59,13 +58,13 @@ def _field(text: str, name: str):
     return m.group(1) if m else None
 
 
-def run_one(seed: int, extra: list[str] = ()) -> dict:
+def run_one(seed: int, work: str, extra: list[str] = ()) -> dict:
     env, argv = readme_command()
-    exe = argv[0]
+    exe = readme_exe = argv[0]
     if exe.startswith(".venv/"):
         exe = sys.executable  # the interpreter running this script (the README's venv)
     argv = [exe, *argv[1:]]
-    out_dir = f"{RUNS_DIR}/s{seed}"
+    out_dir = os.path.join(work, f"s{seed}")  # this run's --output_dir
     if "--output_dir" in argv:
         argv[argv.index("--output_dir") + 1] = out_dir
     argv += ["--seed", str(seed), *extra]
@@ -80,9 +79,9 @@ def run_one(seed: int, extra: list[str] = ()) -> dict:
         raise RuntimeError(f"seed {seed} failed:\n{proc.stderr[-3000:]}")
     text = proc.stdout
     num = lambda v: float(v) if v not in (None, "n/a") else None  # noqa: E731
-    privacy = json.loads((Path(out_dir) / "privacy.json").read_text())
+    privacy = json.loads((Path(out_dir) / "release" / "privacy.json").read_text())  # the recipe's release folder
     return {
-        "seed": seed, "command": " ".join(shlex.quote(w) for w in argv), "wall_seconds": wall,
+        "seed": seed, "command": _shown(readme_exe, argv, out_dir), "wall_seconds": wall,
         "accuracy": num(_field(text, "accuracy")), "epsilon": privacy["epsilon"], "steps": privacy["steps"],
         "batch": privacy["expected_batch_size"], "sigma": privacy["noise_multiplier"],
         "learning_rate": (privacy.get("optimizer") or {}).get("hyperparameters", {}).get("lr"),
@@ -92,6 +91,14 @@ def run_one(seed: int, extra: list[str] = ()) -> dict:
     }
 
 
+
+
+def _shown(readme_exe: str, argv: list[str], out_dir: str) -> str:
+    """The command as recorded: the README's interpreter, the output folder relative to the repo when it is inside (a
+    row names no folder of one machine)."""
+    rel = os.path.relpath(out_dir, REPO)
+    shown = [rel if w == out_dir and not rel.startswith("..") else w for w in argv[1:]]
+    return " ".join(shlex.quote(w) for w in [readme_exe, *shown])
 
 
 def report(out: str) -> None:
@@ -114,12 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--extra_args", default="", help="appended to the README's command; for a smoke run only, e.g. "
                     "'--max_train_samples 64 --max_eval_samples 32' (the rows measured add nothing)")
+    add_work_option(ap, "main_job")
     a = results_cli(ap, DEFAULT_OUT, report, argv)
     if a is None:
         return
     print("command:", readme_command(), flush=True)
     for seed in [int(s) for s in a.seeds.split(",")]:
-        rec = run_one(seed, shlex.split(a.extra_args))
+        rec = run_one(seed, a.work, shlex.split(a.extra_args))
         with open(a.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(json.dumps(rec), flush=True)

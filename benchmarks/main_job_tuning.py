@@ -28,9 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 if str(REPO) not in sys.path:  # recipes.glue_support: the recipes' GLUE data and metrics
     sys.path.append(str(REPO))
-from bench_io import git_commit, load_jsonl  # noqa: E402
+from bench_io import add_work_option, git_commit, load_jsonl  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job_tuning.jsonl"
-RUNS_DIR = "/tmp/hf_dp_mjt"  # each run's output_dir: RUNS_DIR/<epochs>_<lr>_<seed>
 
 
 
@@ -115,7 +114,7 @@ class Data:
         self.sizes = {k: len(v) for k, v in tokd.items()}
 
 
-def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params: int, trainable: str = "last_block",
+def run_one(data, *, work: str, epochs: float, lr: float, seed: int, epsilon: float, params: int, trainable: str = "last_block",
             scheduler: str = "constant", sigma: float | None = None, group_by_length: bool = False, C: float = 0.1) -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification
@@ -130,7 +129,7 @@ def run_one(data, *, epochs: float, lr: float, seed: int, epsilon: float, params
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(data.model, num_labels=2)
     args = DPTrainingArguments(
-        output_dir=f"{RUNS_DIR}/{epochs}_{lr}_{seed}", per_device_train_batch_size=per_device,
+        output_dir=f"{work}/{epochs}_{lr}_{seed}", per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accum, per_device_eval_batch_size=256, num_train_epochs=epochs,
         learning_rate=lr, weight_decay=1e-5, lr_scheduler_type=scheduler, warmup_steps=0,
         logging_steps=10, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, seed=seed,
@@ -209,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max_rows", type=int, default=None, help="smoke runs only: keep the first N rows of each split")
     ap.add_argument("--model", default=None, help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    add_work_option(ap, "main_job_tuning")
     ap.add_argument("--report", action="store_true")
     a = ap.parse_args(argv)
     if a.tune_split == "sentences" and a.task != "sst2":
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                 if (a.task, a.trainable, a.full_train, e, lr, seed, eps_t, a.scheduler, a.noise_multiplier,
                         None if a.full_train else a.tune_split, a.group_by_length, a.C) in done:
                     continue
-                rec = run_one(data, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params, trainable=a.trainable,
+                rec = run_one(data, work=a.work, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params, trainable=a.trainable,
                               scheduler=a.scheduler, sigma=a.noise_multiplier, group_by_length=a.group_by_length, C=a.C)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")

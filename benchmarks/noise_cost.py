@@ -25,6 +25,9 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_io import add_work_option, work_dir  # noqa: E402
+
 
 def _model(path: str | None = None):
     """all-MiniLM-L6-v2, or the model folder ``path`` (``--model``: a smoke run's tiny model)."""
@@ -103,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainables", default="last_block,all")
     p.add_argument("--model", default=None, help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of whole steps (default, secure) per trainable set")
+    add_work_option(p, "noise_cost")
     a = p.parse_args(argv)
     torch.set_num_threads(2)
     rows = []
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             t, numel = noise_time(trainable, secure, a.reps, a.model)
             row["params"] = numel
             row["noise_s_secure" if secure else "noise_s_default"] = t
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(dir=work_dir(a.work)) as tmp:
             for r in range(a.rounds):  # interleaved: default, secure, default, secure
                 for secure in (False, True):
                     key = "step_s_secure" if secure else "step_s_default"

@@ -2,7 +2,8 @@
 """The one-run audit (``--audit_canaries``) of the README's main job, as is or with a deliberate break
 (benchmarks/audit.md §5): the recipe ``recipes/qnli.py`` runs in this process with the given arguments; with
 ``--variant no_noise`` the privatizer adds N(0, (0·C)²) instead of N(0, (σC)²) (hf_dp.audit.trainer_path's ``no_noise``
-break, installed on every DPTrainer the recipe makes), while the ledger, privacy.json and the card keep claiming σ.
+break, installed on every DPTrainer the recipe makes), with ``noise_div10`` N(0, (σC/10)²)
+(hf_dp.audit.one_run.divide_noise), while the ledger, privacy.json and the card keep claiming σ.
 
     python benchmarks/one_run_main_job.py --variant no_noise -- --optim dp_adamw --epsilon 3 \\
         --model_name_or_path minilm --data_dir ../shared/data/glue --output_dir runs/qnli-audit-no-noise \\
@@ -28,16 +29,20 @@ def install_break(variant: str) -> None:
         return
     from hf_dp import trainer as trainer_module
 
-    if variant != "no_noise":
-        raise ValueError(f"unknown variant {variant!r} (real, no_noise)")
+    if variant not in ("no_noise", "noise_div10"):
+        raise ValueError(f"unknown variant {variant!r} (real, no_noise, noise_div10)")
     cls = trainer_module.DPTrainer
     create = cls.create_optimizer
 
     def create_without_noise(self, model=None):
+        from hf_dp.audit.one_run import divide_noise
         from hf_dp.audit.trainer_path import zero_noise
 
         out = create(self, model)
-        zero_noise(self._dp_optimizer)  # σ = 0 while the noise is drawn; the nominal σ stays everywhere else
+        if variant == "no_noise":
+            zero_noise(self._dp_optimizer)  # σ = 0 while the noise is drawn; the nominal σ stays everywhere else
+        else:
+            divide_noise(self._dp_optimizer, 10.0)  # σ/10 while the noise is drawn
         return out
 
     cls.create_optimizer = create_without_noise
@@ -45,7 +50,7 @@ def install_break(variant: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variant", default="real", choices=("real", "no_noise"))
+    p.add_argument("--variant", default="real", choices=("real", "no_noise", "noise_div10"))
     p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="-- then the arguments of recipes/qnli.py")
     a = p.parse_args(argv)
     rest = a.recipe_args[1:] if a.recipe_args[:1] == ["--"] else a.recipe_args
@@ -62,8 +67,8 @@ def main(argv=None) -> int:
     finally:
         sys.argv = old
     out = rest[rest.index("--output_dir") + 1] if "--output_dir" in rest else None
-    if code == 0 and out and os.path.isfile(os.path.join(out, "privacy.json")):
-        with open(os.path.join(out, "privacy.json"), encoding="utf-8") as f:
+    if code == 0 and out and os.path.isfile(os.path.join(out, "release", "privacy.json")):  # the recipe's release
+        with open(os.path.join(out, "release", "privacy.json"), encoding="utf-8") as f:
             privacy = json.load(f)
         print(json.dumps({"variant": a.variant, "epsilon": privacy["epsilon"], "dataset_size": privacy["dataset_size"],
                           "audit": privacy.get("audit")}, indent=1))

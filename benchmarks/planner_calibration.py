@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
-from bench_io import git_commit, load_jsonl  # noqa: E402
+from bench_io import add_work_option, git_commit, load_jsonl  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "planner_calibration.jsonl"
 
@@ -74,7 +74,7 @@ def labels_of(data) -> list:
 
 #: "at or barely above the constant predictor" (issue 31's words): less than this many accuracy points above the
 #: dev set's majority rate. The threshold of hf_dp.plan.CONSTANT_R_RUN separates such runs from those that learned.
-BARELY_POINTS = 3.0
+from recipes.glue_support.metrics import BARELY_POINTS  # noqa: E402  (the recipes' verdict uses the same rule)
 
 
 def outcome(accuracy: float, majority: float) -> str:
@@ -95,7 +95,7 @@ def _key(r: dict) -> tuple:
 
 
 def run(task: str, sizes: list[int | None], epsilons: list[float], seeds: list[int], epochs: float, out: str,
-        trainable: str = "last_block", max_rows: int | None = None, model: str | None = None) -> None:
+        trainable: str = "last_block", max_rows: int | None = None, model: str | None = None, *, work: str) -> None:
     from transformers import AutoModelForSequenceClassification
 
     from hf_dp.models import apply_trainable
@@ -126,7 +126,7 @@ def run(task: str, sizes: list[int | None], epsilons: list[float], seeds: list[i
                                       sizes={"train": n, "validation": len(data.dev)})
                 plan = recommend(n, eps, 1e-5, params, epochs=epochs)
                 t0 = time.time()
-                rec = run_one(sub, epochs=epochs, lr=PLANNED_LR["dp_adamw"], seed=seed, epsilon=eps, params=params,
+                rec = run_one(sub, work=work, epochs=epochs, lr=PLANNED_LR["dp_adamw"], seed=seed, epsilon=eps, params=params,
                               trainable=trainable, group_by_length=True, C=0.1)
                 c = plan.choice
                 rec.update({
@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max_rows", type=int, default=None, help="smoke runs only: the first N rows of each split")
     ap.add_argument("--model", default=None, help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    add_work_option(ap, "planner_calibration")
     ap.add_argument("--report", action="store_true")
     a = ap.parse_args(argv)
     if a.report:
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [None if s == "all" else int(s) for s in a.sizes.split(",")]
     for task in a.tasks.split(","):
         run(task, sizes, [float(e) for e in a.epsilons.split(",")], [int(s) for s in a.seeds.split(",")], a.epochs,
-            a.out, trainable=a.trainable, max_rows=a.max_rows, model=a.model)
+            a.out, trainable=a.trainable, max_rows=a.max_rows, model=a.model, work=a.work)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
-RUNS_DIR = "/tmp/hf_dp_private_selection"
 
 
 def parse(argv):
@@ -47,6 +46,8 @@ def parse(argv):
     p.add_argument("--max_train_samples", type=int, default=None)
     p.add_argument("--max_eval_samples", type=int, default=None)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "private_selection.jsonl"))
+    p.add_argument("--work", default=str(REPO / "runs" / "private_selection"),
+                   help="the runs' output folders go under this folder (default: runs/private_selection, git-ignored)")
     p.add_argument("--report", action="store_true", help="print the table of --out and exit")
     return p.parse_args(argv)
 
@@ -65,7 +66,7 @@ def run_one(args, mode: str, seed: int) -> dict:
     import hf_dp.tuning.search as selection
 
     glue = _load_glue()
-    out = os.path.join(RUNS_DIR, f"{args.task}-{mode}-s{seed}")
+    out = os.path.join(args.work, f"{args.task}-{mode}-s{seed}")
     argv = ["--task_name", args.task, "--data_dir", args.data_dir, "--model_name_or_path", args.model,
             "--epsilon", str(args.epsilon), "--num_train_epochs", str(args.epochs),
             "--per_device_train_batch_size", str(args.batch), "--learning_rate", str(args.lr),
@@ -94,7 +95,7 @@ def run_one(args, mode: str, seed: int) -> dict:
     wall = time.perf_counter() - start
     row = {"task": args.task, "mode": mode, "seed": seed, "exit_code": code, "wall_s": round(wall, 1),
            "epochs": args.epochs, "batch": args.batch, "argv": argv}
-    privacy_file = os.path.join(out, "privacy.json")
+    privacy_file = os.path.join(out, "release", "privacy.json")  # the recipe's release folder
     if code == 0 and os.path.isfile(privacy_file):
         with open(privacy_file, encoding="utf-8") as f:
             privacy = json.load(f)

@@ -34,9 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 if str(REPO) not in sys.path:  # recipes.glue_support: the recipes' GLUE data and metrics
     sys.path.append(str(REPO))
-from bench_io import git_commit, load_jsonl  # noqa: E402
+from bench_io import add_work_option, git_commit, load_jsonl  # noqa: E402
 SHARED = Path(os.environ.get("HF_DP_SHARED", REPO.parent / "shared"))
-RUNS_DIR = "/tmp/hf_dp_cmp"  # each run's output_dir: RUNS_DIR/<optimizer>
 
 # lr grids (B=256, C=0.1). Sources: seed 004 (QNLI, B=256, C=0.1, σ=0.4: DP-SGD lr ~40 on the mean of
 # clipped gradients, DP-Adam 1e-2, DP-AdamBC 3e-3); seed 000 (DP-AdamW grids around 1e-3); MacAdam: Adam's.
@@ -157,7 +156,7 @@ def main_run(a) -> None:
         rec_key = (a.task, optim, json.dumps(hyper, sort_keys=True), None if optim == "nonprivate_adamw" else eps, seed, a.epochs, a.batch)
         if rec_key in done:
             return
-        rec = run_one(data, optim, hyper, None if optim == "nonprivate_adamw" else eps, seed, a.epochs, a.batch, f"{RUNS_DIR}/{optim}")
+        rec = run_one(data, optim, hyper, None if optim == "nonprivate_adamw" else eps, seed, a.epochs, a.batch, f"{a.work}/{optim}")
         with open(a.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         done.add(rec_key)
@@ -264,6 +263,7 @@ def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", default="qnli")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "qnli_optimizers.jsonl"))
+    add_work_option(ap, "qnli_optimizers")  # each run's output_dir: WORK/<optimizer>
     ap.add_argument("--optims", default=",".join(GRID))
     ap.add_argument("--epochs", type=float, default=3.0)
     ap.add_argument("--batch", type=int, default=256)

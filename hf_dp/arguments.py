@@ -176,6 +176,15 @@ class DPTrainingArguments(TrainingArguments):
             "draw. Sequence classifiers only; no resume; 2*m*delta must be < 0.05."
         },
     )
+    audit_kind: str = field(
+        default="input",
+        metadata={"help": "--audit_canaries' canaries: input (black-box: random token sequences with random labels, "
+                          "scored by the trained model's label margin) or gradient (white-box: each canary's gradient is "
+                          "a random direction over the trainable parameters of norm 1000 C, clipped to C and noised "
+                          "with its batch; scored by the inner product of the summed privatized gradients with it). "
+                          "gradient needs an update rule without a per-sample transform (not dp_sgd_l2, dp_macadam) and "
+                          "no --fsdp (hf_dp.audit.canaries)."},
+    )
     audit_canary_length: int = field(
         default=32,
         metadata={"help": "Tokens per --audit_canaries canary (special tokens included; capped by the model's positions). "
@@ -185,11 +194,11 @@ class DPTrainingArguments(TrainingArguments):
     prior_privacy: str = field(
         default="auto",
         metadata={
-            "help": "What the ledger does with earlier DP training of the model (hf_dp.run.lineage): auto (count the earlier "
-            "runs on the same training data; warn about runs on other data or data that cannot be compared, e.g. a "
-            "model loaded from a release), continue (count every earlier run: the data overlap), separate (count none: "
-            "the data share no example; refused on the same data), or the path of a release's privacy.json (or its "
-            "folder) whose runs start the ledger. With --epsilon the target is the model's total."
+            "help": "What the ledger does with earlier DP training of the model (hf_dp.run.lineage): auto (count every "
+            "earlier run; one warning names those on other data or on data that cannot be compared, e.g. a re-ordered "
+            "copy or a model loaded from a release), continue (the same count, without the warning), separate (count "
+            "none: the data share no example; refused on the same data), or the path of a release's privacy.json (or "
+            "its folder) whose runs start the ledger. With --epsilon the target is the model's total."
         },
     )
 
@@ -270,6 +279,8 @@ class DPTrainingArguments(TrainingArguments):
             if 2 * m * self.delta >= 0.05:
                 raise ValueError(f"--audit_canaries {m} with --delta {self.delta:g}: 2*m*delta = {2 * m * self.delta:g} >= "
                                  "0.05, so the one-run bound can certify nothing; use fewer canaries or a smaller delta")
+        if self.audit_kind not in ("input", "gradient"):  # hf_dp.audit.canaries.AUDIT_KINDS
+            raise ValueError(f"--audit_kind must be one of input, gradient, got {self.audit_kind!r}")
         L = self.audit_canary_length
         if isinstance(L, bool) or not isinstance(L, int) or L < 1:
             raise ValueError(f"--audit_canary_length must be a whole number >= 1, got {L!r}")

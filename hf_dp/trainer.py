@@ -33,16 +33,16 @@ What it changes, and nothing else (each override calls ``super()``):
 * ``save_model`` / ``create_model_card``: a plain ``PreTrainedModel`` (LoRA merged), the tokenizer,
   ``privacy.json`` and a model card stating the guarantee.
 
-Checkpoints: the optimizer state saved by HF carries the update rule state and the ledger (ε history)
-— no seed and no generator state: batches and noise are fresh after a resume (see
-:mod:`hf_dp.privacy.randomness`). Resuming continues ε, refuses changed privacy settings or different
-training data (the completion marker records a fingerprint of it), and counts the steps an
-interrupted run took past the checkpoint it resumes from.
-``_save_checkpoint`` writes the completion marker ``hf_dp_checkpoint.json`` after HF's files and
-before old checkpoints are rotated; ``train(resume_from_checkpoint=True|path)`` only resumes from a
-complete checkpoint, and ε counts every noisy step ever taken (see :mod:`hf_dp.run.checkpointing`).
-Under FSDP2 a checkpoint is sharded (the model's shards as HF writes them, the privatizer's state with the ledger by
-``torch.distributed.checkpoint``; :mod:`hf_dp.clipping.sharding`) and resumes under FSDP with as many processes.
+Checkpoints (:mod:`hf_dp.run.checkpointing`, :mod:`hf_dp.run.spent`): HF's optimizer state carries the rule state and
+the ledger, no seed: batches and noise are fresh after a resume (:mod:`hf_dp.privacy.randomness`). ``_save_checkpoint``
+writes the completion marker after HF's files and before old checkpoints rotate; ``train(resume_from_checkpoint=…)``
+resumes only from a complete checkpoint, refuses changed privacy settings or other training data, and ε counts every
+noisy step ever taken, an interrupted run's past the checkpoint included. Under FSDP2 a checkpoint is sharded
+(:mod:`hf_dp.clipping.sharding`) and resumes under FSDP with as many processes.
+
+What the overrides hand off takes the trainer as an argument (:mod:`hf_dp.run`): the set-up (``setup``), the training
+loader (``data``), the checks (``contract``), the records of steps spent and the budget stop (``spent``), the model
+folder saved (``release``), the model's ledger across runs (``lineage``).
 """
 
 from __future__ import annotations
@@ -50,57 +50,43 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import secrets
 
 import torch
-import transformers
-from packaging import version
 from torch.utils.data import DataLoader, SequentialSampler
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_pt_utils import LengthGroupedSampler
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from hf_dp import __version__
 from hf_dp.arguments import DPTrainingArguments, check_no_full_eval_cast
 from hf_dp.clipping import sharding
 from hf_dp.run import checkpointing
 from hf_dp.run import contract
 from hf_dp.run import lineage
+from hf_dp.run import release
+from hf_dp.run import setup
+from hf_dp.run import spent
 from hf_dp.audit import canaries
 from hf_dp.hub import report, write_privacy_artifacts
 from hf_dp.hub.describe import card_fields
-from hf_dp.clipping import ClippingEngine, choose_engine, make_engine, unwrap_for_save
 from hf_dp.models import apply_trainable
 from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
 from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, CachedFeatures, CachedFeaturesCollator
-from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
-from hf_dp.privacy.accounting import PrivacyLedger, PrivacySpec
-from hf_dp.privacy.planning import plan_mechanism
-from hf_dp.privacy.privatizer import PrivateOptimizer
-from hf_dp.privacy.randomness import SEEDED, source_name
-from hf_dp.privacy.sampler import PoissonBatchSampler
+from hf_dp.privacy.accounting import PrivacySpec
 from hf_dp.models.loss import OBJECTIVES, objective_for, per_example_loss, positions_from_mask
 from hf_dp.run.data import EMPTY_KEY as _EMPTY_KEY
-from hf_dp.run.data import example_lengths
+from hf_dp.run.data import group_by_length, poisson_loader
 from hf_dp.run.data import UNITS_KEY as _UNITS_KEY
-from hf_dp.run.data import EmptySafeCollator as _EmptySafeCollator
-from hf_dp.run.data import UnitTagged as _UnitTagged
-from hf_dp.run.data import unit_rows as _unit_rows
 from hf_dp.run.data import PoissonDataLoader as _PoissonDataLoader
 from hf_dp.run.data import check_eval_is_not_train as _check_eval_is_not_train
 from hf_dp.run.data import refuse_sharding as _refuse_sharding
 
 logger = logging.getLogger(__name__)
 
-_MIN_TRANSFORMERS = "5.0.0"
-
 # Private transformers API DPTrainer depends on: the one list to re-check on a transformers upgrade.
-# Checked against transformers 5.23.0 and 5.24.0 (5.24 changed neither method; _check_transformers_version admits
+# Checked against transformers 5.23.0 and 5.24.0 (5.24 changed neither method; hf_dp.run.setup.check_transformers_version admits
 # >=5.0,<6). Everything else DPTrainer overrides is public — __init__, get_train_dataloader,
 # create_optimizer, compute_loss, training_step, log, train, evaluate, predict, save_model,
 # create_model_card, create_accelerator_and_postprocess (--fsdp on CPU: hf_dp.clipping.sharding), num_examples,
-# hyperparameter_search (under DP: hf_dp.tuning.search) — and the budget stop is a TrainerCallback (_BudgetGuard).
+# hyperparameter_search (under DP: hf_dp.tuning.search) — and the budget stop is a TrainerCallback (hf_dp.run.spent.BudgetGuard).
 HF_PRIVATE_API_CHECKED_WITH = ("5.23.0", "5.24.0")
 HF_PRIVATE_OVERRIDES = {
     # method: why no public hook serves
@@ -128,19 +114,6 @@ HF_PRIVATE_CALLS = (
 )
 
 
-def _group_by_length(args) -> bool:
-    return str(getattr(args.train_sampling_strategy, "value", args.train_sampling_strategy)) == "group_by_length"
-
-
-def _check_transformers_version() -> None:
-    v = version.parse(transformers.__version__)
-    if v < version.parse(_MIN_TRANSFORMERS) or v.major >= 6:
-        raise RuntimeError(
-            f"hf_dp {__version__} supports transformers >=5.0,<6; found {transformers.__version__}. "
-            "Install a supported version: pip install 'transformers>=5,<6'"
-        )
-
-
 @contextlib.contextmanager
 def _library_bars_off():
     """transformers' own progress bars ("Writing model shards" at every checkpoint save, "Loading weights" when a
@@ -157,27 +130,6 @@ def _library_bars_off():
             hf_logging.enable_progress_bar()
 
 
-class _BudgetGuard(TrainerCallback):
-    """Stops training (as HF's own stop) once the next step would exceed the target ε — e.g. after a
-    resume that counted steps an interrupted run took past its checkpoint."""
-
-    def __init__(self, trainer: "DPTrainer"):
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        # every step taken is on record before any output of it is written; ε only if already known (an accountant
-        # call per step costs 0.1-0.5 s with PRV; saves and logs compute it)
-        self.trainer._record_spent(compute_epsilon=False)
-        opt = self.trainer._dp_optimizer
-        if opt is not None and opt.max_epsilon is not None and state.global_step < state.max_steps and opt._would_exceed_budget():
-            logger.warning(
-                "hf_dp: stopping at step %d: one more step would spend more than the target epsilon=%s",
-                state.global_step, opt.max_epsilon,
-            )
-            control.should_training_stop = True
-        return control
-
-
 class DPTrainer(Trainer):
     """``transformers.Trainer`` with differential privacy (see the module docstring).
 
@@ -186,7 +138,7 @@ class DPTrainer(Trainer):
     """
 
     def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, **kwargs):
-        _check_transformers_version()
+        setup.check_transformers_version()
         if not isinstance(args, DPTrainingArguments):
             raise TypeError("DPTrainer needs args=DPTrainingArguments(...)")
         self.trainable_info = None
@@ -220,11 +172,12 @@ class DPTrainer(Trainer):
         if args.dp_enabled:
             self.loss_is_scaled_for_ga = True  # our compute_loss returns a per-logical-batch quantity
             self._setup_privacy()
-            self.add_callback(_BudgetGuard(self))
+            self.add_callback(spent.BudgetGuard(self))
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         sharding.enable_on_cpu(self)  # --fsdp on CPU/gloo: the plugin Accelerate drops there (hf_dp.clipping.sharding)
+        sharding.set_wrap_classes(self)  # --fsdp without layer classes: the model's own blocks (hf_dp.clipping.sharding)
 
     # ------------------------------------------------------------------------------------------------
     # frozen-prefix caching (--cache_frozen_features): hf_dp.models.cache_manager
@@ -247,17 +200,31 @@ class DPTrainer(Trainer):
     def _check_not_train(self, dataset) -> None:
         """Under DP, at every evaluate() / predict(): the data evaluated is not (and does not overlap) the training
         set, whatever was passed at construction, nor the held-out private set a private selection scored its trials
-        on (:func:`hf_dp.tuning.search.refuse_evaluating_the_score_set`)."""
+        on (:func:`hf_dp.tuning.private_score.refuse_evaluating_the_score_set`)."""
         if isinstance(dataset, str) and isinstance(self.eval_dataset, dict):
             dataset = self.eval_dataset.get(dataset)
         if getattr(self, "private_score_sets", None):
-            from hf_dp.tuning.search import refuse_evaluating_the_score_set
+            from hf_dp.tuning.private_score import refuse_evaluating_the_score_set
 
             refuse_evaluating_the_score_set(self, dataset)
         if not self.args.dp_enabled:
             return
         for train in {id(x): x for x in (self._fingerprint_source, self.train_dataset) if x is not None}.values():
             _check_eval_is_not_train(dataset, train)
+
+    def _eval_cache(self, key: str | None = None):
+        """The eval set(s) as the frozen-prefix cache, built when first needed (not before the first training step)."""
+        if self._prefix_cache and self.eval_dataset is not None:
+            self.eval_dataset = self.prefix_cache.cache_eval(self.eval_dataset, key)
+        return self.eval_dataset
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        if self._prefix_cache and self.eval_dataset is not None:  # the trainer's own eval set: cached when first read
+            if eval_dataset is None or isinstance(eval_dataset, str):
+                self._eval_cache(eval_dataset)
+            elif eval_dataset is self.eval_dataset:  # HF's evaluate() passes the set itself
+                eval_dataset = self._eval_cache()
+        return super().get_eval_dataloader(eval_dataset)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         self._check_not_train(eval_dataset if eval_dataset is not None else self.eval_dataset)
@@ -277,132 +244,23 @@ class DPTrainer(Trainer):
     # set-up
     # ------------------------------------------------------------------------------------------------
     def _setup_privacy(self) -> None:
-        args = self.args
-        if self.train_dataset is None:
-            raise ValueError("DP training needs a train_dataset (its size N defines q and delta < 1/N)")
-        try:
-            n = len(self.train_dataset)
-        except TypeError:
-            raise ValueError("DP training needs a sized train_dataset (an IterableDataset cannot be Poisson-sampled)") from None
-        if n == 0:
-            raise ValueError("the training dataset is empty")
-        contract.check_labels(self._fingerprint_source, getattr(self.model, "config", None), self.objective)
-        contract.check_token_ids(self._fingerprint_source, getattr(self.model, "config", None))
-        self._setup_units(n)
-        canaries.extend_units(self, n)  # --audit_canaries: one unit per canary, included or not (N = real + m)
-        n = self.num_units
-        world = max(1, args.world_size)
-        self.privacy_spec, steps_per_epoch, self.planned_epsilon = plan_mechanism(
-            n=n, per_device_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps,
-            world_size=world, delta=args.delta, epsilon=args.epsilon, noise_multiplier=args.noise_multiplier,
-            max_grad_norm=args.per_sample_max_grad_norm, accountant=args.accountant, max_steps=args.max_steps,
-            num_train_epochs=args.num_train_epochs,
-        )
-        spec = self.privacy_spec
-        q, b, planned, sigma = spec.sample_rate, int(spec.expected_batch_size), spec.planned_steps, spec.noise_multiplier
-        self.ledger = PrivacyLedger(spec)
-        self.ledger.meta["privacy_unit"] = args.privacy_unit_column  # each run's record says what it protected
-        lineage.adopt_model_ledger(self)  # the earlier runs the model carries (--prior_privacy; hf_dp.run.lineage)
-        self.randomness = source_name(args.dp_seed, args.secure_rng)
-        if self.randomness == SEEDED:
-            logger.warning(
-                "hf_dp: --dp_seed %s fixes the Poisson batches and the noise: anyone who knows the seed can "
-                "recompute them and remove the noise from the released model. Use it for reproducible research "
-                "only, and never reuse a seed: two runs with the same seed on datasets that differ in one "
-                "example reveal that example's clipped gradient exactly. The seed is recorded in privacy.json "
-                "and the model card.", args.dp_seed,
-            )
-        self._dp_sampler = PoissonBatchSampler(
-            n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
-            rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: self.ledger.steps,
-            units=self._unit_rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=self._audit is not None,
-            stream_tag=lambda: self.ledger.meta.get("stream_tag"),
-        )
-        self._lengths_of = None
-        self._set_sampler_lengths()  # refused here, before any step, if the lengths are unknown
-        self._dp_noise_seed = args.dp_seed
-        #: the run's lineage: a random public id written with every record of steps taken (a resume is a new run, its
-        #: parent the checkpoint's run); under --dp_seed, a resume that is not a clean continuation keys its seeded
-        #: streams with it (ledger.meta["stream_tag"], hf_dp.run.checkpointing.reconcile_resumed_ledger)
-        self.run_id = secrets.token_hex(8)
-        self._dp_optimizer: PrivateOptimizer | None = None
-        self._loss_scale: float | None = None
-        self._units: torch.Tensor | None = None  # the micro-batch's privacy units (rows -> 0..U-1), --privacy_unit_column
-        self._empty_micro_batch = False
-        self.clipping = self._choose_clipping(world)  # the engine's name (hf_dp.clipping.engines)
-        self.clipping_engine: ClippingEngine = make_engine(self.clipping, self.model)
-        self.ghost_clipper, self.grad_sampler = self.clipping_engine.clipper, self.clipping_engine.grad_sampler
-        # the planner's start-of-run block (hf_dp.plan): public quantities only, no extra calibration
-        from hf_dp.plan import run_block
-
-        d = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        block, warning = run_block(n=n, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
-                                   max_grad_norm=args.per_sample_max_grad_norm, params=d, epsilon=args.epsilon)
-        logger.info(block)
-        if warning:
-            logger.warning(warning)
-        self._contract_probe, self._rows_checked, self._several_rows = False, None, False
-        self._planned_train_dataset = self.train_dataset
-        #: the mechanism σ, q and the steps were planned for: every train() and every step must still run it
-        self._planned_mechanism = contract.mechanism_snapshot(self)
-
-    def _setup_units(self, rows: int) -> None:
-        """``--privacy_unit_column``: the rows of each unit, read once from the training set given at construction
-        (before any column removal); N = the number of units. Without it every row is its own unit."""
-        col = self.args.privacy_unit_column
-        self._unit_rows, self._unit_of_row = None, None
-        self.num_units = rows
-        if col is None:
-            return
-        if self._prefix_cache:
-            raise ValueError(
-                "--privacy_unit_column with --cache_frozen_features is not supported yet: the cache does not keep the "
-                "unit column; drop one of the two flags"
-            )
-        self._unit_rows = _unit_rows(self._fingerprint_source, col)
-        unit_of_row = torch.empty(rows, dtype=torch.long)
-        for j, r in enumerate(self._unit_rows):
-            unit_of_row[r] = j
-        self._unit_of_row = unit_of_row
-        self.num_units = len(self._unit_rows)
-
-    def _choose_clipping(self, world: int) -> str:
-        """``--clipping``: ``ghost`` (one backward pass) where it applies, else Opacus hooks; ``ghost_two_pass`` only
-        when asked for (:func:`hf_dp.clipping.engines.choose_engine`). Any number of processes: under DDP every engine
-        runs its forward/backward without DDP's gradient all-reduce (see :meth:`compute_loss`), and the privatizer
-        all-reduces the noisy clipped sum once per logical batch. FSDP and DeepSpeed are refused."""
-        _refuse_sharding(self.args, getattr(self, "is_fsdp_enabled", False), getattr(self, "is_deepspeed_enabled", False))
-        self._fsdp = bool(getattr(self, "is_fsdp_enabled", False))
-        if self._fsdp:  # FSDP2: two-pass ghost clipping only (hf_dp.clipping.sharding)
-            if self.args.clipping == "auto":
-                logger.info("hf_dp: --clipping auto chose ghost_two_pass: the only engine supported under FSDP")
-            return choose_engine("ghost_two_pass", self.model, optim=self.args.optim, rule_cls=get_entry(self.args.optim).rule_cls,
-                                 reduced_precision=bool(self.args.bf16 or self.args.fp16), logger=logger)
-        return choose_engine(self.args.clipping, self.model, optim=self.args.optim, rule_cls=get_entry(self.args.optim).rule_cls,
-                             reduced_precision=bool(self.args.bf16 or self.args.fp16), logger=logger)
+        # the mechanism planned once (hf_dp.run.setup); --audit_canaries appends its units and wraps the engine
+        setup.setup_privacy(self, audit_units=canaries.extend_units, audit_engine=canaries.wrap_engine)
 
     # ------------------------------------------------------------------------------------------------
     # data
     # ------------------------------------------------------------------------------------------------
-    def _set_sampler_lengths(self) -> None:
-        """group_by_length: the Poisson sampler orders each draw by these lengths (in memory only); else no order."""
-        if not _group_by_length(self.args):
-            self._dp_sampler.lengths, self._lengths_of = None, None
-        elif self._lengths_of is not self.train_dataset:  # computed once per dataset object
-            self._dp_sampler.lengths = example_lengths(self.train_dataset, self.args.length_column_name)
-            self._lengths_of = self.train_dataset
-
     def _get_train_sampler(self, train_dataset=None):
         if self.args.dp_enabled:
             return None  # get_train_dataloader draws with the Poisson sampler; HF's would only be built and dropped
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        if _group_by_length(self.args) and isinstance(dataset, CachedFeatures):  # HF reads lengths from input_ids
+        if group_by_length(self.args) and isinstance(dataset, CachedFeatures):  # HF reads lengths from input_ids
             return LengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps,
                                         lengths=dataset.lengths.tolist())
         return super()._get_train_sampler(train_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
-        if _group_by_length(self.args):
+        if group_by_length(self.args):
             if self.args.dp_enabled:
                 # group_by_length orders the training draws only: HF's grouped eval sampler would permute the rows of
                 # predict() (a recipe's predictions file) — the recipes turn the strategy on by default under DP
@@ -417,62 +275,17 @@ class DPTrainer(Trainer):
         base = super().get_train_dataloader()  # HF's column removal, collator, worker settings
         if not self.args.dp_enabled:
             return base
-        dataset = base.dataset
-        if len(dataset) != self._dp_sampler.num_rows:
-            raise ValueError(
-                f"the training dataset has {len(dataset)} rows, but this DPTrainer calibrated the noise for "
-                f"{self._dp_sampler.num_rows} rows (N = {self._dp_sampler.num_samples}, q = B/N, delta < 1/N): "
-                "train_dataset was replaced after the trainer was made; make a new DPTrainer for other data"
-            )
-        self._set_sampler_lengths()
-        units = self._unit_of_row is not None
-        if units:
-            dataset = _UnitTagged(dataset, self._unit_of_row)
-        return _PoissonDataLoader(
-            dataset,
-            batch_sampler=self._dp_sampler,
-            collate_fn=_EmptySafeCollator(base.collate_fn, dataset, units=units, unit_column=self.args.privacy_unit_column,
-                                          attribute=self._several_rows),
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
-        )
+        # the Poisson loader over HF's dataset and collator (hf_dp.run.data); --audit_kind gradient tags its canaries
+        return poisson_loader(self, base, audit_parts=canaries.loader_parts)
 
     # ------------------------------------------------------------------------------------------------
     # optimizer
     # ------------------------------------------------------------------------------------------------
-    def _param_groups(self, model=None) -> list[dict]:
-        """HF's decay / no-decay parameter groups, built as ``Trainer.create_optimizer`` builds them."""
-        opt_model = self.model if model is None else model
-        decay = self.get_decay_parameter_names(opt_model)
-        named = list(opt_model.named_parameters())
-        return [
-            {"params": [p for n, p in named if n in decay and p.requires_grad], "weight_decay": self.args.weight_decay},
-            {"params": [p for n, p in named if n not in decay and p.requires_grad], "weight_decay": 0.0},
-        ]
-
     def create_optimizer(self, model=None):
         if not self.args.dp_enabled:
             return super().create_optimizer(model)
-        if self.optimizer is None:
-            args, spec = self.args, self.privacy_spec
-            hyper = rule_hyperparameters(
-                args.optim, lr=args.learning_rate, weight_decay=args.weight_decay, optim_args=args.optim_args,
-                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, gamma=args.bc_gamma,
-                h1=args.macadam_h1, h2=args.macadam_h2,
-            )
-            self.optimizer = make_optimizer(
-                args.optim, self._param_groups(model),
-                noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
-                expected_batch_size=spec.expected_batch_size, noise_seed=self._dp_noise_seed,
-                secure_mode=args.secure_rng, ledger=self.ledger, max_epsilon=spec.target_epsilon, **hyper,
-            )
-            self.optimizer.sampler = self._dp_sampler
-            if hasattr(self.optimizer.rule, "clamp_rate_every"):  # BC diagnostic only at the steps that are logged
-                steps = args.logging_steps
-                self.optimizer.rule.clamp_rate_every = int(steps) if steps >= 1 else 1
-            if spec.target_epsilon is not None:
-                self.optimizer.budget_steps = spec.planned_steps  # calibrate_noise_multiplier verified ε(planned) ≤ target
-            self._dp_optimizer = self.optimizer
+        if self.optimizer is None:  # the privatizer over the update rule, planned at set-up (hf_dp.run.setup)
+            self.optimizer = self._dp_optimizer = setup.make_private_optimizer(self, model)
         return self.optimizer
 
     # ------------------------------------------------------------------------------------------------
@@ -485,9 +298,11 @@ class DPTrainer(Trainer):
         if not self.args.dp_enabled or not model.training:
             inputs.pop(_EMPTY_KEY, None)
             inputs.pop(_UNITS_KEY, None)
+            canaries.pop_rows(self, inputs)
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         empty = bool(inputs.pop(_EMPTY_KEY, False))
         units = inputs.pop(_UNITS_KEY, None)
+        canary_rows = canaries.pop_rows(self, inputs)  # --audit_kind gradient: each row's canary id (-1: a real row)
         if "labels" not in inputs:
             raise ValueError(
                 "the training batch has no 'labels': DP training computes each example's loss from them (a causal LM's "
@@ -507,6 +322,7 @@ class DPTrainer(Trainer):
             outputs = model(**inputs)
         contract.check_logits(outputs.logits, labels, objective)
         losses = per_example_loss(outputs.logits, labels, self.model.config, objective, inputs.get("attention_mask"))
+        losses = canaries.zero_canary_losses(self, losses, canary_rows, empty)  # their gradient: the engine's wrapper
         self._empty_micro_batch = empty
         self._units = None if units is None else units.to(losses.device)
         fsdp = getattr(self, "_fsdp", False) and sharding.is_fsdp_model(model)
@@ -586,7 +402,7 @@ class DPTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.args.dp_enabled:
             logs.pop("grad_norm", None)  # norm of the non-private gradient: never logged
-            self._record_spent()  # persisted before it is reported (see hf_dp.run.checkpointing)
+            self._record_spent()  # persisted before it is reported (see hf_dp.run.spent)
             logs["epsilon"] = self.get_epsilon()
             rule = getattr(self._dp_optimizer, "rule", None)
             if getattr(rule, "last_clamp_rate", None) is not None:
@@ -656,34 +472,17 @@ class DPTrainer(Trainer):
         return out
 
     def num_examples(self, dataloader) -> int:
-        # --audit_canaries: HF logs this (and derives train_samples_per_second from it) — real rows + m, not + included
-        if getattr(self, "_audit", None) is not None and isinstance(dataloader, _PoissonDataLoader):
+        # HF logs this and derives train_samples_per_second from it: the public N — units (+ m canaries) under a unit
+        # column (rows are private there), else --audit_canaries' real rows + m (not + the included ones)
+        if isinstance(dataloader, _PoissonDataLoader) and self.args.privacy_unit_column:
+            return self.num_units
+        if isinstance(dataloader, _PoissonDataLoader) and getattr(self, "_audit", None) is not None:
             return self._audit.public_rows
         return super().num_examples(dataloader)
 
     def _check_contract(self) -> None:
-        """At every ``train()``, before any step (see :mod:`hf_dp.run.contract`): the mechanism is still the one planned,
-        every rank holds the same data in the same order, and each example's loss depends on that example alone."""
-        if self.train_dataset is not self._planned_train_dataset:
-            raise ValueError(
-                "train_dataset was replaced after the DPTrainer was built: N, the fingerprint that resumes, ranks and "
-                "the model's ledger compare, and the label checks describe the dataset given at construction; make a "
-                "new DPTrainer for other data"
-            )
-        contract.check_flags(self.args)  # HF flags refused under DP, also when set on trainer.args after construction
-        contract.check_mechanism(self._planned_mechanism, contract.mechanism_snapshot(self))
-        if self.args.world_size > 1:
-            contract.check_ranks_agree(self._train_data_info()["sha256"], self._planned_mechanism)
-        if self._rows_checked is not self.data_collator:  # the dataset is fixed (above); again if the collator changed
-            loader = self.get_train_dataloader()
-            outcome = contract.check_every_row(loader.dataset, loader.collate_fn, getattr(self.model, "config", None), self.objective)
-            # a collator seen to emit several rows (or none) for one example: every micro-batch's rows are attributed
-            # to their examples, also when the row count happens to equal the number of examples drawn
-            self._several_rows = outcome.endswith("several rows per example")
-            self._rows_checked = self.data_collator
-        outcome = contract.probe_independence(self)
-        if outcome != "passed":
-            logger.warning("hf_dp: the per-example contract could not be verified on a probe micro-batch (%s)", outcome)
+        """At every ``train()``, before any step: :func:`hf_dp.run.contract.check_at_train`."""
+        contract.check_at_train(self)
 
     def _load_optimizer_and_scheduler(self, checkpoint):  # private HF API: see HF_PRIVATE_OVERRIDES
         # steps taken by an earlier train() of this trainer (not those of earlier runs its ledger started from)
@@ -698,7 +497,7 @@ class DPTrainer(Trainer):
         if self.args.dp_enabled:
             lineage.after_optimizer_load(self, checkpoint)
         if checkpoint is not None and self.args.dp_enabled:
-            checkpointing.reconcile_resumed_ledger(self, checkpoint, taken_here)
+            spent.reconcile_resumed_ledger(self, checkpoint, taken_here)
 
     def _train_data_info(self) -> dict:
         """N and a SHA-256 fingerprint of the training set (before any caching), recorded in checkpoint markers."""
@@ -707,30 +506,9 @@ class DPTrainer(Trainer):
         return {"num_samples": self.privacy_spec.dataset_size, "sha256": self._train_fingerprint}
 
     def _save_checkpoint(self, model, trial):  # private HF API: see HF_PRIVATE_OVERRIDES
-        # HF writes checkpoint-N in place, then rotates old checkpoints; we defer the rotation until the
-        # completion marker is on disk, so a complete checkpoint exists at every instant.
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        self._record_spent()
-        if self.args.should_save and os.path.isdir(folder):
-            checkpointing.remove_marker(folder)
-        limit = self.args.save_total_limit
-        self.args.save_total_limit = None
-        self._saving_checkpoint = True  # save_model writes a checkpoint's model, not a release (not the folder's name)
-        try:
+        # the completion marker before HF's rotation of old checkpoints (hf_dp.run.checkpointing.save_around)
+        with checkpointing.save_around(self, trial):
             super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
-            self._saving_checkpoint = False
-        if self.args.world_size > 1:
-            self.accelerator.wait_for_everyone()  # every rank's files (rng_state_i.pth; FSDP: its shards) are written
-        if self.args.should_save:
-            checkpointing.write_marker(folder, self._checkpoint_info())
-            rotate_checkpoints(
-                output_dir=self._get_output_dir(trial=trial),
-                save_total_limit=limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:  # private HF API: see HF_PRIVATE_OVERRIDES
         if self.args.dp_enabled and getattr(self, "_fsdp", False):
@@ -738,51 +516,13 @@ class DPTrainer(Trainer):
         else:
             super()._save_optimizer_and_scheduler(output_dir)
 
-    def _checkpoint_info(self) -> dict:
-        info = {"hf_dp_version": __version__, "global_step": self.state.global_step, "differential_privacy": self.args.dp_enabled}
-        if getattr(self, "is_fsdp_enabled", False):  # sharded: resumed under FSDP with as many processes (hf_dp.clipping.sharding)
-            info["fsdp"] = {"world_size": self.args.world_size}
-        if self.args.dp_enabled:
-            info.update(
-                ledger_steps=self.ledger.steps, epsilon=self.get_epsilon(), privacy_spec=self.privacy_spec.as_dict(),
-                train_data=self._train_data_info(), run_id=self.run_id,
-            )
-        return info
-
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         output_dir = output_dir or self.args.output_dir
         # a checkpoint iff called from _save_checkpoint (a release folder may be named "checkpoint-…" too)
         is_checkpoint = getattr(self, "_saving_checkpoint", False)
         self._record_spent()  # on record (and in the model's config.json: hf_dp.run.lineage) before the model is written
-        if getattr(self, "_fsdp", False) and sharding.is_fsdp_model(self.model) and is_checkpoint and not self.args.save_only_model:
-            # FSDP2, a checkpoint: the model stays sharded (its shards are written with the optimizer's, by
-            # _save_optimizer_and_scheduler: hf_dp.clipping.sharding.save_checkpoint_state); rank 0 writes its config
-            if self.args.should_save:
-                os.makedirs(output_dir, exist_ok=True)
-                self.model.config.save_pretrained(output_dir)
-                if self.processing_class is not None:
-                    self.processing_class.save_pretrained(output_dir)
-                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-        elif getattr(self, "_fsdp", False) and sharding.is_fsdp_model(self.model):
-            # FSDP2: the full model gathered from the shards (every rank takes part), written by rank 0 as a plain
-            # save_pretrained folder (HF's own FSDP save path reads the Accelerate state, see hf_dp.clipping.sharding)
-            state_dict = sharding.full_state_dict(self.model)
-            if self.args.should_save:
-                os.makedirs(output_dir, exist_ok=True)
-                release = sharding.plain_release(self.model, state_dict)  # LoRA: merged, as without FSDP
-                release.save_pretrained(output_dir, state_dict=None if release is not self.model else state_dict)
-                if self.processing_class is not None:
-                    self.processing_class.save_pretrained(output_dir)
-                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-        # LoRA: the release is the merged plain model, DP or not (an adapter alone cannot be loaded without its base)
-        elif self.trainable_info is not None and self.trainable_info.mode == "lora" and not is_checkpoint:
-            if self.args.should_save:
-                os.makedirs(output_dir, exist_ok=True)
-                unwrap_for_save(self.model).save_pretrained(output_dir)
-                if self.processing_class is not None:
-                    self.processing_class.save_pretrained(output_dir)
-                torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-        else:
+        # the plain model where HF's save would not write one (FSDP2's shards, LoRA merged): hf_dp.run.release
+        if not release.save_model_folder(self, output_dir, is_checkpoint):
             super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:  # non-private runs too: their card says so and records what was trained
             self._record_spent()

@@ -21,8 +21,8 @@ What differs from run_clm, and why (recipes/README.md, "Causal language modellin
 * **Defaults**: LoRA (``--trainable lora``), ``--block_size`` min(128, the model's and the tokenizer's maximum).
 * **After training**: eval_loss and perplexity = exp(eval_loss) on the validation file (not private data), and a few
   sampled continuations of a fixed public prompt with a fixed generation seed (post-processing of the released model:
-  no privacy cost), in the summary. The output folder holds the model (LoRA merged), the tokenizer, ``privacy.json``
-  and the model card.
+  no privacy cost), in the summary. The release folder, ``<output_dir>/release``, holds the model (LoRA merged), the
+  tokenizer, ``privacy.json`` and the model card, nothing else (checkpoints and run records stay in output_dir).
 
 The task-independent plumbing (layered defaults, ``--help``, checks, resume, summary, push) is :mod:`recipes.common`;
 data, model, metrics and sampling of this task are :mod:`recipes.clm_support`.
@@ -30,6 +30,7 @@ data, model, metrics and sampling of this task are :mod:`recipes.clm_support`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -52,11 +53,11 @@ from recipes.clm_support import (  # noqa: E402
     check_unit_column,
     choose_block_size,
     count_units,
-    describe_blocks,
     drop_empty_texts,
     evaluation_blocks,
     load_config_and_tokenizer,
     load_raw_datasets,
+    no_progress_bar,
     sample_continuations,
     training_blocks,
     with_perplexity,
@@ -66,6 +67,7 @@ from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.run import apply_plan, check_privacy_settings, push_folder, resume_argument, summarize  # noqa: E402
+from recipes.common.run import save_release  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
 
@@ -218,13 +220,15 @@ def _refuse_training_file_as_validation(data_args: DataTrainingArguments, traini
                           "statistic of the private training data; evaluate on public or held-out data")
 
 
-def _warn_overlap(train, validation, text_column: str) -> None:
-    """Validation texts that also occur in the training rows: their perplexity is not held out (and not private)."""
+def _warn_overlap(train, validation, text_column: str) -> bool:
+    """Validation texts that also occur in the training rows: their perplexity is not held out (and not private).
+    Returns whether any does (the card says so). How many is not said: a count of private training texts."""
     seen = set(train[text_column])
-    shared = sum(1 for t in validation[text_column] if t in seen)
-    if shared:
-        logger.warning("%d of the %d validation rows also occur in the training data: the perplexity on them is not "
-                       "a held-out metric, and not a private one", shared, len(validation))
+    if any(t in seen for t in validation[text_column]):
+        logger.warning("some validation rows also occur in the training data: the perplexity on them is not a held-out "
+                       "metric, and not a private one (the card says so); evaluate on text disjoint from the training data")
+        return True
+    return False
 
 
 # ----------------------------------------------------------------------------------------------- run
@@ -238,12 +242,17 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     from hf_dp import DPTrainer
     from hf_dp.clipping.hooks import unwrap_for_save
     from hf_dp.hub import write_privacy_artifacts
+    from hf_dp.hub.describe import card_fields
 
     start = time.perf_counter()
     transformers.set_seed(training_args.seed)
     explicit = getattr(training_args, "_hf_dp_explicit", frozenset())
     _refuse_training_file_as_validation(data_args, training_args)
-    with training_args.main_process_first(desc="loading the data"):  # several processes: one writes the cache
+    # the config and the tokenizer before any data is read: offline, a Hub id that is not cached is refused at once
+    config, tokenizer, pretrained_path = load_config_and_tokenizer(model_args)
+    # a unit column: no bar over the rows (their number is private); several processes: one writes the cache
+    with training_args.main_process_first(desc="loading the data"), (
+            no_progress_bar() if training_args.privacy_unit_column else contextlib.nullcontext()):
         raw = load_raw_datasets(
             train_file=data_args.train_file, validation_file=data_args.validation_file,
             dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config_name,
@@ -272,19 +281,18 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         check_unit_column(train, training_args.privacy_unit_column, data_args.text_column, sources.get("train", "train"))
         if not user_unit:
             train = add_document_ids(train)
-        train = drop_empty_texts(train, data_args.text_column, sources.get("train", "train"))
+        train = drop_empty_texts(train, data_args.text_column, sources.get("train", "train"), count_is_private=user_unit)
         n_units = count_units(train, unit_column)
         check_privacy_settings(training_args, n_units)  # N = the units; before the model and any tokenization
-    validation = None
+    validation, overlap = None, False
     if training_args.do_eval:
         validation = raw["validation"]
         if data_args.max_eval_samples is not None:
             validation = validation.select(range(min(len(validation), data_args.max_eval_samples)))
         validation = drop_empty_texts(validation, data_args.text_column, sources.get("validation", "validation"))
         if train is not None:
-            _warn_overlap(train, validation, data_args.text_column)
+            overlap = _warn_overlap(train, validation, data_args.text_column)
 
-    config, tokenizer, pretrained_path = load_config_and_tokenizer(model_args)
     block_size = choose_block_size(data_args.block_size, config, tokenizer)
     model = build_model(model_args, config, tokenizer, pretrained_path)
     if training_args.do_train:
@@ -337,13 +345,14 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
 
     out = None
     if training_args.do_train:
-        out = training_args.output_dir
-        trainer.save_model(out)  # LoRA merged, DP or not (DPTrainer.save_model)
+        out = save_release(trainer, training_args)  # <output_dir>/release: LoRA merged, DP or not (DPTrainer.save_model)
         if trainer.is_world_process_zero():  # the card with everything the recipe knows (task, data, eval results)
             write_privacy_artifacts(
                 out, report, base_model=trainer.base_model_id, task_name=TASK, dataset_name=trainer.dataset_name,
                 eval_results=eval_metrics or None, data_description=trainer.data_description,
-                model_name=os.path.basename(os.path.normpath(out)),
+                model_name=os.path.basename(os.path.normpath(training_args.output_dir)), eval_overlap=overlap,
+                random_init=not model_args.model_name_or_path,
+                model_description=card_fields(trainer)["model_description"] if not trainer.base_model_id else None,
             )
     pushed = None
     if push and out is not None and trainer.is_world_process_zero():
@@ -351,10 +360,10 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
 
     extra: list[tuple[str, Any]] = []
     if train_blocks is not None:
-        blocks, tokens = describe_blocks(train_blocks)
+        # N only: the number of rows or blocks depends on the private texts (their number per unit, their lengths)
         unit = (f"'{unit_column}': {n_units:,} units" if user_unit
                 else f"each input row (column '{DOCUMENT_COLUMN}'): {n_units:,} documents")
-        extra.append(("privacy unit", f"{unit} -> {blocks:,} blocks of <= {block_size} tokens"))
+        extra.append(("privacy unit", f"{unit}, cut into blocks of <= {block_size} tokens"))
     if eval_metrics:
         extra.append(("eval loss", eval_metrics.get("eval_loss")))
     if samples:

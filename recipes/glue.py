@@ -38,7 +38,7 @@ from recipes.common.model import resolve_model_path  # noqa: E402,F401  (tests a
 from recipes.common.early import check_model_loadable, check_resume_settings, resume_checkpoint  # noqa: E402
 from recipes.common.run import apply_plan, check_privacy_settings, push_folder, resume_argument, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
-from recipes.common.run import write_predictions  # noqa: E402
+from recipes.common.run import save_release, write_predictions  # noqa: E402
 from recipes.common.tune import HOLDOUT, TuneArguments, carve_holdout, check_tune, check_tune_score, run_tune  # noqa: E402
 from recipes.glue_support import (  # noqa: E402
     GLUE_TASKS,
@@ -50,6 +50,7 @@ from recipes.glue_support import (  # noqa: E402
     load_raw_datasets,
     main_metric_name,
     preprocess,
+    regression_baseline,
 )
 
 logger = logging.getLogger("hf_dp.recipes.glue")
@@ -170,8 +171,8 @@ def format_help(parser, peek) -> str:
 
 
 def _apply_plan(training_args, model, n_train: int) -> Optional[str]:
-    """The planner's logical batch (and :data:`PLANNED_LR`) when the user set no batch size, accumulation, epochs or
-    steps (:func:`recipes.common.run.apply_plan`). Returns the line to print."""
+    """The planner's logical batch (and :data:`PLANNED_LR`) for the run's epochs or steps when the user set no batch
+    size or accumulation (:func:`recipes.common.run.apply_plan`). Returns the lines to print."""
     return apply_plan(training_args, model, n_train, _planned_lr())
 
 
@@ -195,15 +196,17 @@ def load_model_and_tokenizer(model_args: ModelArguments, data_args: DataTraining
 # ----------------------------------------------------------------------------------------------- run
 
 
-def _data_description(data_args: DataTrainingArguments, n_train: int) -> str:
+def _data_description(data_args: DataTrainingArguments, n_train: Optional[int]) -> str:
+    """``n_train``: the number of training rows, or None under --privacy_unit_column (rows are private there; the card
+    gives N, the number of units)."""
     task = get_task(data_args.task_name)
+    rows = f", {n_train:,} training examples" if n_train is not None else ""
     if data_args.data_dir:
-        return (f"GLUE {task.folder} from local files in the GLUE layout (not the Hub dataset), "
-                f"{n_train:,} training examples")
+        return f"GLUE {task.folder} from local files in the GLUE layout (not the Hub dataset){rows}"
     if data_args.train_file:
-        return f"local file {os.path.basename(data_args.train_file)}, {n_train:,} training examples"
+        return f"local file {os.path.basename(data_args.train_file)}{rows}"
     name = data_args.dataset_name or "nyu-mll/glue"
-    return f"`{name}` ({data_args.dataset_config_name or (task.name if task else '')}), {n_train:,} training examples"
+    return f"`{name}` ({data_args.dataset_config_name or (task.name if task else '')}){rows}"
 
 
 def run(model_args, data_args, training_args) -> dict[str, Any]:
@@ -213,6 +216,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
 
     from hf_dp import DPTrainer
     from hf_dp.hub import write_privacy_artifacts
+    from hf_dp.hub.describe import card_fields
 
     start = time.perf_counter()
     transformers.set_seed(training_args.seed)
@@ -279,7 +283,8 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     from_hub = not (data_args.data_dir or data_args.train_file)
     trainer.dataset_name = (data_args.dataset_name or ("nyu-mll/glue" if data_args.task_name else None)) if from_hub else None
     if training_args.do_train:
-        trainer.data_description = _data_description(data_args, len(tokenized["train"]))
+        trainer.data_description = _data_description(
+            data_args, None if training_args.privacy_unit_column else len(tokenized["train"]))
     report: dict[str, Any] = {}
     if training_args.do_train and tune_space is not None:  # the best of K private runs (recipes/common/tune.py)
         best = run_tune(trainer, data_args, tune_space, metric=main_metric_name(data_args.task_name, info.is_regression),
@@ -291,8 +296,10 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         # (no log_metrics: HF's log line already printed these metrics once; the summary block follows)
         report = trainer.privacy_report()
     eval_metrics: dict[str, Any] = {}
+    predictions = None
     if training_args.do_eval:
         eval_metrics = trainer.evaluate()
+        predictions = compute_metrics.last_predictions  # the summary's predicted-class spread (before MNLI's _mm)
         if "validation_mismatched" in tokenized:  # MNLI: both evaluation sets, named as run_glue does (…_mm)
             mm = trainer.evaluate(eval_dataset=tokenized["validation_mismatched"])
             eval_metrics.update({f"{k}_mm": v for k, v in mm.items() if k.startswith("eval_")})
@@ -300,19 +307,21 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         _predict(trainer, tokenized["test"], info, data_args, training_args)
 
     baseline = None
-    if eval_metrics and not info.is_regression and "labels" in tokenized["validation"].column_names:
-        # the best constant predictor on the evaluation labels (never the private training labels' counts)
-        baseline = constant_baseline(tokenized["validation"]["labels"], eval_metrics, label_names=info.label_list)
+    if eval_metrics and "labels" in tokenized["validation"].column_names:
+        # the best constant predictor on the evaluation labels (never the private training labels' counts or mean)
+        labels = tokenized["validation"]["labels"]
+        baseline = (regression_baseline(labels, eval_metrics, predictions=predictions) if info.is_regression else
+                    constant_baseline(labels, eval_metrics, label_names=info.label_list, predictions=predictions))
 
     out = None
     if training_args.do_train:
-        out = training_args.output_dir
-        trainer.save_model(out)
+        out = save_release(trainer, training_args)  # <output_dir>/release: the release only, checkpoints beside it
         # (re)write the card with everything the recipe knows: base model, task, data and eval results
         write_privacy_artifacts(
             out, report, base_model=trainer.base_model_id, task_name=data_args.task_name,
             dataset_name=trainer.dataset_name, eval_results=eval_metrics or None,
             data_description=trainer.data_description, baseline=baseline,
+            model_description=None if trainer.base_model_id else card_fields(trainer)["model_description"],
         )
     pushed = None
     if push and out is not None and trainer.is_world_process_zero():

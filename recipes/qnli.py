@@ -11,7 +11,8 @@ The preset (every flag of glue.py works here and overrides it; recipes/README.md
   68.4–68.7 % tune accuracy against 62.1 % for ``last_block`` at the same ε = 3 (benchmarks/RESULTS.md §0);
 * ``--num_train_epochs 5``: the compute budget. Two blocks cost ~7× one block per step; 5 epochs keep the whole run
   within 8 minutes on 2 CPU cores, and scored as 10 epochs did on the tune split (68.4 vs 68.7 %). The planner still
-  chooses the logical batch for that budget (B = 512 for MiniLM on the 8,999 rows) unless a batch size is given.
+  chooses the logical batch for that budget, or for the epochs or steps given (B = 512 for MiniLM on the 8,999 rows
+  at 5 epochs), unless a batch size or accumulation is given.
 
 ``recipes/configs/qnli_paper.yaml`` is seed 000's protocol (bert-base-cased, ``last_block``, 10 epochs) written out.
 """

@@ -27,6 +27,7 @@ SLOW_TESTS = (
     "test_offline_hub_message_exit_code_2_no_traceback", "test_qnli_help_says_its_own_usage",
     "test_target_epsilon_stops_a_resumed_run_instead_of_exceeding_it", "test_ddp_ranks_train_on_rank_0s_draw",
     "test_cli_module_runs", "test_the_recipe_scores_privately_on_a_random_holdout",
+    "test_two_gloo_processes_run_dp_sft_over_user_units",
 )
 
 
@@ -34,3 +35,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_FILES or any(name in item.name for name in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    """The modules collection imported (torch, transformers, datasets, hf_dp, the tests) stay to the end of the run:
+    move them out of the garbage collector's full passes (``gc.freeze``), which otherwise walk that whole heap at
+    every ``gc.collect()`` (one per trial of a private search, HF's own) and every automatic full collection."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -6,7 +6,8 @@
   (2–6 words per sentence): label 1 pairs are written with words w0…w4, label 0 pairs with w5…w9
   (each word comes from the other label's pool with probability ``noise``).
 * :func:`dp_args` — ``DPTrainingArguments`` with quiet, fast, CPU-only defaults.
-* :class:`StepCounter` — a callback that counts optimizer steps.
+* :class:`StepCounter` — a callback that counts optimizer steps; :class:`StopAt` — one that stops after a step.
+* :func:`spy_draws_and_noise` — record every Poisson draw and every noise vector of the runs of a test.
 """
 
 from __future__ import annotations
@@ -148,6 +149,42 @@ class StepCounter(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.optimizer_steps += 1
+
+
+class StopAt(TrainerCallback):
+    """Stops training right after global step ``at`` (an interruption after that step's checkpoint, if it has one)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            control.should_training_stop = True
+        return control
+
+
+def spy_draws_and_noise(monkeypatch) -> tuple[list, list]:
+    """(draws, noises): every Poisson draw (tuple of indices) and every noise vector the privatizer adds (flattened),
+    in order, until ``monkeypatch`` undoes the spies."""
+    from hf_dp.privacy.privatizer import PrivateOptimizer
+    from hf_dp.privacy.sampler import PoissonBatchSampler
+
+    draws, noises = [], []
+    original_iter, original_noise = PoissonBatchSampler.__iter__, PrivateOptimizer.add_noise
+
+    def spy_iter(self):
+        for batch in original_iter(self):
+            draws.append(tuple(batch))
+            yield batch
+
+    def spy_noise(self):
+        out = original_noise(self)
+        noises.append(torch.cat([(p.grad - p.summed_grad.view_as(p)).reshape(-1) for p in self.params]).clone())
+        return out
+
+    monkeypatch.setattr(PoissonBatchSampler, "__iter__", spy_iter)
+    monkeypatch.setattr(PrivateOptimizer, "add_noise", spy_noise)
+    return draws, noises
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ coordinates (so "jointly over all parameters" is literal), with a per-coordinate
 algorithm of one paper line by line; the choices hf_dp documents where a paper is open are
 *explicit arguments* here, so a test can pin each one.
 
-Papers (``/work/shared/seeds``):
+Papers (the ``seeds`` folder of the shared data beside the repo, ``../shared/seeds``):
 
 * seed 000, Alg. 1 (DP-AdamW) and Alg. 2 (DP-AdamW-BC);
 * seed 001 (DP-MacAdam);
@@ -59,12 +59,15 @@ def per_sample_grads(model: torch.nn.Module, params, loss_fn, xs: torch.Tensor, 
 
 
 class NoiseReplay:
-    """Reproduces the privatizer's Gaussian draws: one ``torch.Generator`` seeded with the
-    optimizer's ``noise_seed``, one ``torch.normal(0, std, shape)`` per trainable parameter per
-    step, in parameter order (the order Opacus' ``add_noise`` uses). Returns the flat noise z_t."""
+    """Reproduces the privatizer's Gaussian draws in a fresh run: one ``torch.Generator`` keyed by
+    (the optimizer's ``noise_seed``, "noise", step 0) (``hf_dp.privacy.randomness.stream_generator``), one
+    ``torch.normal(0, std, shape)`` per trainable parameter per step, in parameter order (the order Opacus'
+    ``add_noise`` uses). Returns the flat noise z_t."""
 
     def __init__(self, seed: int, shapes, dtype=torch.float64):
-        self.gen = torch.Generator().manual_seed(int(seed))
+        from hf_dp.privacy.randomness import stream_generator
+
+        self.gen = stream_generator(int(seed), "noise", 0)
         self.shapes = [tuple(s) for s in shapes]
         self.dtype = dtype
 

@@ -115,7 +115,7 @@ def test_remove_direction_dominates(q, sigma, steps, delta):
     assert d["remove"] >= d["add"], d
 
 
-@pytest.mark.parametrize("target", [1.0, 2.0, 4.0])
+@pytest.mark.parametrize("target", [1.0, 4.0])  # the two ends of the range (a middle target took the same path)
 def test_calibration_lands_at_or_below_target(target):
     # seed-004 local setting: QNLI 9k subset, B=256, 3 epochs (106 steps) — fast to calibrate.
     q, steps, delta = 256 / 9_000, 106, 1e-5

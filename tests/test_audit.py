@@ -175,7 +175,9 @@ def test_real_mechanism_small_sample_rate():
 @pytest.mark.parametrize("variant", ["no_noise", "low_noise", "no_clip"])
 @pytest.mark.parametrize("optim", ALL)
 def test_broken_mechanism_is_caught(optim, variant):
-    r = audit(optim=optim, variant=variant, noise_multiplier=2.0, trials=trials_for(optim, 1000, 300), delta=DELTA)
+    # 600 single-example trials: at 300, DP-MacAdam's low_noise variant came out at 2.69 (< claim + 1) for 1 of seeds
+    # 0..3 of the full-state noise streams; at 600 its lowest of the four was 3.75
+    r = audit(optim=optim, variant=variant, noise_multiplier=2.0, trials=trials_for(optim, 1000, 600), delta=DELTA)
     assert r.eps_claimed == pytest.approx(2.0, abs=0.02)
     assert r.eps_lower > r.eps_claimed + 1.0, r.row()
 
@@ -269,9 +271,9 @@ def test_power_warning_fires_for_the_old_command_not_for_the_recommended_ones():
     assert any("--one_run" in c for c in commands)
     for cmd in commands:
         claim, a = _claim_of(cmd.split())
-        if a.one_run:  # the one-run audit's ceiling: every guess right (hf_dp.audit.canaries.ceiling)
+        if a.one_run:  # the one-run audit's ceiling: every guess right (hf_dp.audit.one_run_bound.ceiling)
             from hf_dp.audit.many_runs import POWER_MARGIN
-            from hf_dp.audit.canaries import ceiling
+            from hf_dp.audit.one_run_bound import ceiling
 
             assert claim < ceiling(a.canaries, a.delta, a.alpha) - POWER_MARGIN, cmd
         else:

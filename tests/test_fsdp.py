@@ -13,46 +13,32 @@ full fine-tuning (``full``) and LoRA (``lora``, ``--trainable lora``); the FSDP 
 * LoRA under FSDP with its checkpoint (noise on, sharded state dict): a run stopped at its checkpoint and resumed ends
   with the uninterrupted run's weights, ε and step count (as tests/test_fsdp_checkpoint.py for full fine-tuning).
 
-Each launch is ``python -m torch.distributed.run --nproc_per_node 2`` (as tests/test_distributed.py).
+Each launch is ``python -m torch.distributed.run --nproc_per_node 2`` (tests/two_process.py).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import textwrap
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from test_distributed import _gloo_available, _launch  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from two_process import DISTRIBUTED, launch  # noqa: E402
 
 N, PER_DEVICE, GA, STEPS, SEED = 64, 2, 2, 4, 15  # SEED: a --dp_seed whose draws leave a micro-batch empty (asserted below)
 CKPT_N, CKPT_SIGMA = 16, 1.0  # the LoRA checkpoint runs: B = 2 × 2 × 2 = 8, 2 steps per epoch (checkpoint at step 2)
 
-WORKER = textwrap.dedent(
-    r"""
-    import os, sys, warnings
-    warnings.filterwarnings("ignore")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    sys.path.insert(0, {tests!r})
-    import torch
-    torch.set_num_threads(1)
-    import transformers
-    from transformers import TrainerCallback
-    transformers.logging.set_verbosity_error()
-    import hf_dp.trainer as trainer_module
+WORKER = r"""
     from hf_dp import DPTrainer
     from hf_dp.privacy.privatizer import PrivateOptimizer, _local, _shard_offset
-    from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+    from helpers import StopAt, dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
     from test_fsdp import shard_noise_checks
     from torch.distributed.tensor import DTensor
+    from two_process import count_placeholders
 
-    out, mode, jobs, lora_checkpoint = sys.argv[1], {mode!r}, {jobs!r}, {lora_checkpoint!r}
-    rank = int(os.environ["RANK"])
+    mode, jobs, lora_checkpoint = {mode!r}, {jobs!r}, {lora_checkpoint!r}
     NOISE = ["on"]  # the current job's: "off", "recorded" or "on" (the privatizer as it is)
     shards = []  # per step: [(offset, noise on this rank's shard)] per parameter
     orig = PrivateOptimizer.add_noise
@@ -75,13 +61,7 @@ WORKER = textwrap.dedent(
         return r
     PrivateOptimizer.add_noise = add_noise
 
-    placeholders = []
-    orig_call = trainer_module._EmptySafeCollator.__call__
-    def counting_call(self, features):
-        if len(features) == 0:
-            placeholders.append(1)
-        return orig_call(self, features)
-    trainer_module._EmptySafeCollator.__call__ = counting_call
+    placeholders = count_placeholders()
 
     tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
     ds = make_pair_dataset(tok, n={n})
@@ -128,14 +108,6 @@ WORKER = textwrap.dedent(
         NOISE[0] = "on"
         small = make_pair_dataset(tok, n={ckpt_n})
 
-        class StopAt(TrainerCallback):  # an interruption right after the checkpoint of step `at`
-            def __init__(self, at):
-                self.at = at
-            def on_step_end(self, args, state, control, **kw):
-                if state.global_step == self.at:
-                    control.should_training_stop = True
-                return control
-
         def ckpt_run(output_dir, resume=None, callbacks=(), save=True):
             trainer = make_trainer(
                 os.path.join(out, "lora_ckpt", output_dir), "lora", dataset=small, callbacks=callbacks,
@@ -149,13 +121,8 @@ WORKER = textwrap.dedent(
         results["R"] = ckpt_run("a", resume=True)
         torch.save(results, os.path.join(out, f"lora_ckpt_rank{{rank}}.pt"))
     """
-)
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
-    pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available"),
-]
+pytestmark = DISTRIBUTED
 
 JOBS = {"fsdp": [("full", "all", "recorded"), ("lora", "lora", "off")], "ddp": [("full", "all", "off"), ("lora", "lora", "off")]}
 
@@ -164,9 +131,8 @@ def _run(tmp_path, mode: str) -> dict:
     """One launch: each job of ``JOBS[mode]`` (and, under FSDP, the LoRA checkpoint runs); {job: (rank 0's, rank 1's)}."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     jobs = JOBS[mode]
-    _launch(tmp_path, WORKER.format(tests=HERE, mode=mode, jobs=jobs, lora_checkpoint=mode == "fsdp", n=N,
-                                    per_device=PER_DEVICE, ga=GA, steps=STEPS, seed=SEED, ckpt_n=CKPT_N,
-                                    ckpt_sigma=CKPT_SIGMA), timeout=420)
+    launch(tmp_path, WORKER.format(mode=mode, jobs=jobs, lora_checkpoint=mode == "fsdp", n=N, per_device=PER_DEVICE,
+                                   ga=GA, steps=STEPS, seed=SEED, ckpt_n=CKPT_N, ckpt_sigma=CKPT_SIGMA), timeout=420)
     names = [name for name, _, _ in jobs] + (["lora_ckpt"] if mode == "fsdp" else [])
     return {name: tuple(torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)) for name in names}
 
@@ -250,23 +216,25 @@ def test_fsdp_noise_is_drawn_once_per_coordinate_on_each_shard(runs, tmp_path):
     assert z.numel() == STEPS * numel
     assert abs(z.std().item() / std - 1) < 0.03 and abs(z.mean().item()) < 0.03 * std  # 25 160 draws: ±1% (1σ)
 
-    # ε equals a one-process run with the same global batch (per_device × 2, same accumulation)
+    # ε equals a one-process run with the same global batch (per_device × 2, same accumulation): the mechanism it
+    # plans, and the accountant's ε for STEPS steps of it
     import transformers
 
     from hf_dp import DPTrainer
+    from hf_dp.privacy.accounting import compute_epsilon
     from helpers import dp_args, make_collator, make_pair_dataset, make_tokenizer
 
     transformers.logging.set_verbosity_error()
     tok = make_tokenizer(tmp_path / "tok_single")
-    ds = make_pair_dataset(tok, n=N)
     args = dp_args(tmp_path / "single", optim="dp_adamw", learning_rate=1e-2, epsilon=8.0, accountant="rdp",
                    per_device_train_batch_size=PER_DEVICE * 2, gradient_accumulation_steps=GA, max_steps=STEPS,
                    logging_steps=100, trainable="all", clipping="ghost_two_pass")
-    single = DPTrainer(model=make_model(), args=args, train_dataset=ds, data_collator=make_collator(tok))
-    single.train()
+    single = DPTrainer(model=make_model(), args=args, train_dataset=make_pair_dataset(tok, n=N),
+                       data_collator=make_collator(tok))
     assert single.privacy_spec.as_dict() == spec
-    assert single.ledger.accountant.history == r0["history"] == r1["history"]
-    assert single.get_epsilon() == r0["epsilon"] == r1["epsilon"]
+    assert r0["history"] == r1["history"] == [(spec["noise_multiplier"], spec["sample_rate"], STEPS)]
+    eps = compute_epsilon(spec["noise_multiplier"], spec["sample_rate"], STEPS, spec["delta"], spec["accountant"])
+    assert r0["epsilon"] == r1["epsilon"] == pytest.approx(eps, rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------------------------

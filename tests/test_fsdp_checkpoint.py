@@ -25,46 +25,23 @@ from __future__ import annotations
 import json
 import os
 import sys
-import textwrap
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from test_distributed import _gloo_available, _launch  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from two_process import DISTRIBUTED, launch, rank_results  # noqa: E402
 
 N, PER_DEVICE, GA, STEPS, SEED, SIGMA = 16, 2, 2, 4, 11, 1.0  # B = 2 × 2 × 2 = 8: 2 steps per epoch
 
-WORKER = textwrap.dedent(
-    r"""
-    import os, sys, warnings
-    warnings.filterwarnings("ignore")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    sys.path.insert(0, {tests!r})
-    import torch
-    torch.set_num_threads(1)
+WORKER = r"""
     import torch.distributed as dist
-    import transformers
-    from transformers import TrainerCallback
-    transformers.logging.set_verbosity_error()
     from torch.distributed.tensor import DTensor
     from hf_dp import DPTrainer
-    from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+    from helpers import StopAt, dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
 
-    out = sys.argv[1]
-    rank = int(os.environ["RANK"])
     tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
     ds = make_pair_dataset(tok, n={n})
-
-    class StopAt(TrainerCallback):  # an interruption right after the checkpoint of step `at`
-        def __init__(self, at):
-            self.at = at
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step == self.at:
-                control.should_training_stop = True
-            return control
 
     def run(name, output_dir, resume=None, callbacks=(), sharded=True):
         config = {{"transformer_layer_cls_to_wrap": ["BertLayer"]}}
@@ -101,21 +78,15 @@ WORKER = textwrap.dedent(
     _, results["R3"] = run("R3", os.path.join(out, "u3"), resume=os.path.join(out, "u", "checkpoint-2"), sharded=False)
     torch.save(results, os.path.join(out, f"rank{{rank}}.pt"))
     """
-)
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
-    pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available"),
-]
+pytestmark = DISTRIBUTED
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("fsdp_ckpt")
-    _launch(base, WORKER.format(tests=HERE, n=N, per_device=PER_DEVICE, ga=GA, steps=STEPS, seed=SEED, sigma=SIGMA),
-            timeout=480)
-    return base, torch.load(base / "rank0.pt", weights_only=False), torch.load(base / "rank1.pt", weights_only=False)
+    launch(base, WORKER.format(n=N, per_device=PER_DEVICE, ga=GA, steps=STEPS, seed=SEED, sigma=SIGMA), timeout=480)
+    return (base, *rank_results(base))
 
 
 def test_the_checkpoint_holds_every_ranks_shards_and_the_marker_lists_them(runs):

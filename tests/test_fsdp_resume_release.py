@@ -4,7 +4,7 @@
   checkpoint-2 (its ledger counts U's 2 steps past it, so its first step is ledger step 4), R4 resumes checkpoint-4
   (ledger step 4 too). Before the fix both keyed the FSDP noise of each (parameter, shard) by the ledger step alone and
   drew the same noise (the difference of the two models' updates noise-free); now R2, not a clean continuation, keys
-  its streams by an id of its own (hf_dp.run.checkpointing.reconcile_resumed_ledger);
+  its streams by an id of its own (hf_dp.run.spent.reconcile_resumed_ledger);
 * ``save_model()`` into a folder whose name starts with ``checkpoint-`` is a release like any other: it writes the
   gathered model's weights (before the fix it took the folder's name for a checkpoint and wrote no weights, only the
   config, the card and privacy.json). A checkpoint is what ``DPTrainer._save_checkpoint`` writes, not a name.
@@ -15,31 +15,18 @@ from __future__ import annotations
 import json
 import os
 import sys
-import textwrap
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from two_process import DISTRIBUTED, launch, rank_results  # noqa: E402
 
-from test_distributed import _gloo_available, _launch  # noqa: E402
-
-WORKER = textwrap.dedent(
-    r"""
-    import os, sys, warnings
-    warnings.filterwarnings("ignore")
-    sys.path.insert(0, {tests!r})
-    import torch
-    torch.set_num_threads(1)
-    import transformers
-    transformers.logging.set_verbosity_error()
+WORKER = r"""
     from hf_dp import DPTrainer
     from hf_dp.privacy.privatizer import PrivateOptimizer, _local
     from helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
 
-    out = sys.argv[1]
-    rank = int(os.environ["RANK"])
     tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
     ds = make_pair_dataset(tok, n=16)
     noises = []
@@ -75,20 +62,15 @@ WORKER = textwrap.dedent(
     r4.save_model(os.path.join(out, "final"))
     torch.save(results, os.path.join(out, f"rank{{rank}}.pt"))
     """
-)
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
-    pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with the gloo backend is not available"),
-]
+pytestmark = DISTRIBUTED
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("fsdp_resume_release")
-    _launch(base, WORKER.format(tests=HERE), timeout=480)
-    return base, [torch.load(base / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    launch(base, WORKER.format(), timeout=480)
+    return base, list(rank_results(base))
 
 
 def test_two_resumes_of_one_seeded_run_draw_different_fsdp_noise(runs):

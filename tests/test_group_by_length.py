@@ -89,8 +89,9 @@ def test_group_by_length_without_dp_reads_a_prefix_cache_lengths(tok, tmp_path):
                    cache_frozen_features=True, num_train_epochs=1, disable_dp=True, optim="adamw_torch")
     trainer = DPTrainer(model=make_model(seed=0), args=args, train_dataset=ds, eval_dataset=ev,
                         data_collator=make_collator(tok))
+    eval_cache = trainer._eval_cache()  # the eval set's cache is built when first needed (as evaluate() does)
     for sampler, cache in ((trainer._get_train_sampler(), trainer.train_dataset),
-                           (trainer._get_eval_sampler(trainer.eval_dataset), trainer.eval_dataset)):
+                           (trainer._get_eval_sampler(eval_cache), eval_cache)):
         assert isinstance(sampler, LengthGroupedSampler)
         assert sampler.lengths == cache.lengths.tolist() == [sum(m) for m in (ds if cache is trainer.train_dataset
                                                                                  else ev)["attention_mask"]]

@@ -2,9 +2,9 @@
 
 7. A model trained by DPTrainer carries its ledger — in memory (with a fingerprint of the training data, never
    written anywhere public) and in the release (``config.json``'s ``hf_dp_privacy`` and ``privacy.json``: public
-   numbers only). A new DPTrainer on that model continues the ledger when the training data is the same; otherwise
-   (other data, or a model loaded from a release, whose data cannot be compared) it says so in one warning, and
-   ``--prior_privacy continue`` (or a path to a release's ``privacy.json``) starts the ledger from the earlier runs.
+   numbers only). A new DPTrainer on that model continues the ledger — also on other data, or on a model loaded from
+   a release, whose data cannot be compared (one warning says so): a re-ordered or re-columned copy of the same rows
+   cannot be told from other data (issue 38 item 5); ``--prior_privacy separate`` must be said to count nothing.
    On ff55d8f three DPTrainers in turn on one model each reported the ε of their own steps.
 8. Forks: a resumed run is a new run with a parent (run id + checkpoint step); the checkpoint folder records which
    runs resumed from it, and a later resume of the same checkpoint counts their steps (and warns). On ff55d8f each
@@ -136,15 +136,16 @@ def test_a_larger_target_counts_the_earlier_run(ds, collator, tmp_path):
     assert 4 < second.ledger.steps < 8
 
 
-def test_other_data_warns_once_and_can_be_counted(ds, other, collator, tmp_path, caplog):
+def test_other_data_is_counted_with_one_warning_unless_separate(ds, other, collator, tmp_path, caplog):
     model = make_model()
     _trainer(tmp_path / "a", ds, collator, model=model).train()
     with caplog.at_level(logging.WARNING, logger="hf_dp"):
         t = _trainer(tmp_path / "b", other, collator, model=model)
     warned = [m for m in _hf_dp_warnings(caplog) if "prior_privacy" in m]
     assert len(warned) == 1 and "composes" in warned[0] and f"{_eps(3):.4g}" in warned[0], _hf_dp_warnings(caplog)
+    assert "on other training data" in warned[0] and "--prior_privacy separate" in warned[0]
     t.train()
-    assert t.ledger.steps == 3  # not counted: the user is told how to count it
+    assert t.ledger.steps == 6  # counted by default (fail closed): the user is told how not to count it
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hf_dp"):
         counted = _trainer(tmp_path / "c", other, collator, model=model, prior_privacy="continue")
@@ -155,6 +156,26 @@ def test_other_data_warns_once_and_can_be_counted(ds, other, collator, tmp_path,
     with caplog.at_level(logging.WARNING, logger="hf_dp"):
         _trainer(tmp_path / "d", ds, collator, model=make_model(), prior_privacy="separate")
     assert not [m for m in _hf_dp_warnings(caplog) if "prior_privacy" in m]
+
+
+def test_a_reordered_or_recolumned_copy_of_the_data_is_counted_unless_separate_is_said(ds, other, collator, tmp_path):
+    """Issue 38 item 5: the default counts every earlier DP run of the model. Before the fix ``auto`` counted only runs
+    whose data had the same fingerprint: a re-ordered copy of the same rows, or the same rows with one more column,
+    were "other data" (one warning) and the new run reported the epsilon of its own steps only."""
+    model = make_model()
+    _trainer(tmp_path / "a", ds, collator, model=model).train()
+    reordered = ds.select(list(range(len(ds)))[::-1])
+    t = _trainer(tmp_path / "b", reordered, collator, model=model)
+    t.train()
+    assert t.ledger.steps == 6 and t.get_epsilon() == pytest.approx(_eps(6), rel=1e-9)
+    recolumned = ds.add_column("note", [0] * len(ds))
+    t = _trainer(tmp_path / "c", recolumned, collator, model=model)
+    t.train()
+    assert t.ledger.steps == 9 and t.get_epsilon() == pytest.approx(_eps(9), rel=1e-9)
+    # disjoint data must be said: --prior_privacy separate
+    t = _trainer(tmp_path / "d", other, collator, model=model, prior_privacy="separate")
+    t.train()
+    assert t.ledger.steps == 3 and t.get_epsilon() == pytest.approx(_eps(3), rel=1e-9)
 
 
 def test_separate_is_refused_on_the_same_data(ds, collator, tmp_path):
@@ -177,8 +198,8 @@ def test_a_release_carries_its_ledger(ds, collator, tmp_path, caplog):
     warned = [m for m in _hf_dp_warnings(caplog) if "prior_privacy" in m]
     assert len(warned) == 1 and "cannot be compared" in warned[0], _hf_dp_warnings(caplog)
     t.train()
-    assert t.ledger.steps == 3
-    for prior in ("continue", str(tmp_path / "release" / "privacy.json"), str(tmp_path / "release")):
+    assert t.ledger.steps == 6  # counted by default (fail closed)
+    for prior in ("auto", "continue", str(tmp_path / "release" / "privacy.json"), str(tmp_path / "release")):
         loaded = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "release"))
         t = _trainer(tmp_path / "c", ds, collator, model=loaded, prior_privacy=prior)
         t.train()
@@ -321,7 +342,7 @@ def test_every_runs_record_is_kept(ds, collator, tmp_path):
     b.train()
     record = (out / "hf_dp_epsilon_spent.json").read_text()
     assert a.run_id in record and b.run_id in record  # ff55d8f: b's record replaced a's
-    from hf_dp.run.checkpointing import read_spent, read_spent_runs
+    from hf_dp.run.spent import read_spent, read_spent_runs
 
     runs = read_spent_runs(str(out))
     assert runs[a.run_id]["steps"] == 2 and runs[b.run_id]["steps"] == 3
@@ -337,7 +358,7 @@ def test_the_single_record_format_is_read_and_kept(ds, collator, tmp_path):
     t = _trainer(out, ds, collator, max_steps=2)
     t.train()
     assert "0123456789abcdef" in (out / "hf_dp_epsilon_spent.json").read_text()  # ff55d8f: replaced
-    from hf_dp.run.checkpointing import read_spent_runs
+    from hf_dp.run.spent import read_spent_runs
 
     runs = read_spent_runs(str(out))
     assert runs["0123456789abcdef"]["steps"] == 7 and runs[t.run_id]["steps"] == 2
@@ -363,7 +384,7 @@ def test_the_data_reference_never_leaves_memory():
 
 def test_a_resume_record_leaves_the_checkpoint_folder_times_alone(tmp_path):
     """HF rotates checkpoints by mtime: a record of a resume must not make an old checkpoint look new."""
-    from hf_dp.run.checkpointing import read_resume_records, write_resume_record
+    from hf_dp.run.spent import read_resume_records, write_resume_record
 
     folder = tmp_path / "checkpoint-2"
     folder.mkdir()

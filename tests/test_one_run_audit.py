@@ -1,4 +1,4 @@
-"""The one-run audit (hf_dp.audit.canaries; Steinke, Nasr & Jagielski 2023): the bound's arithmetic against the paper's
+"""The one-run audit (hf_dp.audit.one_run_bound, hf_dp.audit.canary_kinds, hf_dp.audit.canaries; Steinke, Nasr & Jagielski 2023): the bound's arithmetic against the paper's
 formula recomputed here from the binomial tail, its validity on the extremal ε-DP mechanism, the guessing, the
 black-box canaries for a sequence classifier through DPTrainer, and ``python -m hf_dp.audit --one_run`` flagging
 broken variants (tiny settings; the documented command is recorded in benchmarks/audit.md)."""
@@ -11,17 +11,16 @@ import pickle
 import numpy as np
 import pytest
 
-from hf_dp.audit.canaries import (
+from hf_dp.audit.canary_kinds import SequenceCanaries, label_margins
+from hf_dp.audit.one_run_bound import (
     METHOD,
     NOTE,
-    SequenceCanaries,
     audit_scores,
     ceiling,
     count_correct,
     describe,
     epsilon_lower_bound,
     guess_sets,
-    label_margins,
     p_value,
     record,
 )
@@ -298,6 +297,26 @@ def _bit_encodings(bits) -> list[bytes]:
     return out
 
 
+def test_an_audit_without_power_says_so_on_the_card_and_the_console():
+    """Issue 44 §7: --audit_canaries 200 at ε = 3 has a ceiling of 3.75, within 1 of the claim (the README's rule: too
+    little power to say anything), but only privacy.json's numbers showed it; the card line and the recipes' summary
+    row (both the record's ``summary``) now say so. Enough power (1,000 canaries at ε = 1): no such sentence."""
+    from hf_dp.hub import render_model_card
+    from recipes.common.run import summary_block
+
+    b = audit_scores(np.arange(200.0), np.arange(200) >= 100, 1e-5)
+    rec = {**record(b, "black-box"), "epsilon": 3.0, "ceiling": ceiling(200, 1e-5)}
+    line = describe(rec)
+    assert "LOW POWER" in line and "3.75" in line and "200 canaries" in line and "--audit_canaries" in line
+    report = {"epsilon": 3.0, "delta": 1e-5, "accountant": "prv", "dataset_size": 1200, "steps": 10,
+              "audit": {**rec, "summary": line}}
+    card_row = next(x for x in render_model_card(report).splitlines() if x.startswith("| empirical lower bound"))
+    console = summary_block({"report": report, "epsilon": 3.0})
+    assert "LOW POWER" in card_row and "LOW POWER" in next(x for x in console.splitlines() if "one-run audit" in x)
+    b = audit_scores(np.arange(1000.0), np.arange(1000) >= 500, 1e-5)
+    assert "LOW POWER" not in describe({**record(b, "black-box"), "epsilon": 1.0, "ceiling": ceiling(1000, 1e-5)})
+
+
 def test_audit_canaries_through_dptrainer(tmp_path):
     """--audit_canaries 100: N = real rows + m and q = B/N whatever the draw (every canary a unit, an excluded one
     a unit with no row); the training set holds exactly the included canaries; after train() the record (the paper's
@@ -305,7 +324,8 @@ def test_audit_canaries_through_dptrainer(tmp_path):
     draw; a second train() and a resume are refused. On the pre-change code --audit_canaries did not exist."""
     import json
 
-    from hf_dp.audit.canaries import ACCOUNTING, NOTE
+    from hf_dp.audit.canaries import ACCOUNTING
+    from hf_dp.audit.one_run_bound import NOTE
 
     real = _real_rows()
     tr = _tiny_trainer(real, 3, tmp_path, save_strategy="steps", save_steps=2)
@@ -346,6 +366,7 @@ def test_audit_canaries_through_dptrainer(tmp_path):
     card = (tmp_path / "README.md").read_text()
     line = next(x for x in card.splitlines() if x.startswith("| empirical lower bound"))
     assert f"ε̂ = {rec['epsilon_lower_bound']:.2f}" in line and "100 canaries, black-box" in line and NOTE in line
+    assert rec["low_power"] is (rec["epsilon"] > rec["ceiling"] - 1) and ("LOW POWER" in line) is rec["low_power"]
     assert card.index("| ε (spent)") < card.index("| empirical lower bound")
     # no file under output_dir (model, config, args, checkpoint, trainer state, privacy.json, card) holds the draw
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
@@ -537,9 +558,12 @@ def test_cli_one_run_black_box_flags_no_noise(capsys):
 
     code = main(["--one_run", "--variant", "no_noise", "--canaries", "100", "--background", "100", "--steps", "40",
                  "--noise_multiplier", "40", "--sample_rate", "0.5", "--hyper", "lr=0.02"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     rows = _rows(out, "black-box")
     assert code == 0 and set(rows) == {"no_noise"}, out
+    # it says what it is doing (issue 44 §6: it printed nothing for 13 minutes under load)
+    assert "one-run audit 1/1: dp_adamw no_noise, 100 black-box canaries, 40 steps ..." in err
+    assert "  dp_adamw no_noise: step 4/40 (" in err and "  dp_adamw no_noise: step 40/40 (" in err
     assert rows["no_noise"]["verdict"] == "VIOLATION" and rows["no_noise"]["eps_claim"] < 0.3, rows
 
 

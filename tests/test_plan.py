@@ -260,7 +260,9 @@ def test_split_batch():
 
 
 def test_run_block_takes_public_quantities_only():
-    allowed = {"n", "batch_size", "steps", "sigma", "delta", "accountant", "max_grad_norm", "params", "epsilon"}
+    # calibrated: whether the model is of a family the verdict was calibrated on (its class: public)
+    allowed = {"n", "batch_size", "steps", "sigma", "delta", "accountant", "max_grad_norm", "params", "epsilon",
+               "calibrated"}
     assert set(inspect.signature(run_block).parameters) == allowed
 
 
@@ -292,3 +294,23 @@ def test_trainer_logs_the_block_at_start(tok, tmp_path, caplog, single_thread):
         run_block(n=128, batch_size=16, steps=spec.planned_steps, sigma=spec.noise_multiplier, delta=1e-5,
                   accountant="prv", max_grad_norm=1.0, params=d, epsilon=8.0)
     assert (time.perf_counter() - t0) / 20 < 0.05
+
+
+def test_the_constant_predictor_expectation_only_for_the_models_it_was_calibrated_on():
+    """Issue 44 §2: "Expected result … on a task as hard as QNLI: the constant predictor" was printed for causal-LM
+    runs and for models it was never calibrated on (measured with BERT-family sequence classifiers only)."""
+    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
+
+    from hf_dp.plan import calibrated_for, run_block
+
+    kw = dict(n=1000, batch_size=32, steps=93, sigma=1.5, delta=1e-5, accountant="prv", max_grad_norm=0.1,
+              params=2_000_000, epsilon=3.0)
+    _, warning = run_block(**kw)
+    assert "constant predictor" in warning
+    _, warning = run_block(**kw, calibrated=False)
+    assert warning and "constant predictor" not in warning and "noise-dominated" in warning
+    tiny = dict(n_layer=1, n_embd=8, n_head=2, vocab_size=20)
+    assert calibrated_for(BertForSequenceClassification(BertConfig(hidden_size=8, num_hidden_layers=1,
+                                                                   num_attention_heads=2, intermediate_size=8)))
+    assert not calibrated_for(GPT2LMHeadModel(GPT2Config(**tiny)))
+    assert not calibrated_for(GPT2ForSequenceClassification(GPT2Config(**tiny, pad_token_id=0)))

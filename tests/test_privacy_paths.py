@@ -230,16 +230,11 @@ def test_steps_past_the_checkpoint_are_counted(ds, collator, tmp_path):
 
 
 def test_target_epsilon_stops_a_resumed_run_instead_of_exceeding_it(ds, collator, tmp_path):
-    from transformers import TrainerCallback
-
-    class StopAt(TrainerCallback):  # an interruption after 6 of the 8 planned steps
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step == 6:
-                control.should_training_stop = True
+    from helpers import StopAt
 
     out = tmp_path / "run"
     kw = dict(epsilon=6.0, noise_multiplier=None, max_steps=8, save_strategy="steps", save_steps=2, save_total_limit=None)
-    first = _trainer(_args(out, **kw), ds, collator, callbacks=[StopAt()])
+    first = _trainer(_args(out, **kw), ds, collator, callbacks=[StopAt(6)])  # an interruption after 6 of 8 steps
     first.train()
     assert first.ledger.steps == 6
     # from checkpoint-2: 6 steps already taken, the budget (8 planned steps) allows 2 more

@@ -247,7 +247,7 @@ def test_privatizer_validation():
 
 
 def test_noise_stream_continues_across_steps_and_is_seeded():
-    """Two steps draw consecutive noise from one generator seeded with noise_seed."""
+    """Two steps draw consecutive noise from one generator keyed by noise_seed (stream_generator(seed, "noise", 0))."""
     model = nn.Linear(7, 3).to(DT)
     opacus.GradSampleModule(model, loss_reduction="sum")
     opt = make_optimizer("dp_sgd", model.parameters(), noise_multiplier=2.0, max_grad_norm=0.5, expected_batch_size=5, noise_seed=77, lr=0.0)

@@ -22,7 +22,6 @@ import random
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -271,6 +270,29 @@ def test_defaults_lora_and_no_frozen_prefix_cache(clm):
     assert args.cache_frozen_features is False  # every run has a unit column, which the cache does not keep
 
 
+def test_the_planner_chooses_the_batch_for_the_epochs_given(clm, tok_dir, tmp_path, monkeypatch):
+    """Issue 38 item 3 (as in recipes/glue.py): --num_train_epochs is the compute budget, the planner still chooses
+    the batch of units for it; --gradient_accumulation_steps (the batch itself) keeps the recipe's 8 × 4."""
+    import copy
+
+    from hf_dp.models import apply_trainable
+    from hf_dp.plan import recommend
+    from recipes.common.run import apply_plan
+
+    monkeypatch.setenv("HF_DP_PLAN_CACHE", str(tmp_path / "sigma.json"))
+    argv = [*GPT2, "--tokenizer_name", tok_dir, "--output_dir", str(tmp_path / "o"), "--num_train_epochs", "20"]
+    model_args, _, args = clm.parse_args(argv)
+    config, tokenizer, _ = clm.load_config_and_tokenizer(model_args)
+    model = clm.build_model(model_args, config, tokenizer, None)
+    line = apply_plan(args, model, 640, clm.PLANNED_LR)
+    assert line and line.startswith("planner (no batch size given; compute budget --num_train_epochs 20):"), line
+    d = apply_trainable(copy.deepcopy(model), "lora")[1].num_trainable  # as the planner counts d (apply_plan)
+    plan = recommend(640, args.epsilon, args.delta, d, epochs=20.0)
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == plan.batch_size
+    _, _, args = clm.parse_args(argv + ["--gradient_accumulation_steps", "4"])
+    assert apply_plan(args, model, 640, clm.PLANNED_LR) is None and args.per_device_train_batch_size == 8
+
+
 # ------------------------------------------------------------------------------------ runs
 
 
@@ -312,7 +334,7 @@ def test_the_issues_done_when_command_end_to_end(tmp_path):
     eps, target = re.match(r"([\d.e+-]+) \(target ([\d.e+-]+)\)", s["epsilon spent"]).groups()
     assert 0 < float(eps) <= float(target) == 3.0
     assert s["privacy unit"].startswith("'user_id': 40 units")
-    privacy = _check_release(out, "user_id", 40, s, "the movie", 3, 20)
+    privacy = _check_release(out / "release", "user_id", 40, s, "the movie", 3, 20)
     assert privacy["sample_rate"] == pytest.approx(privacy["expected_batch_size"] / 40)
     assert privacy["trainable"]["mode"] == "lora"
 
@@ -326,10 +348,27 @@ def test_without_a_unit_column_each_document_is_one_unit_across_its_blocks(clm, 
     code, stdout, err = _run(clm, capsys, _tiny(tok_dir, train, dev, out, "--block_size", "8"))
     assert code == 0, err[-4000:]
     s = _summary(stdout)
-    blocks = int(re.search(r"-> (\d+) blocks", s["privacy unit"]).group(1))
-    assert s["privacy unit"].startswith("each input row (column 'document'): 24 documents") and blocks > 24
-    privacy = _check_release(out, "document", 24, s, "w1 w2", 2, 5)
+    # N only: the number of blocks depends on the private texts' lengths (issue 38 §2)
+    assert s["privacy unit"] == "each input row (column 'document'): 24 documents, cut into blocks of <= 8 tokens"
+    privacy = _check_release(out / "release", "document", 24, s, "w1 w2", 2, 5)
     assert privacy["sample_rate"] == pytest.approx(4 / 24) and privacy["steps"] == 2
+
+
+def test_a_unit_level_run_names_no_row_count_on_the_console_or_the_card(clm, tok_dir, tmp_path, capsys):
+    """Issue 38 §2: with --privacy_unit_column the recipe printed "16 units -> 40 blocks" and 🤗 Datasets' bars over
+    the rows (loading, tokenizing): under user-level DP the number of rows (and of blocks) is private. 16 units of 7
+    rows (112 rows): the console and the card give the 16 units only."""
+    train, dev = _user_files(tmp_path, users=16, per_user=7)
+    out = tmp_path / "units"
+    code, stdout, err = _run(clm, capsys, _tiny(tok_dir, train, dev, out, "--privacy_unit_column", "user_id",
+                                                "--block_size", "8"))
+    assert code == 0, err[-4000:]
+    s = _summary(stdout)
+    assert s["privacy unit"] == "'user_id': 16 units, cut into blocks of <= 8 tokens"
+    card = (out / "release" / "README.md").read_text()
+    for text in (stdout, err, card):
+        assert not re.search(r"\b112\b", text), [x for x in text.splitlines() if re.search(r"\b112\b", x)]
+    assert "blocks" not in s["privacy unit"].split(",")[0] and "- **Privacy units (N):** 16" in card
 
 
 def test_a_llama_config_trains_with_user_units(clm, tok_dir, tmp_path, capsys):
@@ -339,8 +378,8 @@ def test_a_llama_config_trains_with_user_units(clm, tok_dir, tmp_path, capsys):
     code, stdout, err = _run(clm, capsys, LLAMA + argv[len(GPT2):])
     assert code == 0, err[-4000:]
     s = _summary(stdout)
-    _check_release(out, "user_id", 12, s, "w3", 2, 5)
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    _check_release(out / "release", "user_id", 12, s, "w3", 2, 5)
+    assert json.loads((out / "release" / "config.json").read_text())["model_type"] == "llama"
 
 
 def test_resume_continues_the_ledger_of_a_unit_level_run(clm, tok_dir, tmp_path, capsys):
@@ -359,7 +398,7 @@ def test_resume_continues_the_ledger_of_a_unit_level_run(clm, tok_dir, tmp_path,
     assert code == 2 and "--resume_from_checkpoint True" in err.strip().splitlines()[-1]
     code, _, err = _run(clm, capsys, four + ["--resume_from_checkpoint", "True"])
     assert code == 0, err[-4000:]
-    privacy = json.loads((out / "privacy.json").read_text())
+    privacy = json.loads((out / "release" / "privacy.json").read_text())
     assert privacy["steps"] == 4 and privacy["privacy_unit"]["num_units"] == 16
     assert privacy["epsilon"] == pytest.approx(compute_epsilon(1.0, 4 / 16, 4, 1e-3, "prv"), rel=1e-9)
 
@@ -377,7 +416,7 @@ def test_a_wrong_unit_column_stops_before_any_model_is_loaded(clm, tok_dir, tmp_
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the unit column was checked")
 
-    monkeypatch.setattr(clm, "load_config_and_tokenizer", no_model)
+    monkeypatch.setattr(clm, "build_model", no_model)  # the weights (the config and tokenizer are read before the data)
     code, _, err = _run(clm, capsys, _tiny(tok_dir, train, dev, tmp_path / "o", *flags))
     lines = err.strip().splitlines()
     assert code == 2 and "Traceback" not in err
@@ -393,6 +432,7 @@ def test_a_disable_dp_baseline_trains_the_same_lora_set_and_releases_a_plain_mod
     assert code == 0, err[-4000:]
     s = _summary(stdout)
     assert s["epsilon spent"] == "n/a" and s["optimizer"] == "adamw_torch" and float(s["perplexity"]) > 1
+    out = out / "release"
     privacy = json.loads((out / "privacy.json").read_text())
     assert privacy.get("epsilon") is None and privacy["trainable"]["mode"] == "lora"
     assert "differential-privacy" not in (out / "README.md").read_text().split("---")[1]
@@ -400,33 +440,30 @@ def test_a_disable_dp_baseline_trains_the_same_lora_set_and_releases_a_plain_mod
     assert _release_samples(out, "w1 w2", 2, 5) == [s["sample 1"], s["sample 2"]]
 
 
-WORKER = textwrap.dedent(
-    r"""
-    import io, json, os, sys, contextlib, warnings
-    warnings.filterwarnings("ignore")
-    sys.path.insert(0, {repo!r})
-    import torch
-    torch.set_num_threads(1)
-    from recipes.clm import main
+WORKER = r"""
+    import io, json, contextlib
+    err = open(os.path.join(out, f"rank{{rank}}.err"), "w")  # all this rank writes to stderr from here on
+    os.dup2(err.fileno(), 2)
+    warnings.simplefilter("default")  # the preamble silences warnings; the recipe decides here
+    from recipes.clm import main  # (the repo is on the processes' PYTHONPATH)
 
-    out = sys.argv[1]
-    rank = int(os.environ["RANK"])
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         code = main({argv!r})
+    sys.stderr.flush()
     with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
         json.dump({{"code": code, "stdout": buf.getvalue()}}, f)
     sys.exit(code)
     """
-)
 
 
 @pytest.mark.distributed
 def test_two_gloo_processes_run_the_recipe_over_user_units(tok_dir, tmp_path):
-    """torchrun, 2 processes: both finish, print the same summary, and the release's q = B·world / N_units."""
-    from test_distributed import _gloo_available, _launch
+    """torchrun, 2 processes: both finish, one rank logs (rank 0 prints the plan, warnings, bars and summary; rank 1
+    nothing but errors — issue 44 §5), and the release's q = B·world / N_units."""
+    from two_process import gloo_available, launch
 
-    if not _gloo_available():
+    if not gloo_available():
         pytest.skip("torch.distributed with the gloo backend is not available")
     train, dev = _user_files(tmp_path, users=16)
     out = tmp_path / "ddp"
@@ -434,12 +471,15 @@ def test_two_gloo_processes_run_the_recipe_over_user_units(tok_dir, tmp_path):
     # rank (no DDP wrapping, each rank evaluating its own shard) unless told the device is the CPU
     argv = _tiny(tok_dir, train, dev, out, "--privacy_unit_column", "user_id", "--ddp_backend", "gloo", "--use_cpu",
                  "--per_device_train_batch_size", "2")
-    _launch(tmp_path, WORKER.format(repo=str(REPO), argv=argv), timeout=400)
+    launch(tmp_path, WORKER.format(argv=argv), timeout=400)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["code"] == r1["code"] == 0
-    s0, s1 = _summary(r0["stdout"]), _summary(r1["stdout"])
-    assert {k: v for k, v in s0.items() if k != "wall time"} == {k: v for k, v in s1.items() if k != "wall time"}
-    privacy = json.loads((out / "privacy.json").read_text())
+    e0, e1 = ((tmp_path / f"rank{r}.err").read_text() for r in (0, 1))
+    s0 = _summary(r0["stdout"])
+    assert s0["privacy unit"].startswith("'user_id': 16 units") and "WARNING" in e0  # e.g. the --dp_seed warning
+    assert r1["stdout"] == "", r1["stdout"][-2000:]
+    assert not [line for line in e1.splitlines() if "warn" in line.lower() or " INFO " in line or "%|" in line], e1[-3000:]
+    privacy = json.loads((out / "release" / "privacy.json").read_text())
     assert privacy["privacy_unit"]["num_units"] == 16 and privacy["steps"] == 2
     assert privacy["sample_rate"] == pytest.approx(2 * 2 / 16)  # B = 2 per device × 2 processes, over N = 16 users
 
@@ -458,32 +498,25 @@ def test_clm_recipe_under_fsdp2_with_two_processes(tok_dir, tmp_path, trainable)
     """Issue 30: ``torchrun --nproc_per_node 2 recipes/clm.py … --fsdp full_shard`` trains on shards, reports ε and saves a
     release that loads: full fine-tuning of a GPT-2 with untied embeddings (trainable tied ones are refused under FSDP),
     and the recipe's default LoRA (the tied embeddings frozen; the release merged on rank 0)."""
-    import socket
+    from two_process import env, gloo_available, torchrun
 
-    import torch
-
-    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+    if not gloo_available():
         pytest.skip("torch.distributed with gloo not available")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     train, dev = _user_files(tmp_path)
     out = tmp_path / "out"
     untie = "n_layer=2,n_embd=16,n_head=2,tie_word_embeddings=False"
     argv = [a if a != "n_layer=2,n_embd=16,n_head=2" or trainable == "lora" else untie for a in _tiny(tok_dir, train, dev, out)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", port, str(REPO / "recipes" / "clm.py"), *argv, "--trainable", trainable, "--fsdp", "full_shard",
+    cmd = [*torchrun(), str(REPO / "recipes" / "clm.py"), *argv, "--trainable", trainable, "--fsdp", "full_shard",
            "--fsdp_config", '{"transformer_layer_cls_to_wrap": ["GPT2Block"]}', "--ddp_backend", "gloo", "--use_cpu"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = _summary(proc.stdout)
     assert 0 < float(s["epsilon spent"].split()[0]) < float("inf")
-    privacy = json.loads((out / "privacy.json").read_text())
+    privacy = json.loads((out / "release" / "privacy.json").read_text())
     assert privacy["steps"] == 2
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out / "release")
     assert type(model).__name__ == "GPT2LMHeadModel"
     assert (model.lm_head.weight is model.transformer.wte.weight) == (trainable == "lora")
     assert not (out / "adapter_config.json").exists()

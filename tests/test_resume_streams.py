@@ -15,10 +15,8 @@ import pytest
 import torch
 
 from hf_dp import DPTrainer
-from hf_dp.privacy.privatizer import PrivateOptimizer
-from hf_dp.privacy.sampler import PoissonBatchSampler
 
-from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer, spy_draws_and_noise
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -26,22 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 @pytest.fixture
 def spies(monkeypatch):
     """Every Poisson draw (list of indices, in order) and every noise vector added (flattened, in order)."""
-    draws, noises = [], []
-    original_iter, original_noise = PoissonBatchSampler.__iter__, PrivateOptimizer.add_noise
-
-    def spy_iter(self):
-        for batch in original_iter(self):
-            draws.append(tuple(batch))
-            yield batch
-
-    def spy_noise(self):
-        out = original_noise(self)
-        noises.append(torch.cat([(p.grad - p.summed_grad.view_as(p)).reshape(-1) for p in self.params]).clone())
-        return out
-
-    monkeypatch.setattr(PoissonBatchSampler, "__iter__", spy_iter)
-    monkeypatch.setattr(PrivateOptimizer, "add_noise", spy_noise)
-    return draws, noises
+    return spy_draws_and_noise(monkeypatch)
 
 
 def _seeded_runs(tmp_path, draws, noises):
@@ -86,13 +69,13 @@ def test_two_resumes_of_a_checkpoint_they_cannot_record_in_draw_different_noise(
     """A checkpoint folder the resumes cannot write their record into (read-only, another user's): neither sees the
     other, so neither can tell it is not the only continuation. Each must then key its streams by its own id — before
     the fix both kept the run's streams and drew the same noise and batches from the same model at the same step."""
-    from hf_dp.run import checkpointing
+    from hf_dp.run import spent
 
     draws, noises = spies
     run = _seeded_runs(tmp_path, draws, noises)
 
     run("U", 4)
-    monkeypatch.setattr(checkpointing, "write_resume_record", lambda checkpoint, record: False)  # not writable
+    monkeypatch.setattr(spent, "write_resume_record", lambda checkpoint, record: False)  # not writable
     ckpt = str(tmp_path / "U" / "checkpoint-4")
     a, da, na = run("A", 6, resume=ckpt, ignore_data_skip=True)
     b, db, nb = run("B", 6, resume=ckpt, ignore_data_skip=True)

@@ -1,4 +1,4 @@
-"""Issue 32: private hyper-parameter selection (hf_dp/privacy/selection.py, hf_dp/tuning/search.py).
+"""Issue 32: private hyper-parameter selection (hf_dp/privacy/selection.py, hf_dp/tuning/).
 
 * The accounting: dp-accounting's computation (what hf_dp uses) against an independent one of Papernot & Steinke's
   Theorems 2 and 6 from Opacus' RDP curve; both against the exact Rényi divergence of a best-of-K selection on a
@@ -344,6 +344,42 @@ def test_every_trial_is_a_fresh_run(data, tmp_path, monkeypatch, trial_dirs, see
     assert trainer.model is inits.models[int(best.run_id)]  # the trainer holds the best trial's model
 
 
+def test_selections_whose_seeds_gave_their_trials_one_31_bit_seed_draw_different_noise(data, tmp_path, monkeypatch,
+                                                                                         trial_dirs):
+    """Issue 38 item 1: a trial's --dp_seed was mix(seed, 'selection', 'trial', i) % 2**31, so two selections whose
+    --dp_seed values differ but whose residues agree (a birthday search finds such a pair among ~2^16 seeds) trained
+    their trial 0 with one seed: the same Poisson draws and the same noise. A trial's seed keeps the whole seed now."""
+    import torch
+
+    from hf_dp.privacy.privatizer import PrivateOptimizer
+    from hf_dp.privacy.randomness import mix
+
+    seen, pair = {}, None
+    for s in range(1, 1_000_000):
+        low = mix(s, "selection", "trial", 0) % (2**31)
+        if low in seen:
+            pair = (seen[low], s)
+            break
+        seen[low] = s
+    assert pair is not None
+    monkeypatch.setattr(TrialCount, "sample", lambda self, uniform: 1)
+    noises, original = [], PrivateOptimizer.add_noise
+
+    def spy(self):
+        out = original(self)
+        noises.append(torch.cat([(p.grad - p.summed_grad.view_as(p)).reshape(-1) for p in self.params]).clone())
+        return out
+
+    monkeypatch.setattr(PrivateOptimizer, "add_noise", spy)
+    first = []
+    for i, seed in enumerate(pair):
+        del noises[:]
+        _search(_trainer(tmp_path / f"s{i}", data, dp_seed=seed), _Inits(), hp_space={"learning_rate": [1e-3]})
+        assert len(noises) == 2
+        first.append(noises[0])
+    assert not torch.allclose(first[0], first[1], atol=1e-3)  # before the fix: the same draw
+
+
 def test_the_release_reports_the_total_and_cannot_be_continued(data, tmp_path, trial_dirs):
     from transformers import BertForSequenceClassification
 
@@ -467,7 +503,7 @@ def test_incompatible_flags_are_refused(data, tmp_path, args, expect):
 
 
 def test_the_search_space_syntax():
-    from hf_dp.tuning.search import parse_space
+    from hf_dp.tuning.space import parse_space
 
     assert parse_space("learning_rate=1e-3,3e-3;per_sample_max_grad_norm=0.1") == {
         "learning_rate": ["1e-3", "3e-3"], "per_sample_max_grad_norm": ["0.1"]}
@@ -539,7 +575,7 @@ def test_the_recipe_tunes_privately_and_writes_the_record(glue, tiny_bert, tmp_p
                                                       "--tune_trials", "2", "--tune_distribution", "logarithmic"))
     assert code == 0, err[-3000:]
     assert "private selection: kept" in stdout
-    privacy = json.loads((out / "privacy.json").read_text())
+    privacy = json.loads((out / "release" / "privacy.json").read_text())
     record = privacy["hyperparameter_selection"]
     assert privacy["epsilon"] == record["total_epsilon"] <= 3.0 == record["target_epsilon"]
     assert record["trials_distribution"]["name"] == "logarithmic" and record["trials_distribution"]["mean"] == 2.0
@@ -547,7 +583,7 @@ def test_the_recipe_tunes_privately_and_writes_the_record(glue, tiny_bert, tmp_p
     assert record["score"]["objective"] == "eval_accuracy" and record["score"]["declared_public"] is True
     assert privacy["max_grad_norm"] == record["selected_hyperparameters"]["per_sample_max_grad_norm"]
     assert privacy["cache_frozen_features"] is True  # the trials reused the recipe's frozen-prefix caches
-    assert "Hyper-parameters chosen privately" in (out / "README.md").read_text()
+    assert "Hyper-parameters chosen privately" in (out / "release" / "README.md").read_text()
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == []
 
 
@@ -590,7 +626,7 @@ def test_the_recipe_scores_privately_on_a_random_holdout(glue, tiny_bert, tmp_pa
         tiny_bert, _glue_layout(tmp_path), out, "--tune", "learning_rate=1e-3,1e-2", "--tune_trials", "2",
         "--tune_score", "private", "--tune_holdout_fraction", "0.25", "--per_device_train_batch_size", "32"))
     assert code == 0, err[-3000:]
-    privacy = json.loads((out / "privacy.json").read_text())
+    privacy = json.loads((out / "release" / "privacy.json").read_text())
     record = privacy["hyperparameter_selection"]
     score = record["score"]
     assert score["declared_public"] is False and score["objective"] == "accuracy" and score["direction"] == "maximize"
@@ -599,7 +635,7 @@ def test_the_recipe_scores_privately_on_a_random_holdout(glue, tiny_bert, tmp_pa
     assert 0 < dp["heldout_units"] < 96 and dp["heldout_units"] + privacy["dataset_size"] == 96
     assert privacy["epsilon"] == record["total_epsilon"] <= 3.0
     assert record["per_trial_epsilon"] > record["per_trial_training_epsilon"]
-    assert "through a DP score" in (out / "README.md").read_text()
+    assert "through a DP score" in (out / "release" / "README.md").read_text()
 
 
 def test_the_recipe_wants_other_validation_data_declared_public(glue, tiny_bert, tmp_path, capsys, monkeypatch):
@@ -652,7 +688,7 @@ def test_several_processes_are_refused(data, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------- the DP score on held-out private data
 @pytest.mark.parametrize("source", ["os_entropy", "dp_seed", "csprng"])
 def test_the_noisy_score_is_unbiased_with_std_sigma_over_n(source):
-    from hf_dp.tuning.search import dp_score
+    from hf_dp.tuning.private_score import dp_score
 
     exact, n, sigma, draws = 13.0, 24, 3.0, 20000
     if source == "dp_seed":
@@ -668,20 +704,20 @@ def test_the_noisy_score_is_unbiased_with_std_sigma_over_n(source):
 
 def test_the_score_stream_is_not_a_training_stream():
     """Under --dp_seed the score's noise stream is keyed (seed, 'selection', 'score', trial): the seed of no trial's
-    Poisson or noise stream (keyed by the trial's own seed, mix(seed, 'selection', 'trial', i))."""
+    Poisson or noise stream (keyed by the trial's own seed, derived_seed(seed, 'selection', 'trial', i))."""
     import torch
 
-    from hf_dp.privacy.randomness import mix, stream_generator
-    from hf_dp.tuning.search import score_noise
+    from hf_dp.privacy.randomness import derived_seed, stream_generator
+    from hf_dp.tuning.private_score import score_noise
 
     seed = 5
     score = {stream_generator(seed, "selection", "score", i).initial_seed() for i in range(8)}
     for i in range(8):  # score_noise draws from exactly that stream
         first = torch.randn((), generator=stream_generator(seed, "selection", "score", i), dtype=torch.float64)
         assert score_noise(2.0, seed=seed, key=(i,)) == 2.0 * float(first)
-    training = {stream_generator(mix(seed, "selection", "trial", i) % (2**31), purpose, 0, start).initial_seed()
+    training = {stream_generator(derived_seed(seed, "selection", "trial", i), purpose, 0, start).initial_seed()
                 for i in range(8) for purpose in ("poisson",) for start in range(50)}
-    training |= {stream_generator(mix(seed, "selection", "trial", i) % (2**31), "noise", start).initial_seed()
+    training |= {stream_generator(derived_seed(seed, "selection", "trial", i), "noise", start).initial_seed()
                  for i in range(8) for start in range(50)}
     assert len(score) == 8 and not score & training
 
@@ -689,7 +725,7 @@ def test_the_score_stream_is_not_a_training_stream():
 def test_heldout_scores_are_the_accuracy_clipped_and_unit_means(data, tmp_path):
     import torch
 
-    from hf_dp.tuning.search import heldout_scores, unit_sum
+    from hf_dp.tuning.private_score import heldout_scores, unit_sum
 
     tok, _, heldout = data
     trainer = _trainer(tmp_path, data)
@@ -724,7 +760,7 @@ def test_one_example_moves_the_score_sum_by_at_most_one_whatever_the_score_funct
     removing one held-out example moves the sum by at most 1 (it moved it by up to the eval batch size)."""
     import torch
 
-    from hf_dp.tuning.search import heldout_scores, unit_sum
+    from hf_dp.tuning.private_score import heldout_scores, unit_sum
 
     _, _, heldout = data
     trainer = _trainer(tmp_path, data, per_device_eval_batch_size=8)
@@ -775,7 +811,7 @@ def test_a_private_score_releases_the_noisy_score_only(data, tmp_path, monkeypat
     stdout, privacy.json or the card; the record holds the noisy score, σ_s and the composed total."""
     import logging
 
-    import hf_dp.tuning.search as sel
+    import hf_dp.tuning.private_score as sel
     from hf_dp import DPTrainer
     from tests.helpers import dp_args, make_collator, make_model
 
@@ -830,7 +866,7 @@ def test_a_private_score_releases_the_noisy_score_only(data, tmp_path, monkeypat
 
 @pytest.mark.parametrize("source", ["os_entropy", "dp_seed", "csprng"])
 def test_each_trial_draws_its_score_noise_from_the_run_source(data, tmp_path, monkeypatch, trial_dirs, source):
-    import hf_dp.tuning.search as sel
+    import hf_dp.tuning.private_score as sel
 
     monkeypatch.setattr(TrialCount, "sample", lambda self, uniform: 2)
     calls = []
@@ -919,7 +955,7 @@ def test_after_a_private_score_the_heldout_set_cannot_be_evaluated(data, tmp_pat
 def test_the_default_dp_score_needs_one_label_per_example():
     from types import SimpleNamespace
 
-    from hf_dp.tuning.search import check_private_score
+    from hf_dp.tuning.private_score import check_private_score
 
     for config in (SimpleNamespace(problem_type="regression", num_labels=1),
                    SimpleNamespace(problem_type="multi_label_classification", num_labels=3)):
@@ -931,7 +967,7 @@ def test_the_default_dp_score_needs_one_label_per_example():
         check_private_score(trainer, None, None, lambda logits, labels: logits[:, 0], None, "maximize")
 
 
-def test_the_recipe_holdout_is_a_fresh_random_split():
+def test_the_recipe_holdout_is_a_fresh_random_split(tmp_path):
     from datasets import Dataset, DatasetDict
 
     from recipes.common.tune import HOLDOUT, carve_holdout
@@ -940,7 +976,7 @@ def test_the_recipe_holdout_is_a_fresh_random_split():
     def split(fraction, dp_seed=None, **kw):
         raw = DatasetDict({"train": Dataset.from_dict({"i": list(range(2000))})})
         tune = type("T", (), dict(tune="learning_rate=1e-3", tune_score="private", tune_holdout_fraction=fraction))()
-        n = carve_holdout(raw, tune, dp_args("/tmp/unused_out", dp_seed=dp_seed, **kw), max_train_samples=1600)
+        n = carve_holdout(raw, tune, dp_args(tmp_path / "unused", dp_seed=dp_seed, **kw), max_train_samples=1600)
         held = raw[HOLDOUT]["i"]
         assert n == len(raw["train"]) and n + len(held) == 1600 and not set(held) & set(raw["train"]["i"])
         return held
@@ -1034,7 +1070,7 @@ def test_delta_must_be_below_one_over_the_private_rows_with_the_heldout_set(data
     with pytest.raises(ValueError, match=r"^delta=0\.0125 is not below 1/\(N \+ n\) = 1/88"):
         _search(trainer, inits, score_data="private", direction="maximize")
     other = make_pair_dataset(tok, n=10, seed=3)  # N + n = 74 < 80: accepted by the check
-    from hf_dp.tuning.search import check_private_score
+    from hf_dp.tuning.private_score import check_private_score
 
     check_private_score(trainer, other, None, None, None, "maximize")
     assert inits.models == []
@@ -1105,8 +1141,8 @@ def test_the_score_reads_the_heldout_rows_in_order(data, tmp_path, monkeypatch, 
     refuses an unordered loader, and the trials of a private selection read the held-out set in order."""
     import torch
 
-    import hf_dp.tuning.search as sel
-    from hf_dp.tuning.search import heldout_scores
+    import hf_dp.tuning.private_score as sel
+    from hf_dp.tuning.private_score import heldout_scores
 
     tok, train, heldout = data
     rows = [{k: heldout[i][k] for k in ("input_ids", "token_type_ids", "attention_mask", "labels")}

@@ -1,37 +1,9 @@
-"""A privacy audit in one training run (Steinke, Nasr & Jagielski, "Privacy auditing with one (1) training run",
-NeurIPS 2023): m canaries, each included in the training set independently with probability ½, and afterwards a
-count of how many inclusions can be guessed from the trained model, turned into an ε lower bound.
+"""The one-run audit inside a training run (``--audit_canaries m``, ``--audit_kind input|gradient``): DPTrainer's
+hooks (they take the trainer as an argument; this module imports nothing of hf_dp outside hf_dp.audit's pure modules).
 
-What it says, and what it does not
-----------------------------------
-The bound is a statistical *lower* bound on the ε of the training run with respect to one canary (one privacy unit,
-add/remove adjacency), at the run's δ and 95 % confidence. ε_lower above the run's reported ε means, with 95 %
-confidence, that the run is not as private as it claims: a bug (noise missing, clipping skipped, a unit counted
-twice, a wrong sampling rate, ...). ε_lower below it is the expected outcome *and proves nothing*: black-box canaries
-scored on the final model are far from the worst case the accountant bounds, so ε_lower ≪ ε for a correct run (and
-for many broken ones). "a lower bound that can expose a bug, never a proof of privacy".
-
-The bound (:func:`epsilon_lower_bound`)
----------------------------------------
-Canary i is included iff S_i = +1 (S uniform on {−1, +1}^m, drawn independently of everything else); after training
-the auditor guesses T_i ∈ {−1, 0, +1} from the model alone (0: abstain), r = ‖T‖₁ guesses in all, fixed in number
-before training, and W = #{i : T_i = S_i} correct guesses. With f(v) = P[Binomial(r, e^ε/(1 + e^ε)) ≥ v]:
-
-* **ε-DP** (δ = 0; the paper's Theorem 3.1): P[W ≥ v] ≤ f(v). The largest ε rejected at level β has a closed form:
-  f(v) ≤ β ⟺ e^ε/(1 + e^ε) ≤ p_β, p_β the one-sided Clopper–Pearson lower limit of a success probability from v
-  successes in r trials at confidence 1 − β (``beta.ppf(β, v, r − v + 1)``), so ε_lower = max(0, logit p_β).
-* **(ε, δ)-DP** (the paper's Theorem 5.2 with the binomial f of its Corollary 5.4):
-  P[W ≥ v] ≤ f(v) + 2mδ · max_{i ≥ 1} (f(v − i) − f(v))/i. ε_lower is the largest ε whose p-value is ≤ β, found by
-  the numerical search of the paper's Appendix D: bracket, then bisection on ε, the returned ε always one whose
-  p-value was computed to be ≤ β (valid whatever the shape of p(ε): every ε ≥ the run's true ε is a true null).
-  2mδ must be well below β (m = 1000 canaries at δ = 1e-5: 0.02), or nothing can be certified.
-
-The guesses. Canaries are ranked by a score (higher: more likely included); the guess set (k₊, k₋) says "included"
-for the k₊ highest and "excluded" for the k₋ lowest (r = k₊ + k₋). The number of guesses must not be chosen after
-looking at the outcome, so :func:`audit_scores` tries a small grid of guess sets fixed in advance
-(:data:`GUESS_FRACTIONS`: r = 5 %, 10 %, 20 %, 50 %, 100 % of m, half of them "included") and tests each at β/5
-(Bonferroni): the reported bound, the largest of the five, holds with probability ≥ 1 − β. Ties in the score are
-broken by the canary's index, which is independent of the draw.
+The bound (Steinke, Nasr & Jagielski 2023) is :mod:`hf_dp.audit.one_run_bound`, the Gaussian-DP estimate beside it
+(Mahloujifar et al. 2024) :mod:`hf_dp.audit.fdp`, the canaries :mod:`hf_dp.audit.canary_kinds`; the record holds both
+(``epsilon_lower_bound`` — the verdict's, assumption-free — and ``gaussian_dp``), with their confidence.
 
 Black-box canaries for a sequence classifier (:class:`SequenceCanaries`; ``--audit_canaries m``)
 -----------------------------------------------------------------------------------------------
@@ -59,11 +31,22 @@ draw is not stored, so a new process cannot rebuild the training set) and is aud
 The frozen-prefix cache of the training set is built without its progress bar and log line (their row count would
 be real + included).
 
-White-box canaries (:func:`hf_dp.audit.one_run.white_box_run`) — the command line only: each canary owns one
-coordinate of the audit's bias-free linear "classifier" (:mod:`hf_dp.audit.trainer_path`'s ``CanaryModel``) and its
-gradient is clipped to exactly C along that coordinate (a Dirac gradient canary); the score is the coordinate's
-movement θ_0 − θ_T. Through DPTrainer on a real model, gradient canaries would need the clipping engine to accept
-injected per-example gradients; that is not done.
+White-box (gradient) canaries (``--audit_kind gradient``). The same m canary units and rows (the draw, N, q and
+the accounting above are unchanged), but a canary's contribution is a gradient the auditor chooses: a random unit
+direction u_k over the trainable parameters (:class:`~hf_dp.audit.canary_kinds.GradientDirections`, from a 128-bit
+key of the OS entropy source, broadcast under DDP), of raw norm s = :data:`GRADIENT_NORM`·C. How it goes through the
+mechanism: the training loader tags each row with its canary id (:func:`loader_parts`: -1 for a real row; the
+tag is taken out before the user's collator sees the row and comes back as the batch key :data:`CANARY_KEY`);
+``compute_loss`` gives a canary row a model loss of exactly 0 (:func:`zero_canary_losses`: its gradient through the
+model is 0, so the clipping engine sees an example with a zero gradient), and the engine's ``after_backward``
+(:func:`wrap_engine`) then clips s·u_k for every canary row of the micro-batch as the privatizer clips an example
+(c = min(1, C/(‖v‖ + 10⁻⁶)), C the privatizer's at that moment, as in ``PrivateOptimizer._clip_and_sum``) and adds it
+into the logical batch's clipped sum, before its one noise: clipped to C (whatever a variant does to C there), summed
+with the batch, noised, divided by B — the path of every example, not a side channel. Rules with a per-sample transform (DP-SGD-L2,
+DP-MacAdam) and FSDP are refused (the zero-gradient row would add its own offset; the sums are sharded). The score is
+⟨Σ_t g̃_t, u_k⟩, g̃_t the privatized gradient of step t (the noisy mean, public by DP), summed in memory by the
+privatizer's ``step_hook``: linear in the canary's clipped contributions for every update rule (the model's total
+change is not, under Adam). The directions and that sum are dropped with the bits.
 
 The command line: ``python -m hf_dp.audit --one_run ...`` (:mod:`hf_dp.audit.one_run`: the black-box run is a
 DPTrainer run with ``--audit_canaries``, variants as the trainer path of :mod:`hf_dp.audit.trainer_path`); see
@@ -72,402 +55,15 @@ DPTrainer run with ``--audit_canaries``, variants as the trainer path of :mod:`h
 
 from __future__ import annotations
 
-import math
-import secrets
 import warnings
-from dataclasses import dataclass, field
 
 import numpy as np
 
-METHOD = "one-run (Steinke, Nasr, Jagielski 2023)"
-NOTE = "a lower bound that can expose a bug, never a proof of privacy"
-#: the guess sets tried, as fractions of m guessed (half "included", half "excluded"); Bonferroni over them
-GUESS_FRACTIONS = (0.05, 0.1, 0.2, 0.5, 1.0)
-KINDS = ("black-box", "white-box")
-
-
-# ------------------------------------------------------------------------------------------------
-# the bound
-# ------------------------------------------------------------------------------------------------
-def _check_counts(m, r, v) -> tuple[int, int, int]:
-    try:
-        mi, ri, vi = (int(x) for x in (m, r, v))
-    except (TypeError, ValueError):
-        raise ValueError(f"error: the canary counts must be integers, got m={m!r}, r={r!r}, v={v!r}") from None
-    if (mi, ri, vi) != (m, r, v) or not (0 <= vi <= ri <= mi and mi >= 1):
-        raise ValueError(f"error: the counts must be integers with 0 <= correct <= guesses <= canaries, canaries >= 1; "
-                         f"got canaries={m}, guesses={r}, correct={v}")
-    return mi, ri, vi
-
-
-def _check_probability(name: str, x: float, zero_ok: bool) -> float:
-    x = float(x)
-    if not (0.0 <= x < 1.0 if zero_ok else 0.0 < x < 1.0) or math.isnan(x):
-        raise ValueError(f"error: {name} must be in {'[0, 1)' if zero_ok else '(0, 1)'}, got {x}")
-    return x
-
-
-def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
-    """P[W ≥ v] allowed by (ε, δ)-DP for ``v`` correct of ``r`` guesses on ``m`` canaries (the module docstring's
-    f(v) + 2mδ · max_i (f(v − i) − f(v))/i; f(v) alone when δ = 0), capped at 1."""
-    from scipy.special import expit
-    from scipy.stats import binom
-
-    m, r, v = _check_counts(m, r, v)
-    delta = _check_probability("delta", delta, zero_ok=True)
-    if not epsilon >= 0:
-        raise ValueError(f"error: epsilon must be >= 0, got {epsilon}")
-    if v == 0:
-        return 1.0
-    q = float(expit(epsilon))
-    tail = float(binom.sf(v - 1, r, q))  # f(v) = P[Bin(r, q) >= v]
-    if delta == 0.0:
-        return min(1.0, tail)
-    # f(v − i) − f(v) = P[v − i <= Bin < v]: the masses at v−1, v−2, ..., 0 summed (i > v adds nothing and divides by more)
-    window = np.cumsum(binom.pmf(np.arange(v - 1, -1, -1), r, q))
-    alpha = float(np.max(window / np.arange(1, v + 1)))
-    return min(1.0, tail + 2.0 * m * delta * alpha)
-
-
-def epsilon_lower_bound(m: int, r: int, v: int, delta: float, beta: float = 0.05, tol: float = 1e-7) -> float:
-    """ε_lower at confidence 1 − ``beta``: the largest ε at which ``v`` correct of ``r`` guesses on ``m`` canaries
-    refute (ε, ``delta``)-DP (0 if even ε = 0 is not refuted). δ = 0: the closed form; δ > 0: bisection on ε."""
-    from scipy.special import logit
-    from scipy.stats import beta as beta_dist
-
-    m, r, v = _check_counts(m, r, v)
-    delta = _check_probability("delta", delta, zero_ok=True)
-    beta = _check_probability("beta (1 - confidence)", beta, zero_ok=False)
-    if v == 0 or p_value(m, r, v, 0.0, delta) > beta:
-        return 0.0
-    if delta == 0.0:
-        if v == r and r > 0:
-            p_lo = beta ** (1.0 / r)  # P[Bin(r, p) >= r] = p^r
-        else:
-            p_lo = float(beta_dist.ppf(beta, v, r - v + 1))
-        return max(0.0, float(logit(p_lo)))
-    lo, hi = 0.0, 1.0  # invariant: p(lo) <= beta < p(hi)
-    while p_value(m, r, v, hi, delta) <= beta:
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e4:  # unreachable for r <= 1e9 guesses; a guard against a silent infinite loop
-            return lo
-    while hi - lo > tol:
-        mid = 0.5 * (lo + hi)
-        if p_value(m, r, v, mid, delta) <= beta:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-#: the paper's notation
-eps_lower = epsilon_lower_bound
-
-
-def guess_sets(m: int, fractions=GUESS_FRACTIONS) -> list[tuple[int, int]]:
-    """The (k₊, k₋) guess sets tried for ``m`` canaries: r = round(f·m) guesses, ⌈r/2⌉ "included", ⌊r/2⌋ "excluded"."""
-    out = []
-    for f in fractions:
-        r = max(1, min(m, int(round(f * m))))
-        pair = ((r + 1) // 2, r // 2)
-        if pair not in out:
-            out.append(pair)
-    return out
-
-
-def count_correct(scores, included, k_plus: int, k_minus: int) -> tuple[int, int]:
-    """(r, v): ``k_plus`` "included" guesses on the highest scores, ``k_minus`` "excluded" guesses on the lowest
-    (ties broken by index), and how many of the r = k₊ + k₋ guesses match ``included``."""
-    s = np.asarray(scores, dtype=float)
-    inc = np.asarray(included, dtype=bool)
-    if s.ndim != 1 or s.shape != inc.shape:
-        raise ValueError(f"error: scores and included must be 1-D of the same length, got {s.shape} and {inc.shape}")
-    if not np.all(np.isfinite(s)):
-        raise ValueError("error: every canary score must be finite")
-    m = len(s)
-    if k_plus < 0 or k_minus < 0 or k_plus + k_minus > m:
-        raise ValueError(f"error: k_plus + k_minus must be at most the {m} canaries, got {k_plus} + {k_minus}")
-    order = np.argsort(s, kind="stable")  # ascending; equal scores keep index order (independent of the draw)
-    top, bottom = order[m - k_plus:], order[:k_minus]
-    return k_plus + k_minus, int(inc[top].sum() + (~inc[bottom]).sum())
-
-
-@dataclass
-class OneRunBound:
-    epsilon_lower: float
-    canaries: int
-    guesses: int
-    correct: int
-    k_plus: int
-    k_minus: int
-    delta: float
-    confidence: float
-    guess_sets: int  # guess sets tried (Bonferroni)
-    tried: list = field(default_factory=list)  # (k_plus, k_minus, correct, bound) for every set
-
-
-def audit_scores(scores, included, delta: float, beta: float = 0.05, guesses=None) -> OneRunBound:
-    """The one-run bound from canary ``scores`` (higher: more likely included) and the secret ``included`` bits:
-    every guess set of ``guesses`` (default :func:`guess_sets`) tested at β/len(guesses), the best reported."""
-    inc = np.asarray(included, dtype=bool)
-    m = len(inc)
-    if m < 1:
-        raise ValueError("error: the audit needs at least one canary")
-    sets = guess_sets(m) if guesses is None else [(int(a), int(b)) for a, b in guesses]
-    if not sets:
-        raise ValueError("error: at least one guess set (k_plus, k_minus) is needed")
-    beta = _check_probability("beta (1 - confidence)", beta, zero_ok=False)
-    each = beta / len(sets)
-    best, tried = None, []
-    for kp, km in sets:
-        r, v = count_correct(scores, inc, kp, km)
-        eps = epsilon_lower_bound(m, r, v, delta, each)
-        tried.append((kp, km, v, eps))
-        if best is None or eps > best[3]:
-            best = (kp, km, v, eps)
-    kp, km, v, eps = best
-    return OneRunBound(eps, m, kp + km, v, kp, km, float(delta), 1.0 - beta, len(sets), tried)
-
-
-def ceiling(m: int, delta: float, beta: float = 0.05, guesses=None) -> float:
-    """The largest bound ``m`` canaries can give at all: every guess of every set correct (a run with no privacy,
-    scored perfectly). A claimed ε at or above it cannot be refuted by this audit."""
-    sets = guess_sets(m) if guesses is None else list(guesses)
-    return max(epsilon_lower_bound(m, a + b, a + b, delta, beta / len(sets)) for a, b in sets)
-
-
-def record(bound: OneRunBound, kind: str = "black-box", score: str | None = None) -> dict:
-    """The ``privacy.json`` entry for a one-run audit (its card line: :func:`describe`)."""
-    if kind not in KINDS:
-        raise ValueError(f"error: kind must be one of {KINDS}, got {kind!r}")
-    out = {
-        "method": METHOD,
-        "canaries": bound.canaries,
-        "guesses": bound.guesses,
-        "correct": bound.correct,
-        "confidence": round(bound.confidence, 10),
-        "delta": bound.delta,
-        "epsilon_lower_bound": bound.epsilon_lower,
-        "kind": kind,
-        "guess_sets_tried": bound.guess_sets,
-        "note": NOTE,
-    }
-    if score:
-        out["score"] = score
-    return out
-
-
-def describe(rec: dict) -> str:
-    """One sentence for the model card, e.g. "empirical lower bound ε̂ = 0.00 (one-run audit, 1000 canaries,
-    black-box, 95 % confidence at δ = 1e-05): a lower bound that can expose a bug, never a proof of privacy"."""
-    return (f"empirical lower bound ε̂ = {rec['epsilon_lower_bound']:.2f} (one-run audit, {rec['canaries']} canaries, "
-            f"{rec['kind']}, {100 * rec['confidence']:g} % confidence at δ = {rec['delta']:g}; {rec['correct']} of "
-            f"{rec['guesses']} inclusion guesses correct): {rec['note']}")
-
-
-# ------------------------------------------------------------------------------------------------
-# black-box canaries for a sequence classifier
-# ------------------------------------------------------------------------------------------------
-def _special_tokens(tokenizer) -> tuple[list[int], list[int], bool]:
-    """(prefix, suffix, token_type_ids?) the tokenizer puts around one sequence (e.g. [CLS] … [SEP]), read off the
-    encoding of a probe text with and without special tokens."""
-    full = tokenizer("x")
-    bare = list(tokenizer("x", add_special_tokens=False)["input_ids"])
-    ids = list(full["input_ids"])
-    for i in range(len(ids) - len(bare) + 1):
-        if ids[i:i + len(bare)] == bare:
-            return ids[:i], ids[i + len(bare):], "token_type_ids" in full
-    raise ValueError("error: cannot tell which special tokens this tokenizer adds around a sequence")
-
-
-def _secret_rng(seed):
-    if seed is None:
-        return np.random.default_rng(secrets.randbits(128))
-    return np.random.default_rng(seed)
-
-
-class SequenceCanaries:
-    """m black-box canaries for a sequence classifier trained by DPTrainer (see the module docstring).
-
-    ``draw(m, num_labels, tokenizer=... or vocab_size=..., length=32)``; ``append_to(train_dataset)`` → the training
-    set with the included canaries appended (one row, one unit each); ``dataset()`` → the canaries to score;
-    ``forget()`` drops the bits. DPTrainer's ``--audit_canaries`` drives it (:func:`attach`, :func:`after_train`).
-    """
-
-    kind = "black-box"
-    score_name = "label margin z_y - logsumexp(z_j, j != y)"
-
-    def __init__(self, input_ids, labels, included, token_type_ids=None):
-        self.input_ids = [list(map(int, x)) for x in input_ids]
-        self.labels = [int(y) for y in labels]
-        self.token_type_ids = None if token_type_ids is None else [list(map(int, x)) for x in token_type_ids]
-        self._included = np.asarray(included, dtype=bool).copy()
-        if not (len(self.input_ids) == len(self.labels) == len(self._included) >= 1):
-            raise ValueError("error: canaries need as many input sequences, labels and inclusion bits, at least one")
-
-    # ----- drawing -----------------------------------------------------------------------------------
-    @classmethod
-    def draw(cls, m: int, num_labels: int, *, tokenizer=None, vocab_size: int | None = None, length: int = 32,
-             token_range: tuple[int, int] | None = None, seed=None, bits_seed=None) -> "SequenceCanaries":
-        """``m`` canaries of ``length`` random tokens (from ``token_range`` = [lo, hi), default the whole vocabulary
-        minus the tokenizer's special tokens), each with a random label in [0, ``num_labels``) and an inclusion bit.
-        ``seed`` fixes the tokens and labels (public anyway); ``bits_seed`` the inclusion bits — tests only: the default
-        None draws them from the OS entropy source, so that nobody can recompute them."""
-        if not (isinstance(m, int) and m >= 1):
-            raise ValueError(f"error: the number of canaries must be a positive integer, got {m!r}")
-        if not (isinstance(num_labels, int) and num_labels >= 2):
-            raise ValueError(f"error: black-box canaries need a classifier with >= 2 labels (random labels), got num_labels={num_labels!r}")
-        if not (isinstance(length, int) and length >= 1):
-            raise ValueError(f"error: the canary length must be a positive integer, got {length!r}")
-        if vocab_size is None:
-            if tokenizer is None:
-                raise ValueError("error: give the tokenizer or the vocabulary size to draw canary tokens from")
-            vocab_size = len(tokenizer)
-        lo, hi = token_range if token_range is not None else (0, int(vocab_size))
-        special = set(getattr(tokenizer, "all_special_ids", []) or []) if tokenizer is not None else set()
-        pool = np.array([t for t in range(int(lo), int(hi)) if t not in special], dtype=np.int64)
-        if len(pool) < 2:
-            raise ValueError(f"error: no tokens to draw canaries from in [{lo}, {hi}) without the special tokens")
-        content = _secret_rng(seed)  # content and labels: not secret, but there is no reason to make them guessable
-        tokens = pool[content.integers(0, len(pool), size=(m, length))]
-        labels = content.integers(0, num_labels, size=m)
-        bits = _secret_rng(bits_seed).random(m) < 0.5
-        types = None
-        if tokenizer is not None:
-            prefix, suffix, with_types = _special_tokens(tokenizer)
-            ids = [prefix + list(map(int, t)) + suffix for t in tokens]
-            if with_types:
-                types = [[0] * len(x) for x in ids]
-        else:
-            ids = tokens.tolist()
-        return cls(ids, labels, bits, types)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    @property
-    def included(self) -> np.ndarray:
-        """The secret inclusion bits (a copy). Refused after :meth:`forget`."""
-        if self._included is None:
-            raise ValueError("error: the canaries' inclusion draw was forgotten (forget() was called)")
-        return self._included.copy()
-
-    def forget(self) -> None:
-        """Drop the inclusion bits (call after :meth:`audit`)."""
-        self._included = None
-
-    def __reduce__(self):
-        raise TypeError("SequenceCanaries cannot be pickled: the inclusion draw must never be stored with the model")
-
-    # ----- rows --------------------------------------------------------------------------------------
-    def rows(self, columns, which=None, blank=()) -> dict:
-        """Columns ``columns`` for the canaries ``which`` (indices; default all): input_ids, attention_mask,
-        token_type_ids, labels/label, and the ``blank`` columns (None: e.g. the privacy-unit column, each canary its
-        own unit). Any other column is refused."""
-        idx = range(len(self)) if which is None else [int(i) for i in which]
-        out = {}
-        for c in columns:
-            if c in blank:
-                out[c] = [None for _ in idx]
-            elif c == "input_ids":
-                out[c] = [self.input_ids[i] for i in idx]
-            elif c == "attention_mask":
-                out[c] = [[1] * len(self.input_ids[i]) for i in idx]
-            elif c == "token_type_ids":
-                out[c] = [self.token_type_ids[i] if self.token_type_ids else [0] * len(self.input_ids[i]) for i in idx]
-            elif c in ("labels", "label"):
-                out[c] = [self.labels[i] for i in idx]
-            else:
-                raise ValueError(
-                    f"error: the training set has a column {c!r} that canaries cannot fill (they have input_ids, "
-                    "attention_mask, token_type_ids and labels); remove it before appending the canaries"
-                )
-        return out
-
-    def dataset(self, like=None, which=None, blank=(), labels=True, drop=()):
-        """The canaries ``which`` (default all) as a 🤗 ``datasets.Dataset`` with the columns (and features) of
-        ``like`` (default: input_ids, attention_mask, labels); ``blank`` columns are None; ``labels=False`` and
-        ``drop`` leave columns out (scoring: no label reaches the trainer)."""
-        import datasets
-
-        columns = list(getattr(like, "column_names", None) or ["input_ids", "attention_mask", "labels"])
-        if "input_ids" not in columns:
-            raise ValueError("error: canaries need an input_ids column in the training set")
-        if not ({"labels", "label"} & set(columns)):
-            raise ValueError("error: canaries need a labels (or label) column in the training set")
-        out = [c for c in columns if c not in drop and (labels or c not in ("labels", "label"))]
-        ds = datasets.Dataset.from_dict(self.rows(out, which, blank))
-        features = getattr(like, "features", None)
-        if features is None:
-            return ds
-        features = datasets.Features({c: features[c] for c in out})
-        if ds.features == features:
-            return ds
-        with _quiet_datasets():
-            return ds.cast(features)
-
-    def append_to(self, train_dataset, blank=()):
-        """The training set with the included canaries appended (rows N_real … N_real + |included| − 1); ``blank``
-        columns are None for the canaries. A 🤗 ``Dataset`` gives a ``Dataset`` (same features); any other map-style
-        dataset of dicts a concatenation."""
-        which = np.flatnonzero(self.included)
-        if hasattr(train_dataset, "column_names") and hasattr(train_dataset, "features"):
-            import datasets
-
-            if not len(which):
-                return train_dataset
-            return datasets.concatenate_datasets([train_dataset, self.dataset(like=train_dataset, which=which, blank=blank)])
-        first = train_dataset[0]
-        extra = self.rows(list(first.keys()), which, blank)
-        rows = [{k: extra[k][j] for k in extra} for j in range(len(which))]
-        return _Appended(train_dataset, rows)
-
-
-class _quiet_datasets:
-    """No 🤗 Datasets progress bars inside (casting the canaries' few rows)."""
-
-    def __enter__(self):
-        from datasets.utils import logging as ds_logging
-
-        self._was = ds_logging.is_progress_bar_enabled()
-        ds_logging.disable_progress_bar()
-
-    def __exit__(self, *exc):
-        from datasets.utils import logging as ds_logging
-
-        if self._was:
-            ds_logging.enable_progress_bar()
-
-
-class _Appended:
-    """A map-style dataset: ``base`` then ``extra`` (a list of row dicts)."""
-
-    def __init__(self, base, extra):
-        self.base, self.extra = base, extra
-
-    def __len__(self):
-        return len(self.base) + len(self.extra)
-
-    def __getitem__(self, i):
-        n = len(self.base)
-        if i < 0:
-            i += len(self)
-        return self.base[i] if i < n else dict(self.extra[i - n])
-
-
-def label_margins(logits, labels) -> np.ndarray:
-    """z_y − log Σ_{j≠y} e^{z_j} per row (for two labels: z_y − z_other)."""
-    z = np.asarray(logits, dtype=np.float64)
-    y = np.asarray(labels, dtype=np.int64)
-    if z.ndim != 2 or z.shape[1] < 2 or z.shape[0] != len(y):
-        raise ValueError(f"error: expected logits [m, >= 2 labels] for {len(y)} canaries, got shape {z.shape}")
-    own = z[np.arange(len(y)), y]
-    others = z.copy()
-    others[np.arange(len(y)), y] = -np.inf
-    mx = others.max(axis=1, keepdims=True)
-    lse = mx[:, 0] + np.log(np.exp(others - mx).sum(axis=1))
-    return own - lse
-
+from hf_dp.audit.canary_kinds import GradientDirections, SequenceCanaries, _special_tokens, label_margins
+from hf_dp.audit.fdp import gdp_audit_scores, gdp_record
+from hf_dp.audit.one_run_bound import OneRunBound, audit_scores, ceiling, describe, record
+from hf_dp.audit.stats import power_note
+from hf_dp.run.data import TaggedRows
 
 # ------------------------------------------------------------------------------------------------
 # --audit_canaries m: the canaries of a DPTrainer run (the trainer's hooks call these; they take the trainer)
@@ -478,6 +74,13 @@ MIN_CANARIES = 100
 AUDIT_BETA = 0.05
 #: tokens of one black-box canary (capped by the model's positions)
 CANARY_TOKENS = 32
+#: --audit_kind: input (black-box canaries, scored by the trained model) or gradient (white-box, the auditor's gradient)
+AUDIT_KINDS = ("input", "gradient")
+#: a gradient canary's raw norm, in units of C: the run clips it to C (a clip x 10 break lets 10 C through)
+GRADIENT_NORM = 1e3
+#: the batch key of each training row's canary id (-1: a real row), --audit_kind gradient
+CANARY_KEY = "_hf_dp_canary"
+GRADIENT_SCORE = "inner product of the sum of every step's privatized (noisy) gradient with the canary's direction"
 ACCOUNTING = (
     "q = B/(N_real + m): every canary is counted as a privacy unit whether or not the secret draw included it, so N, "
     "q and epsilon do not depend on the draw; the reported N is the real units plus the m canaries, and the real "
@@ -500,13 +103,23 @@ class TrainerCanaries:
     """A DPTrainer's canaries (``trainer._audit``): the :class:`SequenceCanaries`, where they sit in the training set
     (rows ``real_rows`` … ``real_rows + #included − 1``) and the number of real units. Held in memory only."""
 
-    def __init__(self, canaries: SequenceCanaries, real_rows: int, like):
+    def __init__(self, canaries: SequenceCanaries, real_rows: int, like, kind: str = "input"):
         self.canaries, self.real_rows, self.like = canaries, int(real_rows), like
         self.m = len(canaries)
         self.included_rows = int(canaries.included.sum())
         self.real_units: int | None = None
         self.trained = False
         self.bound: OneRunBound | None = None
+        self.kind = kind
+        # --audit_kind gradient (secret, memory only): the canary id of each appended row, the directions' key, the
+        # canaries of the micro-batch in flight, the running sum of the privatized gradients
+        self.row_canary: np.ndarray | None = None
+        self.key: int | None = None
+        self.directions: GradientDirections | None = None
+        self.pending: list[int] = []
+        self.grad_sum: list | None = None
+        self.raw_norm: float | None = None
+        self.gdp = None  # the Gaussian-DP estimate (hf_dp.audit.fdp.GdpEstimate) once audited
 
     def __reduce__(self):
         raise TypeError("the trainer's canaries cannot be pickled: the inclusion draw must never be stored")
@@ -515,6 +128,12 @@ class TrainerCanaries:
     def public_rows(self) -> int:
         """What HF may report as the number of training examples: real rows + m (not + the included ones)."""
         return self.real_rows + self.m
+
+
+def _shared_key(key: int, args) -> int:
+    """Under DDP every rank must build the same gradient directions: rank 0's 128-bit key, broadcast in memory."""
+    bits = np.unpackbits(np.frombuffer(int(key).to_bytes(16, "little"), dtype=np.uint8)).astype(bool)
+    return int.from_bytes(np.packbits(_shared_bits(bits, args)).tobytes(), "little")
 
 
 def _shared_bits(bits: np.ndarray, args) -> np.ndarray:
@@ -541,6 +160,12 @@ def attach(trainer, model, args, train_dataset, tokenizer=None):
     if not m or not args.dp_enabled:
         return train_dataset
     check_canary_count(m, args.delta)
+    kind = getattr(args, "audit_kind", None) or "input"
+    if kind not in AUDIT_KINDS:
+        raise ValueError(f"--audit_kind must be one of {', '.join(AUDIT_KINDS)}, got {kind!r}")
+    if kind == "gradient" and getattr(args, "fsdp", None):
+        raise ValueError("--audit_kind gradient is not supported with --fsdp: the canaries' gradients would be added "
+                         "to sharded sums; use --audit_kind input")
     config = getattr(model, "config", None)
     num_labels = int(getattr(config, "num_labels", 0) or 0)
     if getattr(trainer.objective, "name", None) != "sequence_classification" or getattr(config, "problem_type", None) in (
@@ -569,7 +194,13 @@ def attach(trainer, model, args, train_dataset, tokenizer=None):
                                      if tokenizer is not None else vocab, length=length, seed=content_seed)
     canaries._included = _shared_bits(canaries._included, args)
     unit_col = getattr(args, "privacy_unit_column", None)
-    state = TrainerCanaries(canaries, len(train_dataset), train_dataset)
+    state = TrainerCanaries(canaries, len(train_dataset), train_dataset, kind)
+    if kind == "gradient":
+        import secrets
+
+        state.row_canary = np.flatnonzero(canaries._included)  # row real_rows + j is canary row_canary[j]
+        state.key = _shared_key(secrets.randbits(128), args)
+        state.raw_norm = GRADIENT_NORM * float(args.per_sample_max_grad_norm)
     trainer._audit = state
     return canaries.append_to(train_dataset, blank=(unit_col,) if unit_col else ())
 
@@ -603,6 +234,184 @@ def extend_units(trainer, rows: int) -> None:
                 trainer._unit_of_row[r] = j
     trainer._unit_rows = units
     trainer.num_units = len(units)
+
+
+# ------------------------------------------------------------------------------------------------
+# --audit_kind gradient: the canary rows' tag, their zero model loss, their gradient in the engine's clipped sum
+# ------------------------------------------------------------------------------------------------
+def _gradient_state(trainer):
+    state = getattr(trainer, "_audit", None)
+    return state if state is not None and state.kind == "gradient" else None
+
+
+class _CanaryTagged(TaggedRows):
+    """The training set as the loader reads it under ``--audit_kind gradient``: each row (a dict) gets
+    :data:`CANARY_KEY`, its canary id (-1 for a real row). Not picklable (the ids of the rows are the draw)."""
+
+    KEY, FLAG, _OWN = CANARY_KEY, "--audit_kind gradient", ("dataset", "real_rows", "row_canary")
+
+    def __init__(self, dataset, real_rows: int, row_canary: np.ndarray):
+        self.dataset, self.real_rows, self.row_canary = dataset, int(real_rows), row_canary
+
+    def tag(self, i: int) -> int:
+        return int(self.row_canary[i - self.real_rows]) if i >= self.real_rows else -1
+
+    def __reduce__(self):
+        raise TypeError("the canary-tagged training set cannot be pickled: its tags are the inclusion draw "
+                        "(--audit_kind gradient needs --dataloader_num_workers 0 or fork-started workers)")
+
+
+class _CanaryCollator:
+    """Takes :data:`CANARY_KEY` out of the rows before the user's collator (``collate_fn``) sees them and puts the
+    rows' ids back as a batch key; one row per example (a collator that emits several is refused)."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+        self.data_collator = getattr(collate_fn, "data_collator", collate_fn)  # what hf_dp.run.contract inspects
+
+    def __call__(self, features):
+        import torch
+
+        ids = [int(f.get(CANARY_KEY, -1)) if hasattr(f, "get") else -1 for f in features]
+        plain = [{k: v for k, v in f.items() if k != CANARY_KEY} if hasattr(f, "items") else f for f in features]
+        batch = self.collate_fn(plain)
+        if hasattr(batch, "keys"):
+            rows = next((v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() >= 1), len(plain))
+            if rows != len(plain):
+                raise ValueError("--audit_kind gradient needs a data collator that makes one row per example; this one "
+                                 f"made {rows} rows of {len(plain)} examples")
+            batch[CANARY_KEY] = torch.tensor(ids, dtype=torch.long)
+        return batch
+
+
+def loader_parts(trainer, dataset, collate_fn):
+    """DPTrainer's ``get_train_dataloader``: (dataset, collator) with the canary tags under ``--audit_kind gradient``
+    (unchanged otherwise)."""
+    state = _gradient_state(trainer)
+    if state is None:
+        return dataset, collate_fn
+    if state.row_canary is None:
+        raise ValueError("--audit_canaries audits one train() call: the inclusion draw was dropped after the first "
+                         "audit; make a new DPTrainer")
+    return _CanaryTagged(dataset, state.real_rows, state.row_canary), _CanaryCollator(collate_fn)
+
+
+def pop_rows(trainer, inputs):
+    """DPTrainer's ``compute_loss``: the micro-batch's canary ids (a tensor, -1 for real rows), taken out of
+    ``inputs``; ``None`` without gradient canaries."""
+    rows = inputs.pop(CANARY_KEY, None) if hasattr(inputs, "pop") else None
+    return rows if _gradient_state(trainer) is not None else None
+
+
+def zero_canary_losses(trainer, losses, rows, empty: bool):
+    """A canary row's model loss is exactly 0 (its gradient through the model too); the micro-batch's canary ids are
+    kept for the engine's ``after_backward`` (not for an empty micro-batch's placeholder or the contract probe)."""
+    import torch
+
+    state = _gradient_state(trainer)
+    if state is None or rows is None:
+        return losses
+    rows = rows.to(losses.device).view(-1)
+    if rows.shape[0] != losses.shape[0]:
+        raise ValueError(f"internal: {rows.shape[0]} canary tags for {losses.shape[0]} per-example losses")
+    canary = rows >= 0
+    if not empty and not getattr(trainer, "_contract_probe", False):
+        state.pending = [int(k) for k in rows[canary].tolist()]
+    return torch.where(canary, torch.zeros_like(losses), losses)
+
+
+class _GradientCanaryEngine:
+    """The trainer's clipping engine, with each drawn canary's gradient s·u_k handed to the privatizer's own
+    per-example clipping after the engine's ``after_backward`` (see the module docstring)."""
+
+    def __init__(self, inner, state: TrainerCanaries):
+        self.inner, self.state = inner, state
+
+    def __getattr__(self, name):  # name, clipper, grad_sampler, ... of the wrapped engine
+        if name in ("inner", "state"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def before_backward(self, losses, optimizer, units=None):
+        return self.inner.before_backward(losses, optimizer, units=units)
+
+    def after_backward(self, optimizer, loss_scale: float, rows: int, units=None) -> None:
+        self.inner.after_backward(optimizer, loss_scale, rows, units=units)
+        _add_canary_gradients(self.state, optimizer)
+
+    def discard(self, optimizer) -> None:
+        self.inner.discard(optimizer)
+        _prepare(self.state, optimizer)
+        self.state.pending = []
+
+    def clear(self) -> None:
+        self.inner.clear()
+        self.state.pending = []
+
+
+def wrap_engine(trainer, engine):
+    """DPTrainer's ``_setup_privacy``: the clipping engine, wrapped under ``--audit_kind gradient``."""
+    state = _gradient_state(trainer)
+    return engine if state is None else _GradientCanaryEngine(engine, state)
+
+
+def _prepare(state: TrainerCanaries, optimizer) -> None:
+    """Once, before the first step: refuse a rule with a per-sample transform, build the directions over the
+    privatizer's parameters and hook the running sum of the privatized gradients onto its ``step_hook``."""
+    import torch
+
+    if state.directions is not None:
+        return
+    params = optimizer.params
+    rule = optimizer.rule
+    if rule.per_sample_affine(params) is not None or not rule.ghost_compatible():
+        raise ValueError(f"--audit_kind gradient needs an update rule without a per-sample transform of the gradients "
+                         f"({type(rule).__name__} has one: a canary row's zero gradient would still add its offset); "
+                         "use --audit_kind input, or dp_sgd / dp_adam / dp_adamw / dp_adambc / dp_adamw_bc")
+    state.directions = GradientDirections(state.m, [p.numel() for p in params], key=state.key)
+    state.grad_sum = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
+    previous = optimizer.step_hook
+
+    def accumulate_privatized(opt):
+        for acc, p in zip(state.grad_sum or [], opt.params):
+            acc += p.grad.detach().to(acc.dtype)  # after privatize(): the noisy mean, mapped back to gradient space
+        if previous:
+            previous(opt)
+
+    optimizer.step_hook = accumulate_privatized
+
+
+def _add_canary_gradients(state: TrainerCanaries, optimizer) -> None:
+    """s·u_k for every canary row of the micro-batch, clipped as the privatizer clips an example — c = min(1,
+    C/(‖v‖ + 10⁻⁶)) with C = ``optimizer.max_grad_norm`` at this moment (what ``_clip_and_sum`` computes; v = s·u_k
+    since the rule has no per-sample transform, so ‖v‖ = s) — and added into the logical batch's clipped sum
+    (``p.summed_grad``), which the privatizer noises once. Sparse (u_k has :data:`~hf_dp.audit.canary_kinds.SUPPORT`
+    coordinates): O(support) per canary, not O(d)."""
+    import torch
+
+    _prepare(state, optimizer)
+    pending, state.pending = state.pending, []
+    if not pending:
+        return
+    params = optimizer.params
+    c = min(1.0, float(optimizer.max_grad_norm) / (state.raw_norm + 1e-6))
+    for k in pending:
+        for j, local, vals in state.directions.per_parameter(k):
+            p = params[j]
+            if getattr(p, "summed_grad", None) is None:
+                p.summed_grad = torch.zeros_like(p)
+            elif not p.summed_grad.is_contiguous():
+                p.summed_grad = p.summed_grad.contiguous()
+            flat = p.summed_grad.view(-1)
+            flat.index_add_(0, torch.as_tensor(local, device=flat.device),
+                            torch.as_tensor(c * state.raw_norm * vals, dtype=flat.dtype, device=flat.device))
+
+
+def gradient_scores(state: TrainerCanaries) -> np.ndarray:
+    """⟨Σ_t g̃_t, u_k⟩ for every canary (0 for all if no step was taken)."""
+    if state.directions is None or state.grad_sum is None:
+        return np.zeros(state.m)
+    return state.directions.scores([g.detach().cpu().numpy() for g in state.grad_sum])
 
 
 def before_train(trainer, resume_from_checkpoint) -> None:
@@ -645,17 +454,26 @@ def after_train(trainer) -> dict | None:
     if state is None or state.trained:
         return None
     state.trained = True
+    gradient = state.kind == "gradient"
+    beta = float(getattr(trainer, "audit_beta", AUDIT_BETA))  # the command line's --alpha; else 95 %
+    delta = float(trainer.args.delta)
     try:
-        scores = canary_scores(trainer, state)
-        beta = float(getattr(trainer, "audit_beta", AUDIT_BETA))  # the command line's --alpha; else 95 %
-        bound = audit_scores(scores, state.canaries.included, float(trainer.args.delta), beta)
+        scores = gradient_scores(state) if gradient else canary_scores(trainer, state)
+        bound = audit_scores(scores, state.canaries.included, delta, beta)
+        gdp = gdp_audit_scores(scores, state.canaries.included, delta, beta)
     finally:
         state.canaries.forget()
-    state.bound = bound  # counts and the bound only (no bit)
-    rec = record(bound, "black-box", SequenceCanaries.score_name)
+        if state.row_canary is not None:
+            state.row_canary.fill(-1)  # a loader built before may still hold this array: its tags say nothing now
+        state.row_canary = state.directions = state.grad_sum = state.key = None
+        state.pending = []
+    state.bound, state.gdp = bound, gdp  # counts and the bounds only (no bit)
+    rec = record(bound, "white-box" if gradient else "black-box", GRADIENT_SCORE if gradient else SequenceCanaries.score_name)
+    rec["gaussian_dp"] = gdp_record(gdp)
     eps = float(trainer.get_epsilon())
     rec.update(
-        epsilon=eps, violation=bool(bound.epsilon_lower > eps), ceiling=ceiling(state.m, float(trainer.args.delta), beta),
+        epsilon=eps, violation=bool(bound.epsilon_lower > eps), ceiling=(top := ceiling(state.m, float(trainer.args.delta), beta)),
+        low_power=bool(power_note(eps, top, state.m)),  # the claim above or within 1 of the ceiling (README's rule)
         real_units=state.real_units, dataset_size_includes_canaries=state.m, accounting=ACCOUNTING,
     )
     rec["summary"] = describe(rec)

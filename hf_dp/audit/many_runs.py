@@ -70,11 +70,15 @@ trials selecting, ≈ 2.35 with the pooled test, ≈ 2.75 (0.63·ε) at 100 000 
 
 One-run audit (``--one_run``, :mod:`hf_dp.audit.canaries`): instead of ``--trials`` runs per dataset, one DPTrainer run
 with ``--canaries`` m canaries, each included with probability ½, and the bound of Steinke, Nasr & Jagielski (2023)
-from the number of inclusions guessed right: black-box (random-token canaries with random labels in a tiny BERT
-classifier, ``--canary_kind black-box``) or white-box (gradient canaries, one coordinate each of the trainer path's
-linear model). Variants ``real``, ``no_noise``, ``no_clip`` (and the trainer path's ``two_rows``,
-``accumulation_changed``); the claim is the run's own ε at ``--delta``. The black-box run is DPTrainer's own
-``--audit_canaries`` (N = rows + m canaries, q = B/N whatever the draw).
+from the number of inclusions guessed right, with the Gaussian-DP estimate (Mahloujifar et al. 2024,
+:mod:`hf_dp.audit.fdp`) beside it: black-box (random-token canaries with random labels in a tiny BERT classifier,
+``--canary_kind black-box``), gradient (the same DPTrainer run with ``--audit_kind gradient``: each canary's gradient
+a random direction over the parameters, clipped and noised with its batch) or white-box (gradient canaries, one
+coordinate each of the trainer path's linear model). Variants ``real``, ``no_noise``, ``no_clip`` (and the trainer
+path's ``two_rows``, ``accumulation_changed``) and the partial breaks ``noise_div10``, ``clip_x10``, ``replay_step``
+(:func:`hf_dp.audit.one_run.partial_break`), which measure the audit's power; the claim is the run's own ε at
+``--delta``. The black-box and gradient runs are DPTrainer's own ``--audit_canaries`` (N = rows + m canaries, q = B/N
+whatever the draw).
 
 Broken variants (``variant=``), to check the audit has power: ``no_noise`` (σ = 0 in the
 privatizer), ``low_noise`` (σ/10 in the privatizer) and ``no_clip`` (the privatizer's clipping
@@ -125,6 +129,9 @@ Usage
     # seconds per variant on 2 idle CPU cores (1-2 min at load average 7)
     python -m hf_dp.audit --one_run --variant real,no_noise,no_clip --canaries 200 --background 200 --steps 150 \
         --noise_multiplier 10 --sample_rate 0.25
+    # the same with gradient canaries (--audit_kind gradient) and the partial breaks; ~1 min per variant
+    python -m hf_dp.audit --one_run --canary_kind gradient --variant real,no_noise,noise_div10,clip_x10,replay_step \
+        --canaries 200 --background 200 --steps 20 --sample_rate 0.5 --noise_multiplier 5
 
 ``--trials`` is the number of runs *per dataset* (D and D'); 20 % of them select the test.
 The exit status is 1 if a ``real`` row shows ε_lower > claimed ε (a privacy violation), else 0.
@@ -345,6 +352,8 @@ benchmarks/audit.md):
       --noise_multiplier 2.0 --sample_rate 0.5 --steps 5 --trials 4000
   python -m hf_dp.audit --one_run --variant real,no_noise,no_clip --canaries 200 --background 200 --steps 150 \\
       --noise_multiplier 10 --sample_rate 0.25
+  python -m hf_dp.audit --one_run --canary_kind gradient --variant real,no_noise,noise_div10,clip_x10,replay_step \\
+      --canaries 200 --background 200 --steps 20 --sample_rate 0.5 --noise_multiplier 5
   python -m hf_dp.audit --path trainer --variant real,no_noise,replay_train --train_calls 2 \\
       --noise_multiplier 0.5 --sample_rate 0.25 --steps 1 --delta 0.05 --trials 100000
   python -m hf_dp.audit --path trainer --variant real,replay_resume --steps 2 --resume_at 1 \\
@@ -366,10 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "1/2, and the one-run bound of Steinke, Nasr & Jagielski (2023) (hf_dp.audit.canaries) instead "
                         "of --trials runs per dataset")
     p.add_argument("--canaries", type=int, default=1000, help="--one_run: the number of canaries m")
-    p.add_argument("--canary_kind", default="black-box", choices=("black-box", "white-box"),
+    p.add_argument("--canary_kind", default="black-box", choices=("black-box", "white-box", "gradient"),
                    help="--one_run: black-box (random-token canaries with random labels, a tiny BERT classifier on a "
-                        "synthetic task, scored by their label margin) or white-box (one gradient canary per "
-                        "coordinate of the audit's linear model, scored by its movement)")
+                        "synthetic task, scored by their label margin), gradient (the same DPTrainer run with "
+                        "--audit_kind gradient: each canary's gradient a random direction, scored by the summed "
+                        "privatized gradients) or white-box (one gradient canary per coordinate of the audit's linear "
+                        "model, scored by its movement)")
     p.add_argument("--path", default="mechanism", choices=("mechanism", "trainer"),
                    help="mechanism: sampler + privatizer + rule driven directly (hf_dp.audit.many_runs); trainer: every trial "
                         "through DPTrainer (hf_dp.audit.trainer_path)")
@@ -378,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default="real",
                    help=f"comma list; mechanism: {', '.join(VARIANTS)}; trainer: real, no_noise, no_clip, replay_train, "
                         "replay_resume, two_rows, accumulation_changed; --one_run: real, no_noise, no_clip, two_rows, "
-                        "accumulation_changed")
+                        "accumulation_changed, noise_div10, clip_x10, replay_step")
     p.add_argument("--noise_multiplier", type=float, default=1.0, help="claimed sigma")
     p.add_argument("--max_grad_norm", type=float, default=None, help="C (default 1; --one_run black-box: 0.01)")
     p.add_argument("--sample_rate", type=float, default=1.0)
@@ -460,7 +471,7 @@ def one_run_config(a) -> list:
     from hf_dp.audit.one_run import OneRunConfig
 
     black = a.canary_kind == "black-box"
-    optim = a.optim or ("dp_adamw" if black else "dp_sgd")
+    optim = a.optim or ("dp_adamw" if black else "dp_sgd")  # gradient canaries: any rule without a per-sample map
     out = []
     for name in optim.split(","):
         for v in a.variant.split(","):
@@ -487,7 +498,10 @@ def _main_one_run(a) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    for cfg in configs:
+    for i, cfg in enumerate(configs, 1):  # each run takes seconds to minutes: say which one is running
+        print(f"one-run audit {i}/{len(configs)}: {cfg.optim} {cfg.variant}, {cfg.canaries} {cfg.kind} canaries"
+              + (f", {cfg.steps} steps ..." if cfg.kind != "white-box" else " ..."), file=sys.stderr, flush=True)
+        cfg.progress = cfg.kind != "white-box"
         r = one_run_audit(cfg)
         results.append(r)
         if r.low_power:

@@ -1,7 +1,10 @@
 """The one-run audit's command-line runs (``python -m hf_dp.audit --one_run``): one DPTrainer run of a tiny BERT
-classifier on a synthetic task with black-box canaries (through ``--audit_canaries``, :mod:`hf_dp.audit.canaries`), or
-of :mod:`hf_dp.audit.trainer_path`'s linear canary model with white-box (gradient) canaries, with a variant's break
-(``real``, ``no_noise``, ``no_clip``, ...), and the one-run bound next to the run's own ε. See ``benchmarks/audit.md``."""
+classifier on a synthetic task with ``--audit_canaries`` (:mod:`hf_dp.audit.canaries`) — black-box canaries
+(``--canary_kind black-box``) or gradient canaries (``gradient``: ``--audit_kind gradient``) — or of
+:mod:`hf_dp.audit.trainer_path`'s linear canary model with one Dirac gradient canary per coordinate (``white-box``),
+with a variant's break (``real``, ``no_noise``, ``no_clip``, ... and the partial breaks ``noise_div10``, ``clip_x10``,
+``replay_step`` of :func:`partial_break`, which measure the audit's power), and the one-run bound (Steinke et al.)
+and the Gaussian-DP estimate (:mod:`hf_dp.audit.fdp`) next to the run's own ε. See ``benchmarks/audit.md``."""
 
 from __future__ import annotations
 
@@ -13,11 +16,22 @@ import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
+from transformers import TrainerCallback
 
-from hf_dp.audit.canaries import KINDS, OneRunBound, SequenceCanaries, audit_scores, ceiling, record
+from hf_dp.audit.canary_kinds import SequenceCanaries
+from hf_dp.audit.canaries import GRADIENT_SCORE
+from hf_dp.audit.fdp import GdpEstimate, gdp_audit_scores, gdp_record
+from hf_dp.audit.one_run_bound import OneRunBound, audit_scores, ceiling, record
 
-#: the one-run command line's variants (hf_dp.audit.trainer_path's trainer-path variants that need no schedule)
-ONE_RUN_VARIANTS = ("real", "no_noise", "no_clip", "two_rows", "accumulation_changed")
+#: the one-run command line's variants: hf_dp.audit.trainer_path's trainer-path variants that need no schedule, and
+#: partial breaks (:func:`partial_break`) that measure the audit's power: σ ÷ 10 in the privatizer, C × 10 in the
+#: clipping (the noise stays σ·C), and the first step's batch replayed at the second step (fresh noise)
+ONE_RUN_VARIANTS = ("real", "no_noise", "no_clip", "two_rows", "accumulation_changed", "noise_div10", "clip_x10",
+                    "replay_step")
+PARTIAL_BREAKS = ("noise_div10", "clip_x10", "replay_step")
+#: --canary_kind: black-box and gradient run DPTrainer's --audit_canaries (--audit_kind input / gradient) on a tiny BERT
+#: classifier; white-box is the trainer path's linear canary model, one coordinate per canary
+ONE_RUN_KINDS = ("black-box", "white-box", "gradient")
 
 # ------------------------------------------------------------------------------------------------
 # the command line's runs (python -m hf_dp.audit --one_run)
@@ -40,10 +54,11 @@ class OneRunConfig:
     length: int = 16  # black-box: tokens per real row (the canaries get as many: DPTrainer matches the rows' length)
     vocab_size: int = 32768  # black-box: real rows use tokens [5, 512), canaries the whole vocabulary
     seed: int | None = None  # the synthetic data / model init; the inclusion draw always comes from OS entropy
+    progress: bool = False  # black-box / gradient: a line on stderr every tenth of the steps (the command line's runs)
 
     def check(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"error: --canary_kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind not in ONE_RUN_KINDS:
+            raise ValueError(f"error: --canary_kind must be one of {', '.join(ONE_RUN_KINDS)}, got {self.kind!r}")
         if self.variant not in ONE_RUN_VARIANTS:
             raise ValueError(f"error: --one_run variant must be one of {', '.join(ONE_RUN_VARIANTS)}, got {self.variant!r}")
         if not (isinstance(self.canaries, int) and self.canaries >= 2):
@@ -54,11 +69,11 @@ class OneRunConfig:
             raise ValueError(f"error: --steps must be >= 1, got {self.steps}")
         if not 0 <= self.delta < 1:
             raise ValueError(f"error: --delta must be in [0, 1), got {self.delta}")
-        if self.kind == "black-box":  # DPTrainer's --audit_canaries limits, before any run
+        if self.kind in ("black-box", "gradient"):  # DPTrainer's --audit_canaries limits, before any run
             from hf_dp.audit.canaries import check_canary_count
 
             if not self.delta > 0:
-                raise ValueError("error: --one_run black-box runs DPTrainer, which needs --delta > 0")
+                raise ValueError(f"error: --one_run {self.kind} runs DPTrainer, which needs --delta > 0")
             try:
                 check_canary_count(self.canaries, self.delta, self.alpha)
             except ValueError as e:
@@ -73,10 +88,16 @@ class OneRunResult:
     ceiling: float
     seconds: float
     info: dict = field(default_factory=dict)  # N, B, q, steps, sigma of the run; included count
+    gdp: GdpEstimate | None = None  # the Gaussian-DP estimate from the same scores (hf_dp.audit.fdp)
 
     @property
     def eps_lower(self) -> float:
         return self.bound.epsilon_lower
+
+    @property
+    def eps_gdp(self) -> float:
+        """ε of the Gaussian-DP estimate μ̂ at the run's δ (an estimate under the Gaussian hypothesis)."""
+        return self.gdp.epsilon if self.gdp is not None else 0.0
 
     @property
     def violation(self) -> bool:
@@ -89,8 +110,13 @@ class OneRunResult:
         return self.eps_claimed > self.ceiling - POWER_MARGIN
 
     def record(self) -> dict:
-        return record(self.bound, self.config.kind, SequenceCanaries.score_name if self.config.kind == "black-box"
-                      else "coordinate movement theta_0 - theta_T")
+        kind = self.config.kind
+        score = {"black-box": SequenceCanaries.score_name, "gradient": GRADIENT_SCORE}.get(
+            kind, "coordinate movement theta_0 - theta_T")
+        rec = record(self.bound, "black-box" if kind == "black-box" else "white-box", score)
+        if self.gdp is not None:
+            rec["gaussian_dp"] = gdp_record(self.gdp)
+        return rec
 
 
 def _synthetic_task(cfg: OneRunConfig, rng):
@@ -130,11 +156,89 @@ def _one_run_args(cfg: OneRunConfig, out: str, batch: int, lr: float):
 
 
 def _variant_trainer(cfg: OneRunConfig, model, args, dataset):
-    """A DPTrainer with the variant's break (hf_dp.audit.trainer_path's variants)."""
+    """A DPTrainer with the variant's break (hf_dp.audit.trainer_path's variants, or :func:`partial_break`)."""
     from hf_dp.audit.trainer_path import TrainerAuditConfig, _trainer
 
-    tcfg = TrainerAuditConfig(optim=cfg.optim, variant=cfg.variant)
-    return _trainer(tcfg, model, args, dataset, require_ghost=False)
+    tcfg = TrainerAuditConfig(optim=cfg.optim, variant="real" if cfg.variant in PARTIAL_BREAKS else cfg.variant)
+    return partial_break(_trainer(tcfg, model, args, dataset, require_ghost=False), cfg.variant)
+
+
+class _ReplayFirst:
+    """The trainer's batch sampler with the first step's index list yielded again in place of the second's (the wrapped
+    sampler still draws the second, so lengths and RNG use are unchanged)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self):
+        first = None
+        for i, batch in enumerate(self.inner):
+            if i == 0:
+                first = list(batch)
+            yield list(first) if i == 1 else list(batch)
+
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def divide_noise(opt, factor: float) -> None:
+    """The break ``noise_div10``: the privatizer ``opt`` adds N(0, (σ/factor · C)²); σ stays nominal between steps
+    (what DPTrainer's checks and the ledger see). Idempotent."""
+    if opt is None or getattr(opt, "_audit_noise_divided", False):
+        return
+    opt._audit_noise_divided = True
+    add_noise = opt.add_noise
+
+    def add_less_noise():
+        sigma, opt.noise_multiplier = opt.noise_multiplier, opt.noise_multiplier / factor
+        try:
+            add_noise()
+        finally:
+            opt.noise_multiplier = sigma
+
+    opt.add_noise = add_less_noise
+
+
+def partial_break(tr, variant: str):
+    """The partial breaks of :data:`PARTIAL_BREAKS` on a built DPTrainer (its checks see the nominal σ, C and B between
+    steps, as the trainer path's ``no_noise``): ``noise_div10`` — the privatizer adds N(0, (σ/10 · C)²);
+    ``clip_x10`` — the engine clips to 10 C (also the gradient canaries it hands on), the noise stays σ·C;
+    ``replay_step`` — the first step's batch is used again at the second step, with fresh noise (one step at σ/√2,
+    the accountant told two at σ: a break only a very strong audit sees). Other variants: ``tr`` unchanged."""
+    if variant == "noise_div10":
+        create = tr.create_optimizer
+
+        def create_with_less_noise(model=None):
+            out = create(model)
+            divide_noise(tr._dp_optimizer, 10.0)
+            return out
+
+        tr.create_optimizer = create_with_less_noise
+    elif variant == "clip_x10":
+        engine = tr.clipping_engine
+        before, after = engine.before_backward, engine.after_backward
+
+        def wider(optimizer, run):
+            saved, optimizer.max_grad_norm = optimizer.max_grad_norm, 10.0 * optimizer.max_grad_norm
+            try:
+                return run()
+            finally:
+                optimizer.max_grad_norm = saved
+
+        engine.before_backward = lambda losses, optimizer, units=None: wider(optimizer, lambda: before(losses, optimizer, units))
+        engine.after_backward = lambda optimizer, loss_scale, rows, units=None: wider(
+            optimizer, lambda: after(optimizer, loss_scale, rows, units))
+    elif variant == "replay_step":
+        tr._dp_sampler = _ReplayFirst(tr._dp_sampler)
+    return tr
 
 
 def _claim(trainer, cfg: OneRunConfig) -> tuple[float, dict]:
@@ -149,11 +253,28 @@ def _claim(trainer, cfg: OneRunConfig) -> tuple[float, dict]:
     return claimed, info
 
 
+class _StepProgress(TrainerCallback):
+    """Says on stderr how far a run is, every tenth of its steps, with the time it has taken: a --one_run audit under
+    load takes minutes per variant."""
+
+    def __init__(self, name: str):
+        self.name, self.t0 = name, time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import sys
+
+        every = max(1, state.max_steps // 10)
+        if state.global_step % every == 0 or state.global_step == state.max_steps:
+            print(f"  {self.name}: step {state.global_step}/{state.max_steps} "
+                  f"({time.perf_counter() - self.t0:.0f} s)", file=sys.stderr, flush=True)
+
+
 def black_box_run(cfg: OneRunConfig) -> tuple[OneRunBound, float, dict]:
     """One DPTrainer run of a tiny BERT classifier on a synthetic task with ``--audit_canaries cfg.canaries`` (the
-    trainer's own black-box canaries: random tokens of the whole vocabulary, random labels, each included with
-    probability ½, N = real rows + m whatever the draw) and the variant's break; the trainer scores and bounds.
-    Returns (bound, claimed ε, info)."""
+    trainer's own canaries: random tokens of the whole vocabulary, random labels, each included with probability ½,
+    N = real rows + m whatever the draw; ``cfg.kind`` gradient: ``--audit_kind gradient``, each canary's gradient a
+    random direction over the parameters, clipped and noised with its batch) and the variant's break; the trainer
+    scores and bounds. Returns (bound, claimed ε, info); ``info["gdp"]``: the Gaussian-DP estimate."""
     import datasets
 
     rng = np.random.default_rng(cfg.seed)
@@ -166,15 +287,19 @@ def black_box_run(cfg: OneRunConfig) -> tuple[OneRunBound, float, dict]:
     try:
         args = _one_run_args(cfg, out, batch, lr)
         args.audit_canaries = cfg.canaries
+        args.audit_kind = "gradient" if cfg.kind == "gradient" else "input"
         args.audit_canary_length = int(x.shape[1])  # the synthetic rows' fixed length (no padding collator)
         tr = _variant_trainer(cfg, _tiny_classifier(cfg), args, real)
         tr.audit_beta = cfg.alpha
+        if cfg.progress:
+            tr.add_callback(_StepProgress(f"{cfg.optim} {cfg.variant}"))
         tr.train()
         claimed, info = _claim(tr, cfg)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     info["included"] = tr._audit.included_rows
     info["clipping"] = tr.clipping
+    info["gdp"] = tr._audit.gdp
     return tr._audit.bound, claimed, info
 
 
@@ -189,7 +314,8 @@ def white_box_run(cfg: OneRunConfig) -> tuple[np.ndarray, np.ndarray, float, dic
 
     m = cfg.canaries
     included = np.random.default_rng(secrets.randbits(128)).random(m) < 0.5
-    tcfg = TrainerAuditConfig(optim=cfg.optim, variant=cfg.variant, noise_multiplier=cfg.noise_multiplier,
+    tcfg = TrainerAuditConfig(optim=cfg.optim, variant="real" if cfg.variant in PARTIAL_BREAKS else cfg.variant,
+                              noise_multiplier=cfg.noise_multiplier,
                               max_grad_norm=cfg.max_grad_norm, sample_rate=cfg.sample_rate, steps=cfg.steps,
                               delta=cfg.delta, background=max(4, cfg.real_rows), hyper=dict(cfg.hyper),
                               accountant=cfg.accountant, trainer_delta=cfg.delta)
@@ -205,7 +331,7 @@ def white_box_run(cfg: OneRunConfig) -> tuple[np.ndarray, np.ndarray, float, dic
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tr = _trainer(tcfg, model, _args(tcfg, out, b, None), dataset)
+            tr = partial_break(_trainer(tcfg, model, _args(tcfg, out, b, None), dataset), cfg.variant)
             tr.train()
         claimed, info = _claim(tr, cfg)
     finally:
@@ -234,21 +360,25 @@ def one_run_audit(cfg: OneRunConfig | None = None, **kwargs) -> OneRunResult:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if cfg.kind == "black-box":
+            if cfg.kind in ("black-box", "gradient"):
                 bound, claimed, info = black_box_run(cfg)
+                gdp = info.pop("gdp")
             else:
                 scores, included, claimed, info = white_box_run(cfg)
                 bound = audit_scores(scores, included, cfg.delta, cfg.alpha)
+                gdp = gdp_audit_scores(scores, included, cfg.delta, cfg.alpha) if cfg.delta > 0 else None
     finally:
         hf_logging.set_verbosity(verbosity)
         own.setLevel(level)
-    return OneRunResult(cfg, bound, claimed, ceiling(cfg.canaries, cfg.delta, cfg.alpha), time.perf_counter() - t0, info)
+    return OneRunResult(cfg, bound, claimed, ceiling(cfg.canaries, cfg.delta, cfg.alpha), time.perf_counter() - t0, info,
+                        gdp)
 
 
 def format_table(results: list[OneRunResult]) -> str:
     """One line per run: the bound, its guesses, the claim and the ceiling, the verdict."""
     head = (f"{'optimizer':<10} {'kind':<9} {'variant':<13} {'sigma':>6} {'q':>6} {'T':>4} {'m':>5} {'guesses':>7} "
-            f"{'correct':>7} {'eps_lower':>9} {'eps_claim':>9} {'ceiling':>7} {'verdict':<10} {'power':<5} {'sec':>6}")
+            f"{'correct':>7} {'eps_lower':>9} {'eps_claim':>9} {'ceiling':>7} {'verdict':<10} {'power':<5} {'sec':>6} "
+            f"{'eps_gdp':>7} {'gdp':<9}")
     lines = [head, "-" * len(head)]
     for r in results:
         c, b, i = r.config, r.bound, r.info
@@ -256,6 +386,7 @@ def format_table(results: list[OneRunResult]) -> str:
             f"{c.optim:<10} {c.kind:<9} {c.variant:<13} {i.get('sigma', c.noise_multiplier):>6.3g} {i.get('q', c.sample_rate):>6.3g} "
             f"{i.get('steps', c.steps):>4d} {b.canaries:>5d} {b.guesses:>7d} {b.correct:>7d} {b.epsilon_lower:>9.3f} "
             f"{r.eps_claimed:>9.3f} {r.ceiling:>7.3f} {'VIOLATION' if r.violation else 'ok':<10} "
-            f"{'LOW' if r.low_power else 'ok':<5} {r.seconds:>6.1f}"
+            f"{'LOW' if r.low_power else 'ok':<5} {r.seconds:>6.1f} {r.eps_gdp:>7.3f} "
+            f"{'-' if r.gdp is None else 'VIOLATION' if r.eps_gdp > r.eps_claimed else 'ok':<9}"
         )
     return "\n".join(lines)

@@ -221,6 +221,17 @@ def low_power(eps_claimed: float, trials: int, delta: float, alpha: float = 0.05
     return bool(eps_claimed > certifiable_ceiling(trials, delta, alpha) - margin)
 
 
+def power_note(eps_claimed: float | None, ceiling: float | None, canaries: int) -> str:
+    """What a one-run audit's card line and the recipes' summary add when the claim is above, or within
+    :data:`POWER_MARGIN` of, the ceiling ``canaries`` can certify (the rule of :func:`low_power`); else ``""``."""
+    if eps_claimed is None or ceiling is None or not eps_claimed > ceiling - POWER_MARGIN:
+        return ""
+    where = "above" if eps_claimed > ceiling else f"within {POWER_MARGIN:g} of"
+    return (f". LOW POWER: the claimed ε {eps_claimed:.2f} is {where} the ceiling {ceiling:.2f} that {canaries} canaries "
+            "can certify at all, so this audit can (almost) never show a violation and its result says little; "
+            "more canaries (--audit_canaries) or a smaller ε raise its power")
+
+
 def power_warning(eps_claimed: float, trials: int, delta: float, alpha: float = 0.05) -> str:
     """The stderr line printed when :func:`low_power` holds."""
     ceiling = certifiable_ceiling(trials, delta, alpha)

@@ -14,6 +14,9 @@ What a DP run under FSDP2 (``fully_shard`` through Accelerate, as plain ``Traine
 * **noise**: :meth:`hf_dp.privacy.privatizer.PrivateOptimizer.add_noise` adds N(0, σ²C²) on each rank's own shard
   only, from a stream keyed by (seed, the resume's stream tag if any, ledger step, parameter, shard offset) — every
   coordinate gets exactly one draw per step — and nothing is all-reduced.
+* **wrapping**: each of the model's blocks is its own FSDP unit — the layer classes given, else its
+  ``_no_split_modules`` less a class around the embeddings (:func:`wrap_classes`, set before ``prepare`` by
+  :func:`set_wrap_classes`).
 * **precision**: float32 only (``--bf16``/``--fp16`` refused): pass 2 would otherwise sum the clipped per-example
   gradients across examples in the reduced precision, and FSDP would reduce-scatter them in it.
 * **saving**: the release is the full model gathered from the shards (``get_model_state_dict(full_state_dict=True)``)
@@ -52,12 +55,14 @@ FSDP resumed under it (:func:`check_resume`). DeepSpeed stays refused (:func:`hf
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import torch
 
-__all__ = ["fsdp_requested", "check_args", "check_model", "check_processes", "enable_on_cpu", "is_fsdp_model", "prepare_micro_batch",
+__all__ = ["fsdp_requested", "check_args", "check_model", "check_processes", "enable_on_cpu", "wrap_classes",
+           "set_wrap_classes", "is_fsdp_model", "prepare_micro_batch",
            "check_loss_scale_agrees", "full_state_dict", "plain_release", "OPTIMIZER_DIR", "save_checkpoint_state",
            "load_checkpoint_state", "check_resume"]
 
@@ -168,6 +173,69 @@ def enable_on_cpu(trainer) -> bool:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     trainer.is_fsdp_enabled = True
     return True
+
+
+def _carved_modules(model) -> list:
+    """The modules Accelerate's ``fsdp2_prepare_model`` shards on their own after the auto-wrapped layers: the input
+    and output embeddings and the final norm."""
+    out = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            out.append(getattr(model, getter)())
+        except (AttributeError, NotImplementedError):
+            pass
+    try:
+        from accelerate.utils.fsdp_utils import _find_final_norm
+
+        out.append(_find_final_norm(model))
+    except (ImportError, AttributeError):  # pragma: no cover - other Accelerate versions
+        pass
+    return [m for m in out if isinstance(m, torch.nn.Module)]
+
+
+def wrap_classes(model, given=None) -> list[str]:
+    """The layer classes FSDP2 shards as their own units (``TRANSFORMER_BASED_WRAP``, HF's default for ``--fsdp``).
+
+    ``given`` (``--fsdp_config '{"transformer_layer_cls_to_wrap": [...]}'``, or an Accelerate config's) is checked;
+    without it, the model's own ``_no_split_modules``, as HF and Accelerate default to — less any class that holds the
+    input/output embeddings or the final norm: Accelerate shards those on their own after the layers, and a wrapped
+    class around them makes it shard already-sharded weights, which dies inside torch ("Invariant encountered: value
+    was None"; BERT's no-split classes include ``BertEmbeddings``). A given class that is not in the model, or that
+    holds those modules, is refused in one sentence naming the model's block classes."""
+    carved = _carved_modules(model)
+    classes: dict[str, list] = {}
+    for m in model.modules():
+        classes.setdefault(type(m).__name__, []).append(m)
+
+    def holds_carved(name: str) -> bool:
+        return any(c is not m and any(c is x for x in m.modules()) for m in classes.get(name, ()) for c in carved)
+
+    default = [n for n in dict.fromkeys(getattr(model, "_no_split_modules", None) or ()) if n in classes and not holds_carved(n)]
+    if given is None:
+        return default
+    names = [given] if isinstance(given, str) else list(given)
+    hint = f"""--fsdp_config '{{"transformer_layer_cls_to_wrap": {json.dumps(default)}}}' (or no --fsdp_config)"""
+    for name in names:
+        if name not in classes:
+            raise ValueError(f"--fsdp_config transformer_layer_cls_to_wrap names {name}, which is no module class of "
+                             f"this model ({type(model).__name__}); its blocks: {hint}")
+        if holds_carved(name):
+            raise ValueError(f"--fsdp_config transformer_layer_cls_to_wrap names {name}, which holds the model's "
+                             "embeddings (or final norm) that Accelerate shards on their own: torch would fail on "
+                             f"the already-sharded weights; wrap the blocks instead: {hint}")
+    return names
+
+
+def set_wrap_classes(trainer) -> None:
+    """Under FSDP2 with the transformer-based wrap (DP and ``--disable_dp`` runs alike, before ``prepare``): the
+    plugin's layer classes from :func:`wrap_classes` — the model's own blocks when none were given."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is None or getattr(trainer, "model", None) is None or int(getattr(plugin, "fsdp_version", 1) or 1) != 2:
+        return
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is transformer_auto_wrap_policy:
+        plugin.transformer_cls_names_to_wrap = wrap_classes(trainer.model, plugin.transformer_cls_names_to_wrap)
 
 
 def is_fsdp_model(model) -> bool:

@@ -58,6 +58,8 @@ def template_source(name: str = TEMPLATE_NAME) -> tuple[str, str]:
 #: (poorly calibrated) probabilities, not a wrong number
 _EVAL_LOSS_LABEL = ("loss (cross-entropy of the predicted probabilities: it measures calibration too — a high loss beside a "
                     "fair accuracy means over-confident probabilities; use the label, not the probability)")
+#: a causal LM's eval loss is the mean cross-entropy of its next-token predictions (perplexity = exp(loss))
+_LM_EVAL_LOSS_LABEL = "loss (mean cross-entropy per predicted token of the evaluation text; perplexity = exp(loss))"
 
 
 def _num(x: Any) -> str:
@@ -210,19 +212,26 @@ def render_model_card(
     data_description: str | None = None,
     baseline: dict | None = None,
     task_description: str | None = None,
+    model_description: str | None = None,
+    random_init: bool = False,
+    eval_overlap: bool = False,
 ) -> str:
     """Render the README.md model card for a privacy report produced by ``DPTrainer.privacy_report()``.
 
     ``baseline``: the recipe's constant-predictor comparison (``recipes.glue_support.constant_baseline``: a dict with
     ``at_or_below`` and ``sentence``) of the evaluation results; the card says plainly when the
     model does no better than a constant predictor. ``task_description``: the Task line when no ``task_name`` is
-    given (e.g. the labels, :func:`hf_dp.hub.describe.card_fields`)."""
+    given (e.g. the labels, :func:`hf_dp.hub.describe.card_fields`). ``model_description``: what the model is when
+    no Hub ``base_model`` names it (its class and config); ``random_init``: it was built from a config, so no parameter
+    was pre-trained; ``eval_overlap``: some evaluation rows also occur in the training data (the metrics are not
+    held-out ones)."""
     import jinja2
 
     dp = _is_dp(report)
     model_name = model_name or (
         "-".join(x for x in (base_model.rstrip('/').split('/')[-1], "dp" if dp else "", task_name) if x) if base_model
-        else "hf_dp-model"
+        else "-".join(x for x in (model_description.split()[0].strip("`") if model_description else "hf_dp-model",
+                                  "dp" if dp else "") if x)
     )
     local_data = bool(data_description) and dataset_name is None
     front = build_front_matter(
@@ -235,7 +244,17 @@ def render_model_card(
     opt = report.get("optimizer") or {}
     hps = (opt.get("hyperparameters") or {}) if isinstance(opt, dict) else {}
     optimizer_rows = [(k, ", ".join(_num(x) for x in v) if isinstance(v, (list, tuple)) else _num(v)) for k, v in hps.items()]
-    eval_rows = [(_EVAL_LOSS_LABEL if k == "loss" else k, _num(v)) for k, v in _metric_items(eval_results)]
+    loss_label = _LM_EVAL_LOSS_LABEL if report.get("objective") == "causal_lm" else _EVAL_LOSS_LABEL
+    eval_rows = [(loss_label if k == "loss" else k, _num(v)) for k, v in _metric_items(eval_results)]
+    task_line = task_name or task_description or "not recorded"
+    if task_name and task_description:
+        task_line += f" ({task_description})"
+    if base_model:
+        base_line = base_model
+    elif random_init:
+        base_line = "none: " + (f"{model_description}, " if model_description else "") + "initialised at random from its config"
+    else:
+        base_line = model_description or "not recorded"
 
     text, _ = template_source()
     env = jinja2.Environment(
@@ -248,7 +267,8 @@ def render_model_card(
         r=report, title=model_name, base_model=base_model, task_name=task_name, dataset_desc=dataset_desc,
         eval_rows=eval_rows, eval_split=eval_split, optimizer_name=_optimizer_name(report),
         optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=dp, num=_num, pct=_pct,
-        selection=_selection(report), baseline=baseline, task_description=task_description,
+        selection=_selection(report), baseline=baseline, task_description=task_description, task_line=task_line,
+        base_line=base_line, random_init=random_init, eval_overlap=eval_overlap,
     )
 
 

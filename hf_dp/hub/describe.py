@@ -54,19 +54,48 @@ def card_fields(trainer) -> dict[str, Any]:
     task = getattr(trainer, "task_name", None) or getattr(config, "finetuning_task", None)
     dataset_name = getattr(trainer, "dataset_name", None)
     description = getattr(trainer, "data_description", None)
+    # under --privacy_unit_column the number of rows is private (one unit's removal changes it by its rows): the card
+    # gives N, the number of units, only (the report's dataset_size)
+    unit_level = getattr(getattr(trainer, "args", None), "privacy_unit_column", None) is not None
+    train = getattr(trainer, "train_dataset", None)
     if dataset_name is None and description is None:
-        dataset_name, description = dataset_info(getattr(trainer, "train_dataset", None))
-        n = _rows(getattr(trainer, "train_dataset", None))
+        dataset_name, description = dataset_info(train)
+        n = None if unit_level else _rows(train)
         if description and n:
             description += f", {n:,} training examples"
+        if description is None and train is not None:  # no Hub info: what is known, the columns (public structure)
+            columns = getattr(train, "column_names", None)
+            description = "a dataset given in Python" + (
+                f" (columns {', '.join(f'`{c}`' for c in columns)})" if columns else "")
     labels = labels_of(config) if config is not None else None
     task_description = None
+    objective = getattr(getattr(trainer, "objective", None), "name", None)
     if labels:
         kind = "sequence classification" if getattr(config, "problem_type", None) != "regression" else "regression"
         task_description = f"{kind} — labels: {', '.join(labels)}"
+    elif objective == "causal_lm":
+        task_description = "causal language modeling"
+    elif objective == "sequence_classification" and config is not None:
+        regression = getattr(config, "problem_type", None) == "regression" or getattr(config, "num_labels", 2) == 1
+        task_description = "regression" if regression else f"sequence classification ({config.num_labels} labels)"
     title = getattr(trainer, "model_name", None)
+    model = getattr(trainer, "model", None)
+    name_or_path = getattr(config, "_name_or_path", None) if config is not None else None
+    model_description = None
+    if model is not None and not base:
+        model_description = f"`{type(unwrap(model)).__name__}`" + (
+            f" (model_type `{config.model_type}`)" if getattr(config, "model_type", None) else "")
+        if name_or_path:  # from_pretrained of a local folder: never its path in a card
+            model_description += ", loaded from a local checkpoint"
     return {"base_model": base, "task_name": task, "dataset_name": dataset_name, "data_description": description,
-            "model_name": title, "task_description": task_description}
+            "model_name": title, "task_description": task_description, "model_description": model_description,
+            "random_init": config is not None and not name_or_path and not getattr(trainer, "base_model_id", None)}
+
+
+def unwrap(model: Any) -> Any:
+    """The transformers model under a PEFT wrapper (its class names the architecture)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
 
 
 def _rows(dataset: Any) -> int | None:

@@ -109,9 +109,10 @@ def ledger_report(trainer) -> dict:
     record.pop("format", None)
     record.pop("epsilon", None)  # the report's own "epsilon"
     record["note"] = (
-        "epsilon counts every noisy step of the runs listed under 'runs' (this model on this training data, and the "
-        "steps computed from the same checkpoints by other runs: 'counted_past_parent'); runs under 'separate' trained "
-        "this model on other data (or data that could not be compared) and are not counted"
+        "epsilon counts every noisy step of the runs listed under 'runs' (every earlier DP run of this model unless "
+        "declared disjoint, and the steps computed from the same checkpoints by other runs: 'counted_past_parent'); "
+        "runs under 'separate' trained this model on data declared disjoint from this training data (--prior_privacy "
+        "separate) and are not counted"
     )
     return record
 

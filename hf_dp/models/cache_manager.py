@@ -95,21 +95,27 @@ class PrefixCacheManager:
         return build_prefix_cache(
             self.model, dataset, self.raw_collator, batch_size=self.args.per_device_eval_batch_size,
             dtype=getattr(torch, self.args.cache_frozen_features_dtype), cache_dir=self.args.cache_frozen_features_dir,
-            keep_file=self.args.keep_frozen_features_cache, progress=not self.args.disable_tqdm, name=name,
+            keep_file=self.args.keep_frozen_features_cache, name=name,
+            progress=not self.args.disable_tqdm and self.args.process_index == 0,  # one bar under several processes
             suffix_blocks=self.suffix_blocks,
             # --audit_canaries: the training set's row count is real rows + the canaries a secret draw included
             quiet=name == "train" and bool(getattr(self.args, "audit_canaries", None)),
         )
 
     def cache_all(self, train_dataset, eval_dataset):
-        """(train, eval) cached, every given cache checked before any build; an eval dict stays a dict."""
+        """(train cached, eval as given): every given cache checked before any build; the training set is cached now,
+        the evaluation set(s) when first evaluated (:meth:`cache_eval`) — not before the first training step."""
         evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]
         for name, ds in [("train", train_dataset)] + [(f"eval {k}".strip(), v) for k, v in evals]:
             self.check_given(ds, name)
-        train = self.cache(train_dataset, "train")  # same N: q and δ unchanged
+        return self.cache(train_dataset, "train"), eval_dataset  # same N: q and δ unchanged
+
+    def cache_eval(self, eval_dataset, key: str | None = None):
+        """The trainer's eval set cached (a dict: its entry ``key``, or every entry when ``key`` is None; an eval dict
+        stays a dict); an entry already cached is returned as is."""
         if isinstance(eval_dataset, dict):
-            return train, {k: self.cache(v, f"eval {k}") for k, v in eval_dataset.items()}
-        return train, (self.cache(eval_dataset, "eval") if eval_dataset is not None else None)
+            return {k: self.cache(v, f"eval {k}") if key is None or k == key else v for k, v in eval_dataset.items()}
+        return self.cache(eval_dataset, "eval")
 
 
 def forward_context(model, manager: PrefixCacheManager | None, first_token_only: str = "auto"):

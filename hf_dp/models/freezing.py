@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -291,6 +292,23 @@ def _vocabulary_parameters(model: nn.Module) -> set[int]:
     return out
 
 
+def _targets_are_conv1d(model: nn.Module, targets) -> bool:
+    """Every module LoRA targets (by name suffix) is a transformers ``Conv1D`` (GPT-2's projections)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover
+        return False
+    if targets is None:  # peft's own default for this model type
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+
+        targets = mapping.get(getattr(getattr(model, "config", None), "model_type", None))
+    if not targets or isinstance(targets, str):
+        return False
+    names = set(targets)
+    hit = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in names]
+    return bool(hit) and all(isinstance(m, Conv1D) for m in hit)
+
+
 def _apply_lora(model: nn.Module, lora_config) -> nn.Module:
     try:
         from peft import LoraConfig, PeftModel, TaskType, get_peft_model
@@ -319,10 +337,14 @@ def _apply_lora(model: nn.Module, lora_config) -> nn.Module:
             if child is not base and any(True for _ in child.parameters())
         ]
         lora_config.modules_to_save = head or None
+    if not getattr(lora_config, "fan_in_fan_out", False) and _targets_are_conv1d(model, lora_config.target_modules):
+        lora_config.fan_in_fan_out = True  # GPT-2's Conv1D stores (in, out): what peft would set, with a warning
     for p in model.parameters():
         p.requires_grad_(False)
     try:
-        return get_peft_model(model, lora_config)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated alias; nothing the user can change
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, lora_config)
     except ValueError as e:
         raise ValueError(
             f"PEFT could not build LoRA for {type(model).__name__} "

@@ -18,10 +18,11 @@ For one logical batch (possibly several physical micro-batches, possibly several
 
 Randomness (:mod:`hf_dp.privacy.randomness`): the noise comes from a stream that starts at this
 optimizer's first noisy step (and again after ``load_state_dict``) — a ``torch.Generator`` seeded
-from OS entropy (default), or, with ``noise_seed``, seeded with ``noise_seed`` itself when that first
-step is step 0 of the ledger and with a hash of (``noise_seed``, the ledger's :attr:`~PrivateOptimizer.stream_tag`,
-step) otherwise — the tag is ``None`` for a fresh run and for a clean continuation of a checkpoint, and a new id for
-a resume from which other steps were already computed (:func:`hf_dp.run.checkpointing.reconcile_resumed_ledger`) and for a
+from OS entropy (default), or, with ``noise_seed``, keyed by (``noise_seed``, "noise", the ledger's
+:attr:`~PrivateOptimizer.stream_tag` when set, the step) — :func:`~hf_dp.privacy.randomness.stream_generator`, which
+sets the whole generator state from the key (``manual_seed`` would keep 32 bits of the seed on the CPU: seeds equal
+modulo 2³² would draw the same noise) — the tag is ``None`` for a fresh run and for a clean continuation of a checkpoint, and a new id for
+a resume from which other steps were already computed (:func:`hf_dp.run.spent.reconcile_resumed_ledger`) and for a
 ``train()`` that continues a ledger without resuming (:func:`hf_dp.run.lineage.before_train`), so a resumed or continued
 run never redraws noise already used, by its own lineage or by another resume of the same run;
 ``secure_mode=True`` draws from the OS CSPRNG (Opacus' secure-mode construction). ``state_dict`` holds no seed and no generator state: nothing on disk lets anyone
@@ -149,7 +150,7 @@ class PrivateOptimizer(DPOptimizer):
     def stream_tag(self) -> str | None:
         """Keys the seeded streams together with the step (``ledger.meta["stream_tag"]``): ``None`` for a fresh run and
         a clean continuation of a checkpoint (nothing computed past it, no other resume of it), else the id the resume
-        drew (:func:`hf_dp.run.checkpointing.reconcile_resumed_ledger`), or that a ``train()`` continuing the ledger without
+        drew (:func:`hf_dp.run.spent.reconcile_resumed_ledger`), or that a ``train()`` continuing the ledger without
         a resume drew (:func:`hf_dp.run.lineage.before_train`): two resumes of one run never share a stream."""
         return self.ledger.meta.get("stream_tag") if self.ledger is not None else None
 
@@ -161,12 +162,9 @@ class PrivateOptimizer(DPOptimizer):
         """The noise stream on ``device``: started at the first noisy step of this object (or after a load)."""
         gen = self.generator
         if gen is None or gen.device != torch.device(device):
-            start = self.step_index
-            if self.noise_seed is not None and start == 0 and self.stream_tag is None:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(self.noise_seed)  # a fresh run: the documented stream of noise_seed
-            else:
-                gen = stream_generator(self.noise_seed, *self._stream_key("noise", start), device=device)
+            # a fresh run too (start 0, no tag): manual_seed(noise_seed) would keep 32 bits of the seed on the CPU
+            # (seeds equal modulo 2^32 drawing the same noise); stream_generator sets the whole state from the key
+            gen = stream_generator(self.noise_seed, *self._stream_key("noise", self.step_index), device=device)
             self.generator = gen
         return gen
 

@@ -22,7 +22,7 @@ so hf_dp never stores a seed or a generator state, and three sources cover every
   ``train()``, a new trainer on a model carrying its ledger) tags its streams with its run id and start step
   (:func:`hf_dp.run.lineage.before_train`: a clean resume of the run's checkpoint may start at the same step), and any other resume — e.g. of checkpoint-2 after its run went on to checkpoint-4, whose own resume
   starts at the same ledger step — tags its streams with its own run id
-  (:func:`hf_dp.run.checkpointing.reconcile_resumed_ledger`), so no batch or noise is ever reused. Whoever knows the seed can recompute the batches and
+  (:func:`hf_dp.run.spent.reconcile_resumed_ledger`), so no batch or noise is ever reused. Whoever knows the seed can recompute the batches and
   the noise, i.e. remove the noise from a released model's updates: the card and ``privacy.json`` say so.
 * **A cryptographically secure generator** (``--secure_rng``): uniforms from :func:`os.urandom` (the
   kernel's CSPRNG), 53 bits each; Gaussians by Box–Muller in float64; the noise of each coordinate is
@@ -48,6 +48,14 @@ def mix(*parts) -> int:
     """A 63-bit seed from a tuple (SHA-256): independent-looking streams for distinct tuples."""
     h = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def derived_seed(seed: int, *key) -> int:
+    """A 256-bit seed from ``(seed, *key)`` (SHA-256 of the whole seed and key): the ``--dp_seed`` of a sub-run (a
+    private selection's trial) or the seed of a Python ``random.Random`` (which uses every bit of an int seed), so that
+    two distinct seeds never key the same stream (a 31- or 32-bit derived seed would, e.g. 5 and 5 + 2³² after
+    ``manual_seed``)."""
+    return int.from_bytes(hashlib.sha256(":".join(str(p) for p in (seed, *key)).encode()).digest(), "little")
 
 
 def source_name(seed: int | None, secure: bool) -> str:

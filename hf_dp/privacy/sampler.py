@@ -21,7 +21,7 @@ Randomness (:mod:`hf_dp.privacy.randomness`): every iteration (one epoch of HF's
 new stream — OS entropy by default, the OS CSPRNG with ``secure=True``, or, with a fixed ``seed``,
 a stream keyed by (seed, the ledger's stream tag when set, rank, the ledger step at which the iteration starts). The
 tag is ``None`` for a fresh run and a clean continuation of a checkpoint, and a new id for a resume from which other
-steps were already computed (:func:`hf_dp.run.checkpointing.reconcile_resumed_ledger`) or for a ``train()`` that continues
+steps were already computed (:func:`hf_dp.run.spent.reconcile_resumed_ledger`) or for a ``train()`` that continues
 a ledger without resuming (:func:`hf_dp.run.lineage.before_train`). So the draws of a second
 ``train()``, of a resumed run (with or without HF's data skip), of two resumes from checkpoints of one run and of a
 new epoch are never those of an earlier step: nothing is replayed, and no seed is saved anywhere.

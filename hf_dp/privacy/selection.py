@@ -22,7 +22,7 @@ Gaussian mechanism (q, σ) composed over the run's T steps).
 
       ε' = ε(λ) + μ·δ̂ + log(μ)/(λ-1).
 
-**A trial scored on held-out private data** (``score_data="private"``, :mod:`hf_dp.tuning.search`): Q is then the DP
+**A trial scored on held-out private data** (``score_data="private"``, :mod:`hf_dp.tuning.private_score`): Q is then the DP
 training run *followed by* the DP score — the sum of per-example (per-unit) scores in [0, 1] released with Gaussian
 noise N(0, σ_s²), sensitivity 1 under add/remove of one unit — so Q's curve is their sequential composition,
 ε(λ) = ε_train(λ) + λ/(2σ_s²) (it holds whether or not the held-out rows are also training rows), and the theorems

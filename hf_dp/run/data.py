@@ -24,24 +24,26 @@ UNITS_KEY = "_hf_dp_units"
 UNIT_OF_ROW_KEY = "_hf_dp_unit"
 
 
-class UnitTagged(torch.utils.data.Dataset):
-    """The training set as the loader reads it under ``--privacy_unit_column``: each row (a dict) gets
-    :data:`UNIT_OF_ROW_KEY`, the index of its unit (from the unit column of the dataset given at construction, read
-    once). :class:`EmptySafeCollator` takes it out before the user's collator sees the rows."""
+class TaggedRows(torch.utils.data.Dataset):
+    """The training set as the loader reads it, each row (a dict) given one extra feature: ``KEY`` = :meth:`tag`
+    of its index. Everything else (``column_names``, ``_fingerprint``, ...) is the wrapped dataset's. ``FLAG`` names
+    the option that needs dict rows (in the refusal of any other row)."""
 
-    def __init__(self, dataset, unit_of_row: torch.Tensor):
-        if len(dataset) != len(unit_of_row):
-            raise ValueError(f"{len(unit_of_row)} unit ids for a training set of {len(dataset)} rows")
-        self.dataset, self.unit_of_row = dataset, unit_of_row
+    KEY: str
+    FLAG: str
+    _OWN: tuple = ("dataset",)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def tag(self, i: int) -> int:
+        raise NotImplementedError
+
     def _tag(self, row, i: int):
         if not hasattr(row, "keys"):
-            raise ValueError("--privacy_unit_column needs training rows that are dicts (column -> value)")
+            raise ValueError(f"{self.FLAG} needs training rows that are dicts (column -> value)")
         row = dict(row)
-        row[UNIT_OF_ROW_KEY] = int(self.unit_of_row[i])
+        row[self.KEY] = self.tag(i)
         return row
 
     def __getitem__(self, i):
@@ -53,9 +55,25 @@ class UnitTagged(torch.utils.data.Dataset):
         return [self._tag(r, int(i)) for r, i in zip(rows, indices)]
 
     def __getattr__(self, name):  # column_names, _fingerprint, ... of the wrapped dataset
-        if name in ("dataset", "unit_of_row"):
+        if name in self._OWN:
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+
+class UnitTagged(TaggedRows):
+    """The training set as the loader reads it under ``--privacy_unit_column``: each row (a dict) gets
+    :data:`UNIT_OF_ROW_KEY`, the index of its unit (from the unit column of the dataset given at construction, read
+    once). :class:`EmptySafeCollator` takes it out before the user's collator sees the rows."""
+
+    KEY, FLAG, _OWN = UNIT_OF_ROW_KEY, "--privacy_unit_column", ("dataset", "unit_of_row")
+
+    def __init__(self, dataset, unit_of_row: torch.Tensor):
+        if len(dataset) != len(unit_of_row):
+            raise ValueError(f"{len(unit_of_row)} unit ids for a training set of {len(dataset)} rows")
+        self.dataset, self.unit_of_row = dataset, unit_of_row
+
+    def tag(self, i: int) -> int:
+        return int(self.unit_of_row[i])
 
 
 class PoissonDataLoader(DataLoader):
@@ -334,4 +352,51 @@ def example_lengths(dataset, length_column_name: str = "length") -> torch.Tensor
     raise ValueError(
         f"--train_sampling_strategy group_by_length needs each training example's length: give the dataset a "
         f"'{length_column_name}' column (--length_column_name), or 'attention_mask' / 'input_ids'"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the training loader of a DPTrainer
+# ---------------------------------------------------------------------------------------------------
+def group_by_length(args) -> bool:
+    """``--train_sampling_strategy group_by_length``."""
+    return str(getattr(args.train_sampling_strategy, "value", args.train_sampling_strategy)) == "group_by_length"
+
+
+def set_sampler_lengths(trainer) -> None:
+    """group_by_length: the Poisson sampler orders each draw by these lengths (in memory only); else no order."""
+    if not group_by_length(trainer.args):
+        trainer._dp_sampler.lengths, trainer._lengths_of = None, None
+    elif trainer._lengths_of is not trainer.train_dataset:  # computed once per dataset object
+        trainer._dp_sampler.lengths = example_lengths(trainer.train_dataset, trainer.args.length_column_name)
+        trainer._lengths_of = trainer.train_dataset
+
+
+def poisson_loader(trainer, base: DataLoader, audit_parts=None) -> PoissonDataLoader:
+    """``DPTrainer.get_train_dataloader`` under DP: HF's loader ``base`` (its column removal, collator, worker settings)
+    drawn by the trainer's Poisson sampler, its rows tagged with their units under ``--privacy_unit_column``, every
+    micro-batch checked and made safe by :class:`EmptySafeCollator`. Refuses a training set whose size is not the one
+    the noise was calibrated for. ``audit_parts(trainer, dataset, collate)``: the one-run audit's tagging of its
+    canaries (:func:`hf_dp.audit.canaries.loader_parts`), passed by the trainer."""
+    dataset = base.dataset
+    if len(dataset) != trainer._dp_sampler.num_rows:
+        raise ValueError(
+            f"the training dataset has {len(dataset)} rows, but this DPTrainer calibrated the noise for "
+            f"{trainer._dp_sampler.num_rows} rows (N = {trainer._dp_sampler.num_samples}, q = B/N, delta < 1/N): "
+            "train_dataset was replaced after the trainer was made; make a new DPTrainer for other data"
+        )
+    set_sampler_lengths(trainer)
+    units = trainer._unit_of_row is not None
+    if units:
+        dataset = UnitTagged(dataset, trainer._unit_of_row)
+    collate = base.collate_fn
+    if audit_parts is not None:  # --audit_kind gradient: the canaries' tags
+        dataset, collate = audit_parts(trainer, dataset, collate)
+    return PoissonDataLoader(
+        dataset,
+        batch_sampler=trainer._dp_sampler,
+        collate_fn=EmptySafeCollator(collate, dataset, units=units, unit_column=trainer.args.privacy_unit_column,
+                                     attribute=trainer._several_rows),
+        num_workers=trainer.args.dataloader_num_workers,
+        pin_memory=trainer.args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
     )

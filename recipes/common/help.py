@@ -27,9 +27,10 @@ def effective_notes(optimizer_defaults: dict[str, dict[str, float]], planned_lr:
             "When the planner chooses the batch: " + ", ".join(f"{k} {v:g}" for k, v in planned_lr.items()) + ")",
         "weight_decay": "(recipe default depends on --optim — " + ", ".join(
             f"{k} {v['weight_decay']:g}" for k, v in optimizer_defaults.items()) + "; shown for this command line)",
-        "per_device_train_batch_size": "(with --epsilon and none of the batch size, accumulation, epochs or max_steps "
-                                       "given, the planner chooses the logical batch; see recipes/README.md)",
-        "num_train_epochs": "(the compute budget at which the planner chooses the batch when no batch size is given)",
+        "per_device_train_batch_size": "(with --epsilon and neither the batch size nor the accumulation given, the "
+                                       "planner chooses the logical batch; see recipes/README.md)",
+        "num_train_epochs": "(the compute budget at which the planner chooses the batch when no batch size is given; "
+                            "so is --max_steps)",
         "cache_frozen_features": "(recipe default: True for --trainable last_block, last_k:K and head, else False)",
         "train_sampling_strategy": "(recipe default with DP: group_by_length — each Poisson draw ordered by length "
                                    "before it is cut into micro-batches; same draws and noise, less padding)",
@@ -65,6 +66,11 @@ def format_help(parser, peek, *, data_arguments: type, model_arguments: type, da
     groups["recipe"].add_argument("--config", metavar="FILE.yaml", help="YAML (or JSON) file of flag values; every "
                                   "command-line flag overrides it. A single .json/.yaml/.yml argument is the same as "
                                   "--config FILE (run_glue's `python run_glue.py args.json`)")
+    groups["recipe"].add_argument("--overwrite_output_dir", action="store_true",
+                                  help="start a new run in an --output_dir that holds an earlier run: its checkpoints, "
+                                  "hf_dp records and release are deleted first (run_clm's flag; transformers 5 dropped "
+                                  "it from TrainingArguments). Without it such a folder is refused, or resumed with "
+                                  "--resume_from_checkpoint True")
     data_names = {f.name for f in dataclasses.fields(data_arguments)}
     model_names = {f.name for f in dataclasses.fields(model_arguments)}
     for action in list(parser._actions):

@@ -4,6 +4,7 @@ entry point that turns user errors (and hf_dp's own checks) into one ``error:`` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -27,12 +28,54 @@ def resume_argument(training_args):
         value = True
     elif isinstance(value, str) and value.strip().lower() in ("false", "0", "no", ""):
         value = None
+    if getattr(training_args, "_hf_dp_overwrite_output_dir", False) and training_args.do_train:
+        if value is not None:
+            raise RecipeError("--overwrite_output_dir starts a new run (the earlier run's files in --output_dir are "
+                              "deleted) and --resume_from_checkpoint continues one: pass one of the two")
+        with training_args.main_process_first(desc="clearing --output_dir"):
+            if training_args.process_index == 0:
+                clear_earlier_run(training_args.output_dir)
     if value is None and training_args.do_train and checkpointing.list_checkpoints(training_args.output_dir):
         raise RecipeError(
             f"--output_dir {training_args.output_dir} holds checkpoints of an earlier run (the privacy it spent is "
             "recorded there); pass --resume_from_checkpoint True to continue it, or choose another --output_dir"
         )
     return value
+
+
+def clear_earlier_run(output_dir: str) -> list[str]:
+    """``--overwrite_output_dir`` (run_clm's flag, HF's meaning: overwrite the folder's content instead of resuming):
+    delete what an earlier run left in ``output_dir`` — its ``checkpoint-*`` folders, hf_dp's records (``hf_dp_*``),
+    ``training_args.bin`` and its release — and say so, with the ε those checkpoints recorded (a copy of that run's
+    model made elsewhere still carries it). Files of other origin stay. Returns the names deleted."""
+    import json
+    import shutil
+
+    from hf_dp.run import checkpointing
+
+    if not os.path.isdir(output_dir):
+        return []
+    names = sorted(n for n in os.listdir(output_dir)
+                   if re.fullmatch(r"checkpoint-\d+", n) or n.startswith("hf_dp_") or n == "training_args.bin"
+                   or (n == RELEASE_SUBDIR and os.path.isfile(os.path.join(output_dir, n, "privacy.json"))))
+    if not names:
+        return []
+    spent = None
+    for path in checkpointing.list_checkpoints(output_dir):
+        try:
+            with open(os.path.join(path, "privacy.json")) as f:
+                spent = json.load(f).get("epsilon")
+            break
+        except (OSError, ValueError):
+            continue
+    for name in names:
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+    logging.getLogger("hf_dp.recipes").warning(
+        "--overwrite_output_dir: deleted the earlier run's %s from %s%s; a new run starts", ", ".join(names), output_dir,
+        f" (its last checkpoint had spent ε = {spent:.3g}: a copy of that model made elsewhere still counts it)"
+        if isinstance(spent, (int, float)) else "")
+    return names
 
 
 def check_privacy_settings(training_args, n_train: int) -> None:
@@ -60,39 +103,69 @@ def check_privacy_settings(training_args, n_train: int) -> None:
         calibrate_noise_multiplier(training_args.epsilon, training_args.delta, q, steps, training_args.accountant)
 
 
-def apply_plan(training_args, model, n_train: int, planned_lr: dict[str, float]) -> Optional[str]:
-    """When the user set none of the batch size, accumulation, epochs or steps: the planner's logical batch
-    (hf_dp.plan.recommend, at the protocol's epochs as the compute budget), and ``planned_lr[optimizer]`` unless
-    --learning_rate was given. Returns the line to print."""
+def compute_budget(training_args, n_train: int) -> tuple[float, str]:
+    """The run's compute budget in epochs for the planner, and how to name it: the epochs (``--num_train_epochs`` or
+    the recipe's), or with ``--max_steps T`` the per-example gradients of T steps at the recipe's logical batch B₀
+    (T·B₀ ≈ E·N: E = T / round(N/B₀), so that the plan at B₀ is exactly T steps)."""
+    import math
+
+    from hf_dp.plan import planned_steps
+    from hf_dp.privacy.sampler import PoissonBatchSampler
+
     explicit = getattr(training_args, "_hf_dp_explicit", frozenset())
-    keys = {"per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps"}
-    if not training_args.dp_enabled or training_args.epsilon is None or keys & explicit or not training_args.do_train:
+    steps = training_args.max_steps
+    if steps is None or steps <= 0:
+        epochs = float(training_args.num_train_epochs)
+        given = "num_train_epochs" in explicit
+        return epochs, f"--num_train_epochs {epochs:g}" if given else f"the recipe's {epochs:g} epoch(s)"
+    b0 = min(n_train, training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+             * max(1, training_args.world_size))  # (B₀ > N is refused before: check_privacy_settings)
+    epochs = steps / PoissonBatchSampler.steps_for_epoch(b0 / n_train)
+    while planned_steps(n_train, b0, epochs) > steps:  # a float rounding up past T
+        epochs = math.nextafter(epochs, 0.0)
+    return epochs, f"--max_steps {steps} at the recipe's B = {b0}, i.e. {epochs:.4g} epoch(s)"
+
+
+def apply_plan(training_args, model, n_train: int, planned_lr: dict[str, float]) -> Optional[str]:
+    """When the user set neither the batch size nor the accumulation (:data:`~recipes.common.args.PLANNER_KEYS`): the
+    planner's logical batch (hf_dp.plan.recommend) for the run's compute budget (:func:`compute_budget`: the epochs,
+    given or the recipe's, or ``--max_steps``, which then becomes the plan's steps at the plan's batch), and
+    ``planned_lr[optimizer]`` unless --learning_rate was given. Returns the lines to print; the first names the budget."""
+    from .args import PLANNER_KEYS
+
+    explicit = getattr(training_args, "_hf_dp_explicit", frozenset())
+    if (not training_args.dp_enabled or training_args.epsilon is None or PLANNER_KEYS & explicit
+            or not training_args.do_train):
         return None
     import copy
 
     from hf_dp.models import apply_trainable
-    from hf_dp.plan import recommend, split_batch
+    from hf_dp.plan import calibrated_for, recommend, split_batch
 
     probe = copy.deepcopy(model) if training_args.trainable == "lora" else model
     d = apply_trainable(probe, training_args.trainable)[1].num_trainable
+    epochs, budget = compute_budget(training_args, n_train)
     # calibrating σ for every candidate can take ~20 s on a cold cache: say what is happening
-    print(f"planner: calibrating σ for each candidate logical batch at {training_args.num_train_epochs:g} epoch(s), "
+    print(f"planner: calibrating σ for each candidate logical batch at {epochs:.4g} epoch(s), "
           f"N = {n_train:,}, d = {d:,} (public quantities only) ...", flush=True)
     try:
-        plan = recommend(n_train, training_args.epsilon, training_args.delta, d, epochs=training_args.num_train_epochs,
+        plan = recommend(n_train, training_args.epsilon, training_args.delta, d, epochs=epochs,
                          accountant=training_args.accountant)
     except ValueError as exc:  # e.g. N smaller than every candidate batch: keep the protocol's batch
         return f"planner: no recommendation ({exc}); keeping B = {training_args.per_device_train_batch_size}"
     per_device, accum = split_batch(plan.batch_size, world_size=max(1, training_args.world_size))
     training_args.per_device_train_batch_size = per_device
     training_args.gradient_accumulation_steps = accum
-    lines = [f"planner (no batch size or epochs given): {plan.summary()}"]
+    if training_args.max_steps is not None and training_args.max_steps > 0:  # the same budget at the plan's batch
+        training_args.max_steps = plan.choice.steps
+        budget += f"; --max_steps {plan.choice.steps} at B = {plan.batch_size}"
+    lines = [f"planner (no batch size given; compute budget {budget}): {plan.summary()}"]
     optim = optim_name(training_args.optim)
     if "learning_rate" not in explicit and optim in planned_lr:
         training_args.learning_rate = planned_lr[optim]
         lines.append(f"planner: learning rate {planned_lr[optim]:g} for {optim} at the planner's batch "
                      "(chosen on tune splits of training data, recipes/README.md; --learning_rate overrides)")
-    lines += list(plan.warnings())
+    lines += list(plan.warnings(calibrated=calibrated_for(model)))  # the expectation only where it was measured
     return "\n".join(lines)
 
 
@@ -113,6 +186,29 @@ def write_predictions(trainer, dataset, output_dir: str, name: str, decode: Call
             writer.write("index\tprediction\n")
             for i, p in enumerate(decode(preds)):
                 writer.write(f"{i}\t{p}\n")
+
+
+#: the release's own folder inside --output_dir: the model, its tokenizer, the card (README.md) and privacy.json only —
+#: checkpoints, hf_dp's run records (hf_dp_*) and training_args.bin stay beside it, so that copying or pushing the
+#: release folder ships nothing else
+RELEASE_SUBDIR = "release"
+
+
+def release_dir(training_args) -> str:
+    """Where a recipe saves the release: ``<output_dir>/release``."""
+    return os.path.join(training_args.output_dir, RELEASE_SUBDIR)
+
+
+def save_release(trainer, training_args) -> str:
+    """``trainer.save_model`` into :func:`release_dir` (the model, LoRA merged; tokenizer; card; privacy.json), without
+    the pickled ``training_args.bin`` HF's save adds (the run's flags are not part of a release; checkpoints keep it).
+    Returns the folder."""
+    out = release_dir(training_args)
+    trainer.save_model(out)
+    if trainer.is_world_process_zero():
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, "training_args.bin"))
+    return out
 
 
 #: what a push leaves out of the saved folder: checkpoints, the run's records (not part of the release: README.md)
@@ -253,6 +349,40 @@ def plain_text_logs() -> None:
                 handler.addFilter(StripAnsi(handler))
 
 
+def process_rank() -> int:
+    """This process's global rank under torchrun / ``accelerate launch`` (their ``RANK``), 0 for a single process."""
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+@contextlib.contextmanager
+def one_rank_logs():
+    """Under several processes only rank 0 speaks: every other rank prints no plan, summary, warning, INFO line or
+    progress bar (they would repeat rank 0's), only errors. A single process is unchanged."""
+    if process_rank() == 0:
+        yield
+        return
+    import warnings
+
+    logging.disable(logging.WARNING)  # every logger (hf_dp, transformers, datasets, …): ERROR and above only
+    try:
+        import datasets
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        datasets.disable_progress_bars()
+    except ImportError:  # pragma: no cover - both are dependencies
+        pass
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
+
+
 def main(parse: Callable, run: Callable, argv: Optional[list[str]] = None,
          defaults: Optional[dict[str, Any]] = None, user_errors: tuple[type[BaseException], ...] = ()) -> int:
     """Parse (``parse(argv, defaults)``), run (``run(*parsed)`` → the summary dict), print the summary; returns the
@@ -260,6 +390,11 @@ def main(parse: Callable, run: Callable, argv: Optional[list[str]] = None,
     as one ``error:`` line, no traceback), 3 when the model was saved but the Hub push failed."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         stream=sys.stderr)
+    with one_rank_logs():  # torchrun / accelerate: rank 0 prints the plan, warnings, bars and summary
+        return _main(parse, run, argv, defaults, user_errors)
+
+
+def _main(parse: Callable, run: Callable, argv, defaults, user_errors) -> int:
     try:
         import transformers
 

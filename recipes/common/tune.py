@@ -15,7 +15,7 @@ run gets the σ that makes the total meet it). Where the score comes from (``--t
   the OS CSPRNG; ``--dp_seed``: a stream of its own keyed by the seed); hf_dp saves neither the coins nor the split
   (the 🤗 Datasets tokenization cache may hold the tokenized held-out rows, as it holds every training row); the runs
   train on the other rows (N is their number) and are scored by a DP score of their accuracy on the held-out rows (Gaussian noise σ_s =
-  ``--tune_score_noise_multiplier``, default 20, on the number of correct predictions: :mod:`hf_dp.tuning.search`), whose
+  ``--tune_score_noise_multiplier``, default 20, on the number of correct predictions: :mod:`hf_dp.tuning.private_score`), whose
   cost is in the total. The validation set is then only evaluated, after the selection, as without ``--tune``.
 
 Everything is checked before the model is loaded.
@@ -61,7 +61,7 @@ class TuneArguments:
 def check_tune(tune_args, training_args, resume, *, public_dev: bool) -> Optional[dict]:
     """Before the model is loaded: the search space read and checked against the flags, the flags that cannot go with
     a selection refused (one sentence each). Returns the space (``{flag: [value strings]}``) or None without --tune."""
-    from hf_dp.tuning.search import check_space_names, parse_space, trial_count
+    from hf_dp.tuning.space import check_space_names, parse_space, trial_count
 
     if not tune_args.tune:
         if tune_args.tune is not None:
@@ -103,7 +103,7 @@ def check_tune(tune_args, training_args, resume, *, public_dev: bool) -> Optiona
 
 def _check_private_score(tune_args, training_args, space):
     from hf_dp.privacy.selection import DEFAULT_SCORE_NOISE_MULTIPLIER, check_score_noise_multiplier, check_score_share
-    from hf_dp.tuning.search import trial_count
+    from hf_dp.tuning.space import trial_count
 
     if not training_args.do_train:
         raise RecipeError("--tune trains every run: it needs --do_train")

@@ -8,11 +8,11 @@
 """
 
 from .data import LabelInfo, label_info, load_raw_datasets, preprocess, sentence_keys
-from .metrics import build_compute_metrics, constant_baseline, load_metric_fn, main_metric_name
+from .metrics import build_compute_metrics, constant_baseline, load_metric_fn, main_metric_name, regression_baseline
 from .tasks import GLUE_TASKS, HUB_GLUE_DATASET, MISMATCHED, DataLoadingError, GlueTask, get_task
 
 __all__ = [
     "GLUE_TASKS", "HUB_GLUE_DATASET", "MISMATCHED", "DataLoadingError", "GlueTask", "get_task",
     "LabelInfo", "label_info", "load_raw_datasets", "preprocess", "sentence_keys",
-    "build_compute_metrics", "constant_baseline", "load_metric_fn", "main_metric_name",
+    "build_compute_metrics", "constant_baseline", "load_metric_fn", "main_metric_name", "regression_baseline",
 ]

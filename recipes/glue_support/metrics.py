@@ -20,6 +20,9 @@ from .tasks import get_task
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "evaluate", "sklearn")
+#: the planner's calibration rule (hf_dp.plan, benchmarks/planner_calibration.py): an accuracy less than this many
+#: points above the evaluation set's majority rate counts as the constant predictor
+BARELY_POINTS = 3.0
 
 
 def _fallback_metrics(name: str) -> Callable[[np.ndarray, np.ndarray], dict[str, float]]:
@@ -125,7 +128,8 @@ def build_compute_metrics(
 
     Accuracy for most GLUE tasks; accuracy + F1 for MRPC/QQP; Matthews correlation for CoLA; Pearson and
     Spearman for STS-B; accuracy (classification) or MSE (regression) without a task name.
-    The function carries ``.implementation`` (which backend is used).
+    The function carries ``.implementation`` (which backend is used) and ``.last_predictions`` (the predicted classes,
+    or scores, of its latest call: what :func:`constant_baseline` reads for the predicted-class spread).
     """
     fn, desc = load_metric_fn(task_name, is_regression=is_regression, backend=backend, metric_path=metric_path)
     regression = _metric_spec(task_name, is_regression)[3]
@@ -137,9 +141,11 @@ def build_compute_metrics(
         result = fn(np.asarray(preds), np.asarray(labels))
         if len(result) > 1:
             result["combined_score"] = float(np.mean(list(result.values())))
+        compute_metrics.last_predictions = np.asarray(preds)  # for the baseline's spread (not a metric, not logged)
         return result
 
     compute_metrics.implementation = desc
+    compute_metrics.last_predictions = None
     return compute_metrics
 
 
@@ -152,15 +158,18 @@ def main_metric_name(task_name: str | None, is_regression: bool | None = None) -
 
 
 def constant_baseline(labels, metrics: dict[str, Any], *, label_names: list[str] | None = None,
-                      prefix: str = "eval_") -> dict[str, Any] | None:
+                      prefix: str = "eval_", predictions=None) -> dict[str, Any] | None:
     """How the evaluated model compares with the best *constant* predictor on the same evaluation labels.
 
     ``labels``: the evaluation set's class labels (ints; -1 = unlabelled, ignored). ``metrics``: the evaluation
-    results (``eval_accuracy``, ``eval_matthews_correlation`` ...). Returns None for regression, for an evaluation
-    set without labels, or when no comparable metric was computed. Otherwise a dict with ``majority_rate`` (the
-    share of the most frequent class: the accuracy of always predicting it), ``majority_label``, and, per compared
-    metric, the model's value and the constant predictor's (accuracy: the majority rate; Matthews correlation: 0);
-    ``at_or_below`` is True when the model does no better than the constant predictor on any compared metric;
+    results (``eval_accuracy``, ``eval_matthews_correlation`` ...). ``predictions``: the model's predicted classes on
+    the same rows (optional: the predicted-class spread). Returns None for regression (:func:`regression_baseline`),
+    for an evaluation set without labels, or when no comparable metric was computed. Otherwise a dict with
+    ``majority_rate`` (the share of the most frequent class: the accuracy of always predicting it), ``majority_label``,
+    per compared metric the model's value and the constant predictor's (accuracy: the majority rate; Matthews
+    correlation: 0), ``predicted_shares`` (each class's share of the predictions, when given); ``at_or_below`` is True
+    when the model counts as the constant predictor on any compared metric — by the planner's calibration rule, an
+    accuracy less than :data:`BARELY_POINTS` points above the majority rate, or a Matthews correlation ≤ 0;
     ``sentence`` says so in plain words (for the summary and the card).
 
     Only the evaluation labels are used — never the training data's label counts, which are private.
@@ -168,7 +177,8 @@ def constant_baseline(labels, metrics: dict[str, Any], *, label_names: list[str]
     arr = np.asarray(list(labels) if not isinstance(labels, np.ndarray) else labels)
     if arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
         return None
-    arr = arr[arr >= 0]
+    keep = arr >= 0
+    arr = arr[keep]
     if arr.size == 0:
         return None
     values, counts = np.unique(arr, return_counts=True)
@@ -181,13 +191,32 @@ def constant_baseline(labels, metrics: dict[str, Any], *, label_names: list[str]
             compared[name] = {"model": float(value), "constant": constant}
     if not compared:
         return None
-    name = label_names[top] if label_names and 0 <= top < len(label_names) else str(top)
+
+    def label(i: int) -> str:
+        return label_names[i] if label_names and 0 <= i < len(label_names) else str(i)
+
     baseline = {
-        "majority_label": name, "majority_rate": rate, "eval_examples": int(arr.size), "compared": compared,
-        "at_or_below": any(c["model"] <= c["constant"] + 1e-12 for c in compared.values()),
+        "majority_label": label(top), "majority_rate": rate, "eval_examples": int(arr.size), "compared": compared,
+        "rule": f"accuracy less than {BARELY_POINTS:g} points above the majority rate (the planner's calibration), "
+                "or Matthews correlation <= 0, counts as the constant predictor",
+        "at_or_below": any(_constant_like(n, c) for n, c in compared.items()),
     }
+    if predictions is not None:
+        pred = np.asarray(predictions).reshape(-1)
+        if pred.size == keep.size:
+            pred = pred[keep]
+        if pred.size:
+            classes, n = np.unique(pred.astype(int), return_counts=True)
+            order = np.argsort(-n, kind="stable")
+            baseline["predicted_shares"] = {label(int(classes[i])): float(n[i] / pred.size) for i in order}
     baseline["sentence"] = _baseline_sentence(baseline)
     return baseline
+
+
+def _constant_like(name: str, c: dict[str, float]) -> bool:
+    if name == "accuracy":
+        return 100.0 * (c["model"] - c["constant"]) < BARELY_POINTS - 1e-9
+    return c["model"] <= c["constant"] + 1e-12
 
 
 def _baseline_sentence(baseline: dict[str, Any]) -> str:
@@ -196,8 +225,45 @@ def _baseline_sentence(baseline: dict[str, Any]) -> str:
     for name, c in baseline["compared"].items():
         what = (f"always predicting the most frequent class ('{baseline['majority_label']}', {c['constant']:.4f} of the "
                 f"evaluation set)" if name == "accuracy" else "a constant prediction (0)")
-        rel = "at or below" if c["model"] <= c["constant"] + 1e-12 else "above"
+        if c["model"] <= c["constant"] + 1e-12:
+            rel = "at or below"
+        elif _constant_like(name, c):
+            rel = f"less than {BARELY_POINTS:g} points above"
+        else:
+            rel = "above"
         parts.append(f"{name} {c['model']:.4f} is {rel} {what}")
     verdict = ("NO BETTER THAN A CONSTANT PREDICTOR: the model has not learned the task. " if baseline["at_or_below"]
                else "")
-    return verdict + "; ".join(parts) + "."
+    shares = baseline.get("predicted_shares")
+    spread = ("; predicted classes: " + ", ".join(f"'{k}' {100 * v:.1f} %" for k, v in shares.items())) if shares else ""
+    return verdict + "; ".join(parts) + spread + "."
+
+
+def regression_baseline(labels, metrics: dict[str, Any], *, predictions=None, prefix: str = "eval_") -> dict[str, Any] | None:
+    """A regression task's constant baseline: predicting the *evaluation* set's own mean label. (The training mean
+    would be the usual choice, but it is a statistic of the private training data; the evaluation labels are not
+    private, so this baseline costs no privacy.) It has MSE = the evaluation labels' variance and no correlation
+    (Pearson / Spearman 0). ``predictions``: the model's scores on the same rows, for its MSE. ``at_or_below``: the
+    model's Pearson correlation is ≤ 0, or its MSE is not below the baseline's."""
+    arr = np.asarray(list(labels) if not isinstance(labels, np.ndarray) else labels, dtype=np.float64).reshape(-1)
+    if arr.size == 0:
+        return None
+    mean, var = float(arr.mean()), float(arr.var())
+    out: dict[str, Any] = {"constant": "the evaluation set's own mean label (the training mean is private)",
+                           "eval_mean": mean, "eval_examples": int(arr.size), "constant_mse": var}
+    pearson = metrics.get(prefix + "pearson")
+    model_mse = metrics.get(prefix + "mse")
+    if model_mse is None and predictions is not None and np.asarray(predictions).size == arr.size:
+        model_mse = float(((np.asarray(predictions, dtype=np.float64).reshape(-1) - arr) ** 2).mean())
+    out["model_mse"] = model_mse
+    out["at_or_below"] = bool((isinstance(pearson, (int, float)) and pearson <= 0)
+                              or (model_mse is not None and model_mse >= var))
+    parts = [f"predicting the evaluation set's own mean label {mean:.3g} (not the training mean, a statistic of the "
+             f"private data) gives MSE {var:.4g} and no correlation"]
+    if model_mse is not None:
+        parts.append(f"the model's MSE is {model_mse:.4g}")
+    if isinstance(pearson, (int, float)):
+        parts.append(f"its Pearson correlation {pearson:.4f}")
+    out["sentence"] = ("NO BETTER THAN A CONSTANT PREDICTOR: the model has not learned the task. " if out["at_or_below"]
+                       else "") + "; ".join(parts) + "."
+    return out

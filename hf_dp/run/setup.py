@@ -1,0 +1,195 @@
+"""The mechanism one DP run plans, once, when its ``DPTrainer`` is made (``DPTrainer._setup_privacy``).
+
+:func:`setup_privacy` sizes and checks the training set (labels, token ids: :mod:`hf_dp.run.contract`), reads the
+privacy units (:func:`setup_units`; N = the number of units), plans the mechanism
+(:func:`hf_dp.privacy.planning.plan_mechanism`: q = B/N, the steps, σ), makes the ledger (continuing the model's own:
+:func:`hf_dp.run.lineage.adopt_model_ledger`), the Poisson sampler, the clipping engine (:func:`choose_clipping`),
+logs the planner's start-of-run block (:func:`hf_dp.plan.run_block`) and keeps the snapshot of the mechanism that
+every ``train()`` and every step compares with (:func:`hf_dp.run.contract.mechanism_snapshot`). It takes the trainer as
+an argument and sets its attributes, as the rest of :mod:`hf_dp.run` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import torch
+
+from hf_dp.clipping import choose_engine, make_engine
+from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
+from hf_dp.plan import calibrated_for, run_block
+from hf_dp.privacy.accounting import PrivacyLedger
+from hf_dp.privacy.planning import plan_mechanism
+from hf_dp.privacy.randomness import SEEDED, source_name
+from hf_dp.privacy.sampler import PoissonBatchSampler
+from hf_dp.run import contract, lineage
+from hf_dp.run.data import refuse_sharding, set_sampler_lengths, unit_rows
+
+logger = logging.getLogger("hf_dp.trainer")  # DPTrainer's set-up messages keep the trainer's logger name
+
+
+def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
+    """``DPTrainer._setup_privacy``, once at construction: the training set sized and its labels and token ids
+    checked, the privacy units read (N), the mechanism planned (q = B/N, the steps, σ), the ledger (continuing the
+    model's own), the Poisson sampler, the clipping engine, the planner's start-of-run block, and the snapshot of
+    that mechanism every ``train()`` and every step compares with. ``audit_units(trainer, rows)`` and
+    ``audit_engine(trainer, engine)``: ``--audit_canaries``' hooks (:mod:`hf_dp.audit.canaries`: its units appended,
+    the engine wrapped), passed by the trainer."""
+    args = trainer.args
+    if trainer.train_dataset is None:
+        raise ValueError("DP training needs a train_dataset (its size N defines q and delta < 1/N)")
+    try:
+        n = len(trainer.train_dataset)
+    except TypeError:
+        raise ValueError("DP training needs a sized train_dataset (an IterableDataset cannot be Poisson-sampled)") from None
+    if n == 0:
+        raise ValueError("the training dataset is empty")
+    contract.check_labels(trainer._fingerprint_source, getattr(trainer.model, "config", None), trainer.objective)
+    contract.check_token_ids(trainer._fingerprint_source, getattr(trainer.model, "config", None))
+    setup_units(trainer, n)
+    if audit_units is not None:  # --audit_canaries: one unit per canary, included or not (N = real + m)
+        audit_units(trainer, n)
+    n = trainer.num_units
+    world = max(1, args.world_size)
+    trainer.privacy_spec, steps_per_epoch, trainer.planned_epsilon = plan_mechanism(
+        n=n, per_device_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps,
+        world_size=world, delta=args.delta, epsilon=args.epsilon, noise_multiplier=args.noise_multiplier,
+        max_grad_norm=args.per_sample_max_grad_norm, accountant=args.accountant, max_steps=args.max_steps,
+        num_train_epochs=args.num_train_epochs,
+    )
+    spec = trainer.privacy_spec
+    q, b, planned, sigma = spec.sample_rate, int(spec.expected_batch_size), spec.planned_steps, spec.noise_multiplier
+    trainer.ledger = PrivacyLedger(spec)
+    trainer.ledger.meta["privacy_unit"] = args.privacy_unit_column  # each run's record says what it protected
+    lineage.adopt_model_ledger(trainer)  # the earlier runs the model carries (--prior_privacy; hf_dp.run.lineage)
+    trainer.randomness = source_name(args.dp_seed, args.secure_rng)
+    if trainer.randomness == SEEDED:
+        logger.warning(
+            "hf_dp: --dp_seed %s fixes the Poisson batches and the noise: anyone who knows the seed can "
+            "recompute them and remove the noise from the released model. Use it for reproducible research "
+            "only, and never reuse a seed: two runs with the same seed on datasets that differ in one "
+            "example reveal that example's clipped gradient exactly. The seed is recorded in privacy.json "
+            "and the model card.", args.dp_seed,
+        )
+    trainer._dp_sampler = PoissonBatchSampler(
+        n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
+        rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: trainer.ledger.steps,
+        units=trainer._unit_rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=trainer._audit is not None,
+        stream_tag=lambda: trainer.ledger.meta.get("stream_tag"),
+    )
+    trainer._lengths_of = None
+    set_sampler_lengths(trainer)  # refused here, before any step, if the lengths are unknown
+    trainer._dp_noise_seed = args.dp_seed
+    #: the run's lineage: a random public id written with every record of steps taken (a resume is a new run, its
+    #: parent the checkpoint's run); under --dp_seed, a resume that is not a clean continuation keys its seeded
+    #: streams with it (ledger.meta["stream_tag"], hf_dp.run.spent.reconcile_resumed_ledger)
+    trainer.run_id = secrets.token_hex(8)
+    trainer._dp_optimizer = None  # a PrivateOptimizer, made by create_optimizer
+    trainer._loss_scale = None
+    trainer._units = None  # the micro-batch's privacy units (rows -> 0..U-1), --privacy_unit_column
+    trainer._empty_micro_batch = False
+    trainer.clipping = choose_clipping(trainer, world)  # the engine's name (hf_dp.clipping.engines)
+    # --audit_kind gradient: the engine hands each drawn canary's gradient to the privatizer's clipping
+    engine = make_engine(trainer.clipping, trainer.model)
+    trainer.clipping_engine = audit_engine(trainer, engine) if audit_engine is not None else engine
+    trainer.ghost_clipper, trainer.grad_sampler = trainer.clipping_engine.clipper, trainer.clipping_engine.grad_sampler
+    # the planner's start-of-run block (hf_dp.plan): public quantities only, no extra calibration
+    d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    block, warning = run_block(n=n, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
+                               max_grad_norm=args.per_sample_max_grad_norm, params=d, epsilon=args.epsilon,
+                               calibrated=calibrated_for(getattr(trainer.model, "get_base_model", lambda: trainer.model)()))
+    logger.info(block)
+    if warning:
+        logger.warning(warning)
+    trainer._contract_probe, trainer._rows_checked, trainer._several_rows = False, None, False
+    trainer._planned_train_dataset = trainer.train_dataset
+    #: the mechanism σ, q and the steps were planned for: every train() and every step must still run it
+    trainer._planned_mechanism = contract.mechanism_snapshot(trainer)
+
+
+def setup_units(trainer, rows: int) -> None:
+    """``--privacy_unit_column``: the rows of each unit, read once from the training set given at construction
+    (before any column removal); N = the number of units. Without it every row is its own unit."""
+    col = trainer.args.privacy_unit_column
+    trainer._unit_rows, trainer._unit_of_row = None, None
+    trainer.num_units = rows
+    if col is None:
+        return
+    if trainer._prefix_cache:
+        raise ValueError(
+            "--privacy_unit_column with --cache_frozen_features is not supported yet: the cache does not keep the "
+            "unit column; drop one of the two flags"
+        )
+    trainer._unit_rows = unit_rows(trainer._fingerprint_source, col)
+    unit_of_row = torch.empty(rows, dtype=torch.long)
+    for j, r in enumerate(trainer._unit_rows):
+        unit_of_row[r] = j
+    trainer._unit_of_row = unit_of_row
+    trainer.num_units = len(trainer._unit_rows)
+
+
+def choose_clipping(trainer, world: int) -> str:
+    """``--clipping``: ``ghost`` (one backward pass) where it applies, else Opacus hooks; ``ghost_two_pass`` only
+    when asked for (:func:`hf_dp.clipping.engines.choose_engine`). Any number of processes: under DDP every engine
+    runs its forward/backward without DDP's gradient all-reduce (see ``DPTrainer.compute_loss``), and the privatizer
+    all-reduces the noisy clipped sum once per logical batch. FSDP and DeepSpeed are refused."""
+    refuse_sharding(trainer.args, getattr(trainer, "is_fsdp_enabled", False), getattr(trainer, "is_deepspeed_enabled", False))
+    trainer._fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
+    if trainer._fsdp:  # FSDP2: two-pass ghost clipping only (hf_dp.clipping.sharding)
+        if trainer.args.clipping == "auto":
+            logger.info("hf_dp: --clipping auto chose ghost_two_pass: the only engine supported under FSDP")
+        return choose_engine("ghost_two_pass", trainer.model, optim=trainer.args.optim, rule_cls=get_entry(trainer.args.optim).rule_cls,
+                             reduced_precision=bool(trainer.args.bf16 or trainer.args.fp16), logger=logger)
+    return choose_engine(trainer.args.clipping, trainer.model, optim=trainer.args.optim, rule_cls=get_entry(trainer.args.optim).rule_cls,
+                         reduced_precision=bool(trainer.args.bf16 or trainer.args.fp16), logger=logger)
+
+def param_groups(trainer, model=None) -> list[dict]:
+    """HF's decay / no-decay parameter groups, built as ``Trainer.create_optimizer`` builds them."""
+    opt_model = trainer.model if model is None else model
+    decay = trainer.get_decay_parameter_names(opt_model)
+    named = list(opt_model.named_parameters())
+    return [
+        {"params": [p for n, p in named if n in decay and p.requires_grad], "weight_decay": trainer.args.weight_decay},
+        {"params": [p for n, p in named if n not in decay and p.requires_grad], "weight_decay": 0.0},
+    ]
+
+
+def make_private_optimizer(trainer, model=None):
+    """``DPTrainer.create_optimizer`` under DP: the update rule ``--optim`` names over HF's decay / no-decay groups,
+    wrapped in the privatizer with the planned σ, C and B, the run's ledger and target ε, drawing from the
+    trainer's Poisson sampler (:func:`hf_dp.optim.make_optimizer`)."""
+    args, spec = trainer.args, trainer.privacy_spec
+    hyper = rule_hyperparameters(
+        args.optim, lr=args.learning_rate, weight_decay=args.weight_decay, optim_args=args.optim_args,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, gamma=args.bc_gamma,
+        h1=args.macadam_h1, h2=args.macadam_h2,
+    )
+    optimizer = make_optimizer(
+        args.optim, param_groups(trainer, model),
+        noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
+        expected_batch_size=spec.expected_batch_size, noise_seed=trainer._dp_noise_seed,
+        secure_mode=args.secure_rng, ledger=trainer.ledger, max_epsilon=spec.target_epsilon, **hyper,
+    )
+    optimizer.sampler = trainer._dp_sampler
+    if hasattr(optimizer.rule, "clamp_rate_every"):  # BC diagnostic only at the steps that are logged
+        steps = args.logging_steps
+        optimizer.rule.clamp_rate_every = int(steps) if steps >= 1 else 1
+    if spec.target_epsilon is not None:
+        optimizer.budget_steps = spec.planned_steps  # calibrate_noise_multiplier verified ε(planned) ≤ target
+    return optimizer
+
+
+def check_transformers_version() -> None:
+    """hf_dp runs on transformers >=5.0,<6 (the private API it overrides: ``hf_dp.trainer.HF_PRIVATE_OVERRIDES``)."""
+    import transformers
+    from packaging import version
+
+    from hf_dp import __version__
+
+    v = version.parse(transformers.__version__)
+    if v < version.parse("5.0.0") or v.major >= 6:
+        raise RuntimeError(
+            f"hf_dp {__version__} supports transformers >=5.0,<6; found {transformers.__version__}. "
+            "Install a supported version: pip install 'transformers>=5,<6'"
+        )

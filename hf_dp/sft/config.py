@@ -1,0 +1,140 @@
+"""``DPSFTConfig``: TRL's ``SFTConfig`` flags plus :class:`~hf_dp.arguments.DPTrainingArguments`' DP flags, one config
+dataclass for :class:`~hf_dp.sft.trainer.DPSFTTrainer` (TRL's convention: one config per trainer).
+
+What each flag ``SFTConfig`` adds to ``TrainingArguments`` does under DP is one registry, :data:`SFT_FLAGS`, in the
+format of :data:`hf_dp.flags.FLAGS` (the ``TrainingArguments`` fields themselves stay classified there). For a DP run
+``__post_init__`` applies its refusals (one sentence each, the reason included) before anything else runs. The table
+``docs/sft.md`` lists it (``python -m hf_dp.sft.config --markdown``; a test checks the committed copy).
+
+The ``TrainingArguments`` fields keep ``DPTrainingArguments``' defaults (HF's, and ``optim`` a DP optimizer), not the
+ones TRL's ``SFTConfig`` changes: ``gradient_checkpointing`` stays False (TRL turns it on; it is refused under DP),
+``bf16`` stays False (TRL turns it on wherever it can), ``learning_rate`` 5e-5 and ``logging_steps`` 500. TRL's own
+fields (``max_length``, ``packing``, ``completion_only_loss``, ...) keep TRL's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+try:
+    from trl import SFTConfig
+except ImportError as exc:  # the sft extra is not installed
+    raise ImportError('hf_dp.sft needs TRL: pip install -e ".[sft]" (or pip install "trl>=1.16,<2")') from exc
+
+from hf_dp.arguments import DPTrainingArguments
+from hf_dp.flags import ADJUSTED, REFUSED, SAFE, STATUS_TEXT, Rule
+
+_CROSS = ("a sequence's loss would depend on several conversations (of several users), so clipping the sequence bounds "
+          "no single conversation's or user's influence and the reported epsilon would be false")
+
+#: what each field SFTConfig adds to TrainingArguments does under DP (checked complete by tests/test_sft.py)
+SFT_FLAGS: dict[str, tuple[Rule, ...]] = {
+    "model_init_kwargs": (Rule(SAFE, "how a model given by name is loaded"),),
+    "trust_remote_code": (Rule(SAFE, "whether model code from the Hub may run (DPTrainer refuses heads it cannot compute)"),),
+    "router_aux_loss_coef": (
+        Rule(REFUSED, "--router_aux_loss_coef is not supported with DP: a Mixture-of-Experts load-balancing loss is a "
+                      "statistic of the whole batch's tokens, not a sum of per-conversation losses, so it cannot be "
+                      "clipped per conversation", "≠ 0", lambda a: bool(a.router_aux_loss_coef)),
+        Rule(ADJUSTED, "None/0: under DP the training loss is the per-conversation language-modelling loss only (no "
+                       "auxiliary loss is added)")),
+    "chat_template_path": (
+        Rule(REFUSED, "--chat_template_path naming a model or tokenizer is not supported with DP: TRL would then add "
+                      "tokens and resize the embeddings after hf_dp has frozen the model (--trainable); give a .jinja "
+                      "file or set the tokenizer's chat_template", "not a .jinja/.j2 file",
+             lambda a: a.chat_template_path is not None and not str(a.chat_template_path).endswith((".jinja", ".j2"))),
+        Rule(SAFE, "a .jinja/.j2 file (public): how each conversation is rendered")),
+    "dataset_text_field": (Rule(SAFE, "which column holds plain text"),),
+    "dataset_kwargs": (Rule(SAFE, "skip_prepare_dataset: the rows are used as given; the run-time contract checks "
+                                  "(one row per conversation, each loss its own) still hold"),),
+    "dataset_num_proc": (Rule(SAFE, "processes that tokenize the data"),),
+    "eos_token": (Rule(SAFE, "the end-of-sequence token"),),
+    "max_length": (Rule(SAFE, "each conversation truncated on its own (conversations left with no scored token are "
+                              "dropped by TRL before N is counted)"),),
+    "truncation_mode": (Rule(SAFE, "which end of each conversation is kept"),),
+    "shuffle_dataset": (Rule(SAFE, "the order of the training rows (Poisson sampling ignores it)"),),
+    "packing": (
+        Rule(REFUSED, f"--packing is not supported with DP: it concatenates conversations into shared sequences, and {_CROSS}",
+             "True", lambda a: bool(a.packing)),
+        Rule(SAFE, "False (default)")),
+    "packing_strategy": (Rule(SAFE, "only read with packing, which is refused with DP"),),
+    "padding_free": (
+        Rule(REFUSED, f"--padding_free is not supported with DP: it flattens the micro-batch into one sequence, and {_CROSS}",
+             "True", lambda a: bool(a.padding_free)),
+        Rule(SAFE, "False (default)")),
+    "pad_to_multiple_of": (Rule(SAFE, "padding is masked and never scored"),),
+    "eval_packing": (Rule(SAFE, "evaluation data only (not the private training set)"),),
+    "completion_only_loss": (Rule(SAFE, "which tokens are scored: each conversation's loss is the mean over its scored "
+                                        "(completion) tokens"),),
+    "assistant_only_loss": (Rule(SAFE, "which tokens are scored: each conversation's loss is the mean over its "
+                                       "assistant tokens"),),
+    "loss_type": (
+        Rule(REFUSED, "--loss_type dft is not supported with DP: DPSFTTrainer computes each conversation's mean negative "
+                      "log-likelihood itself, so DFT's token weights would be silently ignored; use --loss_type nll",
+             "dft", lambda a: str(a.loss_type) == "dft"),
+        Rule(ADJUSTED, "nll: TRL divides the batch's summed token losses by the batch's token count, which couples the "
+                       "conversations; under DP each conversation's loss is the mean over its own scored tokens, and "
+                       "the clipped per-conversation (per-user) gradients are summed")),
+    "activation_offloading": (
+        Rule(REFUSED, "--activation_offloading is not supported with DP: it moves saved activations through hooks that "
+                      "hf_dp's per-example clipping (which reads those activations) has not been checked with",
+             "True", lambda a: bool(a.activation_offloading)),
+        Rule(SAFE, "False (default)")),
+    "pad_token": (Rule(SAFE, "the padding token (deprecated in TRL); padding is never scored"),),
+}
+
+
+def sft_fields() -> list[str]:
+    """The fields ``SFTConfig`` adds to ``TrainingArguments``."""
+    from transformers import TrainingArguments
+
+    hf = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return [f.name for f in dataclasses.fields(SFTConfig) if f.name not in hf]
+
+
+def enforce_sft(args) -> None:
+    """Raise the first refusal of :data:`SFT_FLAGS` (raw values); a field of a newer TRL that is not classified is
+    refused when it differs from its default."""
+    defaults = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    for name in sft_fields():
+        rules = SFT_FLAGS.get(name)
+        if rules is None:
+            f = defaults[name]
+            default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
+            if default is not dataclasses.MISSING and getattr(args, name, default) != default:
+                import trl
+
+                raise ValueError(f"--{name} is an SFTConfig field of trl {trl.__version__} that hf_dp has not classified "
+                                 "for privacy (hf_dp/sft/config.py), so it is not allowed with DP until it is")
+            continue
+        rule = next(r for r in rules if r.applies is None or r.applies(args))
+        if rule.status == REFUSED:
+            raise ValueError(rule.reason)
+
+
+@dataclass
+class DPSFTConfig(DPTrainingArguments, SFTConfig):
+    """``SFTConfig`` + ``DPTrainingArguments`` (see the module docstring)."""
+
+    def __post_init__(self):
+        if not self.disable_dp:
+            enforce_sft(self)
+        super().__post_init__()
+
+
+def markdown() -> str:
+    lines = ["| `SFTConfig` flag | under DP | why |", "| --- | --- | --- |"]
+    for name in sft_fields():
+        rules = SFT_FLAGS.get(name, ())
+        for i, r in enumerate(rules):
+            status = STATUS_TEXT[r.status] + (f" when {r.when}" if r.when else (" otherwise" if i else ""))
+            lines.append(f"| `{name}` | {status} | {r.reason.replace('|', chr(92) + '|')} |")
+    return "\n".join(lines) + "\n"
+
+
+
+if __name__ == "__main__":  # python -m hf_dp.sft.config --markdown
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m hf_dp.sft.config --markdown")
+    sys.stdout.write(markdown())

@@ -1,0 +1,138 @@
+"""``DPSFTTrainer``: DP supervised fine-tuning through TRL's ``SFTTrainer`` (chat data, completion-only loss, LoRA).
+
+``class DPSFTTrainer(DPTrainer, SFTTrainer)``: TRL prepares the data exactly as ``SFTTrainer`` does (chat template,
+``completion_mask`` / ``assistant_masks`` turned into labels -100 on every prompt token, truncation to
+``max_length``) and its collator pads each conversation on the right (attention 0, labels -100); DPTrainer does the
+rest — Poisson sampling, per-example (or per-unit) clipping, noise once per logical batch, the accountant, the card.
+
+The objective under DP: each conversation's loss is the **mean negative log-likelihood over its scored tokens** (the
+completion or assistant tokens TRL's masks keep; prompt tokens are never scored,
+:func:`hf_dp.models.loss.causal_lm_loss`), and the clipped per-conversation gradients are summed. TRL's own loss
+divides the batch's summed token losses by the batch's token count, which couples the conversations; it is kept for
+evaluation (``eval_loss``, which is computed on evaluation data) and for ``--disable_dp`` baselines.
+
+``--privacy_unit_column user_id``: one unit = every conversation of one user (N = the number of users); the sampler
+puts all conversations of a drawn user in the same micro-batch and their summed gradient is clipped to C —
+user-level DP over conversations. The unit column is read from the training set as TRL prepared it (a conversation
+TRL drops — one left with no scored token after truncation — is not counted).
+
+What DP cannot honour is refused in one sentence before any work: the TRL flags of :data:`hf_dp.sft.config.SFT_FLAGS`
+(packing and padding-free across conversations, ``loss_type dft``, ...), and the trainer's ``peft_config`` (use
+``--trainable lora --lora_r R --lora_alpha A``: DPTrainer attaches the adapter so that its clipping engine and the
+card see it), ``compute_loss_func`` and ``--audit_canaries`` (not supported here yet).
+"""
+
+from __future__ import annotations
+
+from trl import SFTTrainer
+
+from hf_dp.hub import write_privacy_artifacts
+from hf_dp.hub.describe import card_fields
+from hf_dp.run.data import check_eval_is_not_train
+from hf_dp.sft.config import DPSFTConfig, enforce_sft
+from hf_dp.trainer import DPTrainer
+
+#: the SFTConfig settings privacy.json and the card record (public choices of the run)
+RECORDED_SETTINGS = ("max_length", "truncation_mode", "completion_only_loss", "assistant_only_loss", "packing",
+                     "padding_free", "loss_type", "dataset_text_field", "chat_template_path", "eos_token")
+
+
+class DPSFTTrainer(DPTrainer, SFTTrainer):
+    """TRL's ``SFTTrainer`` with differential privacy (see the module docstring). ``args`` must be a
+    :class:`~hf_dp.sft.config.DPSFTConfig`; the other arguments are ``SFTTrainer``'s."""
+
+    def __init__(self, model=None, args: DPSFTConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, peft_config=None, formatting_func=None,
+                 compute_loss_func=None, **kwargs):
+        if not isinstance(args, DPSFTConfig):
+            raise TypeError("DPSFTTrainer needs args=DPSFTConfig(...) (TRL's SFTConfig flags plus hf_dp's DP flags)")
+        if args.dp_enabled:
+            if peft_config is not None:
+                raise ValueError("peft_config is not supported by DPSFTTrainer under DP: pass --trainable lora (with "
+                                 "--lora_r / --lora_alpha) instead, so that the adapter is attached before the "
+                                 "per-example clipping engine and recorded in the card")
+            if compute_loss_func is not None:
+                raise ValueError("compute_loss_func is not supported by DPSFTTrainer under DP: each conversation's loss "
+                                 "is computed by hf_dp (the mean over its scored tokens), so it would be silently ignored")
+            if args.audit_canaries:
+                raise ValueError("--audit_canaries is not supported by DPSFTTrainer yet: its canaries are token rows "
+                                 "appended to the training set before TRL prepares the conversations; audit with "
+                                 "DPTrainer (recipes/clm.py)")
+            enforce_sft(args)  # again: the config may have been changed since it was made
+            check_eval_is_not_train(eval_dataset, train_dataset)  # the raw sets (TRL's preparation makes new ones)
+        if isinstance(model, str):  # as SFTTrainer loads it, but before DPTrainer freezes it (--trainable)
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(model, **dict(args.model_init_kwargs or {}))
+        self._raw_train_dataset = train_dataset
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
+                         formatting_func=formatting_func, compute_loss_func=compute_loss_func, **kwargs)
+
+    def _setup_privacy(self) -> None:
+        # N, the units, the label and token checks and the resume fingerprint read the training set as TRL prepared it
+        # (token ids, labels -100 on prompt tokens, the unit column kept), not the raw conversations
+        self._fingerprint_source = self.train_dataset
+        super()._setup_privacy()
+
+    def _check_not_train(self, dataset) -> None:
+        super()._check_not_train(dataset)
+        if self.args.dp_enabled:
+            check_eval_is_not_train(dataset, self._raw_train_dataset)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        if eval_dataset is not None and not isinstance(eval_dataset, str) and not self._skip_prepare_dataset:
+            self._check_not_train(eval_dataset)  # the raw set, before TRL's preparation gives it a new fingerprint
+            packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
+            prepare = lambda ds, name: self._prepare_dataset(ds, self.processing_class, self.args, packing,  # noqa: E731
+                                                             self._formatting_func, name)
+            eval_dataset = ({k: prepare(v, k) for k, v in eval_dataset.items()} if isinstance(eval_dataset, dict)
+                            else prepare(eval_dataset, metric_key_prefix))
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def hyperparameter_search(self, *args, **kwargs):
+        if self.args.dp_enabled:
+            raise ValueError("hyperparameter_search is not supported by DPSFTTrainer under DP yet (its trials would be "
+                             "rebuilt from TRL's prepared data); run private selection with DPTrainer")
+        return super().hyperparameter_search(*args, **kwargs)
+
+    def sft_settings(self) -> dict:
+        """The SFTConfig settings of this run (public), as privacy.json and the card record them."""
+        import trl
+
+        out = {"trainer": "DPSFTTrainer (TRL SFTTrainer)", "trl_version": trl.__version__}
+        out.update({k: getattr(self.args, k, None) for k in RECORDED_SETTINGS})
+        out["completion_only_loss_in_effect"] = bool(self.completion_only_loss)
+        out["chat_template"] = "set" if getattr(self.processing_class, "chat_template", None) else None
+        out["per_example_loss"] = ("each conversation's mean negative log-likelihood over its scored (completion / "
+                                   "assistant) tokens; prompt and padding tokens are never scored")
+        return out
+
+    def privacy_report(self) -> dict:
+        report = super().privacy_report()
+        report["sft"] = self.sft_settings()
+        col = self.args.privacy_unit_column
+        if self.args.dp_enabled and col is not None:
+            unit = dict(report["privacy_unit"])
+            unit["description"] = (f"user-level DP over conversations: one unit = all conversations with the same "
+                                   f"'{col}', N = {unit['num_units']:,} users; each user's summed gradient over their "
+                                   "conversations in a step is clipped to C")
+            report["privacy_unit"] = unit
+            report["unit_of_privacy"] = (f"all conversations with the same '{col}' — user-level DP over conversations "
+                                         "(add/remove adjacency of one user)")
+        elif self.args.dp_enabled:
+            report["unit_of_privacy"] = "one conversation (add/remove adjacency of one training conversation)"
+        return report
+
+    def _write_privacy_files(self, output_dir: str, eval_results: dict | None = None) -> None:
+        from hf_dp.hub import report as hub_report
+
+        eval_results = eval_results if eval_results is not None else hub_report.latest_eval_metrics(self.state.log_history)
+        fields = card_fields(self)
+        s = self.sft_settings()
+        fields["task_description"] = (
+            f"supervised fine-tuning on conversations with TRL's SFTTrainer (trl {s['trl_version']}): "
+            f"completion_only_loss={s['completion_only_loss']}, assistant_only_loss={s['assistant_only_loss']}, "
+            f"max_length={s['max_length']}, packing={s['packing']}, padding_free={s['padding_free']}, "
+            f"loss_type={s['loss_type']}; {s['per_example_loss']}")
+        write_privacy_artifacts(output_dir, self.privacy_report(), eval_results=eval_results, **fields)
