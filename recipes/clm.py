@@ -65,6 +65,7 @@ from recipes.clm_support import (  # noqa: E402
 from recipes.common.args import RecipeError, parse_layered  # noqa: E402
 from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
+from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.run import apply_plan, check_privacy_settings, push_folder, resume_argument, summarize  # noqa: E402
 from recipes.common.run import save_release  # noqa: E402
@@ -320,6 +321,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         model=model, args=training_args, train_dataset=train_blocks, eval_dataset=eval_blocks,
         processing_class=tokenizer, data_collator=collator,
     )
+    trainer.add_callback(time_left_callback())  # one overall estimate: the planned steps, the time left
     # the card fields (no local paths; a Hub dataset only if one was used)
     trainer.base_model_id = base_model_id(model_args.model_name_or_path) if model_args.model_name_or_path else None
     trainer.task_name = TASK

@@ -33,6 +33,7 @@ if str(_REPO) not in sys.path:
 from recipes.common.args import RecipeError, parse_layered  # noqa: E402
 from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
+from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import MINILM_PACKAGE, ModelArguments, base_model_id, load_pretrained  # noqa: E402,F401
 from recipes.common.model import resolve_model_path  # noqa: E402,F401  (tests and users: the preset's folder)
 from recipes.common.early import check_model_loadable, check_resume_settings, resume_checkpoint  # noqa: E402
@@ -217,6 +218,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     from hf_dp import DPTrainer
     from hf_dp.hub import write_privacy_artifacts
     from hf_dp.hub.describe import card_fields
+    from hf_dp.privacy.selection import HOLDER, plan_context
 
     start = time.perf_counter()
     transformers.set_seed(training_args.seed)
@@ -271,12 +273,16 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     # --push_to_hub: train and save locally first, push the saved folder at the end (a failed push loses nothing)
     push = bool(training_args.push_to_hub)
     training_args.push_to_hub = False
-    trainer = DPTrainer(
-        model=model, args=training_args,
-        train_dataset=tokenized["train"] if training_args.do_train else None,
-        eval_dataset=tokenized["validation"] if training_args.do_eval else None,
-        processing_class=tokenizer, data_collator=collator, compute_metrics=compute_metrics,
-    )
+    # --tune: this trainer only holds the selection; the single run its σ is planned for is never made (no plan line:
+    # each trial prints its own, at the trials' σ)
+    with plan_context(HOLDER if training_args.do_train and tune_space is not None else None):
+        trainer = DPTrainer(
+            model=model, args=training_args,
+            train_dataset=tokenized["train"] if training_args.do_train else None,
+            eval_dataset=tokenized["validation"] if training_args.do_eval else None,
+            processing_class=tokenizer, data_collator=collator, compute_metrics=compute_metrics,
+        )
+    trainer.add_callback(time_left_callback())  # one overall estimate: the planned steps, the time left
     # the card fields, for checkpoint cards and the final card alike (no local paths; a Hub dataset only if one was used)
     trainer.base_model_id = base_model_id(model_args.model_name_or_path)
     trainer.task_name = data_args.task_name

@@ -260,9 +260,10 @@ def test_split_batch():
 
 
 def test_run_block_takes_public_quantities_only():
-    # calibrated: whether the model is of a family the verdict was calibrated on (its class: public)
+    # calibrated: whether the model is of a family the verdict was calibrated on (its class: public); detail: the
+    # table or two lines; sigma_note: the caller's words for a given σ's ε (a selection's trial)
     allowed = {"n", "batch_size", "steps", "sigma", "delta", "accountant", "max_grad_norm", "params", "epsilon",
-               "calibrated"}
+               "calibrated", "detail", "sigma_note"}
     assert set(inspect.signature(run_block).parameters) == allowed
 
 
@@ -314,3 +315,28 @@ def test_the_constant_predictor_expectation_only_for_the_models_it_was_calibrate
                                                                    num_attention_heads=2, intermediate_size=8)))
     assert not calibrated_for(GPT2LMHeadModel(GPT2Config(**tiny)))
     assert not calibrated_for(GPT2ForSequenceClassification(GPT2Config(**tiny, pad_token_id=0)))
+
+
+def test_the_start_of_run_block_is_short_and_says_where_the_full_table_is(tok, tmp_path, caplog, single_thread):
+    """Issue 44 §2: every DP run printed ~5 long plan lines. By default one summary line and one line of where to see
+    more; the noise figures and the table at DEBUG (``--log_level debug``) or ``detail=True``."""
+    kw = dict(n=1000, batch_size=32, steps=93, sigma=1.5, delta=1e-5, accountant="prv", max_grad_norm=0.1,
+              params=2_000_000, epsilon=3.0)
+    short, _ = run_block(**kw)
+    full, _ = run_block(**kw, detail=True)
+    lines = short.splitlines()
+    assert len(lines) == 2 and all(len(line) <= 200 for line in lines), short
+    assert lines[0].startswith("hf_dp plan (public") and "σ = 1.5" in lines[0] and "T = 93 steps" in lines[0]
+    assert "R_run" in lines[0] and "--log_level debug" in lines[1] and "python -m hf_dp.plan --n 1000" in lines[1]
+    assert "sigma/sqrt(BN)" in full and "R_step" in full and "R_epoch" in full
+    ds = make_pair_dataset(tok, n=128, seed=0)
+    for level, log_level, want_full in ((logging.INFO, "passive", False), (logging.DEBUG, "passive", True),
+                                        (logging.INFO, "debug", True)):
+        caplog.clear()
+        with caplog.at_level(level, logger="hf_dp"):
+            DPTrainer(model=make_model(), args=dp_args(tmp_path / f"{level}{log_level}", log_level=log_level), train_dataset=ds,
+                      data_collator=make_collator(tok))
+        plan = [r for r in caplog.records if r.getMessage().startswith("hf_dp plan (public")]
+        assert len(plan) == 1 and plan[0].levelno == logging.INFO  # the full table at INFO, when asked
+        assert ("sigma/sqrt(BN)" in plan[0].getMessage()) is want_full
+        assert (len(plan[0].getMessage().splitlines()) == 2) is not want_full

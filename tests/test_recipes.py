@@ -751,3 +751,18 @@ def test_glue_recipe_under_fsdp2_with_two_processes(glue, tiny_bert, tmp_path, l
     assert privacy["steps"] == 3 and privacy["epsilon"] == pytest.approx(float(s["epsilon spent"].split()[0]), rel=1e-3)
     model = AutoModelForSequenceClassification.from_pretrained(out / "release")
     assert type(model).__name__ == "BertForSequenceClassification" and (out / "release" / "README.md").is_file()
+
+
+@needs_glue
+def test_the_recipe_prints_the_planned_steps_and_the_training_time_left(glue, tiny_bert, tmp_path, capsys):
+    """Issue 44 §5: ~460 progress-bar lines and no overall estimate of the time left. A plain line at the start with the
+    planned steps, and one at each logging step with the training time left at the pace so far."""
+    argv = ["--task_name", "sst2", "--data_dir", str(GLUE_DIR), "--model_name_or_path", tiny_bert,
+            "--max_train_samples", "64", "--max_eval_samples", "16", "--max_seq_length", "32",
+            "--per_device_train_batch_size", "16", "--max_steps", "4", "--logging_steps", "2", "--epsilon", "8",
+            "--output_dir", str(tmp_path / "out"), "--dp_seed", "0", "--disable_tqdm", "true"]
+    code, out, err = _run(glue, capsys, argv)
+    assert code == 0, err[-3000:]
+    assert "training: 4 steps planned; the time left is printed at each logging step (every 2 steps)" in out
+    assert re.search(r"training: step 2/4 after \d+ s; about \d+ s of training left at this pace", out), out[-2000:]
+    assert "step 4/4" not in out  # nothing left to estimate at the end

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -380,20 +381,28 @@ def test_selections_whose_seeds_gave_their_trials_one_31_bit_seed_draw_different
     assert not torch.allclose(first[0], first[1], atol=1e-3)  # before the fix: the same draw
 
 
-def test_the_release_reports_the_total_and_cannot_be_continued(data, tmp_path, trial_dirs):
+def test_the_release_reports_the_total_and_cannot_be_continued(data, tmp_path, trial_dirs, caplog):
     from transformers import BertForSequenceClassification
 
     from hf_dp import DPTrainer
     from tests.helpers import dp_args, make_collator, make_model
 
     tok, train, _ = data
-    trainer = _trainer(tmp_path, data)
-    best = _search(trainer, _Inits(), n_trials=2.5)
+    with caplog.at_level(logging.INFO, logger="hf_dp"):
+        trainer = _trainer(tmp_path, data)
+        single = trainer.privacy_spec.noise_multiplier
+        best = _search(trainer, _Inits(), n_trials=2.5)
     sel = trainer.hyperparameter_selection
+    # issue 44 §2: the σ logged when the trainer was made is a single run's; the selection line says so
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_dp: private selection"))
+    assert f"σ = {sel['per_trial_noise_multiplier']:.4g} per trial" in line
+    assert f"(σ = {single:.4g}) is a single run's" in line
     assert sel["total_epsilon"] <= 3.0 and trainer.get_epsilon() == sel["total_epsilon"]
     assert sel["per_trial_epsilon"] < sel["total_epsilon"]
     assert trainer.privacy_spec.noise_multiplier == sel["per_trial_noise_multiplier"]
-    assert 0.5 * sel["per_trial_epsilon"] < trainer.ledger.get_epsilon() <= sel["per_trial_epsilon"]  # one trial: PRV <= RDP
+    # issue 44 §2: the trial's own ε is the selection's per-trial ε (one accountant, RDP, for every number of it)
+    assert trainer.ledger.spec.accountant == "rdp" and trainer.privacy_spec.accountant == "rdp"
+    assert math.isclose(trainer.ledger.get_epsilon(), sel["per_trial_epsilon"], rel_tol=2e-3)
     out = tmp_path / "release"
     trainer.save_model(str(out))
     privacy = json.loads((out / "privacy.json").read_text())
@@ -585,6 +594,32 @@ def test_the_recipe_tunes_privately_and_writes_the_record(glue, tiny_bert, tmp_p
     assert privacy["cache_frozen_features"] is True  # the trials reused the recipe's frozen-prefix caches
     assert "Hyper-parameters chosen privately" in (out / "release" / "README.md").read_text()
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == []
+
+
+def test_the_recipe_s_plan_lines_state_the_trials_sigma_and_one_epsilon_per_trial(glue, tiny_bert, tmp_path, capsys,
+                                                                                    monkeypatch, caplog):
+    """Issue 44 §2: under --tune the first plan block showed a single run's σ (0.834) while the trials ran at σ 1.027,
+    and the trials' blocks said ε = 1.79 per trial (PRV) where the selection line and the card said 2.2 (RDP)."""
+    import re
+
+    monkeypatch.setattr(TrialCount, "sample", lambda self, uniform: 2)
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO, logger="hf_dp"):
+        code, stdout, err = _run(glue, capsys, _tune_argv(tiny_bert, _glue_layout(tmp_path), out, "--tune",
+                                                          "learning_rate=1e-3,1e-2", "--tune_trials", "2"))
+    assert code == 0, err[-3000:]
+    record = json.loads((out / "release" / "privacy.json").read_text())["hyperparameter_selection"]
+    messages = [r.getMessage() for r in caplog.records]
+    blocks = [m for m in messages if m.startswith("hf_dp plan (public")]
+    assert len(blocks) == 2  # one per trial; none for the single run the selection does not make
+    sigmas = {float(s) for b in blocks for s in re.findall(r"σ = ([0-9.]+)", b)}
+    assert sigmas == {float(f"{record['per_trial_noise_multiplier']:.4g}")}
+    per_trial = f"{record['per_trial_epsilon']:.3g}"
+    for b in blocks:  # each trial's ε, by the accountant the selection's total uses, and named
+        assert f"ε = {per_trial} per trial (rdp" in b, b
+    line = next(m for m in messages if m.startswith("hf_dp: private selection"))
+    assert f"ε {per_trial} each alone (rdp)" in line and "σ" in line
+    assert json.loads((out / "release" / "privacy.json").read_text())["accountant"] == "rdp"
 
 
 @pytest.mark.parametrize("extra,expect", [

@@ -3,7 +3,8 @@
 ``python -m hf_dp.plan --n 8999 --epsilon 3 --delta 1e-5 --params 1923074`` prints, for candidate logical batch
 sizes B and epochs E, the noise multiplier σ that the accountant calibrates for (ε, δ, q = B/N, steps), the number
 of steps and the noise of the averaged gradient, and recommends the B that minimises the documented objective at a
-fixed compute budget. Every :class:`DPTrainer` run logs one such block (its own row) at start.
+fixed compute budget. Every :class:`DPTrainer` run logs its own row at start, in two lines (the block with the noise
+figures and the table with ``--log_level debug``).
 
 Only public quantities enter: N (the dataset size, which DP-SGD's accountant uses anyway), B, E, ε, δ, the
 accountant, the clip norm C and the number d of trainable parameters. No training data is read.

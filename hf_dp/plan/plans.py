@@ -386,12 +386,15 @@ def format_table(rows: list[PlanRow], choice: PlanRow | None = None, best: dict 
 
 
 def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: float, accountant: str,
-              max_grad_norm: float, params: int, epsilon: float | None = None, calibrated: bool = True) -> tuple[str, str | None]:
+              max_grad_norm: float, params: int, epsilon: float | None = None, calibrated: bool = True,
+              detail: bool = False, sigma_note: str = "") -> tuple[str, str | None]:
     """The start-of-run block of a DP run and its warning (or None). Costs no calibration: σ is the run's own.
 
     Inputs are public only: N, the expected logical batch B, the planned steps T, σ, δ, the accountant, C, d (and
-    the target ε). Rows for other batch sizes already calibrated in this process (e.g. by a recipe's
-    :func:`recommend`) for the same (N, ε, δ, accountant) are shown too.
+    the target ε). By default two lines: the plan in one (N, B, q, T, ε, δ, σ, C, d, R_run) and where to see more;
+    ``detail=True``: the noise figures and the table, with rows for other batch sizes already calibrated in this
+    process (e.g. by a recipe's :func:`recommend`) for the same (N, ε, δ, accountant). ``sigma_note`` replaces the
+    "(σ given)" after the ε of a run whose σ was given (e.g. "per trial (rdp; …)" under a private selection).
     """
     spe = PoissonBatchSampler.steps_for_epoch(batch_size / n)
     own = PlanRow(batch_size=int(round(batch_size)), epochs=steps / spe, steps=int(steps), sample_rate=batch_size / n,
@@ -405,7 +408,18 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
                 rows.append(PlanRow(batch_size=int(round(b)), epochs=t / PoissonBatchSampler.steps_for_epoch(q),
                                     steps=int(t), sample_rate=q, sigma=s, n=int(n), params=own.params))
         rows.sort(key=lambda r: (r.epochs, r.batch_size))
-    target = f"target ε = {epsilon:g}" if epsilon is not None else f"ε = {compute_epsilon(sigma, batch_size / n, steps, delta, accountant):.3g} (σ given)"
+    target = (f"target ε = {epsilon:g}" if epsilon is not None else
+              f"ε = {compute_epsilon(sigma, batch_size / n, steps, delta, accountant):.3g} {sigma_note or '(σ given)'}")
+    more = (f"python -m hf_dp.plan --n {n} " + (f"--epsilon {epsilon:g} " if epsilon is not None else "--epsilon <target> ")
+            + f"--delta {delta:g} --params {params} --accountant {accountant}")
+    warnings = ([constant_message(own)] if calibrated and own.constant_expected else []) + ([noisy_message(own)] if own.noisy else [])
+    if not detail:
+        return "\n".join([
+            f"hf_dp plan (public quantities only): N = {n:,}, B = {own.batch_size}, T = {own.steps} steps "
+            f"({fmt_e(round(own.epochs, 3))} epochs), {target}, δ = {delta:g}, {accountant} → σ = {own.sigma:.4g}; "
+            f"C = {max_grad_norm:g}, d = {params:,} trainable; R_run = {own.r_run:.3g}",
+            f"  noise figures and table: --log_level debug; other batch sizes / epochs: {more}",
+        ]), ("\n".join(warnings) or None)
     lines = [
         f"hf_dp plan (public quantities only: N, B, steps, ε, δ, accountant, C, d): N = {n:,}, B = {own.batch_size}, "
         f"q = {own.sample_rate:.4g}, T = {own.steps} steps ({fmt_e(round(own.epochs, 3))} epochs × {spe}), {target}, "
@@ -414,9 +428,6 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
         f"{own.r_step:.3g}·C (R_step; the clipped signal's norm is ≤ C); accumulated over an epoch / the run relative to "
         f"the best-case accumulated signal: R_epoch = {own.r_epoch:.3g}, R_run = {own.r_run:.3g} (warning above {WARN_R_RUN:g})",
         format_table(rows, choice=None).replace("\n", "\n  ").join(["  ", ""]),
-        f"  other batch sizes / epochs at this budget: python -m hf_dp.plan --n {n} "
-        + (f"--epsilon {epsilon:g} " if epsilon is not None else "--epsilon <target> ")
-        + f"--delta {delta:g} --params {params} --accountant {accountant}",
+        f"  other batch sizes / epochs at this budget: {more}",
     ]
-    warnings = ([constant_message(own)] if calibrated and own.constant_expected else []) + ([noisy_message(own)] if own.noisy else [])
     return "\n".join(lines), ("\n".join(warnings) or None)

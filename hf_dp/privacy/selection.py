@@ -47,12 +47,34 @@ the total ε of the selection at δ meets a target, by bisection on σ.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import math
 from dataclasses import dataclass
 
 from .accounting import check_delta, check_epsilon, check_sample_rate
+
+#: what the DPTrainers made in a :func:`plan_context` are to a private selection, for their start-of-run plan line
+#: (``hf_dp.run.setup``): None (a run of their own), :data:`HOLDER` (a trainer that only holds a selection: the single
+#: run its σ is planned for is never made, so its plan is not printed) or a note for a trial's ε ("per trial (rdp, …)")
+_PLAN_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("hf_dp_selection_plan", default=None)
+HOLDER = "holder"
+
+
+@contextlib.contextmanager
+def plan_context(role):
+    """DPTrainers made inside: ``HOLDER`` (e.g. a recipe's trainer under ``--tune``) or a trial's note."""
+    token = _PLAN_CONTEXT.set(role)
+    try:
+        yield
+    finally:
+        _PLAN_CONTEXT.reset(token)
+
+
+def plan_role():
+    """The :func:`plan_context` of a DPTrainer being made: None, :data:`HOLDER` or a trial's note."""
+    return _PLAN_CONTEXT.get()
 
 #: Rényi orders of the computation: dense near 1 (the λ̂ of Theorem 2 and small ε) up to 1024
 ORDERS = tuple(

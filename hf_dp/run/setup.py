@@ -23,6 +23,7 @@ from hf_dp.privacy.accounting import PrivacyLedger
 from hf_dp.privacy.planning import plan_mechanism
 from hf_dp.privacy.randomness import SEEDED, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
+from hf_dp.privacy.selection import HOLDER, plan_role
 from hf_dp.run import contract, lineage
 from hf_dp.run.data import refuse_sharding, set_sampler_lengths, unit_rows
 
@@ -95,13 +96,21 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
     trainer.clipping_engine = audit_engine(trainer, engine) if audit_engine is not None else engine
     trainer.ghost_clipper, trainer.grad_sampler = trainer.clipping_engine.clipper, trainer.clipping_engine.grad_sampler
     # the planner's start-of-run block (hf_dp.plan): public quantities only, no extra calibration
-    d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    block, warning = run_block(n=n, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
-                               max_grad_norm=args.per_sample_max_grad_norm, params=d, epsilon=args.epsilon,
-                               calibrated=calibrated_for(getattr(trainer.model, "get_base_model", lambda: trainer.model)()))
-    logger.info(block)
-    if warning:
-        logger.warning(warning)
+    # two lines by default; the noise figures and the table when asked (--log_level debug, or hf_dp's logger at DEBUG).
+    # Under a private selection (hf_dp.privacy.selection.plan_context) a trial names its ε per trial, and a trainer that
+    # only holds the selection prints nothing: the single run its σ is planned for is never made
+    role = plan_role()
+    trainer._plan_announced = role != HOLDER
+    if trainer._plan_announced:
+        d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        block, warning = run_block(
+            n=n, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
+            max_grad_norm=args.per_sample_max_grad_norm, params=d, epsilon=args.epsilon, sigma_note=role or "",
+            calibrated=calibrated_for(getattr(trainer.model, "get_base_model", lambda: trainer.model)()),
+            detail=args.log_level == "debug" or logger.isEnabledFor(logging.DEBUG))
+        logger.info(block)
+        if warning:
+            logger.warning(warning)
     trainer._contract_probe, trainer._rows_checked, trainer._several_rows = False, None, False
     trainer._planned_train_dataset = trainer.train_dataset
     #: the mechanism σ, q and the steps were planned for: every train() and every step must still run it

@@ -7,7 +7,8 @@ The best of a random number K of full DP runs is released, and the reported ε i
    ``negative_binomial`` with ``eta``, ``poisson``; mean ``n_trials``), from OS entropy (``--dp_seed``: from the seed).
 2. The per-trial σ is calibrated (for the run's q and steps) so that the selection's total ε at δ is ≤ ``--epsilon``.
 3. Each trial is a fresh DP run: a new model from ``model_init``, a new trainer with the configuration drawn
-   (uniformly, with fresh randomness) from ``hp_space``, ``--noise_multiplier`` = that σ, new Poisson draws and noise
+   (uniformly, with fresh randomness) from ``hp_space``, ``--noise_multiplier`` = that σ, ``--accountant rdp`` (the
+   accountant of the total: the ε a trial logs is the record's ``per_trial_epsilon``), new Poisson draws and noise
    (OS entropy; under ``--dp_seed`` each trial's streams are keyed by a seed of its own, the 256-bit hash
    :func:`~hf_dp.privacy.randomness.derived_seed` of (seed, "selection", "trial", index)), a different HF ``seed``,
    its files in a temporary folder that is deleted, no tracker (``report_to`` none), no checkpoint.
@@ -44,7 +45,7 @@ import tempfile
 import weakref
 
 from hf_dp.privacy.randomness import derived_seed
-from hf_dp.privacy.selection import DEFAULT_SCORE_NOISE_MULTIPLIER, calibrate_selection_sigma
+from hf_dp.privacy.selection import DEFAULT_SCORE_NOISE_MULTIPLIER, calibrate_selection_sigma, plan_context
 from hf_dp.tuning import private_score
 from hf_dp.tuning.space import Trial, check_space, describe_space, draw_configuration, trial_count
 
@@ -141,9 +142,13 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
     seeded = args.dp_seed is not None
     rng = random.Random(derived_seed(args.dp_seed, "selection", "k")) if seeded else random.SystemRandom()
     k = count.sample(rng.random)
-    logger.info("hf_dp: private selection: %s trials on average (%s), sigma=%.4g per trial (epsilon %.3g each alone), "
-                "total epsilon %.4g at delta %g", count.mean, count.name, plan.noise_multiplier, plan.per_trial_epsilon,
-                plan.total_epsilon, plan.delta)
+    # one accountant for every ε of the selection: its total is an RDP bound (dp-accounting), so each trial's own ε
+    # (its plan line, its logs, the released trial's ledger and card) is RDP too, not a PRV figure beside it
+    single = (f"; the plan logged when this trainer was made (σ = {spec.noise_multiplier:.4g}) is a single run's, "
+              "which the selection does not make" if getattr(trainer, "_plan_announced", False) else "")
+    logger.info("hf_dp: private selection: %s trials on average (%s), σ = %.4g per trial (ε %.3g each alone (rdp)), "
+                "calibrated so that the total ε is %.4g at δ %g (rdp, the best of K trials)%s", count.mean, count.name,
+                plan.noise_multiplier, plan.per_trial_epsilon, plan.total_epsilon, plan.delta, single)
     trainer._selection_models = [weakref.ref(trainer.model)]  # to refuse a model_init that returns a used model
     best = None  # (score, index, trainer, params)
     summary = []
@@ -156,7 +161,8 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
         seed = config_rng.randrange(2**31)
         folder = None
         try:
-            trial_trainer, folder = _make_trial(trainer, model_init, trial, params, plan, seed, index, scoring)
+            with plan_context(f"per trial (rdp, as the selection's total ε {plan.total_epsilon:.3g})"):
+                trial_trainer, folder = _make_trial(trainer, model_init, trial, params, plan, seed, index, scoring)
             if k == 0:  # Poisson's K = 0: nothing is trained, the model_init model is released
                 best = (None, index, trial_trainer, params, folder)
                 break
@@ -212,7 +218,7 @@ def _make_trial(trainer, model_init, trial, params, plan, seed, index, scoring=N
     """A fresh DPTrainer for one trial: a new model, the trainer's data and collator, the trial's flags."""
     folder = _trial_folder()
     args = trainer.args
-    changes = dict(params, epsilon=None, noise_multiplier=plan.noise_multiplier, output_dir=folder, seed=seed,
+    changes = dict(params, epsilon=None, noise_multiplier=plan.noise_multiplier, accountant="rdp", output_dir=folder, seed=seed,
                    save_strategy="no", report_to="none", push_to_hub=False, load_best_model_at_end=False)
     private = scoring is not None and scoring.private
     if private:  # no evaluation during training: the eval set may be the held-out one; the score reads every row in order

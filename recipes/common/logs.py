@@ -54,3 +54,42 @@ def pin_memory_default() -> bool:
     if accel is not None and hasattr(accel, "is_available"):
         return bool(accel.is_available())
     return torch.cuda.is_available()
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def time_left_callback():
+    """One overall estimate of the training's time, in plain lines a log file keeps (the progress bar's own estimate is
+    redrawn in place, or every 20 s when the output is not a terminal): at the start, the planned steps; at each
+    logging step, the steps done and the training time left at the pace so far (the evaluation comes after). Rank 0
+    only. Step times are not released beyond what the bar and the summary's wall time already show."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class TrainingTimeLeft(TrainerCallback):
+        def __init__(self):
+            self.start = None
+            self.first_step = 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start, self.first_step = time.perf_counter(), state.global_step
+            if state.is_world_process_zero and state.max_steps:
+                done = f" ({state.global_step:,} done)" if state.global_step else ""
+                print(f"training: {state.max_steps:,} steps planned{done}; the time left is printed at each logging "
+                      f"step (every {args.logging_steps:g} steps)", flush=True)
+
+        def on_log(self, args, state, control, **kwargs):
+            steps = state.global_step - self.first_step
+            if self.start is None or not state.is_world_process_zero or steps <= 0 or not state.max_steps:
+                return
+            if state.global_step >= state.max_steps:
+                return
+            elapsed = time.perf_counter() - self.start
+            left = elapsed / steps * (state.max_steps - state.global_step)
+            print(f"training: step {state.global_step:,}/{state.max_steps:,} after {_minutes(elapsed)}; about "
+                  f"{_minutes(left)} of training left at this pace (evaluation after)", flush=True)
+
+    return TrainingTimeLeft()
