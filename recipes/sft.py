@@ -27,6 +27,7 @@ What the recipe decides (recipes/README.md, "Supervised fine-tuning"):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
@@ -44,6 +45,7 @@ from recipes.common.args import RecipeError  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.common.run import save_release  # noqa: E402
+from hf_dp.run.data import no_progress_bar  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
 
 logger = logging.getLogger("hf_dp.recipes.sft")
@@ -149,7 +151,10 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args, give
     from hf_dp.sft import DPSFTTrainer
 
     start = time.time()
-    train, dev, kind = _load_data(data_args, args)  # before any model is loaded
+    # before any model is loaded; under a unit column without 🤗 Datasets' bars (they print the number of
+    # conversations, private under user-level DP)
+    with no_progress_bar() if args.dp_enabled and args.privacy_unit_column else contextlib.nullcontext():
+        train, dev, kind = _load_data(data_args, args)
     if kind == "messages" and "--assistant_only_loss" not in given:
         args.assistant_only_loss = True  # score the assistant's tokens only (TRL's default scores every token)
     clm_args = ClmModelArguments(model_name_or_path=model_args.model_name_or_path, model_type=model_args.model_type,

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils.data import DataLoader
 
@@ -22,6 +24,21 @@ EMPTY_KEY = "_hf_dp_empty_batch"
 UNITS_KEY = "_hf_dp_units"
 #: the feature key :class:`UnitTagged` adds to each training row: the index of its unit in the training set
 UNIT_OF_ROW_KEY = "_hf_dp_unit"
+
+
+@contextlib.contextmanager
+def no_progress_bar():
+    """🤗 Datasets' progress bars off (then as they were): a bar over the rows of a unit-level training set prints
+    their number, which is private (one unit's removal changes it by its rows)."""
+    import datasets
+
+    was_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_off:
+            datasets.enable_progress_bars()
 
 
 class TaggedRows(torch.utils.data.Dataset):

@@ -24,11 +24,13 @@ card see it), ``compute_loss_func`` and ``--audit_canaries`` (not supported here
 
 from __future__ import annotations
 
+import contextlib
+
 from trl import SFTTrainer
 
 from hf_dp.hub import write_privacy_artifacts
 from hf_dp.hub.describe import card_fields
-from hf_dp.run.data import check_eval_is_not_train
+from hf_dp.run.data import check_eval_is_not_train, no_progress_bar
 from hf_dp.sft.config import DPSFTConfig, enforce_sft
 from hf_dp.trainer import DPTrainer
 
@@ -65,9 +67,12 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
 
             model = AutoModelForCausalLM.from_pretrained(model, **dict(args.model_init_kwargs or {}))
         self._raw_train_dataset = train_dataset
-        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
-                         formatting_func=formatting_func, compute_loss_func=compute_loss_func, **kwargs)
+        # TRL prepares the training set with 🤗 Datasets' maps and filters, whose bars print its number of rows
+        # (conversations): private under a unit column (one user's removal changes it by their conversations)
+        with no_progress_bar() if args.dp_enabled and args.privacy_unit_column else contextlib.nullcontext():
+            super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
+                             formatting_func=formatting_func, compute_loss_func=compute_loss_func, **kwargs)
 
     def _setup_privacy(self) -> None:
         # N, the units, the label and token checks and the resume fingerprint read the training set as TRL prepared it

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import datasets
 
+from hf_dp.run.data import no_progress_bar  # noqa: F401  (re-exported: the recipe's unit-level data steps)
 from recipes.glue_support.data import _load_one_file
 from recipes.glue_support.tasks import DataLoadingError
 
@@ -218,19 +219,6 @@ def evaluation_blocks(ds: datasets.Dataset, tokenizer, text_column: str, block_s
 
     return ds.map(fn, batched=True, remove_columns=ds.column_names, load_from_cache_file=not overwrite_cache,
                   desc="Cutting the evaluation rows into blocks")
-
-
-@contextlib.contextmanager
-def no_progress_bar():
-    """🤗 Datasets' progress bars off (then as they were): a bar over the rows of a unit-level training set prints
-    their number, which is private (one unit's removal changes it by its rows)."""
-    was_off = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not was_off:
-            datasets.enable_progress_bars()
 
 
 def training_blocks(train: datasets.Dataset, tokenizer, text_column: str, unit_column: str, block_size: int,
