@@ -17,6 +17,7 @@ metrics are :mod:`recipes.glue_support`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -40,6 +41,7 @@ from recipes.common.early import check_model_loadable, check_resume_settings, re
 from recipes.common.run import apply_plan, check_privacy_settings, push_folder, resume_argument, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.common.run import save_release, write_predictions  # noqa: E402
+from hf_dp.run.data import no_progress_bar  # noqa: E402
 from recipes.common.tune import HOLDOUT, TuneArguments, carve_holdout, check_tune, check_tune_score, run_tune  # noqa: E402
 from recipes.glue_support import (  # noqa: E402
     GLUE_TASKS,
@@ -210,6 +212,19 @@ def _data_description(data_args: DataTrainingArguments, n_train: Optional[int]) 
     return f"`{name}` ({data_args.dataset_config_name or (task.name if task else '')}){rows}"
 
 
+def _units(raw, unit: Optional[str], n_rows: int) -> int:
+    """N for the planner and the checks: the rows, or under ``--privacy_unit_column`` the distinct units of the first
+    ``n_rows`` training rows (what the accountant counts; the number of rows is private there)."""
+    if unit is None or "train" not in raw:
+        return n_rows
+    train = raw["train"]
+    if unit not in train.column_names:
+        raise RecipeError(f"--privacy_unit_column {unit}: the training data has no column '{unit}' "
+                          f"(it has {', '.join(train.column_names)})")
+    values = train[unit] if n_rows >= len(train) else train.select(range(n_rows))[unit]
+    return len(set(values))
+
+
 def run(model_args, data_args, training_args) -> dict[str, Any]:
     """Load data and model, train with DP, evaluate, save; return the summary dict."""
     import transformers
@@ -227,12 +242,16 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         check_model_loadable(model_args)
     resume = resume_argument(training_args)
     resume_checkpoint(resume, training_args.output_dir)  # --resume_from_checkpoint True with nothing to resume
-    raw = load_raw_datasets(
-        task_name=data_args.task_name, dataset_name=data_args.dataset_name,
-        dataset_config_name=data_args.dataset_config_name, data_dir=data_args.data_dir,
-        train_file=data_args.train_file, validation_file=data_args.validation_file, test_file=data_args.test_file,
-        cache_dir=model_args.cache_dir,
-    )
+    # --privacy_unit_column: N is the number of units, and the rows are private (no 🤗 Datasets bar counts them)
+    unit = training_args.privacy_unit_column if training_args.dp_enabled else None
+    quiet = no_progress_bar if unit else contextlib.nullcontext
+    with quiet():
+        raw = load_raw_datasets(
+            task_name=data_args.task_name, dataset_name=data_args.dataset_name,
+            dataset_config_name=data_args.dataset_config_name, data_dir=data_args.data_dir,
+            train_file=data_args.train_file, validation_file=data_args.validation_file, test_file=data_args.test_file,
+            cache_dir=model_args.cache_dir,
+        )
     if training_args.do_train and "train" not in raw:
         raise RecipeError("--do_train needs training data (train.tsv in --data_dir, or --train_file)")
     if training_args.do_eval and "validation" not in raw:
@@ -244,6 +263,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     n_train = len(raw["train"]) if "train" in raw else 0
     if data_args.max_train_samples is not None:
         n_train = min(n_train, data_args.max_train_samples)
+    n_train = _units(raw, unit, n_train)
     check_privacy_settings(training_args, n_train)  # before the model, tokenization and any caching
     # --tune: GLUE's own dev set (local GLUE layout or the Hub's nyu-mll/glue) is public data, declared so for scoring
     glue_dev = bool(data_args.task_name) and not data_args.validation_file and not data_args.dataset_name
@@ -252,7 +272,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     check_tune_score(data_args, is_regression=info.is_regression)
     carved = carve_holdout(raw, data_args, training_args, data_args.max_train_samples)  # --tune_score private
     if carved is not None:
-        n_train = carved
+        n_train = _units(raw, unit, carved)
         check_privacy_settings(training_args, n_train)
     model, tokenizer, model_path = load_model_and_tokenizer(model_args, data_args, info)
     planned = _apply_plan(training_args, model, n_train)
@@ -260,12 +280,13 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         print(planned, flush=True)
         check_privacy_settings(training_args, n_train)
     check_resume_settings(training_args, resume, n_train)  # the checkpoint's σ, C, q, B, N, δ: before tokenizing
-    tokenized = preprocess(
-        raw, tokenizer, task_name=data_args.task_name, max_seq_length=data_args.max_seq_length,
-        pad_to_max_length=data_args.pad_to_max_length, max_train_samples=data_args.max_train_samples,
-        max_eval_samples=data_args.max_eval_samples, max_predict_samples=data_args.max_predict_samples,
-        overwrite_cache=data_args.overwrite_cache,
-    )
+    with quiet():
+        tokenized = preprocess(
+            raw, tokenizer, task_name=data_args.task_name, max_seq_length=data_args.max_seq_length,
+            pad_to_max_length=data_args.pad_to_max_length, max_train_samples=data_args.max_train_samples,
+            max_eval_samples=data_args.max_eval_samples, max_predict_samples=data_args.max_predict_samples,
+            overwrite_cache=data_args.overwrite_cache, keep_train_columns=(unit,) if unit else (),
+        )
     holdout = tokenized.pop(HOLDOUT, None)  # --tune_score private: the held-out training rows, scored privately
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(tokenizer)
     compute_metrics = build_compute_metrics(data_args.task_name, is_regression=info.is_regression)

@@ -766,3 +766,24 @@ def test_the_recipe_prints_the_planned_steps_and_the_training_time_left(glue, ti
     assert "training: 4 steps planned; the time left is printed at each logging step (every 2 steps)" in out
     assert re.search(r"training: step 2/4 after \d+ s; about \d+ s of training left at this pace", out), out[-2000:]
     assert "step 4/4" not in out  # nothing left to estimate at the end
+
+
+def test_under_a_unit_column_the_recipe_plans_and_checks_with_the_number_of_units(glue, tiny_bert, tmp_path, capsys):
+    """--privacy_unit_column: N is the number of units (what the accountant counts), not of rows — in the planner's
+    lines, in the checks (B ≤ N) and in privacy.json. 96 rows of 12 users: N = 12, so a logical batch of 16 is refused
+    in one line before any model is loaded, and a batch of 4 trains at q = 4/12; no bar or line prints the 96 rows."""
+    rows = ["sentence\tlabel\tuser"] + [f"{'good fun movie' if i % 2 else 'bad dull film'} {i} .\t{i % 2}\tu{i % 12}"
+                                        for i in range(96)]
+    data = tmp_path / "sst2_users.tsv"
+    data.write_text("\n".join(rows) + "\n")
+    argv = _tiny_argv(tiny_bert, data, tmp_path / "run", "--max_steps", "2", "--privacy_unit_column", "user")
+    code, out, err = _run(glue, capsys, argv)
+    assert code == 2 and "(N = 12)" in err and "96" not in err, err[-2000:]
+    argv[argv.index("--per_device_train_batch_size") + 1] = "4"  # q = 4/12
+    argv[argv.index("--delta") + 1] = "1e-2"
+    code, out, err = _run(glue, capsys, argv + ["--remove_unused_columns", "false"])
+    assert code == 0, err[-3000:]
+    assert not re.search(r"\b96\b", out + err), (out + err)[-3000:]
+    privacy = json.loads((tmp_path / "run" / "release" / "privacy.json").read_text())
+    assert privacy["privacy_unit"]["num_units"] == 12 and privacy["dataset_size"] == 12
+    assert privacy["sample_rate"] == pytest.approx(4 / 12)

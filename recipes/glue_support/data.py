@@ -403,12 +403,14 @@ def preprocess(
     label_to_id: dict[Any, int] | None = None,
     overwrite_cache: bool = False,
     num_proc: int | None = None,
+    keep_train_columns: tuple[str, ...] = (),
 ) -> datasets.DatasetDict:
     """Tokenize like run_glue.py: truncation to ``max_seq_length``, padding only with ``pad_to_max_length``.
 
     ``max_*_samples`` keep the first N rows (run_glue semantics). Returns splits with ``input_ids``,
     ``attention_mask`` (``token_type_ids`` when the tokenizer makes them) and ``labels``; raw text columns are dropped.
     For custom files whose labels are not yet ids, ``label_to_id`` maps them (built from the label list if omitted).
+    ``keep_train_columns``: raw columns the training split keeps (the ``--privacy_unit_column``).
     """
     if max_seq_length > tokenizer.model_max_length:
         logger.warning(
@@ -441,8 +443,10 @@ def preprocess(
         limit = limits.get(split)
         if limit is not None:
             ds = ds.select(range(min(len(ds), limit)))
+        keep = keep_train_columns if split == "train" else ()
         out[split] = ds.map(
-            fn, batched=True, remove_columns=ds.column_names, load_from_cache_file=not overwrite_cache,
+            fn, batched=True, remove_columns=[c for c in ds.column_names if c not in keep],
+            load_from_cache_file=not overwrite_cache,
             num_proc=num_proc, desc=f"Running tokenizer on {split}",
         )
     return datasets.DatasetDict(out)
