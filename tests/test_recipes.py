@@ -787,3 +787,19 @@ def test_under_a_unit_column_the_recipe_plans_and_checks_with_the_number_of_unit
     privacy = json.loads((tmp_path / "run" / "release" / "privacy.json").read_text())
     assert privacy["privacy_unit"]["num_units"] == 12 and privacy["dataset_size"] == 12
     assert privacy["sample_rate"] == pytest.approx(4 / 12)
+
+
+def test_a_unit_level_run_of_the_default_trainable_set_trains_without_the_prefix_cache(glue, tiny_bert, tmp_path, capsys):
+    """The recipe caches the frozen prefix of last_block by default, but the cache does not keep the unit column
+    (DPTrainer refuses the pair): with --privacy_unit_column the default is off, so the run trains."""
+    rows = ["sentence\tlabel\tuser"] + [f"{'good fun movie' if i % 2 else 'bad dull film'} {i} .\t{i % 2}\tu{i % 12}"
+                                        for i in range(96)]
+    data = tmp_path / "sst2_users.tsv"
+    data.write_text("\n".join(rows) + "\n")
+    argv = _tiny_argv(tiny_bert, data, tmp_path / "run", "--max_steps", "2", "--privacy_unit_column", "user")
+    argv[argv.index("--per_device_train_batch_size") + 1] = "4"
+    argv[argv.index("--delta") + 1] = "1e-2"
+    argv[argv.index("--trainable") + 1] = "last_block"
+    code, out, err = _run(glue, capsys, argv)
+    assert code == 0, err[-3000:]
+    assert json.loads((tmp_path / "run" / "release" / "privacy.json").read_text())["privacy_unit"]["num_units"] == 12

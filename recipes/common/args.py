@@ -231,8 +231,9 @@ def parse_layered(
     # the frozen prefix is cached when it can be (last_block, last_k:K, head: hf_dp.models.suffix_blocks): the same
     # per-example gradients, minutes instead of an hour on CPU (benchmarks/RESULTS.md §3); the prefix then runs once in
     # eval mode. --cache_frozen_features false: off. Not under --fsdp (the cache is built with the full model on one rank)
+    # nor with --privacy_unit_column (the cache does not keep the unit column; DPTrainer refuses the pair)
     if (cache_frozen_by_default and "cache_frozen_features" not in explicit and cacheable(getattr(peek, "trainable", None))
-            and not getattr(peek, "fsdp", None)):
+            and not getattr(peek, "fsdp", None) and not getattr(peek, "privacy_unit_column", None)):
         parser.set_defaults(cache_frozen_features=True)
     # under DP, each Poisson draw is ordered by length before it is cut into micro-batches: the same draws, clipped sum
     # and noise, less padding (benchmarks/RESULTS.md §1(d)). Not for --disable_dp: there HF's group_by_length sampler
