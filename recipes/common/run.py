@@ -391,7 +391,21 @@ def main(parse: Callable, run: Callable, argv: Optional[list[str]] = None,
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         stream=sys.stderr)
     with one_rank_logs():  # torchrun / accelerate: rank 0 prints the plan, warnings, bars and summary
-        return _main(parse, run, argv, defaults, user_errors)
+        code = _main(parse, run, argv, defaults, user_errors)
+    if code in (0, 3):
+        _leave_process_group()
+    return code
+
+
+def _leave_process_group() -> None:
+    """torchrun / accelerate, after a finished run: every rank leaves the process group together. A rank that exits
+    while another is still saving could abort at interpreter exit ("terminate called without an active exception",
+    gloo), which failed a two-process test once."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _main(parse: Callable, run: Callable, argv, defaults, user_errors) -> int:
