@@ -347,9 +347,10 @@ FLAGS: dict[str, tuple[Rule, ...]] = {
     "ddp_static_graph": (Rule(SAFE, "DDP wrapper option: communication only"),),
     "ddp_backend": (Rule(SAFE, "process-group backend: communication only"),),
     "ddp_timeout": (Rule(SAFE, "process-group timeout"),),
-    "fsdp": (Rule(ADJUSTED, "FSDP2 (fully_shard, through Accelerate; also on CPU/gloo) with two-pass ghost clipping: per-example norms "
-                            "on each rank, the clipped sums reduce-scattered and summed (not averaged) by FSDP, the noise added once "
-                            "per coordinate on each rank's own shard, checkpoints sharded with the ledger; other engines, --bf16/--fp16, DP-SGD-L2/DP-MacAdam, "
+    "fsdp": (Rule(ADJUSTED, "FSDP2 (fully_shard, through Accelerate; also on CPU/gloo) with ghost clipping (one backward by default, "
+                            "--clipping ghost_two_pass on request): per-example norms over the whole model on each rank, the clipped "
+                            "sums reduce-scattered into the shards and summed (not averaged), the noise added once "
+                            "per coordinate on each rank's own shard, checkpoints sharded with the ledger; --clipping hooks, --bf16/--fp16, DP-SGD-L2/DP-MacAdam, "
                             "--cache_frozen_features, FSDP1, CPU offload and tied trainable weights are refused (docs/fsdp.md)",
                   "set", _true("fsdp")),
              Rule(SAFE, "unset (default)")),

@@ -124,8 +124,11 @@ def test_a_registered_layer_type_is_clipped_like_the_per_example_loop(registered
         gc.detach()
     assert ScaleType.calls > 0  # the terms came from the registered entry
     assert set(got) == set(ref)
-    for p, r in ref.items():
-        torch.testing.assert_close(got[p], r, rtol=1e-5, atol=1e-6)
+    # the ghost norms are upper bounds (inflated by their worst-case rounding, ~1e-5 here), so the clip factors may be
+    # that much smaller than the exact ones: the sum is within that of Σ_i c_i ∇ℓ_i
+    c = clip_factors(norms_ref.pow(2), clip)
+    diff = sum(float((got[p] - r).pow(2).sum()) for p, r in ref.items()) ** 0.5
+    assert diff <= 1e-4 * float((c * norms_ref).sum()) + 1e-5 * sum(float(r.pow(2).sum()) for r in ref.values()) ** 0.5
 
 
 def test_unregistering_makes_the_type_unsupported_again():

@@ -212,7 +212,10 @@ def test_gemma_and_torch_rmsnorm_are_clipped_exactly(make, kind, variant, two_pa
     finally:
         gc.detach()
     got = torch.cat([out[p].reshape(-1) for p in m.parameters()])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the ghost norms are upper bounds (inflated by their worst-case rounding, ~1e-5 here), so the clip factors may
+    # be that much smaller than the exact ones: the sum is within that of Σ_i c_i v_i
+    c = clip_factors(per.pow(2).sum(1), clip)
+    assert float((got - want).norm()) <= 1e-4 * float((c * per.norm(dim=1)).sum()) + 1e-5 * float(want.norm())
 
 
 # ----- hooks: Opacus' embedding grad sampler and padding_idx -----------------------------------------------------
@@ -309,9 +312,13 @@ def test_tied_pair_is_clipped_exactly(kind, two_pass):
             out = gc.clipped_sum(clip, affine=aff)
     finally:
         gc.detach()
-    torch.testing.assert_close(sq, vec.pow(2).sum(1), rtol=1e-5, atol=1e-6)
+    exact_sq = vec.pow(2).sum(1)
+    torch.testing.assert_close(sq.to(exact_sq.dtype), exact_sq, rtol=1e-5, atol=1e-6)
     got = torch.cat([out[p].reshape(-1) for p in m.parameters()])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the ghost norms are upper bounds (inflated by their rounding bound, ~1e-6 here), so the clip factors may be
+    # that much smaller than the exact ones: the sum is within that of Σ_i c_i v_i
+    slack = 1e-5 * float((c * vec.norm(dim=1)).sum())
+    assert float((got - want).norm()) <= slack + 1e-5 * float(want.norm())
 
 
 def test_other_shared_parameters_are_refused_in_one_sentence():

@@ -63,10 +63,23 @@ WORKER = r"""
 
     placeholders = count_placeholders()
 
+    # during train(): FSDP2's all-gathers, the backward passes (HF's) and two passes' norms passes (pass 1)
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_groups
+    from hf_dp.clipping.ghost import GhostClipper
+    COUNTS = dict(gathers=0, backward=0, norms_pass=0)
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            COUNTS[name] += 1
+            return fn(*a, **k)
+        return wrapped
+    fsdp_groups.foreach_all_gather = counting("gathers", fsdp_groups.foreach_all_gather)
+    torch.autograd.backward = counting("backward", torch.autograd.backward)
+    GhostClipper.norms_pass = counting("norms_pass", GhostClipper.norms_pass)
+
     tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
     ds = make_pair_dataset(tok, n={n})
 
-    def make_trainer(output_dir, trainable, dataset=ds, config=None, callbacks=(), **overrides):
+    def make_trainer(output_dir, trainable, dataset=ds, config=None, callbacks=(), clipping=None, **overrides):
         kw = dict(epsilon=8.0, logging_steps=2)
         if mode == "fsdp":
             kw.update(fsdp="full_shard", fsdp_config=dict({{"transformer_layer_cls_to_wrap": ["BertLayer"]}}, **(config or {{}})))
@@ -74,7 +87,7 @@ WORKER = r"""
         args = dp_args(
             output_dir, optim="dp_adamw", learning_rate=1e-2, accountant="rdp", per_device_train_batch_size={per_device},
             gradient_accumulation_steps={ga}, max_steps={steps}, ddp_backend="gloo", dp_seed={seed}, trainable=trainable,
-            clipping="auto" if mode == "fsdp" else "ghost_two_pass", **kw,
+            clipping=clipping or ("auto" if mode == "fsdp" else "ghost_two_pass"), **kw,
         )
         return DPTrainer(model=make_model(), args=args, train_dataset=dataset, data_collator=make_collator(tok),
                          processing_class=tok, callbacks=list(callbacks))
@@ -87,20 +100,24 @@ WORKER = r"""
             global_step=trainer.state.global_step, resumed_from=trainer.resumed_from,
         )
 
-    for name, trainable, noise in jobs:
+    for name, trainable, noise, clipping in jobs:
         NOISE[0] = noise
         shards.clear()
         placeholders.clear()
-        trainer = make_trainer(os.path.join(out, name, "run"), trainable)
+        trainer = make_trainer(os.path.join(out, name, "run"), trainable, clipping=clipping)
+        COUNTS.update(gathers=0, backward=0, norms_pass=0)
         trainer.train()
+        counts = dict(COUNTS)
         result = summary(trainer)
+        from torch.distributed.fsdp import FSDPModule
+        result.update(counts=counts, fsdp_units=sum(isinstance(m, FSDPModule) for m in trainer.model.modules()))
         trainer.save_model(os.path.join(out, name, "release"))
         NOISE[0] = "on"  # shard_noise_checks runs the privatizer as it is
         result.update(
             shards=list(shards), clipping=trainer.clipping, wrapped=type(trainer.model_wrapped).__name__,
             spec=trainer.privacy_spec.as_dict(), placeholders=len(placeholders),
             sharded=[isinstance(p, DTensor) for p in trainer.model.parameters()],
-            shard_noise=shard_noise_checks() if mode == "fsdp" and trainable == "all" else None,
+            shard_noise=shard_noise_checks() if mode == "fsdp" and name == "full" else None,
         )
         torch.save(result, os.path.join(out, f"{{name}}_rank{{rank}}.pt"))
 
@@ -124,7 +141,8 @@ WORKER = r"""
 
 pytestmark = DISTRIBUTED
 
-JOBS = {"fsdp": [("full", "all", "recorded"), ("lora", "lora", "off")], "ddp": [("full", "all", "off"), ("lora", "lora", "off")]}
+JOBS = {"fsdp": [("full", "all", "recorded", None), ("lora", "lora", "off", None), ("full_two_pass", "all", "off", "ghost_two_pass")],
+        "ddp": [("full", "all", "off", None), ("lora", "lora", "off", None)]}
 
 
 def _run(tmp_path, mode: str) -> dict:
@@ -133,7 +151,7 @@ def _run(tmp_path, mode: str) -> dict:
     jobs = JOBS[mode]
     launch(tmp_path, WORKER.format(mode=mode, jobs=jobs, lora_checkpoint=mode == "fsdp", n=N, per_device=PER_DEVICE,
                                    ga=GA, steps=STEPS, seed=SEED, ckpt_n=CKPT_N, ckpt_sigma=CKPT_SIGMA), timeout=420)
-    names = [name for name, _, _ in jobs] + (["lora_ckpt"] if mode == "fsdp" else [])
+    names = [name for name, *_ in jobs] + (["lora_ckpt"] if mode == "fsdp" else [])
     return {name: tuple(torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)) for name in names}
 
 
@@ -156,8 +174,9 @@ def test_fsdp_trains_the_ddp_model_and_releases_a_plain_model(runs):
     tmp_path, f0, f1, d0 = runs
     assert f0["wrapped"].startswith("FSDP") and all(f0["sharded"]), f0["wrapped"]
     assert d0["wrapped"] == "DistributedDataParallel"
-    assert f0["clipping"] == "ghost_two_pass"  # --clipping auto under FSDP
-    # an empty micro-batch on one rank (its placeholder row runs both passes, weighted 0) kept the ranks in step
+    assert f0["clipping"] == "ghost"  # --clipping auto under FSDP: one backward (hf_dp.clipping.fsdp_ghost)
+    assert d0["clipping"] == "ghost_two_pass"
+    # an empty micro-batch on one rank (its placeholder row runs the backward, weighted 0) kept the ranks in step
     assert f0["placeholders"] + f1["placeholders"] > 0
     from helpers import make_model
 
@@ -183,6 +202,35 @@ def test_fsdp_trains_the_ddp_model_and_releases_a_plain_model(runs):
     assert model.config.architectures == ["BertForSequenceClassification"]
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), f0["params"][n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_fsdp_two_pass_trains_the_ddp_model_and_the_one_pass_model(launches):
+    """--clipping ghost_two_pass under FSDP (kept for when the one-pass records do not fit): the same --dp_seed, the
+    noise zeroed — the model of DDP and of one-pass FSDP up to float rounding, at the same ε."""
+    _, fsdp, ddp = launches
+    t0, t1 = fsdp["full_two_pass"]
+    f0, d0 = fsdp["full"][0], ddp["full"][0]
+    assert t0["clipping"] == "ghost_two_pass" and t0["wrapped"].startswith("FSDP") and all(t0["sharded"])
+    assert t0["placeholders"] + t1["placeholders"] > 0
+    for n in t0["params"]:
+        torch.testing.assert_close(t0["params"][n], t1["params"][n], rtol=0, atol=0)
+        torch.testing.assert_close(t0["params"][n], d0["params"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(t0["params"][n], f0["params"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    assert t0["epsilon"] == d0["epsilon"] and t0["history"] == d0["history"]
+
+
+def test_fsdp_one_pass_runs_one_backward_and_gathers_each_unit_at_most_twice(launches):
+    """One-pass ghost clipping under FSDP (the default): one backward per micro-batch and no norms pass, and at most
+    two all-gathers of each FSDP unit per micro-batch (forward, backward) — fewer than two passes, which gather every
+    unit once more for the norms' backward."""
+    _, fsdp, _ = launches
+    one, two = fsdp["full"][0], fsdp["full_two_pass"][0]
+    micro_batches = STEPS * GA  # per rank: every rank runs every micro-batch, an empty one included
+    assert one["fsdp_units"] == two["fsdp_units"] > 2
+    assert one["counts"]["backward"] == two["counts"]["backward"] == micro_batches
+    assert one["counts"]["norms_pass"] == 0 and two["counts"]["norms_pass"] == micro_batches
+    assert 0 < one["counts"]["gathers"] <= 2 * one["fsdp_units"] * micro_batches
+    assert two["counts"]["gathers"] > one["counts"]["gathers"], (one["counts"], two["counts"])
 
 
 def test_fsdp_noise_is_drawn_once_per_coordinate_on_each_shard(runs, tmp_path):
@@ -270,8 +318,23 @@ def shard_noise_checks() -> dict:
         results["replicated"] = "accepted"
     except RuntimeError as e:
         results["replicated"] = str(e)
-    # the ranks' loss scales must agree (their gradients are summed before each undoes its own)
+    # one-pass ghost clipping's reduce-scatter into FSDP2's layout (hf_dp.clipping.fsdp_ghost): uneven rows (101, 3 →
+    # 51 + 50), a vector, a matrix with one row (rank 1 holds nothing), one float64 tensor; each rank's full-size sum
     import torch.distributed as dist
+
+    from hf_dp.clipping.fsdp_ghost import reduce_scatter_to_shards
+
+    shapes = [(101, 3), (7,), (1, 4), (5, 2)]
+    params = [torch.nn.Parameter(distribute_tensor(torch.zeros(s, dtype=torch.float64 if i == 3 else torch.float32), mesh,
+                                                   [Shard(0)])) for i, s in enumerate(shapes)]
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    mine = [torch.randn(s, generator=gen, dtype=p.dtype) for s, p in zip(shapes, params)]
+    for method in ("reduce_scatter", "all_reduce"):  # NCCL's default, gloo's default
+        got = reduce_scatter_to_shards(list(zip(params, mine)), method=method)
+        results[method] = dict(mine=mine, local=[_local(got[p]).clone() for p in params],
+                               same_layout=[got[p].placements == p.placements and got[p].shape == p.shape and
+                                            _local(got[p]).shape == _local(p).shape for p in params])
+    # the ranks' loss scales must agree (their gradients are summed before each undoes its own)
 
     from hf_dp.clipping import sharding
 
@@ -300,6 +363,15 @@ def test_shard_noise_streams_secure_seeded_and_entropy(runs):
         c = torch.corrcoef(torch.stack([a[:, :50].reshape(-1), b.reshape(-1)]))[0, 1].abs().item()
         assert c < 0.1, (name, c)
     assert r0["replicated"].startswith("under FSDP every trainable parameter must be sharded")
+    # one-pass ghost clipping's reduction into the shards (reduce-scatter, or all-reduce and each rank its rows):
+    # each rank holds its torch.chunk rows of the sum over ranks, in the parameter's layout
+    for method in ("reduce_scatter", "all_reduce"):
+        a, b = r0[method], r1[method]
+        assert all(a["same_layout"]) and all(b["same_layout"]), method
+        for x, y, la, lb in zip(a["mine"], b["mine"], a["local"], b["local"]):
+            chunks = torch.chunk(x + y, 2, dim=0)
+            torch.testing.assert_close(la, chunks[0], rtol=0, atol=0)
+            torch.testing.assert_close(lb, chunks[1] if len(chunks) > 1 else (x + y)[:0], rtol=0, atol=0)
     assert r0["scales"] == r1["scales"] and r0["scales"].startswith("the ranks scaled their losses differently")
 
 
@@ -312,14 +384,14 @@ def _plain_name(name: str) -> str:
 
 
 def test_fsdp_lora_trains_the_ddp_model_at_the_same_epsilon(launches):
-    """--trainable lora, the same --dp_seed, the noise zeroed: under FSDP (adapters and head sharded, two-pass ghost
+    """--trainable lora, the same --dp_seed, the noise zeroed: under FSDP (adapters and head sharded, one-pass ghost
     clipping) the adapters and the head end as under DDP up to float rounding, the frozen weights untouched, same ε."""
     _, fsdp, ddp = launches
     f0, f1 = fsdp["lora"]
     d0 = ddp["lora"][0]
     assert f0["wrapped"].startswith("FSDP") and all(f0["sharded"]), f0["wrapped"]
     assert d0["wrapped"] == "DistributedDataParallel"
-    assert f0["clipping"] == d0["clipping"] == "ghost_two_pass"
+    assert f0["clipping"] == "ghost" and d0["clipping"] == "ghost_two_pass"
     assert f0["names"] == d0["names"] and all(".lora_" in n or ".modules_to_save." in n for n in f0["names"])
     assert f0["params"].keys() == d0["params"].keys()
     from helpers import make_model

@@ -37,7 +37,8 @@ def _ghost(model, ids, mask, labels, clip, loss_scale, materialize_bytes=256 * 2
             assert all(p.grad is None for p in model.parameters())  # pass 1 computes no parameter gradient
             c = clip_factors(sq, clip)
             ((losses * c).sum() * loss_scale).backward()
-            norms, out = sq.sqrt(), gc.grads_after_backward(c, loss_scale, affine=affine)
+            assert sq.dtype == torch.float64  # upper bounds of the squared norms, kept in float64
+            norms, out = sq.sqrt().float(), gc.grads_after_backward(c, loss_scale, affine=affine)
         else:
             (F.cross_entropy(logits, labels, reduction="sum") * loss_scale).backward()
             norms = gc.per_example_norms(loss_scale, affine=affine)

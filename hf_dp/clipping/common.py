@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["as_3d", "cat_records", "affine_of", "dense_sq", "Workspace", "UnitIndex", "unit_index"]
+__all__ = ["as_3d", "cat_records", "affine_of", "dense_sq", "Workspace", "UnitIndex", "unit_index", "gamma", "unit_roundoff",
+           "gram64", "gram_bound", "diag_norms", "summed_sq", "sum_gamma", "row_norms64", "TINY32", "GRAM_CHUNK"]
+
+#: float32's smallest positive subnormal: a product or sum that underflows is off by at most half of it
+TINY32 = 2.0**-149
+#: the Gram products are summed in float32 over chunks of this many features, the chunks in float64
+#: (:func:`gram64`): the worst-case rounding of an entry is then γ_512 ≈ 3e-5 of ‖x_t‖‖x_s‖ whatever the width (an
+#: LM head's g gᵀ over 30,522 words in chunks of 512 took about 1.35× one float32 batched matmul on CPU, 256: 1.65×)
+GRAM_CHUNK = 512
 
 
 def as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -37,12 +45,101 @@ def affine_of(affine: dict, p, transpose: bool = False, dtype=torch.float32):
 
 
 def dense_sq(x: torch.Tensor, o, sc) -> torch.Tensor:
-    """‖(x_i + o) ⊙ s‖² per row of x [B, n] (o, s flattened to n)."""
+    """‖(x_i + o) ⊙ s‖² per row of x [B, n] (o, s flattened to n), squared and summed in float64 (a float32 sum of
+    squares loses squares below 2^-149 to underflow: the records carry the loss scale, which may be tiny), in row
+    chunks so that no float64 copy of a large x exists."""
     if o is not None:
         x = x + o.reshape(1, -1)
     if sc is not None:
         x = x * (sc if isinstance(sc, float) else sc.reshape(1, -1))
-    return x.pow(2).sum(1)
+    step = max(1, (1 << 22) // max(1, x.shape[1]))
+    return torch.cat([x[i : i + step].double().pow(2).sum(1) for i in range(0, x.shape[0], step)]) if x.shape[0] else x.new_zeros(0, dtype=torch.float64)
+
+
+def summed_sq(v: torch.Tensor, x: torch.Tensor | None, g: torch.Tensor, o=None, sc=None, sum_g: float = 0.0) -> torch.Tensor:
+    """An upper bound [B] (float64) of ‖(v_i + o) ⊙ s‖² for v_i = Σ_t x_t ⊙ g_t (``x`` None: Σ_t g_t) as computed
+    in float32 (``v``, [B, n]): the exact sum of the same products may differ by γ_{T+1}·S_i + 2T·2^-149·√n,
+    S_i = Σ_t ‖x_t‖‖g_t‖ (cancellation across tokens); ``sum_g``·S_i is added to the norm for the rounding of the
+    clipped sum across examples (:func:`sum_gamma`)."""
+    T, n = g.shape[1], v.shape[1]
+    u = unit_roundoff(v.dtype)
+    tiny = 2.0**-1074 if v.dtype == torch.float64 else TINY32
+    ng = row_norms64(g)
+    S = (ng * row_norms64(x)).sum(1) if x is not None else ng.sum(1)
+    err = gamma(T + 1, u) * S + 2 * T * tiny * n**0.5
+    if sc is not None:
+        err = err * (abs(sc) if isinstance(sc, float) else float(sc.abs().max()))
+    norm = dense_sq(v, o, sc).sqrt() * (1 + 2.0**-50) + err + sum_g * S
+    return norm * norm * (1 + 2.0**-40)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return 2.0**-53 if dtype == torch.float64 else 2.0**-24
+
+
+def gamma(n: int, u: float = 2.0**-24) -> float:
+    """γ_n = n·u/(1 − n·u): the worst-case relative error of a sum of n products in precision u, any order."""
+    return n * u / (1 - n * u)
+
+
+def row_norms64(x: torch.Tensor) -> torch.Tensor:
+    """Upper bounds of ‖x_t‖ per row of x [B, T, d], float64, from one read of x (no copy): the float32 norm's
+    square is off by at most γ_{d+2} relative (any summation order) plus d·2^-149 for squares that underflow; a sum
+    of squares that overflows gives inf (the caller's non-finite check then recomputes in float64)."""
+    n = torch.linalg.vector_norm(x, dim=-1).double()
+    d, u = x.shape[-1], unit_roundoff(x.dtype)
+    tiny = 2.0**-1074 if x.dtype == torch.float64 else TINY32
+    return ((n * n * (1 + 8 * u) + 2 * d * tiny) / (1 - gamma(d + 2, u))).sqrt() * (1 + 2.0**-50)
+
+
+def gram64(x: torch.Tensor):
+    """(x xᵀ per example in float64 [B, T, T], rel, abs) with |result_ts − x_t·x_s| ≤ rel·‖x_t‖‖x_s‖ + abs (exact
+    x_t·x_s of the given x). Float32 products summed over chunks of :data:`GRAM_CHUNK` features (no copy of x: the
+    chunks are views), the chunks added in float64: rel = γ_512 + 2γ^(64)_{n/512}, whatever the summation order of the
+    matrix product; abs covers products and sums that underflow (n·2^-149, or its float64 analogue)."""
+    n = x.shape[-1]
+    if x.dtype == torch.float64 or n <= GRAM_CHUNK:
+        u = unit_roundoff(x.dtype)
+        tiny = 2.0**-1074 if x.dtype == torch.float64 else TINY32
+        return torch.bmm(x, x.transpose(1, 2)).double(), gamma(n, u), 2 * n * tiny
+    out = None
+    for k in range(0, n, GRAM_CHUNK):
+        xc = x[..., k : k + GRAM_CHUNK]
+        p = torch.bmm(xc, xc.transpose(1, 2)).double()
+        out = p if out is None else out.add_(p)
+    m = -(-n // GRAM_CHUNK)
+    return out, gamma(GRAM_CHUNK) + 2 * gamma(m + 1, 2.0**-53), 2 * n * TINY32
+
+
+def diag_norms(gram, rel, eps):
+    """Upper bounds of ‖x_t‖ from a :func:`gram64` result: ‖x_t‖² ≤ (gram_tt + abs)/(1 − rel)."""
+    return ((torch.diagonal(gram, dim1=1, dim2=2) + eps) / (1 - rel)).clamp_min(0).sqrt() * (1 + 2.0**-50)
+
+
+def sum_gamma(tokens: int, u: float = 2.0**-24) -> float:
+    """γ_{N+2} for a clipped sum Σ_i c_i Σ_t (g_t a_tᵀ or g_t ⊙ x_t) formed in float32 over N = ``tokens`` tokens
+    (one matmul, autograd's weight gradient, an ``index_add_``): its rounding is ≤ γ_{N+2} Σ_i c_i S_i, so adding
+    γ_{N+2}·S_i to the bound of ‖G_i‖ makes c_i·(‖G_i‖ + the example's share of that rounding) ≤ C."""
+    return gamma(tokens + 2, u)
+
+
+def gram_bound(A, ra, ea, G, rg, eg, sum_g: float = 0.0) -> torch.Tensor:
+    """An upper bound [B] (float64) of the exact ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s) from A = a aᵀ and
+    G = g gᵀ as :func:`gram64` gives them (|ΔA_ts| ≤ ra‖a_t‖‖a_s‖ + ea, |ΔG_ts| ≤ rg‖g_t‖‖g_s‖ + eg), with ``sum_g``·S_i
+    added to the norm (:func:`sum_gamma`).
+
+    Σ_{t,s} A_ts G_ts is summed in float64; its error is ≤ (ra + rg + ra·rg)·S² + ea(1 + rg)·(Σ_t‖g_t‖)² +
+    eg(1 + ra)·(Σ_t‖a_t‖)² + ea·eg·T², S = Σ_t ‖a_t‖‖g_t‖ — relative to S², not to the result, which is what the
+    cancellation of terms of both signs (repeated inputs, alternating gradients) needs — plus the float64 sum of the
+    T² products. The norms ‖a_t‖, ‖g_t‖ are bounded from the Grams' diagonals (no further pass over the records)."""
+    T = A.shape[1]
+    na, ng = diag_norms(A, ra, ea), diag_norms(G, rg, eg)
+    S, Sa, Sg = (na * ng).sum(1), na.sum(1), ng.sum(1)
+    rel = ra + rg + ra * rg + 4 * gamma(T * T + 2, 2.0**-53)
+    slack = rel * S * S + ea * (1 + rg) * Sg * Sg + eg * (1 + ra) * Sa * Sa + ea * eg * T * T
+    sq = (A * G).sum((1, 2)) + slack * (1 + 2.0**-40)
+    norm = sq.clamp_min(0).sqrt() * (1 + 2.0**-50) + sum_g * S
+    return norm * norm * (1 + 2.0**-40)
 
 
 class Workspace:
@@ -53,12 +150,13 @@ class Workspace:
         self.budget = int(budget)
         self.grams: dict = {}
 
-    def gram(self, a: torch.Tensor) -> torch.Tensor:
-        """a aᵀ per example, computed once per input tensor (query/key/value share their input)."""
+    def gram(self, a: torch.Tensor):
+        """:func:`gram64` of a (a aᵀ per example in float64, rel, abs), computed once per input tensor
+        (query/key/value share their input)."""
         key = (a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
         hit = self.grams.get(key)
         if hit is None:  # the entry holds a itself, so no other tensor can take its address while cached
-            hit = self.grams[key] = (a, torch.bmm(a, a.transpose(1, 2)))
+            hit = self.grams[key] = (a, gram64(a))
         return hit[1]
 
 

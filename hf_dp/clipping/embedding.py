@@ -3,7 +3,8 @@
 
 A custom function (:class:`_GhostEmbedding`) records the token ids and the output gradient and builds no dense,
 table-sized weight gradient. Per example the gradient's rows are sums of g over equal token ids, so
-‖G_i‖² = Σ_{t,s} [id_t = id_s] g_t·g_s, and the clipped sum is one ``index_add_`` of the c-weighted rows.
+‖G_i‖² = Σ_{t,s} [id_t = id_s] g_t·g_s (an upper bound of it: the Gram products' float32 rounding and underflow
+are added, as for linear layers), and the clipped sum is one ``index_add_`` of the c-weighted rows.
 ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are refused.
 """
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import affine_of, as_3d
+from .common import affine_of, as_3d, diag_norms, gamma, gram64, sum_gamma, unit_roundoff
 from .registry import GhostLayerType, patch_forward, register_layer
 
 
@@ -65,7 +66,17 @@ class EmbeddingType(GhostLayerType):
         if isinstance(sc, float):
             s2, sc = sc * sc, None
         gs = g if sc is None else g * sc[ids]  # row id_t of the per-example gradient, scaled
-        sq = (torch.bmm(gs, gs.transpose(1, 2)) * same).sum((1, 2))
+        # Σ_{t,s} [id_t = id_s] g_t·g_s from float32 Gram products summed in float64, plus their worst-case rounding
+        # (relative to ‖g_t‖‖g_s‖, see hf_dp.clipping.common.gram_bound) and the clipped sum's over B·T tokens
+        G, rg, eg = gram64(gs)
+        ng = diag_norms(G, rg, eg)
+        samef = same.to(torch.float64)
+        sg = ng.sum(1)
+        T = g.shape[1]
+        slack = (rg * (torch.bmm(samef, ng.unsqueeze(2)).squeeze(2) * ng).sum(1) + eg * samef.sum((1, 2))
+                 + 4 * gamma(T * T + 2, 2.0**-53) * (1 + rg) * sg * sg)  # the float64 sum of the T² entries
+        sq = ((G * samef).sum((1, 2)) + slack * (1 + 2.0**-40)).clamp_min(0).sqrt() * (1 + 2.0**-50)
+        sq = (sq + sum_gamma(g.shape[0] * g.shape[1], unit_roundoff(dt)) * sg).pow(2) * (1 + 2.0**-40)
         if o is not None:  # 2⟨G_i, o ⊙ s²⟩ + ‖o ⊙ s‖² (o covers every row of the table)
             os2 = o if sc is None else o * sc.pow(2)
             sq = sq + 2 * (g * os2[ids]).sum((1, 2)) + (o if sc is None else o * sc).pow(2).sum()

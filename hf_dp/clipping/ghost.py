@@ -7,9 +7,9 @@ layer: its input activations ``a`` and output gradients ``g``); then each layer 
 
 * the per-example squared norms from those records directly ("ghost norms", e.g. ⟨a aᵀ, g gᵀ⟩ for a linear layer
   on a sequence), and
-* with the clip factors c_i = min(1, C/(‖∇ℓ_i‖·(1 + 1e-5) + 1e-6)) (Opacus' formula with a relative safety
-  margin for the float error of ghost norms, see :meth:`GhostClipper.clipped_sum`), the clipped sum — for a
-  linear weight one matmul (c·g)ᵀa, the same cost as the ordinary weight gradient, which the layer's custom
+* with the clip factors c_i = min(1, C/(‖∇ℓ_i‖·(1 + 1e-5) + 1e-6)) (Opacus' formula with a small relative
+  margin, see :func:`clip_factors`), the clipped sum — for a
+  linear weight one matmul (c·g)ᵀa or gᵀ(c·a), the same cost as the ordinary weight gradient, which the layer's custom
   autograd function does *not* compute during backward.
 
 Which layer types, and how: the registry (:mod:`hf_dp.clipping.registry`), one file per type —
@@ -28,6 +28,24 @@ re-check, the materialisation and the affine maps (once per unit) included. The 
 unit has several rows. Two passes regroup the same way in pass 1 and weight row r by c_{units[r]} in pass 2.
 ``units=None`` takes exactly the code path of before.
 :meth:`GhostClipper.clipped_sum` frees each layer's records as soon as its clipped sum exists.
+
+**Norms are upper bounds.** Every layer type returns, in float64, an upper bound of the exact squared norm of the
+gradient its float32 records define — never the float32 value itself, which can fall far short: the Gram form
+Σ_{t,s}(a_t·a_s)(g_t·g_s) sums terms of both signs whose rounding is relative to S_i² = (Σ_t ‖a_t‖‖g_t‖)², not to the
+result (one input repeated with output gradients of alternating sign cancels it to nothing), and the records carry
+the loss scale s (undone once, at the end), so with s ≪ 1 their float32 squares may underflow. The Gram products are
+summed in float32 over chunks of 512 features and in float64 across chunks and over the T×T entries; the worst-case
+rounding of any summation order (γ_n = n·u/(1 − n·u), u = 2^-24) and an absolute term for underflow (n·2^-149 per
+entry) are added (:func:`hf_dp.clipping.common.gram_bound`); per-example gradients formed in float32 (materialised
+linear gradients, LayerNorm/RMSNorm weights, biases) get ‖fl(G_i)‖ (float64) + γ_{T+1}·S_i + the underflow term
+(:func:`~hf_dp.clipping.common.summed_sq`). The float32 clipped sum over the micro-batch's N tokens rounds too, by
+at most γ_{N+2}·Σ_i c_i S_i: each bound of ‖G_i‖ also gets γ_{N+2}·S_i (:func:`~hf_dp.clipping.common.sum_gamma`), so
+c_i times (‖G_i‖ + the example's share of that rounding) is ≤ C as well. For typical data S_i/‖G_i‖ is about √T, so
+‖v_i‖ grows by about T·γ_512 + √T·γ_{N+2} ≈ (T + √T·N/512)·3e-5: 0.5 % at T = 128 with 8·128 tokens per
+micro-batch, 2 % at T = 512 with 8·512 (worst-case bounds: the actual rounding is far smaller), 3e-5 + γ_{N+2}
+for one-token examples. (Rules with a
+per-sample affine map keep float32 cross terms ⟨G_i, o⟩; the margin of :func:`clip_factors` covers their rounding
+only approximately.)
 
 So the DP step costs about one forward, one backward and the ghost norms. The result is exactly
 Σ_i c_i ∇ℓ_i as Opacus would compute it (tests compare against Opacus' per-sample gradients). Its memory:
@@ -97,15 +115,33 @@ def _work_dtype(*dtypes) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
+def _capped(sq: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """The squared norms (kept in float64, upper bounds) as inf where they exceed ``dt``'s range: an example whose
+    ‖v_i‖² overflows the working precision gets c_i = 0, as when the norms were computed in it."""
+    if dt == torch.float64 or sq.dtype != torch.float64:
+        return sq
+    return sq.masked_fill(sq > torch.finfo(dt).max, float("inf"))
+
+
 @contextmanager
 def _no_autocast():
-    """Norms and clipped sums in their own precision (float32/float64), also when called inside autocast."""
-    with torch.autocast("cpu", enabled=False):
-        if torch.cuda.is_available():
-            with torch.autocast("cuda", enabled=False):
+    """Norms and clipped sums in their own precision (float32/float64), also when called inside autocast, and with
+    full-precision float32 matmuls (no TF32 or bf16 passes under ``--tf32`` / ``set_float32_matmul_precision``): the
+    norms' rounding bounds assume float32's unit roundoff 2^-24."""
+    precision = torch.get_float32_matmul_precision()
+    cuda_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.autocast("cpu", enabled=False):
+            if torch.cuda.is_available():
+                with torch.autocast("cuda", enabled=False):
+                    yield
+            else:
                 yield
-        else:
-            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = cuda_tf32
 
 
 class GhostClipper:
@@ -206,7 +242,8 @@ class GhostClipper:
         layer.records.append((x, g, None) if tag is None else (x, g, None, tag))
         if len(layer.records) == layer.calls:  # every call of the layer has its gradient: norms now, then drop
             grouped = layer if self._units is None else self._grouped(layer, self._units)
-            sq, _ = self._checked_terms(grouped, 1.0, self._affine_now, self._work, with_sum=False)
+            with _no_autocast():
+                sq, _ = self._checked_terms(grouped, 1.0, self._affine_now, self._work, with_sum=False)
             self._sq = sq if self._sq is None else self._sq + sq
             layer.records.clear()
             del grouped
@@ -306,7 +343,8 @@ class GhostClipper:
             return sq, clipped
         rows = bad.nonzero().squeeze(1)
         exact = self._with_records(layer, lambda t: t.index_select(0, rows), torch.float64)
-        sq = sq.index_put((rows,), self._exact_terms(exact, scale, affine)[0].to(sq.dtype))
+        dt = _work_dtype(*(t.dtype for r in layer.records for t in r[:2]), *(p.dtype for p in layer.params()))
+        sq = sq.index_put((rows,), _capped(self._exact_terms(exact, scale, affine)[0].to(sq.dtype), dt))
         if not with_sum:
             return sq, None
 
@@ -336,19 +374,31 @@ class GhostClipper:
             if any(id(p) not in owned for p in affine):
                 raise ValueError("per-sample transform given for a parameter ghost clipping does not cover")
         work = Workspace(self.materialize_bytes)
+        # Without a per-sample affine map every record's gradient is the loss scale s times the example's, so the
+        # layers work on the records as they are and the scale is undone once: ‖v_i‖² = Σ_layers sq_i / s², the
+        # clipped sum = f(c / s) — not one division of every output gradient (an LM head's is [B, T, vocab]) per layer.
+        # (With an affine map the offset o is not scaled: the layers divide their records by s.)
+        inner = loss_scale if affine else 1.0
         with _no_autocast():
             terms = []
             for layer in self.layers:
                 grouped = layer if idx is None else self._grouped(layer, idx)
-                terms.append(self._checked_terms(grouped, loss_scale, affine, work))
+                terms.append(self._checked_terms(grouped, inner, affine, work))
                 del grouped
-                if release:  # the terms keep what they need (a scaled copy of g, when loss_scale != 1)
+                if release:  # the terms keep what they need (a scaled copy of g, when inner != 1)
                     layer.records.clear()
         del work  # the Gram cache
         sq = terms[0][0]
         for t in terms[1:]:
             sq = sq + t[0]
-        return sq, terms
+        if inner != loss_scale:
+            k = 1.0 / loss_scale
+            sq = sq * (k * k)
+            terms = [(t[0], lambda c, _f=t[1], _k=k: _f(c * _k)) for t in terms]
+        return _capped(sq, self._dtype()), terms
+
+    def _dtype(self) -> torch.dtype:
+        return _work_dtype(*(p.dtype for layer in self.layers for p in layer.params()))
 
     @torch.no_grad()
     def per_example_norms(self, loss_scale: float = 1.0, affine: dict | None = None, units=None) -> torch.Tensor:
@@ -356,7 +406,7 @@ class GhostClipper:
         :meth:`clipped_sum`)."""
         if self.two_pass:
             raise RuntimeError("a two-pass GhostClipper gives the norms from norms_pass")
-        return self._collect(loss_scale, affine, units=units)[0].clamp_min(0).sqrt()
+        return self._collect(loss_scale, affine, units=units)[0].clamp_min(0).sqrt().to(self._dtype())
 
     @torch.no_grad()
     def clipped_sum(self, max_grad_norm: float, loss_scale: float = 1.0, affine: dict | None = None, units=None) -> dict:
@@ -433,7 +483,7 @@ class GhostClipper:
             missing = [type(layer.module).__name__ for layer in self.layers if not layer.done]
             if missing:
                 raise ValueError(f"layers {missing} got no gradient in pass 1; is every trainable layer used in the forward?")
-            sq = self._sq
+            sq = _capped(self._sq, self._dtype())
         finally:
             self._phase, self._affine_now, self._units = None, {}, None
             self.clear()

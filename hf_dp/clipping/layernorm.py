@@ -1,7 +1,8 @@
 """Ghost clipping of ``nn.LayerNorm``: the default recording (input, output gradient) per call.
 
 Per example, the weight's gradient is Σ_t g_t ⊙ x̂_t (x̂ the normalised input, recomputed from the recorded
-input) and the bias's Σ_t g_t: both are vectors of the layer's width, so they are formed per example.
+input) and the bias's Σ_t g_t: both are vectors of the layer's width, so they are formed per example; their squared
+norms are upper bounds of the exact ones (:func:`~hf_dp.clipping.common.summed_sq`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import affine_of, cat_records, dense_sq
+from .common import affine_of, cat_records, sum_gamma, summed_sq, unit_roundoff
 from .registry import GhostLayerType, register_layer
 
 
@@ -22,14 +23,15 @@ class LayerNormType(GhostLayerType):
         m = layer.module
         x, g = cat_records(layer.records, scale, dt)
         xhat = F.layer_norm(x.to(dt), m.normalized_shape, eps=m.eps)
-        sq = torch.zeros(g.shape[0], device=g.device, dtype=dt)
+        sq = torch.zeros(g.shape[0], device=g.device, dtype=torch.float64)
         gw = gb = None
+        sum_g = sum_gamma(g.shape[0] * g.shape[1], unit_roundoff(dt))  # the clipped sum's rounding (two passes: autograd's, over B·T tokens)
         if m.weight is not None and m.weight.requires_grad:
             gw = (g * xhat).sum(1)
-            sq = sq + dense_sq(gw, *affine_of(affine, m.weight, dtype=dt))
+            sq = sq + summed_sq(gw, xhat, g, *affine_of(affine, m.weight, dtype=dt), sum_g=sum_g)
         if m.bias is not None and m.bias.requires_grad:
             gb = g.sum(1)
-            sq = sq + dense_sq(gb, *affine_of(affine, m.bias, dtype=dt))
+            sq = sq + summed_sq(gb, None, g, *affine_of(affine, m.bias, dtype=dt), sum_g=sum_g)
 
         def clipped(c, gw=gw, gb=gb):
             c = c.to(dt)

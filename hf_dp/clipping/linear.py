@@ -6,9 +6,12 @@ input gradients); then
 
 * per-example squared norms come from ``a`` and ``g`` directly ("ghost norms"): for a linear layer
   ‖Σ_t g_tᵀa_t‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s), computed as ⟨a aᵀ, g gᵀ⟩ when the sequence is short
-  (T < d_in·d_out/(d_in+d_out)) and by materialising per-example gradients in chunks otherwise;
-* with the clip factors c_i, the clipped sum of the weight is one matmul (c·g)ᵀa — the same cost as an ordinary
-  weight gradient;
+  (T ≤ 2·d_in·d_out/(d_in+d_out), :data:`GRAM_FACTOR`) and by materialising per-example gradients in chunks
+  otherwise — either way as float64 upper bounds of the exact norms that allow for the float32 rounding (also of
+  the clipped sum) and underflow (:func:`~hf_dp.clipping.common.gram_bound`, :func:`_materialised_bound`; see
+  "Norms are upper bounds" in :mod:`hf_dp.clipping.ghost`);
+* with the clip factors c_i, the clipped sum of the weight is one matmul (c·g)ᵀa or gᵀ(c·a), c folded into the
+  smaller of the two — the same cost as an ordinary weight gradient;
 * optionally (``materialize_bytes`` > 0, default 0), for layers applied to a sequence (T > 1), while the
   per-example gradients fit in that many bytes (in total per micro-batch), they are materialised with one
   batched matmul and give both the norms and the clipped sum (Σ_i c_i G_i, a matrix-vector product). That saves
@@ -40,13 +43,19 @@ from torch import nn
 
 from hf_dp.models.hints import single_query_head_size
 
-from .common import affine_of, cat_records, dense_sq
+from .common import TINY32, affine_of, cat_records, dense_sq, gamma, gram64, gram_bound, row_norms64, sum_gamma, summed_sq, unit_roundoff
 from .registry import GhostLayerType, patch_forward, register_layer
 
 try:  # GPT-2 style transposed linear
     from transformers.pytorch_utils import Conv1D
 except Exception:  # pragma: no cover
     Conv1D = ()
+
+#: ghost norms by Gram products (B·T²·(d_in + d_out) multiply-adds) while T·(d_in + d_out) ≤ GRAM_FACTOR·d_in·d_out,
+#: else per-example gradients materialised in chunks (B·T·d_in·d_out): on CPU the Gram products' square batched
+#: matmuls ran about 2-3× faster per multiply-add than the materialising ones (an LM head over 30,522 words at T = 128:
+#: 91 ms against 175-288 ms for 8 examples), so the Gram side wins up to twice the multiply-adds
+GRAM_FACTOR = 2
 
 #: largest relative residual ‖g − v q̂ᵀ‖/‖g‖ (per example) accepted for the single-query factorisation; the
 #: check computes ‖g‖² − ‖v‖², which float32 v resolves to ~1e-7·‖g‖² (a genuine single query gives ~1e-7)
@@ -117,6 +126,21 @@ def _single_query(a: torch.Tensor, g: torch.Tensor, head_size: int):
     return q, torch.bmm(v, a)
 
 
+def _materialised_bound(a: torch.Tensor, g: torch.Tensor, sum_g: float, G: torch.Tensor | None = None) -> torch.Tensor:
+    """An upper bound [B] (float64) of ‖Σ_t g_t a_tᵀ‖² (exact, of the given records) from the per-example gradients
+    materialised in float32 (``G``, or formed here): the batched matmul sums T products per entry, so
+    ‖fl(G_i) − G_i‖ ≤ γ_T·S_i + 2T·2^-149·√(d_in·d_out), S_i = Σ_t ‖a_t‖‖g_t‖; ``sum_g``·S_i is added for the
+    clipped sum's rounding (:func:`~hf_dp.clipping.common.sum_gamma`)."""
+    B, T, d_in = a.shape
+    d_out = g.shape[-1]
+    u = unit_roundoff(a.dtype)
+    tiny = 2.0**-1074 if a.dtype == torch.float64 else TINY32
+    norm = dense_sq(torch.bmm(g.transpose(1, 2), a).flatten(1) if G is None else G, None, None).sqrt() * (1 + 2.0**-50)
+    S = (row_norms64(a) * row_norms64(g)).sum(1)
+    bound = norm + (gamma(T, u) + sum_g) * S + 2 * T * tiny * (d_in * d_out) ** 0.5
+    return bound * bound * (1 + 2.0**-40)
+
+
 @register_layer(nn.Linear)
 class LinearType(GhostLayerType):
     """y = x Wᵀ + b. Records (x, dL/dy, single-query head size or None) per call."""
@@ -141,7 +165,7 @@ class LinearType(GhostLayerType):
         a = a.to(dt)
         B, T, d_in = a.shape
         d_out = g.shape[-1]
-        sq = torch.zeros(B, device=g.device, dtype=dt)
+        sq = torch.zeros(B, device=g.device, dtype=torch.float64)  # norms in float64 (see hf_dp.clipping.common)
         per_example = factored = None
         if m.weight.requires_grad:
             o, sc = affine_of(affine, m.weight, transpose=transposed, dtype=dt)  # as [d_out, d_in]
@@ -153,13 +177,17 @@ class LinearType(GhostLayerType):
             if head_size and T > 1 and o is None and sc is None:  # single-query attention (checked)
                 factored = _single_query(a, g, head_size)
             if factored is not None:
-                wsq = factored[1].pow(2).sum((1, 2))  # ‖G_i‖² = Σ_h ‖w_{i,h}‖² (q̂ unit)
+                # ‖Ĝ_i‖² = Σ_h ‖q̂_{i,h}‖²‖w_{i,h}‖², ‖q̂‖² ≤ 1 + γ_{hs+2} (a float32 unit vector); Ĝ_i is what is summed
+                wsq = factored[1].double().pow(2).sum((1, 2)) * (1 + gamma(head_size + 2, unit_roundoff(dt)))
             elif T > 1 and 4 * B * d_in * d_out <= work.budget:
                 # materialise: one batched matmul (the cost of the ordinary weight gradient) gives both
                 # the norms and, later, the clipped sum as a cheap weighted sum over examples
                 work.budget -= 4 * B * d_in * d_out
                 per_example = torch.bmm(g.transpose(1, 2), a).view(B, -1)  # [B, d_out * d_in]
-                wsq = dense_sq(per_example, o, sc)
+                if o is None and sc is None:  # an upper bound of the exact ‖G_i‖² (also what is summed: fl(G_i))
+                    wsq = _materialised_bound(a, g, sum_gamma(B, unit_roundoff(dt)), per_example)
+                else:
+                    wsq = dense_sq(per_example, o, sc)
             elif sc is not None and T == 1:  # rank one: Σ_jk g_j² a_k² s_jk² (+ cross terms) as matmuls
                 g1, a1 = g[:, 0], a[:, 0]
                 wsq = ((g1.pow(2) @ sc.pow(2)) * a1.pow(2)).sum(1)
@@ -169,19 +197,19 @@ class LinearType(GhostLayerType):
                 chunk = max(1, int(2**26 // (d_in * d_out)))
                 wsq = torch.cat([dense_sq(torch.bmm(g[i : i + chunk].transpose(1, 2), a[i : i + chunk]).flatten(1), o, sc) for i in range(0, B, chunk)])
             else:
-                if T * T * (d_in + d_out) <= T * d_in * d_out:
-                    wsq = (work.gram(a) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+                sum_g = sum_gamma(B * T, unit_roundoff(dt))  # the clipped sum below runs over B·T tokens
+                if T * (d_in + d_out) <= GRAM_FACTOR * d_in * d_out:  # an upper bound of the exact ‖G_i‖²
+                    wsq = gram_bound(*work.gram(a), *gram64(g), sum_g)
                 else:
                     chunk = max(1, int(2**26 // (d_in * d_out)))
-                    parts = [torch.einsum("bto,bti->boi", g[i : i + chunk], a[i : i + chunk]).flatten(1).pow(2).sum(1) for i in range(0, B, chunk)]
-                    wsq = torch.cat(parts)
+                    wsq = torch.cat([_materialised_bound(a[i : i + chunk], g[i : i + chunk], sum_g) for i in range(0, B, chunk)])
                 if o is not None:  # ‖G + o‖² = ‖G‖² + 2⟨G, o⟩ + ‖o‖², ⟨G_i, o⟩ = Σ_t g_t·(o a_t)
                     wsq = wsq + 2 * (torch.matmul(a, o.t()) * g).sum((1, 2)) + o.pow(2).sum()
             sq = sq + s2 * wsq
         gsum = None
         if m.bias is not None and m.bias.requires_grad:
             gsum = g.sum(1)
-            sq = sq + dense_sq(gsum, *affine_of(affine, m.bias, dtype=dt))
+            sq = sq + summed_sq(gsum, None, g, *affine_of(affine, m.bias, dtype=dt), sum_g=sum_gamma(B * T, unit_roundoff(dt)))
 
         def clipped(c, a=a, g=g, gsum=gsum, per_example=per_example, factored=factored):
             c = c.to(dt)
@@ -193,9 +221,11 @@ class LinearType(GhostLayerType):
             elif per_example is not None:
                 w = torch.mv(per_example.t(), c).view(d_out, d_in)
                 out[m.weight] = (w.t() if transposed else w).to(m.weight.dtype)
-            elif m.weight.requires_grad:
-                cg = (g * c.view(-1, 1, 1)).reshape(-1, d_out)
-                w = cg.t() @ a.reshape(-1, d_in)  # [d_out, d_in]
+            elif m.weight.requires_grad:  # c folded into the smaller of a and g (an LM head's g is [B, T, vocab])
+                if d_in < d_out:
+                    w = g.reshape(-1, d_out).t() @ (a * c.view(-1, 1, 1)).reshape(-1, d_in)  # [d_out, d_in]
+                else:
+                    w = (g * c.view(-1, 1, 1)).reshape(-1, d_out).t() @ a.reshape(-1, d_in)
                 out[m.weight] = (w.t() if transposed else w).to(m.weight.dtype)
             if gsum is not None:
                 out[m.bias] = (gsum * c.view(-1, 1)).sum(0).to(m.bias.dtype)

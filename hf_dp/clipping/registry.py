@@ -79,7 +79,12 @@ class GhostLayerType:
 
         v_i = (∇ℓ_i + o) ⊙ s per parameter with (o, s) = :func:`~hf_dp.clipping.common.affine_of` ``(affine, p)``
         (default: v_i = ∇ℓ_i); ``dt``: the working precision (float32 or float64); ``work``: the
-        :class:`~hf_dp.clipping.common.Workspace` of this collection (Gram cache, materialisation budget)."""
+        :class:`~hf_dp.clipping.common.Workspace` of this collection (Gram cache, materialisation budget).
+
+        ‖v_i‖² should be an upper bound of the exact value, in float64, allowing for the rounding and underflow of
+        the products it is computed from (:func:`~hf_dp.clipping.common.dense_sq` for a per-example vector that is
+        itself what ``clipped`` sums, :func:`~hf_dp.clipping.common.summed_sq`, :func:`~hf_dp.clipping.common.gram_bound`;
+        "Norms are upper bounds" in :mod:`hf_dp.clipping.ghost`)."""
         raise NotImplementedError
 
 

@@ -30,7 +30,7 @@ import inspect
 import torch
 from torch import nn
 
-from .common import affine_of, cat_records, dense_sq
+from .common import affine_of, cat_records, sum_gamma, summed_sq, unit_roundoff
 from .registry import GhostLayerType, register_layer, register_matcher
 
 __all__ = ["RMSNormType", "HFRMSNormType", "is_hf_rmsnorm", "rmsnorm_eps"]
@@ -90,8 +90,10 @@ class RMSNormType(GhostLayerType):
     def terms(self, layer, scale, affine, dt, work):
         m = layer.module
         x, g = cat_records(layer.records, scale, dt)
-        gw = (g * _normalised(x, rmsnorm_eps(m), dt)).sum(1)  # Σ_t g_t ⊙ x̂_t
-        sq = dense_sq(gw, *affine_of(affine, m.weight, dtype=dt))
+        xhat = _normalised(x, rmsnorm_eps(m), dt)
+        gw = (g * xhat).sum(1)  # Σ_t g_t ⊙ x̂_t
+        sum_g = sum_gamma(g.shape[0] * g.shape[1], unit_roundoff(dt))  # the clipped sum's rounding (two passes: autograd's, over B·T tokens)
+        sq = summed_sq(gw, xhat, g, *affine_of(affine, m.weight, dtype=dt), sum_g=sum_g)  # an upper bound
 
         def clipped(c, gw=gw):
             return {m.weight: (gw * c.to(dt).view(-1, 1)).sum(0).to(m.weight.dtype)}

@@ -1,16 +1,19 @@
-"""FSDP2 under DP: two-pass ghost clipping on sharded parameters (``--fsdp full_shard``, docs/fsdp.md).
+"""FSDP2 under DP: ghost clipping on sharded parameters (``--fsdp full_shard``, docs/fsdp.md).
 
 What a DP run under FSDP2 (``fully_shard`` through Accelerate, as plain ``Trainer`` wraps it) does:
 
-* **pass 1** (the per-example norms, :meth:`hf_dp.clipping.ghost.GhostClipper.norms_pass`) is local to each rank:
-  each rank runs the whole model on its own examples; FSDP's pre-backward hooks all-gather each layer for the input
-  gradients, and no parameter gradient exists, so nothing is reduced. Every rank runs pass 1 on every micro-batch —
-  also on an empty one (its placeholder row), whose loss then enters pass 2 multiplied by 0 — so that the ranks'
-  all-gathers stay in step.
-* **pass 2** is HF's own backward of Σ_i c_i ℓ_i; FSDP reduce-scatters each layer's gradient during it, **on every
-  micro-batch** (:func:`prepare_micro_batch` turns the gradient sync back on inside HF's ``no_sync`` of
-  gradient accumulation) and **summed, not averaged** (gradient divide factor 1), so each rank ends with its shard
-  of Σ_ranks Σ_i c_i ∇ℓ_i — no raw gradient is ever reduced.
+* **one pass** (``--clipping auto``/``ghost``, the default: :mod:`hf_dp.clipping.fsdp_ghost`): HF's one backward;
+  each rank computes its examples' norms over every layer of the model from its full-size records, then the clipped
+  sums, which it reduce-scatters (summed) into the shards itself — no second backward, no second all-gather.
+* **two passes** (``--clipping ghost_two_pass``, no records kept): pass 1 (the per-example norms,
+  :meth:`hf_dp.clipping.ghost.GhostClipper.norms_pass`) is local to each rank: each rank runs the whole model on
+  its own examples; FSDP's pre-backward hooks all-gather each layer for the input gradients, and no parameter
+  gradient exists, so nothing is reduced. Every rank runs pass 1 on every micro-batch — also on an empty one (its
+  placeholder row), whose loss then enters pass 2 multiplied by 0 — so that the ranks' all-gathers stay in step.
+  Pass 2 is HF's own backward of Σ_i c_i ℓ_i; FSDP reduce-scatters each layer's gradient during it.
+* in both, the reduction runs **on every micro-batch** (:func:`prepare_micro_batch` turns the gradient sync back on
+  inside HF's ``no_sync`` of gradient accumulation) and is **summed, not averaged** (gradient divide factor 1), so
+  each rank ends with its shard of Σ_ranks Σ_i c_i ∇ℓ_i — no raw gradient is ever used.
 * **noise**: :meth:`hf_dp.privacy.privatizer.PrivateOptimizer.add_noise` adds N(0, σ²C²) on each rank's own shard
   only, from a stream keyed by (seed, the resume's stream tag if any, ledger step, parameter, shard offset) — every
   coordinate gets exactly one draw per step — and nothing is all-reduced.
@@ -45,8 +48,8 @@ hands Accelerate the same plugin HF built from ``--fsdp``/``--fsdp_config`` (or 
 its environment) and marks the state FSDP (in ``PartialState``'s shared state too, which every later
 ``AcceleratorState()`` copies back), so that ``accelerator.prepare`` calls ``fully_shard`` as it does on GPUs.
 
-Refused under DP in one sentence at construction (:func:`check_args`, :func:`check_model`): FSDP1; engines other
-than ``ghost_two_pass`` (``--clipping auto`` chooses it); ``--bf16``/``--fp16``; ``--cache_frozen_features``;
+Refused under DP in one sentence at construction (:func:`check_args`, :func:`check_model`): FSDP1; ``--clipping
+hooks``; ``--bf16``/``--fp16``; ``--cache_frozen_features``;
 update rules with a per-sample affine map (DP-SGD-L2, DP-MacAdam); CPU offload and activation
 checkpointing; trainable parameters shared between modules (tied embeddings). At ``train(resume_from_checkpoint=...)``:
 a checkpoint written under FSDP resumed without it or with another number of processes, and one written without
@@ -104,10 +107,10 @@ def check_args(args) -> None:
                          "--fsdp full_shard (or drop --fsdp_config)")
     if int(plugin.get("fsdp_version", 2)) != 2:
         raise ValueError("DP under FSDP needs FSDP2 (fsdp_config version 2, the default); FSDP1 is not supported")
-    if args.clipping not in ("auto", "ghost_two_pass"):
+    if args.clipping not in ("auto", "ghost", "ghost_two_pass"):
         raise ValueError(
-            f"--clipping {args.clipping} is not supported under FSDP: only two-pass ghost clipping keeps the sharded "
-            "gradients (its second backward is FSDP's reduce-scatter); use --clipping ghost_two_pass (or auto)"
+            f"--clipping {args.clipping} is not supported under FSDP: only ghost clipping keeps the gradients sharded "
+            "(its clipped sums are reduce-scattered into the shards); use --clipping ghost (or auto) or ghost_two_pass"
         )
     if args.bf16 or args.fp16:
         raise ValueError(
@@ -258,6 +261,16 @@ def prepare_micro_batch(model) -> None:
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM), no division by 1
 
 
+def collective_device() -> torch.device:
+    """Where a tensor for a collective on the default process group must live: the current CUDA device under NCCL
+    (which reduces CUDA tensors only), else the CPU (gloo)."""
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @torch.no_grad()
 def check_loss_scale_agrees(scale: float) -> None:
     """Under FSDP, after each micro-batch's backward: every rank scaled its Σ_i c_i ℓ_i by the same factor. The
@@ -266,7 +279,7 @@ def check_loss_scale_agrees(scale: float) -> None:
     all-reduce of two numbers per micro-batch refuses that before the step."""
     import torch.distributed as dist
 
-    t = torch.tensor([scale, -scale], dtype=torch.float64)
+    t = torch.tensor([scale, -scale], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if float(t[0]) != -float(t[1]):
         raise RuntimeError(

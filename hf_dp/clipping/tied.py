@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .common import affine_of, as_3d, cat_records
+from .common import TINY32, affine_of, as_3d, cat_records, gamma, row_norms64, unit_roundoff
 from .embedding import EmbeddingType
 from .linear import LinearType
 from .registry import GhostLayerType, Layer, layer_type_for
@@ -112,7 +112,15 @@ class TiedEmbeddingType(GhostLayerType):
             ge = ge * sc.pow(2)[ids]  # g_t ⊙ s²[x_t]
         B, Te = ids.shape
         gx = torch.gather(gh, 2, ids.unsqueeze(1).expand(B, gh.shape[1], Te))  # [B, Th, Te]: g'_s[x_t]
-        cross = (torch.bmm(a, ge.transpose(1, 2)) * gx).sum((1, 2))  # Σ_{s,t} g'_s[x_t] (a_s · g_t s²)
+        # Σ_{s,t} g'_s[x_t] (a_s · g_t s²), the float32 products a_s·g_t off by ≤ γ_d‖a_s‖‖g_t‖ + 2d·2^-149 each: the
+        # cross term is raised by that bound (so the sum of the three terms stays an upper bound of ‖G_i‖²)
+        d = a.shape[-1]
+        gx64 = gx.double()
+        cross = (torch.bmm(a, ge.transpose(1, 2)).double() * gx64).sum((1, 2))
+        na, ne = row_norms64(a), row_norms64(ge)
+        tiny = 2.0**-1074 if dt == torch.float64 else TINY32
+        err = gamma(d, unit_roundoff(dt)) * (torch.bmm(na.unsqueeze(1), gx64.abs()).squeeze(1) * ne).sum(1) + 2 * d * tiny * gx64.abs().sum((1, 2))
+        cross = cross + err * (1 + 2.0**-40)
         sq = sq_e + sq_h + 2 * s2 * cross
         if o is not None:  # 2⟨G_h, o ⊙ s²⟩ = 2 Σ_s g'_s · ((o ⊙ s²) a_s)
             os2 = o * (sc.pow(2) if torch.is_tensor(sc) else s2)

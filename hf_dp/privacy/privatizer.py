@@ -282,9 +282,11 @@ class PrivateOptimizer(DPOptimizer):
         if flat[0].shape[0] == 0:
             c, keep = torch.zeros((0,), device=flat[0].device), None
         else:
-            norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in flat], dim=1).norm(2, dim=1)
+            # squares summed in float64, a slice at a time: a float32 norm can fall short of the exact one (by 1 % for
+            # one large entry among 2^24 small ones), letting c_i·‖v_i‖ exceed C
+            norms = torch.stack([_sq_norms64(g) for g in flat], dim=1).sum(1).sqrt()
             c = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-            keep = norms <= torch.finfo(norms.dtype).max ** 0.5  # False for NaN and inf
+            keep = norms <= torch.finfo(flat[0].dtype).max ** 0.5  # False for NaN and inf (and ‖v_i‖² not representable)
             if bool(keep.all()):
                 keep = None
             else:
@@ -475,3 +477,13 @@ class PrivateOptimizer(DPOptimizer):
             f"PrivateOptimizer({type(self.rule).__name__}, sigma={self.noise_multiplier}, "
             f"C={self.user_max_grad_norm}, B={self.expected_batch_size})"
         )
+
+
+def _sq_norms64(g: torch.Tensor) -> torch.Tensor:
+    """‖g_i‖² per row of g [B, ...] in float64, converting a slice of the columns at a time (no float64 copy of g)."""
+    flat = g.reshape(len(g), -1)
+    out = torch.zeros(len(g), dtype=torch.float64, device=g.device)
+    step = max(1, (1 << 23) // max(1, len(g)))
+    for k in range(0, flat.shape[1], step):
+        out += flat[:, k : k + step].double().pow(2).sum(1)
+    return out

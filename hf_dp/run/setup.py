@@ -92,7 +92,12 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
     trainer._empty_micro_batch = False
     trainer.clipping = choose_clipping(trainer, world)  # the engine's name (hf_dp.clipping.engines)
     # --audit_kind gradient: the engine hands each drawn canary's gradient to the privatizer's clipping
-    engine = make_engine(trainer.clipping, trainer.model)
+    if trainer._fsdp and trainer.clipping == "ghost":  # its clipped sums reduce-scattered into the shards
+        from hf_dp.clipping.fsdp_ghost import ShardedGhostEngine
+
+        engine = ShardedGhostEngine(trainer.model)
+    else:
+        engine = make_engine(trainer.clipping, trainer.model)
     trainer.clipping_engine = audit_engine(trainer, engine) if audit_engine is not None else engine
     trainer.ghost_clipper, trainer.grad_sampler = trainer.clipping_engine.clipper, trainer.clipping_engine.grad_sampler
     # the planner's start-of-run block (hf_dp.plan): public quantities only, no extra calibration
@@ -107,6 +112,8 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
             n=n, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
             max_grad_norm=args.per_sample_max_grad_norm, params=d, epsilon=args.epsilon, sigma_note=role or "",
             calibrated=calibrated_for(getattr(trainer.model, "get_base_model", lambda: trainer.model)()),
+            causal_lm=getattr(trainer.objective, "name", None) == "causal_lm",  # the causal-LM verdict (hf_dp.plan)
+            optim=str(getattr(args.optim, "value", args.optim)), learning_rate=args.learning_rate,
             detail=args.log_level == "debug" or logger.isEnabledFor(logging.DEBUG))
         logger.info(block)
         if warning:
@@ -142,13 +149,16 @@ def choose_clipping(trainer, world: int) -> str:
     """``--clipping``: ``ghost`` (one backward pass) where it applies, else Opacus hooks; ``ghost_two_pass`` only
     when asked for (:func:`hf_dp.clipping.engines.choose_engine`). Any number of processes: under DDP every engine
     runs its forward/backward without DDP's gradient all-reduce (see ``DPTrainer.compute_loss``), and the privatizer
-    all-reduces the noisy clipped sum once per logical batch. FSDP and DeepSpeed are refused."""
+    all-reduces the noisy clipped sum once per logical batch. Under FSDP2 one-pass ghost clipping by default
+    (:mod:`hf_dp.clipping.fsdp_ghost`), two passes when asked; DeepSpeed is refused."""
     refuse_sharding(trainer.args, getattr(trainer, "is_fsdp_enabled", False), getattr(trainer, "is_deepspeed_enabled", False))
     trainer._fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
-    if trainer._fsdp:  # FSDP2: two-pass ghost clipping only (hf_dp.clipping.sharding)
+    if trainer._fsdp:  # FSDP2: one-pass ghost clipping (auto), or two passes when asked (hf_dp.clipping.fsdp_ghost)
+        mode = "ghost_two_pass" if trainer.args.clipping == "ghost_two_pass" else "ghost"
         if trainer.args.clipping == "auto":
-            logger.info("hf_dp: --clipping auto chose ghost_two_pass: the only engine supported under FSDP")
-        return choose_engine("ghost_two_pass", trainer.model, optim=trainer.args.optim, rule_cls=get_entry(trainer.args.optim).rule_cls,
+            logger.info("hf_dp: --clipping auto chose ghost (one-backward ghost clipping, clipped sums reduce-scattered "
+                        "into the shards) under FSDP; --clipping ghost_two_pass keeps no layer records")
+        return choose_engine(mode, trainer.model, optim=trainer.args.optim, rule_cls=get_entry(trainer.args.optim).rule_cls,
                              reduced_precision=bool(trainer.args.bf16 or trainer.args.fp16), logger=logger)
     return choose_engine(trainer.args.clipping, trainer.model, optim=trainer.args.optim, rule_cls=get_entry(trainer.args.optim).rule_cls,
                          reduced_precision=bool(trainer.args.bf16 or trainer.args.fp16), logger=logger)
