@@ -18,6 +18,12 @@ No pretrained causal LM can be downloaded here, so the experiment builds one:
     python benchmarks/clm_cpu_experiment.py pretrain
     python benchmarks/clm_cpu_experiment.py finetune --runs none,nonprivate,row,user
     python benchmarks/clm_cpu_experiment.py --report
+    python benchmarks/clm_cpu_experiment.py --calibration   # the DP runs beside the planner's causal-LM verdict
+
+Each fine-tuning row records the pretrained model's fingerprint (``pretrained``: its weights' SHA-256, 16 hex digits)
+and the public quantities of the planner's causal-LM verdict (d = ``trainable_params``, ``optimizer``,
+``learning_rate``, C, σ, B, steps): ``--calibration`` and tests/test_plan_lm.py compare each DP run with run ``none``
+of the *same* pretrained model and split — after a new ``pretrain``, run ``none`` again.
 
 Smoke run (tests/test_benchmark_smoke.py): ``--smoke`` shrinks every size so that all three phases take seconds.
 """
@@ -61,23 +67,43 @@ def prepare(a) -> None:
     sst = [r["sentence"].strip() for r in _tsv(GLUE / "SST-2" / "train.tsv") if r["sentence"].strip()]
     rng.shuffle(sst)
     private = sst[: a.private_rows]
-    rows, user = [], 0
-    while len(rows) < len(private):
-        k = 1
-        while rng.random() >= 0.25:  # 1 + Geometric(1/4): mean 4 sentences per user
-            k += 1
-        for text in private[len(rows): len(rows) + k]:
-            rows.append({"text": text, "user_id": f"user{user:05d}"})
-        user += 1
+    rows, user = _with_users(private, rng)
+    # the tune split (issue 39): SST-2 training sentences disjoint from the private ones, standing in for them when
+    # the recipe's defaults are chosen, scored on other held-out training sentences — never on the private rows or dev
+    tune_train, tune_users = _with_users(sst[a.private_rows: 2 * a.private_rows], random.Random(a.seed + 1))
+    tune_dev = [{"text": t} for t in sst[2 * a.private_rows: 2 * a.private_rows + a.dev_rows]]
+    # SST-2 dev holds whole sentences (19.5 words on average), the training rows mostly phrases (9.4): the scored tune
+    # text is held-out training sentences of at least 12 words (mean ≈ 17), closer to whole sentences
+    long = [t for t in sst[2 * a.private_rows + a.dev_rows:] if len(t.split()) >= 12][: a.dev_rows]
+    tune_long = [{"text": t} for t in long]
+    # held-out whole sentences (ending in . ! or ?, >= 8 words): SST-2's training rows are the phrases of the parse
+    # trees of whole review sentences, SST-2 dev the whole sentences themselves
+    whole = [t for t in sst[2 * a.private_rows + a.dev_rows:] if t.endswith((" .", " !", " ?")) and len(t.split()) >= 8]
+    tune_sent = [{"text": t} for t in whole[: a.dev_rows]]
     dev = [{"text": r["sentence"].strip()} for r in _tsv(GLUE / "SST-2" / "dev.tsv")][: a.dev_rows]
     if a.smoke:
         public = public[:400]
     (work / "public.txt").write_text("\n".join(public) + "\n", encoding="utf-8")
-    for name, data in (("train.jsonl", rows), ("dev.jsonl", dev)):
+    for name, data in (("train.jsonl", rows), ("dev.jsonl", dev), ("tune_train.jsonl", tune_train),
+                       ("tune_dev.jsonl", tune_dev), ("tune_long.jsonl", tune_long), ("tune_sent.jsonl", tune_sent)):
         with open(work / name, "w", encoding="utf-8") as f:
             for r in data:
                 f.write(json.dumps(r) + "\n")
-    print(f"public sentences {len(public):,}; private rows {len(rows):,} of {user:,} synthetic users; dev {len(dev):,}")
+    print(f"public sentences {len(public):,}; private rows {len(rows):,} of {user:,} synthetic users; dev {len(dev):,}; "
+          f"tune split {len(tune_train):,} rows of {tune_users:,} users, tune dev {len(tune_dev):,}")
+
+
+def _with_users(texts, rng) -> tuple[list[dict], int]:
+    """Rows with a synthetic ``user_id``: each user gets 1 + Geometric(p = 1/4) consecutive sentences (mean 4)."""
+    rows, user = [], 0
+    while len(rows) < len(texts):
+        k = 1
+        while rng.random() >= 0.25:  # 1 + Geometric(1/4): mean 4 sentences per user
+            k += 1
+        for text in texts[len(rows): len(rows) + k]:
+            rows.append({"text": text, "user_id": f"user{user:05d}"})
+        user += 1
+    return rows, user
 
 
 def pretrain(a) -> None:
@@ -132,24 +158,51 @@ RUNS = {
     "nonprivate": ["--disable_dp", "--optim", "adamw_torch", *ROWS_B, *LR],
     "row": ["--epsilon", "3", *ROWS_B, *LR],
     "user": ["--epsilon", "3", "--privacy_unit_column", "user_id", *USERS_B, *LR],
+    # the recipe's own defaults (issue 39): no batch, learning rate or optimizer flag; --extra adds a candidate's flags
+    "dp": [],
+    "dp_user": ["--privacy_unit_column", "user_id"],
+    # score an already fine-tuned release (--pretrained <output_dir>/release) on the split's scored text
+    "eval": ["--disable_dp", "--optim", "adamw_torch", "--do_train", "false"],
 }
+
+
+def pretrained_id(folder) -> str | None:
+    """A fingerprint of the pretrained model (the first 16 hex digits of its weights file's SHA-256): the rows of one
+    pretrained model are compared with its own run ``none`` (the planner's causal-LM calibration)."""
+    import hashlib
+
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        path = Path(folder) / name
+        if path.exists():
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            return h.hexdigest()[:16]
+    return None
 
 
 def finetune(a) -> None:
     work = Path(a.work)
+    pretrained = pretrained_id(a.pretrained)
+    train, dev = {"tune": ("tune_train.jsonl", "tune_dev.jsonl"), "tune_long": ("tune_train.jsonl", "tune_long.jsonl"),
+                  "tune_sent": ("tune_train.jsonl", "tune_sent.jsonl"),
+                  "dev": ("train.jsonl", "dev.jsonl")}[a.split]
     for name in a.runs.split(","):
-        out_dir = work / f"ft_{name}"
+        out_dir = work / f"ft_{name}" if a.split == "dev" and not a.tag else work / f"ft_{a.split}_{name}_{a.tag}_s{a.seed}"
         shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run (recipes refuse another run's checkpoints)
         cmd = [sys.executable, str(REPO / "recipes" / "clm.py"), "--model_name_or_path", str(a.pretrained),
-               "--train_file", str(work / "train.jsonl"), "--validation_file", str(work / "dev.jsonl"),
+               "--train_file", str(work / train), "--validation_file", str(work / dev),
                "--text_column", "text", "--block_size", str(a.ft_block_size), "--output_dir", str(out_dir),
                "--seed", str(a.seed), "--num_train_epochs", str(a.ft_epochs),
                *RUNS[name], *a.extra.split()]
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         wall = time.time() - t0
-        row = {"phase": "finetune", "run": name, "returncode": proc.returncode, "wall_s": round(wall, 1),
-               "command": " ".join(cmd[1:]), "commit": git_commit(), "seed": a.seed, "smoke": a.smoke}
+        row = {"phase": "finetune", "run": name, "split": a.split, "tag": a.tag, "returncode": proc.returncode,
+               "wall_s": round(wall, 1),
+               "command": " ".join(cmd[1:]), "commit": git_commit(), "seed": a.seed, "smoke": a.smoke,
+               "pretrained": pretrained}
         privacy = out_dir / "release" / "privacy.json"  # the recipe saves the release in <output_dir>/release
         if privacy.exists():
             rep = json.loads(privacy.read_text())
@@ -158,7 +211,12 @@ def finetune(a) -> None:
                 math.exp(ev["eval_loss"]) if ev.get("eval_loss") is not None else None),
                 epsilon=rep.get("epsilon"), noise_multiplier=rep.get("noise_multiplier"), steps=rep.get("steps"),
                 expected_batch_size=rep.get("expected_batch_size"), dataset_size=rep.get("dataset_size"),
-                unit=(rep.get("privacy_unit") or {}).get("column"), trainable=(rep.get("trainable") or {}).get("mode"))
+                unit=(rep.get("privacy_unit") or {}).get("column"), trainable=(rep.get("trainable") or {}).get("mode"),
+                # what the planner's causal-LM verdict reads (hf_dp.plan.lm_verdict): d, the update rule, lr, C, epochs
+                trainable_params=(rep.get("trainable") or {}).get("trainable_params"),
+                optimizer=(rep.get("optimizer") or {}).get("name"),
+                learning_rate=((rep.get("optimizer") or {}).get("hyperparameters") or {}).get("lr"),
+                max_grad_norm=rep.get("max_grad_norm"), planned_steps=rep.get("planned_steps"), epochs=rep.get("epochs"))
         if row.get("perplexity") is None:  # no release (evaluation only): the summary's line
             import re
 
@@ -169,6 +227,132 @@ def finetune(a) -> None:
             row["stderr_tail"] = proc.stderr[-1500:]
         _append(a.out, row)
         print(json.dumps({k: v for k, v in row.items() if k != "stderr_tail"}))
+
+
+def _flag(command: str, name: str) -> str | None:
+    parts = (command or "").split()
+    return parts[parts.index(name) + 1] if name in parts and parts.index(name) + 1 < len(parts) else None
+
+
+def _legacy_trainable(row: dict, config: str) -> int:
+    """d of a row written before the rows recorded ``trainable_params``: counted as the planner counts it, with the
+    row's --trainable (the recipe's default LoRA) on a GPT-2 built from the pretraining config (no weights read)."""
+    sys.path.insert(0, str(REPO))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_dp.models import apply_trainable
+
+    cfg = AutoConfig.for_model("gpt2")
+    cfg.update_from_string(config)
+    cfg.vocab_size = 30522  # the MiniLM WordPiece tokenizer's (LoRA's count does not depend on it)
+    return int(apply_trainable(AutoModelForCausalLM.from_config(cfg), row.get("trainable") or "lora")[1].num_trainable)
+
+
+def lm_calibration_rows(rows: list[dict]) -> list[dict]:
+    """The measured DP fine-tunings, each beside run ``none`` (no fine-tuning) of the same pretrained model
+    (``pretrained``: the weights' fingerprint; rows written before it was recorded form one group) and the same
+    evaluation split: the public quantities of the planner's causal-LM verdict (σ, B, d, the update rule, lr) and
+    whether the run ended worse (higher perplexity) than no fine-tuning. A run ``eval`` of a DP run's release on another
+    split (``--pretrained <its output_dir>/release``) is that DP run scored on that split's text, beside run ``none``
+    of the DP run's pretrained model on that split. Smoke runs and failed runs are left out; so is a DP run whose
+    pretrained model has no run ``none`` on the split."""
+    def group(r):
+        return r.get("pretrained") or "legacy", r.get("split") or "dev"
+
+    ok = [r for r in rows if r.get("phase") == "finetune" and r.get("returncode") == 0 and not r.get("smoke")
+          and r.get("perplexity") is not None]
+    none = {group(r): float(r["perplexity"]) for r in ok if r.get("run") == "none"}  # the latest of a group counts
+    config = next((r["config"] for r in rows if r.get("phase") == "pretrain" and not r.get("smoke")), CONFIG)
+    # a run's folder name (ft_<split>_<run>_<tag>_s<seed>) names it; the latest row of a folder counts
+    dp = {os.path.basename(os.path.normpath(_flag(r["command"], "--output_dir") or "")): r for r in ok
+          if r.get("noise_multiplier") is not None}
+    scored = [(r, group(r)) for r in dp.values()]
+    for e in ok:  # a DP run's release scored on another split's text
+        model = _flag(e["command"], "--model_name_or_path") or ""
+        source = dp.get(os.path.basename(os.path.dirname(os.path.normpath(model)))) if e.get("run") == "eval" else None
+        if source is not None:
+            scored.append(({**source, "perplexity": e["perplexity"], "tag": f"{source.get('tag') or ''} (eval)"},
+                           (group(source)[0], e.get("split") or "dev")))
+    sys.path.insert(0, str(REPO))
+    from hf_dp.plan.lm_verdict import LM_TIE
+
+    latest = {}  # one scoring per (DP run, scored text): the latest
+    for r, g in scored:
+        latest[(g, os.path.basename(os.path.normpath(_flag(r["command"], "--output_dir") or "")))] = (r, g)
+    out = []
+    for r, g in latest.values():
+        if r.get("expected_batch_size") is None or g not in none:
+            continue
+        d = r.get("trainable_params") or _legacy_trainable(r, config)
+        optim = r.get("optimizer") or _flag(r["command"], "--optim") or "dp_adamw"  # recipes/clm.py's default
+        lr = r.get("learning_rate") or _flag(r["command"], "--learning_rate")
+        sigma, b = float(r["noise_multiplier"]), float(r["expected_batch_size"])
+        out.append({
+            "run": r["run"], "tag": r.get("tag") or "", "split": g[1], "pretrained": g[0],
+            "id": (g[0], _flag(r["command"], "--output_dir")),  # the DP run (one per folder and pretrained model)
+            "perplexity": float(r["perplexity"]), "none_perplexity": none[g],
+            # within LM_TIE of no fine-tuning's perplexity: a tie, neither better nor worse
+            "worse": float(r["perplexity"]) > none[g] * (1 + LM_TIE),
+            "better": float(r["perplexity"]) < none[g] * (1 - LM_TIE), "sigma": sigma, "batch": b, "params": int(d),
+            "optimizer": optim, "learning_rate": float(lr) if lr is not None else None,
+            "r_step": math.sqrt(d) * sigma / b, "steps": r.get("steps"), "n": r.get("dataset_size"),
+            "walk": (float(lr) * math.sqrt(r["steps"]) * (math.sqrt(d) * sigma / b)
+                     / math.sqrt(1 + (math.sqrt(d) * sigma / b) ** 2)) if lr is not None and r.get("steps") else None,
+        })
+    return out
+
+
+def calibration_constants(rows: list[dict]) -> dict:
+    """``hf_dp.plan.lm_verdict.LM_CALIBRATION`` as the rows of :func:`lm_calibration_rows` make it (what the messages
+    cite; tests/test_plan_lm.py compares the two)."""
+    sys.path.insert(0, str(REPO))
+    from hf_dp.plan.lm_verdict import LITTLE_GAIN_SPLITS, family
+
+    def sig3(x):
+        return float(f"{x:.3g}")
+
+    def extremes(subset):
+        better = {}
+        for r in subset:
+            if r["better"]:
+                f = family(r["optimizer"])
+                better[f] = max(better.get(f, float("-inf")), r["walk"])
+        worse = {}
+        for r in subset:
+            f = family(r["optimizer"])
+            if r["worse"] and r["walk"] > better.get(f, float("-inf")):
+                worse[f] = min(worse.get(f, float("inf")), r["walk"])
+        return {f: sig3(v) for f, v in better.items()}, {f: sig3(v) for f, v in worse.items()}
+
+    better, worse = extremes(rows)
+    little = [r for r in rows if r["split"] in LITTLE_GAIN_SPLITS]
+    return {
+        "runs": len({r["id"] for r in rows}), "scorings": len(rows), "worse": sum(r["worse"] for r in rows),
+        "better": sum(r["better"] for r in rows),
+        "little_gain_runs": len(little),
+        "largest_better_walk": better, "worse_from_walk": worse, "little_gain_largest_better_walk": extremes(little)[0],
+        "little_gain_worse_from_walk": extremes(little)[1],
+        "optimizers": tuple(sorted({r["optimizer"] for r in rows})),
+        "learning_rates": tuple(sorted({r["learning_rate"] for r in rows})),
+    }
+
+
+def calibration_report(path) -> None:
+    """The measured DP runs beside the planner's causal-LM verdict (``--calibration``)."""
+    sys.path.insert(0, str(REPO))
+    from hf_dp.plan.lm_verdict import LM_WORSE_WALK, LM_WORSE_WALK_LITTLE_GAIN, expected_worse
+
+    rows = lm_calibration_rows(load_jsonl(path))
+    print("| run | tag | split | optimizer | lr | N | B | T | σ | d | R_step | W | perplexity | none | measured | verdict |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in sorted(rows, key=lambda r: (r["split"], r["walk"])):
+        v = expected_worse(r["sigma"], r["batch"], r["params"], r["steps"], r["learning_rate"], r["optimizer"])
+        print(f"| {r['run']} | {r['tag']} | {r['split']} | {r['optimizer']} | {r['learning_rate']:g} | {r['n']} | "
+              f"{r['batch']:g} | {r['steps']} | {r['sigma']:.4g} | {r['params']:,} | {r['r_step']:.3g} | "
+              f"{r['walk']:.3g} | {r['perplexity']:.1f} | {r['none_perplexity']:.1f} | "
+              f"{'worse' if r['worse'] else 'better' if r['better'] else 'tie'} | {v or '—'} |")
+    print(f"thresholds: W ≥ {LM_WORSE_WALK} worse on any text, ≥ {LM_WORSE_WALK_LITTLE_GAIN} on SST-2 dev")
+    print(f"LM_CALIBRATION from these rows (hf_dp/plan/lm_verdict.py; 'model' aside): {calibration_constants(rows)}")
 
 
 def report(path) -> None:
@@ -210,7 +394,17 @@ def main(argv=None) -> None:
     ap.add_argument("--ft_block_size", type=int, default=64)
     ap.add_argument("--ft_epochs", type=float, default=2.0)
     ap.add_argument("--extra", default="", help="more recipes/clm.py flags, one string")
+    ap.add_argument("--split", choices=("dev", "tune", "tune_long", "tune_sent"), default="dev",
+                    help="tune: fine-tune on the tune split and score on its held-out sentences (choosing defaults); "
+                         "tune_long: the same, scored on held-out sentences of >= 12 words; tune_sent: scored on "
+                         "held-out whole sentences (ending in . ! ?, >= 8 words); "
+                         "dev: the private rows, scored on SST-2 dev")
+    ap.add_argument("--tag", default="", help="a name for this configuration in the results file")
+    ap.add_argument("--calibration", action="store_true",
+                    help="print the measured DP runs beside the planner's causal-LM verdict (hf_dp.plan.lm_verdict)")
     a = ap.parse_args(argv)
+    if a.calibration:
+        return calibration_report(a.out)
     if a.report:
         return report(a.out)
     if a.smoke:

@@ -173,13 +173,15 @@ class DPTrainingArguments(TrainingArguments):
             "canaries are scored, inclusion guessed, and an empirical lower bound on epsilon (at 95 percent confidence) written "
             "to privacy.json and the card: a lower bound that can expose a bug, never a proof of privacy. Every canary "
             "counts as a unit whether included or not: N = real units + m, q = B/N, so epsilon does not depend on the "
-            "draw. Sequence classifiers only; no resume; 2*m*delta must be < 0.05."
+            "draw. Single-label sequence classifiers, and causal LMs (canaries without a label, scored by minus their "
+            "per-token loss); no resume; 2*m*delta must be < 0.05."
         },
     )
     audit_kind: str = field(
         default="input",
         metadata={"help": "--audit_canaries' canaries: input (black-box: random token sequences with random labels, "
-                          "scored by the trained model's label margin) or gradient (white-box: each canary's gradient is "
+                          "scored by the trained model's label margin; a causal LM's without a label, scored by minus "
+                          "their mean per-token loss) or gradient (white-box: each canary's gradient is "
                           "a random direction over the trainable parameters of norm 1000 C, clipped to C and noised "
                           "with its batch; scored by the inner product of the summed privatized gradients with it). "
                           "gradient needs an update rule without a per-sample transform (not dp_sgd_l2, dp_macadam) and "
@@ -281,6 +283,9 @@ class DPTrainingArguments(TrainingArguments):
                                  "0.05, so the one-run bound can certify nothing; use fewer canaries or a smaller delta")
         if self.audit_kind not in ("input", "gradient"):  # hf_dp.audit.canaries.AUDIT_KINDS
             raise ValueError(f"--audit_kind must be one of input, gradient, got {self.audit_kind!r}")
+        if m is not None and self.audit_kind == "gradient" and self.fsdp:  # the same sentence as hf_dp.audit.canaries
+            raise ValueError("--audit_kind gradient is not supported with --fsdp: the canaries' gradients would be added "
+                             "to sharded sums; use --audit_kind input")
         L = self.audit_canary_length
         if isinstance(L, bool) or not isinstance(L, int) or L < 1:
             raise ValueError(f"--audit_canary_length must be a whole number >= 1, got {L!r}")

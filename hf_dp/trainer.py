@@ -23,7 +23,8 @@ What it changes, and nothing else (each override calls ``super()``):
   is ignored. The returned loss is per rank, a mean over the expected logical batch. Under DDP the forward
   runs in ``no_sync`` for every micro-batch (DDP all-reduces no raw gradient); each rank clips its own
   examples and the privatizer all-reduces the noisy clipped sum once per logical batch. Under FSDP2
-  (``--fsdp full_shard``) two-pass ghost clipping runs on the shards and each rank adds the noise to its own shard
+  (``--fsdp full_shard``) ghost clipping runs on the shards (one backward by default, its clipped sums
+  reduce-scattered: :mod:`hf_dp.clipping.fsdp_ghost`) and each rank adds the noise to its own shard
   (:mod:`hf_dp.clipping.sharding`); DeepSpeed is refused under DP (docs/fsdp.md).
 * ``log``: adds ``epsilon`` (spent so far) and drops HF's ``grad_norm`` (the norm of the
   *non-private* gradient). The logged training loss is **not** private (it is computed from the
@@ -286,6 +287,7 @@ class DPTrainer(Trainer):
             return super().create_optimizer(model)
         if self.optimizer is None:  # the privatizer over the update rule, planned at set-up (hf_dp.run.setup)
             self.optimizer = self._dp_optimizer = setup.make_private_optimizer(self, model)
+            canaries.check_optimizer(self, self._dp_optimizer)  # --audit_kind gradient: a rule it can audit
         return self.optimizer
 
     # ------------------------------------------------------------------------------------------------

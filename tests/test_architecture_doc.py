@@ -103,6 +103,7 @@ MAY_IMPORT = [
     ("hf_dp.plan.*", ANYWHERE, ["hf_dp.plan.*", "hf_dp.privacy.accounting", "hf_dp.privacy.sampler",
                                 "hf_dp.models.freezing"]),
     ("hf_dp.plan.calibration", ANYWHERE, []),
+    ("hf_dp.plan.lm_verdict", ANYWHERE, []),
     ("hf_dp.tuning.*", ANYWHERE, ["hf_dp.tuning.*", "hf_dp.privacy.selection", "hf_dp.privacy.randomness",
                                   "hf_dp.run.data", "hf_dp.run.lineage"]),
     # the audits sit on top of the library: they drive the mechanism or DPTrainer; nothing below imports them
@@ -112,7 +113,8 @@ MAY_IMPORT = [
     # the trainer imports it (--audit_canaries): it takes the trainer as an argument; the one-run audit's pure modules,
     # and the row-tagging wrapper the loader reads (run.data.TaggedRows)
     ("hf_dp.audit.canaries", ANYWHERE, ["hf_dp.audit.one_run_bound", "hf_dp.audit.fdp", "hf_dp.audit.canary_kinds",
-                                        "hf_dp.audit.stats", "hf_dp.run.data"]),
+                                        "hf_dp.audit.lm_canaries", "hf_dp.audit.stats", "hf_dp.run.data"]),
+    ("hf_dp.audit.lm_canaries", ANYWHERE, ["hf_dp.audit.canary_kinds"]),
     ("hf_dp.audit.one_run_bound", ANYWHERE, ["hf_dp.audit.stats"]),
     ("hf_dp.audit.fdp", ANYWHERE, ["hf_dp.audit.one_run_bound"]),
     ("hf_dp.audit.canary_kinds", ANYWHERE, []),

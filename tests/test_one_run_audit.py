@@ -435,9 +435,9 @@ def test_audit_canaries_with_privacy_units_and_refusals(tmp_path):
                                                    num_attention_heads=2, intermediate_size=32, num_labels=1))
     with pytest.raises(ValueError, match="sequence classifiers"):
         DPTrainer(model=reg, args=args, train_dataset=real.remove_columns("user"))
+    # a causal LM is audited since issue 39 item 4 (token canaries scored by their loss: tests/test_lm_canaries.py)
     lm = GPT2LMHeadModel(GPT2Config(vocab_size=TINY["vocab"], n_layer=1, n_embd=16, n_head=2, n_positions=32))
-    with pytest.raises(ValueError, match="sequence classifiers"):
-        DPTrainer(model=lm, args=args, train_dataset=real.remove_columns(["user", "labels"]))
+    assert DPTrainer(model=lm, args=args, train_dataset=real.remove_columns(["user", "labels"]))._audit.m == 100
 
 
 def test_audit_canaries_with_the_frozen_prefix_cache(tmp_path, caplog):

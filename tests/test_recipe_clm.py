@@ -270,27 +270,23 @@ def test_defaults_lora_and_no_frozen_prefix_cache(clm):
     assert args.cache_frozen_features is False  # every run has a unit column, which the cache does not keep
 
 
-def test_the_planner_chooses_the_batch_for_the_epochs_given(clm, tok_dir, tmp_path, monkeypatch):
-    """Issue 38 item 3 (as in recipes/glue.py): --num_train_epochs is the compute budget, the planner still chooses
-    the batch of units for it; --gradient_accumulation_steps (the batch itself) keeps the recipe's 8 × 4."""
-    import copy
-
-    from hf_dp.models import apply_trainable
-    from hf_dp.plan import recommend
-    from recipes.common.run import apply_plan
-
-    monkeypatch.setenv("HF_DP_PLAN_CACHE", str(tmp_path / "sigma.json"))
-    argv = [*GPT2, "--tokenizer_name", tok_dir, "--output_dir", str(tmp_path / "o"), "--num_train_epochs", "20"]
-    model_args, _, args = clm.parse_args(argv)
-    config, tokenizer, _ = clm.load_config_and_tokenizer(model_args)
-    model = clm.build_model(model_args, config, tokenizer, None)
-    line = apply_plan(args, model, 640, clm.PLANNED_LR)
-    assert line and line.startswith("planner (no batch size given; compute budget --num_train_epochs 20):"), line
-    d = apply_trainable(copy.deepcopy(model), "lora")[1].num_trainable  # as the planner counts d (apply_plan)
-    plan = recommend(640, args.epsilon, args.delta, d, epochs=20.0)
-    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == plan.batch_size
-    _, _, args = clm.parse_args(argv + ["--gradient_accumulation_steps", "4"])
-    assert apply_plan(args, model, 640, clm.PLANNED_LR) is None and args.per_device_train_batch_size == 8
+def test_the_default_batch_is_a_sixteenth_of_the_units(clm, tok_dir, tmp_path):
+    """Issue 39 item 2: with no batch flag the logical batch is ≈ N/16 units in whole micro-batches (q ≈ 1/16: the
+    setting chosen on the public tune split, B = 256 for 4,000 rows, 64 for 1,045 users), lr 5e-4 for dp_adamw, 2
+    epochs; a batch flag keeps the user's batch; --help shows the defaults."""
+    argv = [*GPT2, "--tokenizer_name", tok_dir, "--output_dir", str(tmp_path / "o")]
+    for n, want in ((4000, 256), (1045, 64), (640, 32), (3, 16)):
+        _, _, args = clm.parse_args(argv)
+        line = clm.lm_batch_plan(args, n)
+        assert args.per_device_train_batch_size * args.gradient_accumulation_steps == want, (n, line)
+        assert line.startswith(f"planner (causal LM, no batch size given): logical batch B = {want:,} units"), line
+    assert args.learning_rate == 5e-4 and args.optim == "dp_adamw" and args.num_train_epochs == 2.0
+    for flag in (["--gradient_accumulation_steps", "4"], ["--per_device_train_batch_size", "8"]):
+        _, _, args = clm.parse_args(argv + flag)
+        assert clm.lm_batch_plan(args, 4000) is None
+        assert args.per_device_train_batch_size * args.gradient_accumulation_steps in (64, 8)
+    _, _, args = clm.parse_args(argv + ["--disable_dp", "--optim", "adamw_torch"])
+    assert clm.lm_batch_plan(args, 4000) is None
 
 
 # ------------------------------------------------------------------------------------ runs
@@ -381,6 +377,86 @@ def test_a_llama_config_trains_with_user_units(clm, tok_dir, tmp_path, capsys):
     s = _summary(stdout)
     _check_release(out / "release", "user_id", 12, s, "w3", 2, 5)
     assert json.loads((out / "release" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_the_causal_lm_verdict_is_printed_before_training(clm, tok_dir, tmp_path, capsys, caplog, monkeypatch):
+    """Issue 39 item 3: the recipe prints the planner's causal-LM verdict when the trainer is built, before train():
+    a tiny LoRA (d = 1,024) at B = 4 with σ = 1 (R_step = 8) and lr 0.1 walks each coordinate W = 0.14 by noise alone
+    in 2 steps, above the calibration's thresholds; at σ = 0.1 and lr 1e-3, W = 0.00088 is below them."""
+    from hf_dp import DPTrainer
+
+    said = {}
+    train = DPTrainer.train
+
+    def spy(self, *a, **kw):
+        said["before_train"] = "\n".join(r.getMessage() for r in caplog.records)
+        return train(self, *a, **kw)
+
+    monkeypatch.setattr(DPTrainer, "train", spy)
+    files = _user_files(tmp_path)
+    code, stdout, err = _run(clm, capsys, _tiny(tok_dir, *files, tmp_path / "verdict", "--learning_rate", "0.1"))
+    assert code == 0, err[-4000:]
+    before = said["before_train"]
+    assert "hf_dp plan (causal LM): R_step = √d·σ/B = 8 (d = 1,024, σ = 1, B = 4), noise walk W" in before, before[-3000:]
+    assert "is expected to make the model worse than no fine-tuning" in before
+    assert "constant predictor" not in before  # the classifiers' expectation is not a causal LM's
+
+    # σ = 0.1: R_step = 0.8, below the threshold: the recipe prints that verdict itself (its INFO block may be hidden)
+    def spy_out(self, *a, **kw):
+        said["stdout"] = capsys.readouterr().out
+        return train(self, *a, **kw)
+
+    monkeypatch.setattr(DPTrainer, "train", spy_out)
+    code, stdout, err = _run(clm, capsys, _tiny(tok_dir, *files, tmp_path / "verdict2", "--noise_multiplier", "0.1",
+                                                "--learning_rate", "1e-3"))
+    assert code == 0, err[-4000:]
+    line = next((x for x in said["stdout"].splitlines() if x.startswith("hf_dp plan (causal LM)")), said["stdout"])
+    assert line.startswith("hf_dp plan (causal LM): R_step = √d·σ/B = 0.8 (d = 1,024, σ = 0.1, B = 4), noise walk W")
+    assert "(lr = 0.001, T = 2) < 0.0035: this run is not expected to make the model worse than no fine-tuning" in line
+
+
+@pytest.mark.parametrize("kind,units", [("input", True), ("input", False), ("gradient", True)])
+def test_audit_canaries_on_a_causal_lm_print_the_audit_line_and_keep_the_draw_in_memory(
+        clm, tok_dir, tmp_path, capsys, monkeypatch, kind, units):
+    """Issue 39 item 4 (refused before: "single-label sequence classifiers only"): --audit_canaries on the causal-LM
+    recipe — token canaries scored by their loss (input) or gradient canaries — prints the one-run audit line in the
+    summary, privacy.json holds the record, N counts the canaries (each its own unit, also under a unit column), and
+    no file of the run (checkpoint included) holds the inclusion draw in any of its usual encodings."""
+    from hf_dp.audit import canaries as hooks
+    from test_gradient_canaries import _bit_encodings
+
+    seen = {}
+    attach = hooks.attach
+
+    def spy(trainer, *a, **kw):
+        out = attach(trainer, *a, **kw)
+        seen["bits"] = trainer._audit.canaries.included
+        return out
+
+    monkeypatch.setattr(hooks, "attach", spy)
+    train, dev = _user_files(tmp_path, users=16, per_user=3)
+    out = tmp_path / f"audit_{kind}"
+    extra = ["--privacy_unit_column", "user_id"] if units else []
+    code, stdout, err = _run(clm, capsys, _tiny(tok_dir, train, dev, out, "--delta", "1e-5", "--audit_canaries", "100",
+                                                "--audit_kind", kind, "--optim", "dp_adam", "--save_strategy", "steps",
+                                                "--save_steps", "1", *extra))
+    assert code == 0, err[-4000:]
+    s = _summary(stdout)
+    box = "white-box" if kind == "gradient" else "black-box"
+    assert re.match(rf"empirical lower bound ε̂ = [\d.]+ \(one-run audit, 100 canaries, {box}, 95 % confidence",
+                    s["one-run audit"]), s["one-run audit"]
+    privacy = json.loads((out / "release" / "privacy.json").read_text())
+    real = 16 if units else 48
+    assert privacy["audit"]["kind"] == box and privacy["audit"]["real_units"] == real
+    assert privacy["dataset_size"] == real + 100
+    if kind == "input":
+        assert privacy["audit"]["score"].startswith("minus the mean per-token loss")
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any("checkpoint-1" in str(p) for p in files)
+    for path in files:
+        data = path.read_bytes()
+        for enc in _bit_encodings(seen["bits"]):
+            assert enc not in data, (path, enc[:40])
 
 
 def test_resume_continues_the_ledger_of_a_unit_level_run(clm, tok_dir, tmp_path, capsys):
@@ -483,6 +559,27 @@ def test_two_gloo_processes_run_the_recipe_over_user_units(tok_dir, tmp_path):
     privacy = json.loads((out / "release" / "privacy.json").read_text())
     assert privacy["privacy_unit"]["num_units"] == 16 and privacy["steps"] == 2
     assert privacy["sample_rate"] == pytest.approx(2 * 2 / 16)  # B = 2 per device × 2 processes, over N = 16 users
+
+
+@pytest.mark.distributed
+def test_two_gloo_processes_audit_a_causal_lm(tok_dir, tmp_path):
+    """Issue 39 item 4 under torchrun: both ranks train on rank 0's draw (broadcast in memory), score their share of
+    the canaries by their loss and gather the scores; rank 0 prints the audit line and privacy.json holds the record."""
+    from two_process import gloo_available, launch
+
+    if not gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    train, dev = _user_files(tmp_path, users=16)
+    out = tmp_path / "ddp_audit"
+    argv = _tiny(tok_dir, train, dev, out, "--privacy_unit_column", "user_id", "--ddp_backend", "gloo", "--use_cpu",
+                 "--per_device_train_batch_size", "2", "--delta", "1e-5", "--audit_canaries", "100")
+    launch(tmp_path, WORKER.format(argv=argv), timeout=400)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["code"] == r1["code"] == 0, (tmp_path / "rank0.err").read_text()[-3000:]
+    s0 = _summary(r0["stdout"])
+    assert s0["one-run audit"].startswith("empirical lower bound ε̂ = ") and "100 canaries, black-box" in s0["one-run audit"]
+    audit = json.loads((out / "release" / "privacy.json").read_text())["audit"]
+    assert audit["canaries"] == 100 and audit["real_units"] == 16 and audit["kind"] == "black-box"
 
 
 def test_the_training_file_as_validation_file_is_refused(clm, tok_dir, tmp_path, capsys):

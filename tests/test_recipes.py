@@ -295,6 +295,11 @@ def test_audit_canaries_write_the_bound_into_privacy_json_and_the_card(glue, tin
     assert f"empirical lower bound ε̂ = {audit['epsilon_lower_bound']:.2f}" in card and "100 canaries, black-box" in card
     assert "never a proof of privacy" in card
     assert _summary(out)["one-run audit"].startswith("empirical lower bound ε̂ = ")
+    # issue 42: the card says what the canaries cost (expected canary rows per step at this q, and the measured cost)
+    q = privacy["sample_rate"]
+    assert audit["utility_cost"].startswith(f"the 100 canaries are units of the sampler beside the 96 real ones: each "
+                                            f"step draws an expected {q * 50:.1f} canary rows")
+    assert "What they cost: " + audit["utility_cost"] in " ".join(card.split())
 
 
 def test_resume_from_checkpoint_is_passed_through(glue, tiny_bert, tmp_path, capsys):
@@ -415,6 +420,41 @@ def test_planner_chooses_the_batch_for_the_epochs_or_steps_given(glue, tiny_bert
         assert glue._apply_plan(args, model, 640) is None
     # --help shows the planner's batch as the default for this command line too
     assert "(default: the planner's, printed at start)" in " ".join(_help(glue, capsys, *argv).split())
+
+
+def test_planner_puts_the_audit_canaries_on_top_of_the_planned_batch(glue, tiny_bert, tmp_path, capsys, monkeypatch):
+    """Issue 42: with --audit_canaries m the canary units join the N real ones; at the plan's B the real rows would be
+    drawn at B/(N + m) < q. The recipe grows the logical batch to ⌈q·(N + m)⌉ (whole micro-batches) and takes the
+    plan's steps, so each real row is drawn at ≈ the planned q for the planned steps, as in the run without canaries."""
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_dp.plan import recommend
+    from hf_dp.models import apply_trainable
+    from hf_dp.privacy.planning import plan_mechanism
+
+    monkeypatch.setenv("HF_DP_PLAN_CACHE", str(tmp_path / "sigma.json"))
+    data = _sst2_files(tmp_path, n=640)
+    argv = ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(data), "--model_name_or_path",
+            tiny_bert, "--output_dir", str(tmp_path / "o"), "--epsilon", "3", "--delta", "1e-5", "--trainable", "all",
+            "--disable_tqdm", "true", "--num_train_epochs", "5", "--audit_canaries", "300", "--audit_kind", "gradient"]
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
+    d = apply_trainable(model, "all")[1].num_trainable
+    plan = recommend(640, 3.0, 1e-5, d, epochs=5.0)
+    _, _, args = glue.parse_args(argv)
+    line = glue._apply_plan(args, model, 640)
+    b = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    q = plan.batch_size / 640
+    assert b > plan.batch_size and b / 940 >= q and (b - args.per_device_train_batch_size) / 940 < q, (b, plan.batch_size)
+    assert args.max_steps == plan.choice.steps
+    assert f"--audit_canaries 300: logical batch B = {b}" in line and f"for the plan's {plan.choice.steps} steps" in line
+    # what DPTrainer then plans over N = 640 + 300 units: the same steps, q' within one micro-batch of q
+    spec, _, _ = plan_mechanism(n=940, per_device_batch=args.per_device_train_batch_size,
+                                accumulation=args.gradient_accumulation_steps, world_size=1, delta=1e-5, epsilon=3.0,
+                                noise_multiplier=None, max_grad_norm=1.0, accountant="prv", max_steps=args.max_steps,
+                                num_train_epochs=args.num_train_epochs)
+    assert spec.planned_steps == plan.choice.steps and q <= spec.sample_rate < q + args.per_device_train_batch_size / 940
+    _, _, args = glue.parse_args(argv + ["--per_device_train_batch_size", "8"])  # a batch given: the user's B stands
+    assert glue._apply_plan(args, model, 640) is None and args.per_device_train_batch_size * args.gradient_accumulation_steps == 8
 
 
 def test_disable_dp_baseline_uses_its_dp_familys_defaults(glue):

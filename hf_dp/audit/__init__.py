@@ -6,7 +6,7 @@
 * :mod:`hf_dp.audit.stats` — the bound and the power both share;
 * :mod:`hf_dp.audit.one_run_bound` — the one-run bound (Steinke, Nasr & Jagielski 2023); :mod:`hf_dp.audit.fdp` — the
   Gaussian-DP one-run estimate beside it (Mahloujifar et al. 2024); :mod:`hf_dp.audit.canary_kinds` — the input and
-  gradient canaries;
+  gradient canaries; :mod:`hf_dp.audit.lm_canaries` — a causal LM's input canaries (scored by their loss);
 * :mod:`hf_dp.audit.canaries` — the one-run audit inside a training run (``--audit_canaries``, ``--audit_kind``);
 * :mod:`hf_dp.audit.one_run` — the one-run audit's command-line runs (``python -m hf_dp.audit --one_run``).
 """

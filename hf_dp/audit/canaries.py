@@ -7,6 +7,8 @@ The bound (Steinke, Nasr & Jagielski 2023) is :mod:`hf_dp.audit.one_run_bound`, 
 
 Black-box canaries for a sequence classifier (:class:`SequenceCanaries`; ``--audit_canaries m``)
 -----------------------------------------------------------------------------------------------
+(A causal LM's are token sequences without a label, scored by minus their per-token loss:
+:mod:`hf_dp.audit.lm_canaries`; everything else below applies to them unchanged.)
 m out-of-distribution inputs — sequences of tokens drawn uniformly from the vocabulary (special tokens excluded,
 wrapped in the tokenizer's special tokens when one is given; as long as a typical training row, at most
 :data:`CANARY_TOKENS`) — each with a uniformly random label; canary i is included iff its secret bit says so. The
@@ -43,10 +45,16 @@ model is 0, so the clipping engine sees an example with a zero gradient), and th
 (c = min(1, C/(‖v‖ + 10⁻⁶)), C the privatizer's at that moment, as in ``PrivateOptimizer._clip_and_sum``) and adds it
 into the logical batch's clipped sum, before its one noise: clipped to C (whatever a variant does to C there), summed
 with the batch, noised, divided by B — the path of every example, not a side channel. Rules with a per-sample transform (DP-SGD-L2,
-DP-MacAdam) and FSDP are refused (the zero-gradient row would add its own offset; the sums are sharded). The score is
-⟨Σ_t g̃_t, u_k⟩, g̃_t the privatized gradient of step t (the noisy mean, public by DP), summed in memory by the
-privatizer's ``step_hook``: linear in the canary's clipped contributions for every update rule (the model's total
-change is not, under Adam). The directions and that sum are dropped with the bits.
+DP-MacAdam) and FSDP are refused (the zero-gradient row would add its own offset; the sums are sharded). The score
+reads every step's privatized gradient g̃_t (the noisy mean, public by DP: the accountant's guarantee covers the
+whole sequence, not only the last model), in the privatizer's ``step_hook``: x_kt = B·⟨g̃_t, u_k⟩/C is the canary's
+projection in units of C — N(0, σ²) plus, in the steps that drew it, exactly 1 — and the score is the sum over the
+steps of its log-likelihood ratio log(1 − q + q·exp((x_kt − ½)/σ²)) (q, σ the planned ones;
+:func:`~hf_dp.audit.canary_kinds.step_log_likelihood_ratio`): the Neyman–Pearson test of each canary, where the
+projection of the summed gradients ⟨Σ_t g̃_t, u_k⟩ dilutes the ≈ q·T steps that drew a canary in the noise of all T.
+Linear in the canary's clipped contributions for every update rule (the model's total change is not, under Adam).
+Only m running sums are kept (the scores and, for checks, the summed projections), in memory; they and the
+directions are dropped with the bits.
 
 The command line: ``python -m hf_dp.audit --one_run ...`` (:mod:`hf_dp.audit.one_run`: the black-box run is a
 DPTrainer run with ``--audit_canaries``, variants as the trainer path of :mod:`hf_dp.audit.trainer_path`); see
@@ -59,9 +67,16 @@ import warnings
 
 import numpy as np
 
-from hf_dp.audit.canary_kinds import GradientDirections, SequenceCanaries, _special_tokens, label_margins
+from hf_dp.audit.canary_kinds import (
+    GradientDirections,
+    SequenceCanaries,
+    _special_tokens,
+    label_margins,
+    step_log_likelihood_ratio,
+)
 from hf_dp.audit.fdp import gdp_audit_scores, gdp_record
-from hf_dp.audit.one_run_bound import OneRunBound, audit_scores, ceiling, describe, record
+from hf_dp.audit.lm_canaries import TokenCanaries, lm_canary_scores
+from hf_dp.audit.one_run_bound import OneRunBound, audit_scores, ceiling, describe, record, utility_cost
 from hf_dp.audit.stats import power_note
 from hf_dp.run.data import TaggedRows
 
@@ -80,7 +95,8 @@ AUDIT_KINDS = ("input", "gradient")
 GRADIENT_NORM = 1e3
 #: the batch key of each training row's canary id (-1: a real row), --audit_kind gradient
 CANARY_KEY = "_hf_dp_canary"
-GRADIENT_SCORE = "inner product of the sum of every step's privatized (noisy) gradient with the canary's direction"
+GRADIENT_SCORE = ("sum over the steps of the log-likelihood ratio of the privatized (noisy) gradient's projection on "
+                  "the canary's direction")
 ACCOUNTING = (
     "q = B/(N_real + m): every canary is counted as a privacy unit whether or not the secret draw included it, so N, "
     "q and epsilon do not depend on the draw; the reported N is the real units plus the m canaries, and the real "
@@ -112,12 +128,15 @@ class TrainerCanaries:
         self.bound: OneRunBound | None = None
         self.kind = kind
         # --audit_kind gradient (secret, memory only): the canary id of each appended row, the directions' key, the
-        # canaries of the micro-batch in flight, the running sum of the privatized gradients
+        # canaries of the micro-batch in flight, the running scores (sum of the steps' log-likelihood ratios) and the
+        # summed projections x_kt of the privatized gradients (m numbers each)
         self.row_canary: np.ndarray | None = None
         self.key: int | None = None
         self.directions: GradientDirections | None = None
         self.pending: list[int] = []
-        self.grad_sum: list | None = None
+        self.score_sum: np.ndarray | None = None
+        self.projection_sum: np.ndarray | None = None
+        self._projector = None  # (indices, signs / √support) of all m directions on the parameters' device
         self.raw_norm: float | None = None
         self.gdp = None  # the Gaussian-DP estimate (hf_dp.audit.fdp.GdpEstimate) once audited
 
@@ -168,10 +187,11 @@ def attach(trainer, model, args, train_dataset, tokenizer=None):
                          "to sharded sums; use --audit_kind input")
     config = getattr(model, "config", None)
     num_labels = int(getattr(config, "num_labels", 0) or 0)
-    if getattr(trainer.objective, "name", None) != "sequence_classification" or getattr(config, "problem_type", None) in (
-            "regression", "multi_label_classification") or num_labels < 2:
-        raise ValueError("--audit_canaries supports single-label sequence classifiers (>= 2 labels) only: its black-box "
-                         "canaries are random token sequences with random labels")
+    causal = getattr(trainer.objective, "name", None) == "causal_lm"  # token canaries, no label (hf_dp.audit.lm_canaries)
+    if not causal and (getattr(trainer.objective, "name", None) != "sequence_classification" or getattr(
+            config, "problem_type", None) in ("regression", "multi_label_classification") or num_labels < 2):
+        raise ValueError("--audit_canaries supports single-label sequence classifiers (>= 2 labels) and causal LMs only: "
+                         "its black-box canaries are random token sequences, with random labels for a classifier")
     if train_dataset is None or not hasattr(train_dataset, "__len__") or not hasattr(train_dataset, "__getitem__"):
         raise ValueError("--audit_canaries needs a sized, map-style train_dataset to append its canaries to")
     if getattr(args, "keep_frozen_features_cache", False):
@@ -190,7 +210,7 @@ def attach(trainer, model, args, train_dataset, tokenizer=None):
     length = max(1, min(length, int(getattr(config, "max_position_embeddings", 512) or 512)) - reserved)
     # the tokens and labels come from a public stream (the same on every rank); the inclusion bits from OS entropy
     content_seed = [int(args.seed) & 0xFFFFFFFF, 0x0A0D17]
-    canaries = SequenceCanaries.draw(int(m), num_labels, tokenizer=tokenizer, vocab_size=min(vocab, len(tokenizer))
+    canaries = (TokenCanaries if causal else SequenceCanaries).draw(int(m), max(2, num_labels), tokenizer=tokenizer, vocab_size=min(vocab, len(tokenizer))
                                      if tokenizer is not None else vocab, length=length, seed=content_seed)
     canaries._included = _shared_bits(canaries._included, args)
     unit_col = getattr(args, "privacy_unit_column", None)
@@ -357,28 +377,61 @@ def wrap_engine(trainer, engine):
 
 def _prepare(state: TrainerCanaries, optimizer) -> None:
     """Once, before the first step: refuse a rule with a per-sample transform, build the directions over the
-    privatizer's parameters and hook the running sum of the privatized gradients onto its ``step_hook``."""
+    privatizer's parameters and hook the per-step scoring of the privatized gradient onto its ``step_hook``."""
     import torch
 
     if state.directions is not None:
         return
     params = optimizer.params
-    rule = optimizer.rule
-    if rule.per_sample_affine(params) is not None or not rule.ghost_compatible():
-        raise ValueError(f"--audit_kind gradient needs an update rule without a per-sample transform of the gradients "
-                         f"({type(rule).__name__} has one: a canary row's zero gradient would still add its offset); "
-                         "use --audit_kind input, or dp_sgd / dp_adam / dp_adamw / dp_adambc / dp_adamw_bc")
+    _check_rule(optimizer)
     state.directions = GradientDirections(state.m, [p.numel() for p in params], key=state.key)
-    state.grad_sum = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
+    idx, signs = state.directions.matrix()
+    device = params[0].device
+    state._projector = (torch.as_tensor(idx, device=device),
+                        torch.as_tensor(signs, dtype=torch.float64, device=device) / float(np.sqrt(idx.shape[1])))
+    state.score_sum, state.projection_sum = np.zeros(state.m), np.zeros(state.m)
     previous = optimizer.step_hook
 
-    def accumulate_privatized(opt):
-        for acc, p in zip(state.grad_sum or [], opt.params):
-            acc += p.grad.detach().to(acc.dtype)  # after privatize(): the noisy mean, mapped back to gradient space
+    def score_privatized(opt):
+        if state.score_sum is not None:
+            x = step_projections(state, opt)
+            spec = getattr(getattr(opt, "ledger", None), "spec", None)
+            q = spec.sample_rate if spec is not None else getattr(getattr(opt, "sampler", None), "sample_rate", 0.0)
+            sigma = spec.noise_multiplier if spec is not None else opt.noise_multiplier
+            state.score_sum += step_log_likelihood_ratio(x, q, sigma)
+            state.projection_sum += x
         if previous:
             previous(opt)
 
-    optimizer.step_hook = accumulate_privatized
+    optimizer.step_hook = score_privatized
+
+
+def check_optimizer(trainer, optimizer) -> None:
+    """DPTrainer's ``create_optimizer`` (before the first step begins): refuse an update rule with a per-sample transform
+    under ``--audit_kind gradient``."""
+    if _gradient_state(trainer) is not None:
+        _check_rule(optimizer)
+
+
+def _check_rule(optimizer) -> None:
+    rule = optimizer.rule
+    if rule.per_sample_affine(optimizer.params) is not None or not rule.ghost_compatible():
+        raise ValueError(f"--audit_kind gradient needs an update rule without a per-sample transform of the gradients "
+                         f"({type(rule).__name__} has one: a canary row's zero gradient would still add its offset); "
+                         "use --audit_kind input, or dp_sgd / dp_adam / dp_adamw / dp_adambc / dp_adamw_bc")
+
+
+def step_projections(state: TrainerCanaries, optimizer) -> np.ndarray:
+    """x_k = B·⟨g̃_t, u_k⟩/C for every canary k, g̃_t the privatized gradient of this step (``p.grad`` after
+    ``privatize()``: the noisy mean, mapped back to gradient space), B the privatizer's divisor and C its clip norm:
+    the canary's projection in units of C (1 when drawn at this step, plus N(0, σ²) and the real rows' projection)."""
+    import torch
+
+    idx, signs = state._projector
+    flat = torch.cat([p.grad.detach().reshape(-1).to(device=idx.device, dtype=torch.float64)
+                      for p in optimizer.params])
+    z = (flat[idx] * signs).sum(dim=1)
+    return z.cpu().numpy() * (float(optimizer.expected_batch_size) / float(optimizer.max_grad_norm))
 
 
 def _add_canary_gradients(state: TrainerCanaries, optimizer) -> None:
@@ -408,10 +461,10 @@ def _add_canary_gradients(state: TrainerCanaries, optimizer) -> None:
 
 
 def gradient_scores(state: TrainerCanaries) -> np.ndarray:
-    """⟨Σ_t g̃_t, u_k⟩ for every canary (0 for all if no step was taken)."""
-    if state.directions is None or state.grad_sum is None:
+    """Σ_t log-likelihood ratio of x_kt for every canary (0 for all if no step was taken)."""
+    if state.score_sum is None:
         return np.zeros(state.m)
-    return state.directions.scores([g.detach().cpu().numpy() for g in state.grad_sum])
+    return state.score_sum.copy()
 
 
 def before_train(trainer, resume_from_checkpoint) -> None:
@@ -431,7 +484,9 @@ def before_train(trainer, resume_from_checkpoint) -> None:
 def canary_scores(trainer, state: TrainerCanaries) -> np.ndarray:
     """The label margin of every canary under the trained model: the trainer's collator, device, frozen-prefix cache
     and suffix context, through HF's ``evaluation_loop`` on the canaries *without* their labels (no loss, no metric,
-    no callback's on_evaluate/on_predict ever sees them)."""
+    no callback's on_evaluate/on_predict ever sees them). A causal LM's: minus their per-token loss (lm_canaries)."""
+    if isinstance(state.canaries, TokenCanaries):
+        return lm_canary_scores(trainer, state)
     c = state.canaries
     like = state.like if hasattr(state.like, "column_names") else None
     ds = c.dataset(like=like, labels=False, drop=(getattr(trainer.args, "privacy_unit_column", None),))
@@ -465,10 +520,11 @@ def after_train(trainer) -> dict | None:
         state.canaries.forget()
         if state.row_canary is not None:
             state.row_canary.fill(-1)  # a loader built before may still hold this array: its tags say nothing now
-        state.row_canary = state.directions = state.grad_sum = state.key = None
+        state.row_canary = state.directions = state.key = state._projector = None
+        state.score_sum = state.projection_sum = None
         state.pending = []
     state.bound, state.gdp = bound, gdp  # counts and the bounds only (no bit)
-    rec = record(bound, "white-box" if gradient else "black-box", GRADIENT_SCORE if gradient else SequenceCanaries.score_name)
+    rec = record(bound, "white-box" if gradient else "black-box", GRADIENT_SCORE if gradient else state.canaries.score_name)
     rec["gaussian_dp"] = gdp_record(gdp)
     eps = float(trainer.get_epsilon())
     rec.update(
@@ -477,6 +533,7 @@ def after_train(trainer) -> dict | None:
         real_units=state.real_units, dataset_size_includes_canaries=state.m, accounting=ACCOUNTING,
     )
     rec["summary"] = describe(rec)
+    rec["utility_cost"] = utility_cost(state.m, int(state.real_units or 0), float(trainer.privacy_spec.sample_rate))
     trainer.audit_record = rec
     return rec
 

@@ -5,8 +5,8 @@
   (:func:`label_margins`).
 * :class:`GradientDirections` — ``--audit_kind gradient`` (white-box): one random unit direction u_k over the
   trainable parameters per canary, from a full-entropy keyed stream; the canary's per-example gradient is s·u_k
-  (s ≥ C, chosen by the auditor), clipped and noised with the batch; the score is ⟨Σ_t g̃_t, u_k⟩ with g̃_t the
-  privatized (noisy) gradient of step t.
+  (s ≥ C, chosen by the auditor), clipped and noised with the batch; the score is a likelihood ratio of the
+  projections ⟨g̃_t, u_k⟩ of every step's privatized (noisy) gradient g̃_t (:func:`step_log_likelihood_ratio`).
 
 Both hold their secret (the inclusion bits) in memory only: pickling is refused and :meth:`forget` drops them. This
 module imports nothing of hf_dp.
@@ -272,6 +272,16 @@ class GradientDirections:
             out.append((int(j), idx[sel] - self._offsets[j], vals[sel]))
         return out
 
+    def matrix(self):
+        """All m directions at once, for a per-step projection: (indices, signs) as (m, support) arrays (int64, int8),
+        u_k = signs[k] / √support on indices[k]."""
+        idx = np.empty((self.m, self.support), dtype=np.int64)
+        signs = np.empty((self.m, self.support), dtype=np.int8)
+        for k in range(self.m):
+            i, v = self.direction(k)
+            idx[k], signs[k] = i, np.sign(v)
+        return idx, signs
+
     def scores(self, flat_parts) -> np.ndarray:
         """⟨G, u_k⟩ for every k, G given as one flat float64 array per parameter (in the order of ``sizes``)."""
         full = np.concatenate([np.asarray(g, dtype=np.float64).reshape(-1) for g in flat_parts])
@@ -282,3 +292,18 @@ class GradientDirections:
             idx, vals = self.direction(k)
             out[k] = float(full[idx] @ vals)
         return out
+
+
+def step_log_likelihood_ratio(x, sample_rate: float, noise_multiplier: float) -> np.ndarray:
+    """log p₁(x)/p₀(x) of one step's projection x = B·⟨g̃_t, u_k⟩/C (in units of C) of a gradient canary: under "the
+    canary is in the training set" x ~ (1 − q)·N(0, σ²) + q·N(1, σ²) (drawn with probability q, clipped to exactly C
+    along u_k), under "it is not" x ~ N(0, σ²); so the ratio is log(1 − q + q·exp((x − ½)/σ²)), computed without
+    overflow. Summed over the steps it is the Neyman–Pearson statistic of the whole run for one canary (the steps'
+    noises are independent), which the sum ⟨Σ_t g̃_t, u_k⟩ is not: a canary drawn in few of many steps is seen in
+    those steps' projections, not diluted by the noise of all the others. σ = 0 (a run without noise) falls back to x.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    q, s = float(sample_rate), float(noise_multiplier)
+    if not (0.0 < q <= 1.0) or s <= 0.0:
+        return x.copy()
+    return np.logaddexp(math.log1p(-q) if q < 1.0 else -np.inf, math.log(q) + (x - 0.5) / (s * s))

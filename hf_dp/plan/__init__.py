@@ -54,7 +54,10 @@ or fewer trainable parameters can. As the bound, the criterion is worst case in 
 (the useful signal lives in few directions), a run below 1 is not noise-dominated even in the worst case.
 
 The package: :mod:`hf_dp.plan.plans` (rows, plans, the start-of-run block), :mod:`hf_dp.plan.calibration` (the
-calibration table and the verdict), :mod:`hf_dp.plan.cli` (the command line).
+calibration table and the verdict), :mod:`hf_dp.plan.lm_verdict` (a pretrained causal LM's verdict: is DP fine-tuning
+expected to end worse than no fine-tuning? the noise walk lr·√T·R_step/√(1 + R_step²) against thresholds measured
+on causal-LM runs),
+:mod:`hf_dp.plan.cli` (the command line).
 """
 
 from hf_dp.plan.calibration import CALIBRATION, CONSTANT_R_RUN, CONSTANT_R_RUN_ALL, PLANNED_LR, WARN_R_RUN, calibrated_for

@@ -50,9 +50,29 @@ def count_trainable(model_name_or_path: str, trainable: str = "last_block", num_
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"could not read the config of {model_name_or_path!r} ({first}); pass a local model folder, "
                          "minilm (offline) or --params") from None
-    causal = any(str(a).endswith("ForCausalLM") for a in (config.architectures or []))
+    causal = _causal_architecture(config)
     model = (AutoModelForCausalLM if causal else AutoModelForSequenceClassification).from_config(config)
     return int(apply_trainable(model, trainable)[1].num_trainable)
+
+
+def _causal_architecture(config) -> bool:
+    """Whether ``config.architectures`` names a causal LM: a ``*ForCausalLM`` or a class transformers' causal-LM auto
+    mapping lists (e.g. ``GPT2LMHeadModel``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    known = {c for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for c in (v if isinstance(v, (list, tuple)) else [v])}
+    return any(str(a).endswith("ForCausalLM") or str(a) in known for a in (config.architectures or []))
+
+
+def is_causal_lm(model_name_or_path: str) -> bool:
+    """Whether the config of ``model_name_or_path`` names a causal-LM architecture (no weights are read)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(_model_folder(model_name_or_path))
+    except (OSError, ValueError):
+        return False
+    return _causal_architecture(config)
 
 
 def flags_for(plan: Plan, optim: str = "dp_adamw", world_size: int = 1) -> list[str]:
@@ -97,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model_name_or_path: the --trainable set whose parameters are counted (default %(default)s)")
     p.add_argument("--num_labels", "--num-labels", type=int, default=2,
                    help="with --model_name_or_path: classes of the classification head (default %(default)s)")
+    p.add_argument("--causal_lm", "--causal-lm", action="store_true",
+                   help="the plan fine-tunes a pretrained causal LM: print the causal-LM verdict — is the run expected "
+                   "to end worse than no fine-tuning? from the noise walk W = lr·√T·R_step/√(1 + R_step²) of --optim at "
+                   "--learning_rate, calibrated on measured runs "
+                   "(hf_dp.plan.lm_verdict, benchmarks/RESULTS.md §10) — instead of the sequence classifiers' "
+                   "expectation; implied by a --model_name_or_path whose config is a causal LM (e.g. GPT2LMHeadModel)")
+    p.add_argument("--learning_rate", "--learning-rate", type=float, default=None,
+                   help="with --causal_lm: the (peak) learning rate the verdict's noise walk W = lr·√T·R_step/√(1 + "
+                   "R_step²) is computed for (no verdict without it)")
     p.add_argument("--optim", default="dp_adamw", help="the optimizer the printed flags and learning rate are for "
                    "(default %(default)s; learning rates: " + ", ".join(f"{k} {v:g}" for k, v in PLANNED_LR.items()) + ")")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
@@ -119,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"hf_dp plan: counting the parameters --trainable {args.trainable} trains in {args.model_name_or_path} ...")
             params = count_trainable(args.model_name_or_path, args.trainable, args.num_labels)
             say(f"hf_dp plan: d = {params:,} trainable parameters")
+            args.causal_lm = args.causal_lm or is_causal_lm(args.model_name_or_path)
         batch_sizes = [int(b) for b in _floats(args.batch)]
         n_epochs = len(set(_floats(args.epochs)) | ({args.budget_epochs} if args.budget_epochs else set()))
         say(f"hf_dp plan: calibrating σ for up to {len(batch_sizes) * n_epochs} (B, epochs) pairs (a few seconds each "
@@ -138,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         out = plan.as_dict()
         if plan.choice is not None:
             out["flags"] = flags_for(plan, args.optim)
+            if args.causal_lm:
+                worse, line = plan.lm_verdict(args.optim, args.learning_rate)
+                out["causal_lm_verdict"] = {"expected_worse_than_no_fine_tuning": worse, "r_step": plan.choice.r_step,
+                                            "learning_rate": args.learning_rate, "text": line}
         print(json.dumps(out, indent=2))
         return 0
     print(f"hf_dp plan: N = {plan.n:,}, ε = {plan.epsilon:g}, δ = {plan.delta:g}, accountant {plan.accountant}"
@@ -152,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the epochs are a compute budget, not a privacy choice: {plan.budget_epochs:g} = the largest of --epochs; "
               "--budget_epochs E plans for E (the recipes plan at their own --num_train_epochs: recipes/qnli.py's preset "
               "is 5, for --trainable last_k:2, whose step costs ~7× last_block's)")
-    for w in plan.warnings():
+    verdict = plan.lm_verdict(args.optim, args.learning_rate) if args.causal_lm else None  # its own calibration
+    for w in plan.warnings(calibrated=not args.causal_lm):
         print("WARNING: " + w)
+    if verdict is not None:
+        print(("WARNING: " if verdict[0] else "") + verdict[1])
     if plan.choice is not None:
         import shlex
 
@@ -163,10 +200,17 @@ def main(argv: list[str] | None = None) -> int:
         lr = (f"learning rate {PLANNED_LR[args.optim]:g} for {args.optim} at the planner's batch (chosen on tune splits "
               "of training data, recipes/README.md)" if args.optim in PLANNED_LR else f"no planned learning rate for "
               f"{args.optim}: choose one (--learning_rate)")
+        if args.causal_lm:  # the planned learning rates were chosen for sequence classifiers
+            i = flags.index("--learning_rate") if "--learning_rate" in flags else None
+            flags = flags[:i] + flags[i + 2:] if i is not None else flags
+            if args.learning_rate is not None:
+                flags += ["--learning_rate", f"{args.learning_rate:g}"]
+            lr = ("no planned learning rate for a causal LM: " + (f"the verdict's {args.learning_rate:g}" if
+                  args.learning_rate is not None else "choose one (--learning_rate)"))
         print(f"to train with this plan ({lr}; add your data, model and --output_dir):")
         print("  " + shlex.join(flags))
         model = shlex.quote(args.model_name_or_path) if args.model_name_or_path else "MODEL"
-        print(f"  e.g. python recipes/glue.py --task_name TASK --data_dir DIR --model_name_or_path {model} "
-              f"{shlex.join(flags)}")
+        recipe = "recipes/clm.py --train_file FILE" if args.causal_lm else "recipes/glue.py --task_name TASK --data_dir DIR"
+        print(f"  e.g. python {recipe} --model_name_or_path {model} {shlex.join(flags)}")
     print(f"({time.perf_counter() - t0:.1f} s)")
     return 0

@@ -20,6 +20,7 @@ from hf_dp.plan.calibration import (
     fmt_e,
     noisy_message,
 )
+from hf_dp.plan.lm_verdict import expected_worse, lm_verdict
 from hf_dp.privacy.accounting import ACCOUNTANTS, calibrate_noise_multiplier, check_delta, check_epsilon, compute_epsilon
 from hf_dp.privacy.sampler import PoissonBatchSampler
 
@@ -246,6 +247,16 @@ class Plan:
             out.append(noisy_message(self.choice, "even the recommended plan"))
         return out
 
+    def lm_verdict(self, optim: str | None, learning_rate: float | None) -> tuple[bool | None, str] | None:
+        """The causal-LM verdict of the recommended plan (:mod:`hf_dp.plan.lm_verdict`), with the smallest batch of the
+        table at the budget epochs that the calibration expects to do better; None without a choice."""
+        if self.choice is None:
+            return None
+        c = self.choice
+        return lm_verdict(sigma=c.sigma, batch_size=c.batch_size, params=c.params, steps=c.steps,
+                          learning_rate=learning_rate, optim=optim, who="the recommended plan", batch_fix=lm_batch_fix(
+                              c, [r for r in self.rows if r.epochs == c.epochs], optim, learning_rate))
+
     def _remedies(self) -> dict:
         """The smallest N (×2, ×4, ×8, ×16) at this ε and the smallest ε (×2, ×4, ×8) at this N, both at the chosen B
         and epochs, whose plan has R_run below :data:`CONSTANT_R_RUN`; ``None`` where none of the candidates does."""
@@ -385,9 +396,26 @@ def format_table(rows: list[PlanRow], choice: PlanRow | None = None, best: dict 
                                for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in lines)
 
 
+_RANK = {"worse": 2, "worse_little_gain": 1, "not_worse": 0}
+
+
+def lm_batch_fix(own: PlanRow, rows: list[PlanRow], optim: str | None, learning_rate: float | None) -> int | None:
+    """The smallest batch among ``rows`` (``own``'s epochs) whose causal-LM verdict (:mod:`hf_dp.plan.lm_verdict`) is
+    better than ``own``'s; None if none is, or there is no verdict."""
+    if not own.params:
+        return None
+    mine = expected_worse(own.sigma, own.batch_size, own.params, own.steps, learning_rate, optim)
+    if mine not in ("worse", "worse_little_gain"):
+        return None
+    ok = [r.batch_size for r in rows
+          if _RANK.get(expected_worse(r.sigma, r.batch_size, own.params, r.steps, learning_rate, optim), 2) < _RANK[mine]]
+    return min(ok) if ok else None
+
+
 def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: float, accountant: str,
               max_grad_norm: float, params: int, epsilon: float | None = None, calibrated: bool = True,
-              detail: bool = False, sigma_note: str = "") -> tuple[str, str | None]:
+              detail: bool = False, sigma_note: str = "", causal_lm: bool = False,
+              optim: str | None = None, learning_rate: float | None = None) -> tuple[str, str | None]:
     """The start-of-run block of a DP run and its warning (or None). Costs no calibration: σ is the run's own.
 
     Inputs are public only: N, the expected logical batch B, the planned steps T, σ, δ, the accountant, C, d (and
@@ -395,6 +423,8 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
     ``detail=True``: the noise figures and the table, with rows for other batch sizes already calibrated in this
     process (e.g. by a recipe's :func:`recommend`) for the same (N, ε, δ, accountant). ``sigma_note`` replaces the
     "(σ given)" after the ε of a run whose σ was given (e.g. "per trial (rdp; …)" under a private selection).
+    ``causal_lm``: the causal-LM verdict for ``optim`` at ``learning_rate`` (:mod:`hf_dp.plan.lm_verdict`): with the
+    warning when the run is expected to end worse than no fine-tuning, else as a line of the block.
     """
     spe = PoissonBatchSampler.steps_for_epoch(batch_size / n)
     own = PlanRow(batch_size=int(round(batch_size)), epochs=steps / spe, steps=int(steps), sample_rate=batch_size / n,
@@ -411,14 +441,27 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
     target = (f"target ε = {epsilon:g}" if epsilon is not None else
               f"ε = {compute_epsilon(sigma, batch_size / n, steps, delta, accountant):.3g} {sigma_note or '(σ given)'}")
     more = (f"python -m hf_dp.plan --n {n} " + (f"--epsilon {epsilon:g} " if epsilon is not None else "--epsilon <target> ")
-            + f"--delta {delta:g} --params {params} --accountant {accountant}")
+            + f"--delta {delta:g} --params {params} --accountant {accountant}"
+            + (f" --causal_lm --optim {optim}" if causal_lm and optim else "")
+            + (f" --learning_rate {learning_rate:g}" if causal_lm and learning_rate else ""))
     warnings = ([constant_message(own)] if calibrated and own.constant_expected else []) + ([noisy_message(own)] if own.noisy else [])
+    verdict = []  # a causal LM: the verdict line (a warning when it expects the run to end worse than no fine-tuning)
+    if causal_lm and params:
+        same = [r for r in rows if abs(r.epochs - own.epochs) < 1e-9]
+        worse, line = lm_verdict(sigma=own.sigma, batch_size=batch_size, params=int(params), steps=int(steps),
+                                 learning_rate=learning_rate, optim=optim, who="this run",
+                                 batch_fix=lm_batch_fix(own, same, optim, learning_rate))
+        if worse:
+            warnings.insert(0, line)
+        else:
+            verdict.append("  " + line)
     if not detail:
         return "\n".join([
             f"hf_dp plan (public quantities only): N = {n:,}, B = {own.batch_size}, T = {own.steps} steps "
             f"({fmt_e(round(own.epochs, 3))} epochs), {target}, δ = {delta:g}, {accountant} → σ = {own.sigma:.4g}; "
             f"C = {max_grad_norm:g}, d = {params:,} trainable; R_run = {own.r_run:.3g}",
             f"  noise figures and table: --log_level debug; other batch sizes / epochs: {more}",
+            *verdict,
         ]), ("\n".join(warnings) or None)
     lines = [
         f"hf_dp plan (public quantities only: N, B, steps, ε, δ, accountant, C, d): N = {n:,}, B = {own.batch_size}, "
@@ -429,5 +472,6 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
         f"the best-case accumulated signal: R_epoch = {own.r_epoch:.3g}, R_run = {own.r_run:.3g} (warning above {WARN_R_RUN:g})",
         format_table(rows, choice=None).replace("\n", "\n  ").join(["  ", ""]),
         f"  other batch sizes / epochs at this budget: {more}",
+        *verdict,
     ]
     return "\n".join(lines), ("\n".join(warnings) or None)

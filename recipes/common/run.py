@@ -153,13 +153,17 @@ def apply_plan(training_args, model, n_train: int, planned_lr: dict[str, float])
                          accountant=training_args.accountant)
     except ValueError as exc:  # e.g. N smaller than every candidate batch: keep the protocol's batch
         return f"planner: no recommendation ({exc}); keeping B = {training_args.per_device_train_batch_size}"
-    per_device, accum = split_batch(plan.batch_size, world_size=max(1, training_args.world_size))
+    world = max(1, training_args.world_size)
+    per_device, accum = split_batch(plan.batch_size, world_size=world)
     training_args.per_device_train_batch_size = per_device
     training_args.gradient_accumulation_steps = accum
     if training_args.max_steps is not None and training_args.max_steps > 0:  # the same budget at the plan's batch
         training_args.max_steps = plan.choice.steps
         budget += f"; --max_steps {plan.choice.steps} at B = {plan.batch_size}"
     lines = [f"planner (no batch size given; compute budget {budget}): {plan.summary()}"]
+    m = int(getattr(training_args, "audit_canaries", None) or 0)
+    if m > 0:  # the canaries ride on top of the plan: q and the steps as planned, N = real units + m
+        lines.append(canaries_on_top(training_args, n_train, m, plan.batch_size, plan.choice.steps, per_device, world))
     optim = optim_name(training_args.optim)
     if "learning_rate" not in explicit and optim in planned_lr:
         training_args.learning_rate = planned_lr[optim]
@@ -167,6 +171,25 @@ def apply_plan(training_args, model, n_train: int, planned_lr: dict[str, float])
                      "(chosen on tune splits of training data, recipes/README.md; --learning_rate overrides)")
     lines += list(plan.warnings(calibrated=calibrated_for(model)))  # the expectation only where it was measured
     return "\n".join(lines)
+
+
+def canaries_on_top(training_args, n_train: int, m: int, batch: int, steps: int, per_device: int, world: int) -> str:
+    """``--audit_canaries m`` under the planner: the audit's m canary units join the N real ones (DPTrainer counts them:
+    N + m units whatever the draw), so at the plan's batch B the real rows would get a smaller q = B/(N + m). Instead
+    the logical batch grows to B' = ⌈q·(N + m)⌉ (rounded up to whole micro-batches) and the run takes the plan's steps:
+    each real unit is drawn at about the planned rate q for the planned number of steps, as in the run without
+    canaries, and the canaries add their expected share q·(#included) rows per step on top (their rows carry a zero
+    model loss under --audit_kind gradient). σ is calibrated for ε at q' = B'/(N + m) ≥ q by DPTrainer, as for any
+    run. Returns the line to print."""
+    import math
+
+    step = per_device * world
+    grown = step * math.ceil(batch * (n_train + m) / n_train / step)
+    training_args.gradient_accumulation_steps = grown // step
+    training_args.max_steps = steps
+    return (f"planner: --audit_canaries {m:,}: logical batch B = {grown:,} (the plan's {batch:,} at q = {batch:,}/{n_train:,} "
+            f"over N = {n_train:,} + {m:,} canary units, q = {grown / (n_train + m):.4g}) for the plan's {steps:,} steps, "
+            "so the real rows per step stay as planned and the canaries ride on top")
 
 
 # ----------------------------------------------------------------------------------------------- after training

@@ -1,0 +1,178 @@
+"""The planner's verdict for fine-tuning a pretrained causal LM: is DP fine-tuning at this N, ε, d, learning rate
+expected to end worse than no fine-tuning at all (the pretrained model's perplexity)?
+
+The quantity
+------------
+``R_step = √d·σ/B`` (units of C) is one step's noise norm on the averaged gradient relative to the largest signal norm
+C — per coordinate, the noise std σC/B relative to C/√d, the size of a clipped signal of norm C spread evenly over the
+d trainable coordinates. An Adam-type rule divides each coordinate by the root of its second-moment estimate, so a
+coordinate moves by about the learning rate per step, and the noise's share of that move is at least
+R_step/√(1 + R_step²) (the signal per coordinate being at most C/√d). Over T steps these random moves add up in
+quadrature: the **noise walk**
+
+    W = lr · √T · R_step / √(1 + R_step²)
+
+is the typical distance each trainable coordinate is pushed by the noise alone over the run, in parameter units
+(the peak learning rate: a decaying schedule walks less). Unlike R_run = R_step/√T (which calibrates the
+classifiers' expectation, :mod:`hf_dp.plan.calibration`, and falls with more steps), W grows with the steps and the
+learning rate: at ε = 3 the LoRA runs of benchmarks/RESULTS.md §10 had R_run 0.13 (no warning) and ended worse than
+the pretrained model (perplexity 959 against 893), and at the same R_step the learning rate decided the outcome
+(a 25× larger lr turned a gain into a loss).
+
+The calibration
+---------------
+Measured DP fine-tunings of a small pretrained causal LM (benchmarks/clm_cpu_experiment.py; raw rows
+``benchmarks/results/clm_experiment.jsonl``, each DP run beside run ``none`` of the same pretrained model and
+evaluation text). Whether a run beats no fine-tuning also depends on how much the task has to gain, which no public
+quantity says — the same plan (B = 64, lr 2e-3, 124 steps) ended worse scored on SST-2 dev, where even non-private
+fine-tuning gained little (893 → 873), and better scored on held-out SST-2 training phrases, where the pretrained
+model was far off (1,945) — so, as for the classifiers, there are two thresholds per family of update rules
+(:data:`FAMILIES`): at W ≥ :data:`LM_WORSE_WALK` every measured run ended worse, whatever the text; at W ≥
+:data:`LM_WORSE_WALK_LITTLE_GAIN` every measured run scored on text with as little to gain as SST-2 dev (whole review
+sentences: the splits :data:`LITTLE_GAIN_SPLITS`) ended worse. Below a threshold the measured runs of the texts it
+does not speak for went both ways, and the verdict says so instead of guessing: between the two thresholds on text
+with more to gain, below the second on whole sentences (there, runs at W 0.0012–0.0025 ended better or worse). :data:`LM_CALIBRATION` says on how many runs they rest
+(tests/test_plan_lm.py checks both against the raw file). A family with no threshold gets no verdict, only the
+numbers. Empirical, for that model and data: not bounds.
+
+This module imports nothing of hf_dp.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: the update rules' families. Adam-type rules normalise each coordinate; the bias-corrected dp_adambc / dp_adamw_bc
+#: take the noise's variance out of the denominator, which makes noise-dominated steps larger (measured: the same W
+#: hurts them sooner), so they are a family of their own; SGD's step is proportional to the noise itself, so its walk
+#: is another quantity (no verdict)
+FAMILIES = {
+    "dp_adam": "adam", "dp_adamw": "adam", "dp_macadam": "adam", "dp_adambc": "adam_bc", "dp_adamw_bc": "adam_bc",
+    "dp_sgd": "sgd", "dp_sgd_l2": "sgd",
+}
+#: per family: the noise walk W at and above which every measured run ended worse than no fine-tuning (any text)
+LM_WORSE_WALK: dict[str, float] = {"adam": 0.08, "adam_bc": 0.035}
+#: per family: the W at and above which every measured run on text with as little to gain as SST-2 dev ended worse
+#: (a family without runs there has none)
+LM_WORSE_WALK_LITTLE_GAIN: dict[str, float] = {"adam": 0.0035, "adam_bc": 0.002}
+#: the evaluation splits of the raw file that have "as little to gain as SST-2 dev": whole review sentences (SST-2 dev;
+#: held-out whole training sentences), where the pretrained model is closest
+LITTLE_GAIN_SPLITS = ("dev", "tune_sent")
+#: the measured runs behind the thresholds (the raw file is the source; tests check these numbers)
+LM_CALIBRATION = {
+    "runs": 28,  # measured DP runs with a run "none" of the same pretrained model and scored text
+    "scorings": 48,  # (run, scored text) pairs: most runs were scored on several texts
+    "worse": 21,  # of the scorings: more than LM_TIE above no fine-tuning's perplexity
+    "better": 26,  # more than LM_TIE below it (the rest: ties)
+    "little_gain_runs": 23,  # scorings on whole sentences (LITTLE_GAIN_SPLITS)
+    # per family, 3 significant digits: the largest W of a run that beat no fine-tuning; the smallest W above it of a
+    # run that ended worse; the same on whole sentences (SST-2 dev and the tune split's whole sentences)
+    "largest_better_walk": {"adam": 0.0498, "adam_bc": 0.0249},
+    "worse_from_walk": {"adam": 0.124, "adam_bc": 0.0498},
+    "little_gain_largest_better_walk": {"adam": 0.00251},
+    "little_gain_worse_from_walk": {"adam": 0.00498, "adam_bc": 0.00249},
+    "optimizers": ("dp_adamw", "dp_adamw_bc"),
+    "learning_rates": (5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2),
+    "model": "a 4.7 M-parameter GPT-2 pretrained on public text, LoRA or bias terms, 4,000 SST-2 sentences as row or "
+             "user units",
+}
+#: a run within this fraction of no fine-tuning's perplexity is a tie (neither better nor worse; the thresholds are
+#: not checked against it)
+LM_TIE = 0.005
+#: what the messages cite
+SOURCE = "benchmarks/RESULTS.md §10"
+
+
+def family(optim: str | None) -> str | None:
+    """The family of ``optim`` (an hf_dp DP optimizer name), or None for any other."""
+    return FAMILIES.get(str(getattr(optim, "value", optim) or "").lower())
+
+
+def r_step(sigma: float, batch_size: float, params: int) -> float:
+    """√d·σ/B: one step's noise norm on the averaged gradient, in units of C (= the per-coordinate noise std σC/B
+    relative to C/√d)."""
+    return math.sqrt(params) * float(sigma) / float(batch_size)
+
+
+def walk(sigma: float, batch_size: float, params: int, steps: int, learning_rate: float) -> float:
+    """W = lr·√T·R_step/√(1 + R_step²): the noise's walk per trainable coordinate over the run (see the docstring)."""
+    r = r_step(sigma, batch_size, params)
+    return float(learning_rate) * math.sqrt(steps) * r / math.sqrt(1.0 + r * r)
+
+
+def expected_worse(sigma: float, batch_size: float, params: int, steps: int, learning_rate: float | None,
+                   optim: str | None) -> str | None:
+    """``"worse"`` (every measured run this noisy ended worse), ``"worse_little_gain"`` (every one on text with as
+    little to gain as SST-2 dev did), ``"not_worse"``, or None (no threshold for the family, or no learning rate)."""
+    fam = family(optim) or ""
+    if fam not in LM_WORSE_WALK or learning_rate is None:
+        return None
+    w = walk(sigma, batch_size, params, steps, learning_rate)
+    if w >= LM_WORSE_WALK[fam]:
+        return "worse"
+    return "worse_little_gain" if w >= LM_WORSE_WALK_LITTLE_GAIN.get(fam, math.inf) else "not_worse"
+
+
+def _basis() -> str:
+    c = LM_CALIBRATION
+    lrs = ", ".join(f"{x:g}" for x in c["learning_rates"])
+    return (f"calibrated on {c['runs']} measured DP fine-tuning runs of a small pretrained causal LM ({c['model']}; "
+            f"{', '.join(c['optimizers'])} at lr {lrs}; {SOURCE}), scored {c['scorings']} times on held-out text: "
+            f"{c['worse']} worse than the model without fine-tuning, {c['better']} better, "
+            f"{c['scorings'] - c['worse'] - c['better']} within {LM_TIE:.1%}; {c['little_gain_runs']} of the scorings on "
+            "whole sentences as in SST-2 dev")
+
+
+def lm_verdict(*, sigma: float, batch_size: float, params: int, steps: int, learning_rate: float | None,
+               optim: str | None, who: str = "this plan", batch_fix: int | None = None) -> tuple[bool | None, str]:
+    """(expected worse?, the verdict line) for a DP fine-tuning of a pretrained causal LM: True for either threshold
+    (the line says which), False below both, None without a verdict. ``batch_fix``: a larger logical batch at the same
+    epochs that would bring W below the threshold reached, when the caller knows one (the planner's table)."""
+    name = str(getattr(optim, "value", optim) or "?")
+    fam = family(optim) or ""
+    r = r_step(sigma, batch_size, params)
+    head = (f"hf_dp plan (causal LM): R_step = √d·σ/B = {r:.3g} (d = {params:,}, σ = {sigma:.4g}, B = {batch_size:g})")
+    verdict = expected_worse(sigma, batch_size, params, steps, learning_rate, optim)
+    if verdict is None:
+        why = ("no learning rate given (--learning_rate)" if fam in LM_WORSE_WALK else
+               f"the causal-LM calibration has no threshold for {name} (Adam-type rules only)")
+        return None, f"{head}; no causal-LM verdict: {why} ({_basis()})"
+    w = walk(sigma, batch_size, params, steps, learning_rate)
+    head += f", noise walk W = lr·√T·R_step/√(1 + R_step²) = {w:.3g} (lr = {learning_rate:g}, T = {steps:,})"
+    c = LM_CALIBRATION
+    if verdict == "not_worse":
+        below = LM_WORSE_WALK_LITTLE_GAIN.get(fam, LM_WORSE_WALK[fam])
+        best = c["largest_better_walk"].get(fam)
+        seen = (f"measured runs of this family beat no fine-tuning up to W = {best:g}" if best is not None else
+                "no measured run of this family beat no fine-tuning")
+        quiet = c["little_gain_largest_better_walk"].get(fam)
+        if fam in LM_WORSE_WALK_LITTLE_GAIN:
+            seen += ("; on a task with as little to gain as SST-2 dev (whole sentences) measured runs this quiet went "
+                     "both ways" + (f" (better up to W = {quiet:g})" if quiet is not None else "") + ": no verdict there")
+        return False, (f"{head} < {below:g}: {who} is not expected to make the model worse than no fine-tuning where "
+                       f"there is something to gain; {seen} ({_basis()})")
+    limit = LM_WORSE_WALK[fam] if verdict == "worse" else LM_WORSE_WALK_LITTLE_GAIN[fam]
+    if verdict == "worse":
+        what = (f"{who} is expected to make the model worse than no fine-tuning: every measured run at W ≥ "
+                f"{c['worse_from_walk'][fam]:g} ended with a higher perplexity than the pretrained model")
+    else:
+        quiet = c["little_gain_largest_better_walk"].get(fam)
+        what = (f"{who} is expected to make the model worse than no fine-tuning on a task with as little to gain as "
+                f"SST-2 dev (whole review sentences): every measured run there at W ≥ "
+                f"{c['little_gain_worse_from_walk'][fam]:g} ended worse"
+                + (f", runs up to W = {quiet:g} better" if quiet is not None else "")
+                + f"; on text where the pretrained model was far off, runs at such W went both ways (better up to "
+                f"W = {c['largest_better_walk'][fam]:g})")
+    exact = learning_rate * limit / w  # W is linear in lr; said rounded down to 2 significant digits
+    step = 10.0 ** (math.floor(math.log10(exact)) - 1)
+    fixes = [f"a learning rate of at most {math.floor(exact / step) * step:.2g}",
+             (f"a logical batch of at least {batch_fix:,} at these epochs (fewer, less noisy steps)" if batch_fix else
+              "a larger logical batch at these epochs (fewer, less noisy steps; python -m hf_dp.plan --causal_lm "
+              "--learning_rate LR shows W per batch size)"),
+             "fewer trainable parameters (a smaller LoRA rank or fewer adapted modules)",
+             "more data (units), which lets a larger batch keep the same number of steps"]
+    # (a bias-corrected Adam is no remedy for W: measured, dp_adamw_bc ended worse at a W where dp_adamw did not)
+    return True, (f"{head} ≥ {limit:g}: {what}. Under an Adam-type rule each coordinate moves by about the learning "
+                  f"rate per step, the noise's share of it at least R_step/√(1 + R_step²), and W is how far the noise "
+                  f"alone walks each coordinate over the run ({_basis()}). What would bring W below {limit:g}: "
+                  + "; or ".join(fixes))

@@ -1,0 +1,127 @@
+"""The planner's causal-LM verdict (issue 39 item 3; hf_dp.plan.lm_verdict): is a DP fine-tuning of a pretrained causal
+LM expected to end worse than no fine-tuning? Checked against every measured run of the raw results file
+(benchmarks/results/clm_experiment.jsonl: each DP run beside run "none" of the same pretrained model and scored text),
+printed by ``python -m hf_dp.plan --causal_lm`` and by every DP run of a causal LM before training (the start-of-run
+block, recipes/clm.py included), with what would fix it; before issue 39 nothing was said (R_run 0.13 did not warn)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from hf_dp.plan import lm_verdict as lv
+from hf_dp.plan import main as plan_main
+from hf_dp.plan import run_block
+
+ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
+WORSE = "is expected to make the model worse than no fine-tuning"
+
+
+def _measured():
+    spec = importlib.util.spec_from_file_location("hf_dp_bench_clm_cpu_experiment", ROOT / "clm_cpu_experiment.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = ROOT / "results" / "clm_experiment.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return mod, mod.lm_calibration_rows(rows)
+
+
+def test_the_verdict_predicts_every_measured_causal_lm_run():
+    """Every measured DP run beside a run "none" of the same pretrained model and scored text (a tie within LM_TIE
+    aside): "worse" at W ≥ LM_WORSE_WALK holds on every text, "worse on a task with as little to gain as SST-2 dev"
+    on whole sentences, "not worse where there is something to gain" below LM_WORSE_WALK_LITTLE_GAIN on the other
+    texts (where the measured runs went both ways the verdict says so and claims nothing); LM_CALIBRATION's numbers are
+    the file's."""
+    mod, rows = _measured()
+    if not rows:
+        pytest.skip("benchmarks/results/clm_experiment.jsonl has no DP run beside a run 'none' of its pretrained model")
+    for r in rows:
+        verdict = lv.expected_worse(r["sigma"], r["batch"], r["params"], r["steps"], r["learning_rate"], r["optimizer"])
+        assert verdict is not None, (f"no causal-LM threshold for {r['optimizer']} ({lv.family(r['optimizer'])}), "
+                                     f"which has a measured run: {r}")
+        if not (r["worse"] or r["better"]):
+            continue  # within LM_TIE of no fine-tuning: consistent with either verdict
+        little = r["split"] in lv.LITTLE_GAIN_SPLITS
+        if (verdict == "worse_little_gain" and not little) or (verdict == "not_worse" and little):
+            continue  # the verdict says the measured runs went both ways there: no claim
+        said_worse = verdict != "not_worse"
+        assert said_worse == r["worse"], ("the verdict mispredicts a measured run (python "
+                                          f"benchmarks/clm_cpu_experiment.py --calibration): {verdict} for {r}")
+    want = mod.calibration_constants(rows)  # the counts and extremes the messages cite, from the file
+    have = {k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in lv.LM_CALIBRATION.items() if k != "model"}
+    assert have == want, f"update hf_dp.plan.lm_verdict.LM_CALIBRATION to the raw file's: {want}"
+    for fam, w in lv.LM_WORSE_WALK_LITTLE_GAIN.items():
+        assert w <= lv.LM_WORSE_WALK[fam]
+
+
+KW = dict(n=4000, batch_size=64, steps=124, sigma=0.7349, delta=1e-5, accountant="prv", max_grad_norm=0.1,
+          params=16384, epsilon=3.0, calibrated=False)
+
+
+def test_the_issues_run_is_warned_with_what_would_fix_it():
+    """§10's row-level run (N = 4,000, B = 64, T = 124, σ = 0.735, LoRA d = 16,384, dp_adamw at lr 2e-3): R_run 0.13
+    said nothing; the causal-LM verdict says it will end worse on a task with as little to gain as SST-2 dev, names the
+    learning rate that would not, a larger batch, fewer parameters and more data; at lr 5e-2 it will end worse on any
+    measured text."""
+    block, warning = run_block(**KW)
+    assert warning is None  # before: no line at all about it (R_run 0.132 < 1)
+    block, warning = run_block(**KW, causal_lm=True, optim="dp_adamw", learning_rate=2e-3)
+    assert warning and WORSE + " on a task with as little to gain as SST-2 dev" in warning, warning
+    assert "R_step = √d·σ/B = 1.47" in warning and "noise walk W = lr·√T·R_step/√(1 + R_step²) = 0.0184" in warning
+    assert f"calibrated on {lv.LM_CALIBRATION['runs']} measured DP fine-tuning runs" in warning
+    lr_fix = float(re.search(r"a learning rate of at most ([\d.e-]+)", warning).group(1))
+    assert lv.expected_worse(0.7349, 64, 16384, 124, lr_fix, "dp_adamw") == "not_worse"
+    for fix in ("larger logical batch", "fewer trainable parameters", "more data"):
+        assert fix in warning, fix
+    _, warning = run_block(**KW, causal_lm=True, optim="dp_adamw", learning_rate=5e-2)
+    assert WORSE + ": every measured run at W ≥" in warning
+
+
+def test_a_plan_below_the_thresholds_or_without_a_verdict_says_so_in_the_block():
+    block, warning = run_block(**KW, causal_lm=True, optim="dp_adamw", learning_rate=1e-4)  # W = 0.00092
+    assert warning is None and "is not expected to make the model worse" in block and WORSE not in block
+    assert "measured runs this quiet went both ways" in block
+    block, warning = run_block(**KW, causal_lm=True, optim="dp_sgd", learning_rate=1.0)
+    assert warning is None and "no causal-LM verdict" in block
+    block, warning = run_block(**KW, causal_lm=True, optim="dp_adamw")
+    assert warning is None and "no learning rate given" in block
+
+
+def test_cli_prints_the_causal_lm_verdict_with_the_batch_that_would_fix_it(capsys):
+    argv = ["--n", "4000", "--epsilon", "3", "--params", "16384", "--batch", "16,64,256", "--epochs", "2",
+            "--accountant", "rdp", "--min_steps", "100", "--no_cache"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "causal LM" not in out  # without --causal_lm: the classifiers' planner, as before
+    assert plan_main(argv + ["--causal_lm", "--learning_rate", "5e-4"]) == 0  # B = 64: W = 0.0049, B = 256: 0.0012
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "hf_dp plan (causal LM)" in x)
+    assert line.startswith("WARNING: ") and WORSE in line and "recipes/clm.py" in out
+    assert "a logical batch of at least 256 at these epochs" in line  # the table's smallest B the verdict accepts
+    flags = out.split("to train with this plan")[1].splitlines()[1]
+    assert flags.endswith("--learning_rate 0.0005")  # the verdict's lr, not the classifiers' planned 1e-2
+    assert plan_main(argv + ["--causal_lm", "--learning_rate", "5e-4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    v = data["causal_lm_verdict"]
+    assert v["expected_worse_than_no_fine_tuning"] is True and math.isclose(
+        v["r_step"], math.sqrt(16384) * data["rows"][1]["sigma"] / 64)
+
+
+def test_a_causal_lm_folder_implies_the_causal_lm_verdict(tmp_path, capsys):
+    """--model_name_or_path of a causal-LM config (GPT2LMHeadModel: counted as a causal LM, it was counted as a
+    sequence classifier before): d for --trainable lora, and the causal-LM verdict without --causal_lm (the
+    classifiers' expectation never)."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=60, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    assert plan_main(["--n", "4000", "--epsilon", "3", "--model_name_or_path", str(tmp_path), "--trainable", "lora",
+                      "--batch", "64", "--epochs", "2", "--accountant", "rdp", "--min_steps", "0", "--no_cache",
+                      "--learning_rate", "1e-3"]) == 0
+    out = capsys.readouterr().out
+    assert "d = 1,024 trainable parameters" in out and "hf_dp plan (causal LM): R_step" in out
+    assert "constant predictor" not in out
