@@ -135,13 +135,18 @@ def lm_batch_plan(training_args, n_units: int) -> Optional[str]:
     if (not training_args.dp_enabled or training_args.epsilon is None or PLANNER_KEYS & explicit
             or not training_args.do_train or n_units <= 0):
         return None
+    m = int(getattr(training_args, "audit_canaries", None) or 0)  # DPTrainer samples N + m units
+    n = n_units + m
     micro = training_args.per_device_train_batch_size * max(1, training_args.world_size)
-    k = max(1, round(n_units / LM_STEPS_PER_EPOCH / micro))
+    k = max(1, round(n / LM_STEPS_PER_EPOCH / micro))
     training_args.gradient_accumulation_steps = k
     b = micro * k
+    if m:  # the canaries ride on top: q ≈ 1/16 of all N + m units, so the real units keep q ≈ 1/16
+        training_args._hf_dp_canaries_on_top = True
+    units = f"N = {n_units:,} + {m:,} canary units" if m else f"N = {n_units:,}"
     return (f"planner (causal LM, no batch size given): logical batch B = {b:,} units ({training_args.per_device_train_batch_size}"
             f" per device × {max(1, training_args.world_size)} process(es) × {k} accumulation steps ≈ N/{LM_STEPS_PER_EPOCH}, "
-            f"q = {b / n_units:.4g}), the recipe's setting chosen on a public tune split (benchmarks/RESULTS.md §10b); "
+            f"{units}, q = {b / n:.4g}), the recipe's setting chosen on a public tune split (benchmarks/RESULTS.md §10b); "
             "--per_device_train_batch_size / --gradient_accumulation_steps override")
 
 

@@ -287,3 +287,24 @@ def test_the_step_likelihood_ratio_sees_more_than_the_summed_projection():
     # no noise claimed (σ = 0): the sum itself; a huge x does not overflow
     assert np.array_equal(step_log_likelihood_ratio(x[:2], q, 0.0), x[:2])
     assert np.isfinite(step_log_likelihood_ratio(np.array([1e6, -1e6]), q, sigma)).all()
+
+
+@pytest.mark.parametrize("kind", ["input", "gradient"])
+def test_an_exception_in_train_drops_the_draw_and_refuses_another_train(tmp_path, kind):
+    """A train() that raises (here a callback at the first step) drops the inclusion bits and the gradient scores at
+    once (before, they survived, and a second train() reused the same draw and added to the same scores)."""
+    from transformers import TrainerCallback
+
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            raise RuntimeError("boom")
+
+    tr = _trainer(tmp_path, steps=3, audit_kind=kind)
+    tr.add_callback(Boom())
+    with pytest.raises(RuntimeError, match="boom"):
+        tr.train()
+    st = tr._audit
+    assert st.trained and st.canaries._included is None and st.row_canary is None and st.score_sum is None
+    assert st._projector is None and getattr(tr, "audit_record", None) is None  # no audit of a failed run
+    with pytest.raises(ValueError, match="one train"):
+        tr.train()

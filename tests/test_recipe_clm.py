@@ -287,6 +287,15 @@ def test_the_default_batch_is_a_sixteenth_of_the_units(clm, tok_dir, tmp_path):
         assert args.per_device_train_batch_size * args.gradient_accumulation_steps in (64, 8)
     _, _, args = clm.parse_args(argv + ["--disable_dp", "--optim", "adamw_torch"])
     assert clm.lm_batch_plan(args, 4000) is None
+    # --audit_canaries m: the batch is ≈ (N + m)/16, so the real units keep q ≈ 1/16 (found by review: B stayed N/16)
+    from hf_dp.audit.one_run_bound import utility_cost
+
+    _, _, args = clm.parse_args(argv + ["--audit_canaries", "1000"])
+    line = clm.lm_batch_plan(args, 4000)
+    b = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    assert b == 320 and "N = 4,000 + 1,000 canary units, q = 0.064" in line and args._hf_dp_canaries_on_top
+    assert "grew the logical batch" in utility_cost(1000, 4000, b / 5000, True)
+    assert "was not grown" in utility_cost(1000, 4000, 256 / 5000, False)
 
 
 # ------------------------------------------------------------------------------------ runs

@@ -457,6 +457,21 @@ def test_planner_puts_the_audit_canaries_on_top_of_the_planned_batch(glue, tiny_
     assert glue._apply_plan(args, model, 640) is None and args.per_device_train_batch_size * args.gradient_accumulation_steps == 8
 
 
+def test_the_recipe_checks_the_grown_batch_against_real_units_plus_canaries():
+    """Found by review: after the canaries rode on top (B' = ⌈q·(N + m)⌉ may exceed the real N), the recipe's own check
+    compared B' with the real N and refused a valid run; DPTrainer samples N + m units."""
+    from types import SimpleNamespace
+
+    from recipes.common.run import canaries_on_top, check_privacy_settings
+
+    args = SimpleNamespace(dp_enabled=True, do_train=True, per_device_train_batch_size=32, gradient_accumulation_steps=1,
+                           world_size=1, delta=1e-5, epsilon=3.0, max_steps=-1, num_train_epochs=3.0, accountant="prv",
+                           audit_canaries=1000)
+    canaries_on_top(args, 1000, 1000, batch=640, steps=5, per_device=32, world=1)
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 1280 and args._hf_dp_canaries_on_top
+    check_privacy_settings(args, 1000)  # B' = 1,280 ≤ N + m = 2,000: accepted
+
+
 def test_disable_dp_baseline_uses_its_dp_familys_defaults(glue):
     """On 0b9495a a --disable_dp adamw_torch baseline silently used HF's lr 5e-5 while dp_adamw used 1e-3."""
     _, _, dp = glue.parse_args(["--task_name", "qnli", "--optim", "dp_adamw"])

@@ -50,9 +50,13 @@ def _batch(training_args) -> int:
 
 def test_a_batch_size_given_is_the_batch_clm_trains(clm, tok_dir):
     base = [*GPT2, "--tokenizer_name", tok_dir, "--output_dir", "unused"]
-    assert _batch(clm.parse_args(base)[2]) == 8 * 4  # the recipe's own batch: 8 per device × 4 accumulation steps
+    own = clm.parse_args(base)[2]
+    assert _batch(own) == 16  # the recipe's own micro-batch, 16 per device; its planner then sets the accumulation
+    clm.lm_batch_plan(own, 4000)
+    assert _batch(own) == 256  # ≈ N/16 units
     given = clm.parse_args([*base, "--per_device_train_batch_size", "16"])[2]
-    assert given.gradient_accumulation_steps == 1 and _batch(given) == 16  # was 64: the default 4 stayed silently
+    assert given.gradient_accumulation_steps == 1 and _batch(given) == 16  # was 64: a default accumulation stayed
+    assert clm.lm_batch_plan(given, 4000) is None and _batch(given) == 16  # a batch given: the planner stays out
     both = clm.parse_args([*base, "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "2"])[2]
     assert _batch(both) == 32
 

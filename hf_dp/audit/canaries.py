@@ -67,13 +67,8 @@ import warnings
 
 import numpy as np
 
-from hf_dp.audit.canary_kinds import (
-    GradientDirections,
-    SequenceCanaries,
-    _special_tokens,
-    label_margins,
-    step_log_likelihood_ratio,
-)
+from hf_dp.audit.canary_kinds import (GradientDirections, SequenceCanaries, _special_tokens, label_margins,
+                                      step_log_likelihood_ratio)
 from hf_dp.audit.fdp import gdp_audit_scores, gdp_record
 from hf_dp.audit.lm_canaries import TokenCanaries, lm_canary_scores
 from hf_dp.audit.one_run_bound import OneRunBound, audit_scores, ceiling, describe, record, utility_cost
@@ -502,13 +497,25 @@ def canary_scores(trainer, state: TrainerCanaries) -> np.ndarray:
     return label_margins(logits[: len(c)], c.labels)
 
 
-def after_train(trainer) -> dict | None:
+def _drop(state: TrainerCanaries) -> None:
+    """Forget the draw and everything derived from it (the bits, the rows' canary ids, the gradient scores)."""
+    state.canaries.forget()
+    if state.row_canary is not None:
+        state.row_canary.fill(-1)  # a loader built before may still hold this array: its tags say nothing now
+    state.row_canary = state.directions = state.key = state._projector = state.score_sum = state.projection_sum = None
+    state.pending = []
+
+
+def after_train(trainer, failed: bool = False) -> dict | None:
     """After DPTrainer's train(): score, guess, count, bound; ``trainer.audit_record`` (privacy.json's ``audit``, the
-    card's line); the inclusion bits are then dropped."""
+    card's line); the inclusion bits are then dropped. ``failed`` (train() raised): no audit, the bits are dropped all
+    the same, and a later train() is refused (it would reuse the draw)."""
     state = getattr(trainer, "_audit", None)
     if state is None or state.trained:
         return None
     state.trained = True
+    if failed:
+        return _drop(state)
     gradient = state.kind == "gradient"
     beta = float(getattr(trainer, "audit_beta", AUDIT_BETA))  # the command line's --alpha; else 95 %
     delta = float(trainer.args.delta)
@@ -517,12 +524,7 @@ def after_train(trainer) -> dict | None:
         bound = audit_scores(scores, state.canaries.included, delta, beta)
         gdp = gdp_audit_scores(scores, state.canaries.included, delta, beta)
     finally:
-        state.canaries.forget()
-        if state.row_canary is not None:
-            state.row_canary.fill(-1)  # a loader built before may still hold this array: its tags say nothing now
-        state.row_canary = state.directions = state.key = state._projector = None
-        state.score_sum = state.projection_sum = None
-        state.pending = []
+        _drop(state)
     state.bound, state.gdp = bound, gdp  # counts and the bounds only (no bit)
     rec = record(bound, "white-box" if gradient else "black-box", GRADIENT_SCORE if gradient else state.canaries.score_name)
     rec["gaussian_dp"] = gdp_record(gdp)
@@ -533,7 +535,8 @@ def after_train(trainer) -> dict | None:
         real_units=state.real_units, dataset_size_includes_canaries=state.m, accounting=ACCOUNTING,
     )
     rec["summary"] = describe(rec)
-    rec["utility_cost"] = utility_cost(state.m, int(state.real_units or 0), float(trainer.privacy_spec.sample_rate))
+    rec["utility_cost"] = utility_cost(state.m, int(state.real_units or 0), float(trainer.privacy_spec.sample_rate),
+                                       bool(getattr(trainer.args, "_hf_dp_canaries_on_top", False)))
     trainer.audit_record = rec
     return rec
 

@@ -89,15 +89,17 @@ def check_privacy_settings(training_args, n_train: int) -> None:
         return
     if n_train <= 0:
         raise RecipeError("the training set is empty")
+    # --audit_canaries m: DPTrainer samples N + m units (the canaries are units whether included or not)
+    n_units = n_train + int(getattr(training_args, "audit_canaries", None) or 0)
     b = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * max(1, training_args.world_size)
-    if b > n_train:
+    if b > n_units:
         raise RecipeError(
             f"the expected logical batch B = per_device_train_batch_size × gradient_accumulation_steps × world_size "
-            f"= {b} is larger than the training set (N = {n_train}); Poisson sampling needs q = B/N ≤ 1"
+            f"= {b} is larger than the training set (N = {n_units}); Poisson sampling needs q = B/N ≤ 1"
         )
     check_delta(training_args.delta, n_train)
     if training_args.epsilon is not None:
-        q = b / n_train
+        q = b / n_units
         steps = training_args.max_steps if training_args.max_steps > 0 else math.ceil(
             training_args.num_train_epochs * PoissonBatchSampler.steps_for_epoch(q))
         calibrate_noise_multiplier(training_args.epsilon, training_args.delta, q, steps, training_args.accountant)
@@ -187,6 +189,7 @@ def canaries_on_top(training_args, n_train: int, m: int, batch: int, steps: int,
     grown = step * math.ceil(batch * (n_train + m) / n_train / step)
     training_args.gradient_accumulation_steps = grown // step
     training_args.max_steps = steps
+    training_args._hf_dp_canaries_on_top = True  # the card's audit line says so (hf_dp.audit.canaries.after_train)
     return (f"planner: --audit_canaries {m:,}: logical batch B = {grown:,} (the plan's {batch:,} at q = {batch:,}/{n_train:,} "
             f"over N = {n_train:,} + {m:,} canary units, q = {grown / (n_train + m):.4g}) for the plan's {steps:,} steps, "
             "so the real rows per step stay as planned and the canaries ride on top")
