@@ -85,8 +85,8 @@ def test_causal_lm_canaries_are_units_and_are_scored_by_their_loss(tmp_path, mon
     seen = {}
     real = hooks.lm_canary_scores
 
-    def capture(trainer, st):
-        seen["scores"] = real(trainer, st)
+    def capture(trainer, st, loader):
+        seen["scores"] = real(trainer, st, loader)
         return seen["scores"]
 
     monkeypatch.setattr(hooks, "lm_canary_scores", capture)

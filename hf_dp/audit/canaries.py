@@ -480,14 +480,16 @@ def canary_scores(trainer, state: TrainerCanaries) -> np.ndarray:
     """The label margin of every canary under the trained model: the trainer's collator, device, frozen-prefix cache
     and suffix context, through HF's ``evaluation_loop`` on the canaries *without* their labels (no loss, no metric,
     no callback's on_evaluate/on_predict ever sees them). A causal LM's: minus their per-token loss (lm_canaries)."""
-    if isinstance(state.canaries, TokenCanaries):
-        return lm_canary_scores(trainer, state)
     c = state.canaries
+    lm = isinstance(c, TokenCanaries)
     like = state.like if hasattr(state.like, "column_names") else None
-    ds = c.dataset(like=like, labels=False, drop=(getattr(trainer.args, "privacy_unit_column", None),))
+    ds = c.dataset(like=like, drop=(getattr(trainer.args, "privacy_unit_column", None),),
+                   **({"score": True} if lm else {"labels": False}))
     if trainer._prefix_cache:
         ds = trainer.prefix_cache.cache(ds, "canaries")
     loader = trainer.get_test_dataloader(ds)
+    if lm:
+        return lm_canary_scores(trainer, state, loader)
     with trainer._suffix_ctx(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = trainer.evaluation_loop(loader, description="Canary scoring", prediction_loss_only=False,

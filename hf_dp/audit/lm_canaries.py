@@ -100,16 +100,12 @@ def per_sequence_loss(logits, labels):
     return tokens.sum(1) / scored.to(torch.float32)
 
 
-def lm_canary_scores(trainer, state) -> np.ndarray:
+def lm_canary_scores(trainer, state, loader) -> np.ndarray:
     """Minus the mean per-token loss of every canary under the trained model (``state``: the trainer's
-    :class:`~hf_dp.audit.canaries.TrainerCanaries`), through HF's ``evaluation_loop`` with the trainer's collator,
-    device and forward context; no ``compute_metrics``, nothing logged (see the module docstring)."""
+    :class:`~hf_dp.audit.canaries.TrainerCanaries`; ``loader``: the canaries' test loader, built by
+    :func:`hf_dp.audit.canaries.canary_scores`), through HF's ``evaluation_loop`` with the trainer's collator, device
+    and forward context; no ``compute_metrics``, nothing logged (see the module docstring)."""
     c = state.canaries
-    like = state.like if hasattr(state.like, "column_names") else None
-    ds = c.dataset(like=like, score=True, drop=(getattr(trainer.args, "privacy_unit_column", None),))
-    if trainer._prefix_cache:
-        ds = trainer.prefix_cache.cache(ds, "canaries")
-    loader = trainer.get_test_dataloader(ds)
     saved = trainer.preprocess_logits_for_metrics, trainer.compute_metrics
     trainer.preprocess_logits_for_metrics, trainer.compute_metrics = per_sequence_loss, None
     try:
