@@ -50,16 +50,9 @@ def _trainer(tmp_path, steps=3, optim="dp_sgd", **kw):
 
 def _instrumented(tr, monkeypatch):
     """No noise (the audit's zero_noise on the privatizer), the sampler's index lists recorded, the scores captured."""
-    from hf_dp.audit.trainer_path import ReplayBatchSampler, zero_noise
+    from hf_dp.audit.trainer_path import ReplayBatchSampler, noise_off
 
-    create = tr.create_optimizer
-
-    def create_without_noise(model=None):
-        out = create(model)
-        zero_noise(tr._dp_optimizer)
-        return out
-
-    tr.create_optimizer = create_without_noise
+    noise_off(tr)
     tr._dp_sampler = ReplayBatchSampler(tr._dp_sampler)
     seen = {"steps": []}
     real_scores, real_projections = hooks.gradient_scores, hooks.step_projections

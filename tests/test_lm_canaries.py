@@ -136,17 +136,10 @@ def test_without_noise_the_loss_scores_find_the_included_canaries(tmp_path):
     """A broken run (the privatizer's noise taken out; 40 steps of dp_adam at lr 1e-2 over 40 real rows and the
     canaries): the trained LM gives its included canaries a lower loss, so the guesses are right and ε̂ is far above 0
     (seen: 50 of 50 right, ε̂ 2.33 against a ceiling of 3.05) — the scores carry the membership signal."""
-    from hf_dp.audit.trainer_path import zero_noise
+    from hf_dp.audit.trainer_path import noise_off
 
     tr = _trainer(tmp_path, max_steps=40, per_device_train_batch_size=64)
-    create = tr.create_optimizer
-
-    def create_without_noise(model=None):
-        out = create(model)
-        zero_noise(tr._dp_optimizer)
-        return out
-
-    tr.create_optimizer = create_without_noise
+    noise_off(tr)
     tr.train()
     rec = tr.audit_record
     assert rec["correct"] >= 0.9 * rec["guesses"] and rec["epsilon_lower_bound"] > 1.5, rec["summary"]

@@ -282,17 +282,6 @@ class GradientDirections:
             idx[k], signs[k] = i, np.sign(v)
         return idx, signs
 
-    def scores(self, flat_parts) -> np.ndarray:
-        """⟨G, u_k⟩ for every k, G given as one flat float64 array per parameter (in the order of ``sizes``)."""
-        full = np.concatenate([np.asarray(g, dtype=np.float64).reshape(-1) for g in flat_parts])
-        if full.shape[0] != self.d:
-            raise ValueError(f"error: {full.shape[0]} coordinates to score, the directions span {self.d}")
-        out = np.empty(self.m)
-        for k in range(self.m):
-            idx, vals = self.direction(k)
-            out[k] = float(full[idx] @ vals)
-        return out
-
 
 def step_log_likelihood_ratio(x, sample_rate: float, noise_multiplier: float) -> np.ndarray:
     """log p₁(x)/p₀(x) of one step's projection x = B·⟨g̃_t, u_k⟩/C (in units of C) of a gradient canary: under "the

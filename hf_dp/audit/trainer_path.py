@@ -276,6 +276,19 @@ def _stop_at(k: int):
     return StopAt()
 
 
+def noise_off(trainer) -> None:
+    """The no_noise break on a DPTrainer whose optimizer is not built yet: :func:`zero_noise` on the privatizer that
+    ``create_optimizer`` makes (tests and the one-run audit's trainer runs)."""
+    create = trainer.create_optimizer
+
+    def create_without_noise(model=None):
+        out = create(model)
+        zero_noise(trainer._dp_optimizer)
+        return out
+
+    trainer.create_optimizer = create_without_noise
+
+
 def zero_noise(opt) -> None:
     """The audit's no_noise break: the privatizer ``opt`` adds N(0, (0·C)²); the ledger keeps the nominal σ, and so
     does the optimizer between steps (DPTrainer checks it). Idempotent; ``None`` is left alone."""
