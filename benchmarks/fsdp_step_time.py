@@ -124,6 +124,17 @@ def worker(mode: str, hidden: int, layers: int, batch: int, length: int, steps: 
     with open(os.path.join(out, f"{mode}_rank{rank}.json"), "w") as f:
         json.dump(dict(mode=mode, rank=rank, median_s_per_step=statistics.median(timed), steps=len(timed), peak_rss_mb=_peak_rss_mb(),
                        wrapped=type(trainer.model_wrapped).__name__, clipping=getattr(trainer, "clipping", None), **memory), f)
+    _close_group()
+
+
+def _close_group() -> None:
+    """Both ranks leave together and close the process group: a rank exiting while gloo's threads still serve the
+    other one aborts now and then ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _peak_rss_mb() -> float:

@@ -63,16 +63,17 @@ WORKER = r"""
 
     placeholders = count_placeholders()
 
-    # during train(): FSDP2's all-gathers, the backward passes (HF's) and two passes' norms passes (pass 1)
+    # during train(): FSDP2's all-gathers and reduce-scatters, the backward passes (HF's) and two passes' norms passes (pass 1)
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_groups
     from hf_dp.clipping.ghost import GhostClipper
-    COUNTS = dict(gathers=0, backward=0, norms_pass=0)
+    COUNTS = dict(gathers=0, reduces=0, backward=0, norms_pass=0)
     def counting(name, fn):
         def wrapped(*a, **k):
             COUNTS[name] += 1
             return fn(*a, **k)
         return wrapped
     fsdp_groups.foreach_all_gather = counting("gathers", fsdp_groups.foreach_all_gather)
+    fsdp_groups.foreach_reduce = counting("reduces", fsdp_groups.foreach_reduce)
     torch.autograd.backward = counting("backward", torch.autograd.backward)
     GhostClipper.norms_pass = counting("norms_pass", GhostClipper.norms_pass)
 
@@ -105,7 +106,7 @@ WORKER = r"""
         shards.clear()
         placeholders.clear()
         trainer = make_trainer(os.path.join(out, name, "run"), trainable, clipping=clipping)
-        COUNTS.update(gathers=0, backward=0, norms_pass=0)
+        COUNTS.update(gathers=0, reduces=0, backward=0, norms_pass=0)
         trainer.train()
         counts = dict(COUNTS)
         result = summary(trainer)
@@ -220,9 +221,10 @@ def test_fsdp_two_pass_trains_the_ddp_model_and_the_one_pass_model(launches):
 
 
 def test_fsdp_one_pass_runs_one_backward_and_gathers_each_unit_at_most_twice(launches):
-    """One-pass ghost clipping under FSDP (the default): one backward per micro-batch and no norms pass, and at most
-    two all-gathers of each FSDP unit per micro-batch (forward, backward) — fewer than two passes, which gather every
-    unit once more for the norms' backward."""
+    """One-pass ghost clipping under FSDP (the default): one backward per micro-batch and no norms pass, at most two
+    all-gathers of each FSDP unit per micro-batch (forward, backward) — fewer than two passes, which gather every
+    unit once more for the norms' backward — and no reduce-scatter of FSDP's own: the backward computes no parameter
+    gradient (the normalisation layers' included), the clipped sums are summed into the shards once, after it."""
     _, fsdp, _ = launches
     one, two = fsdp["full"][0], fsdp["full_two_pass"][0]
     micro_batches = STEPS * GA  # per rank: every rank runs every micro-batch, an empty one included
@@ -231,6 +233,7 @@ def test_fsdp_one_pass_runs_one_backward_and_gathers_each_unit_at_most_twice(lau
     assert one["counts"]["norms_pass"] == 0 and two["counts"]["norms_pass"] == micro_batches
     assert 0 < one["counts"]["gathers"] <= 2 * one["fsdp_units"] * micro_batches
     assert two["counts"]["gathers"] > one["counts"]["gathers"], (one["counts"], two["counts"])
+    assert one["counts"]["reduces"] == 0 and two["counts"]["reduces"] > 0, (one["counts"], two["counts"])
 
 
 def test_fsdp_noise_is_drawn_once_per_coordinate_on_each_shard(runs, tmp_path):

@@ -18,9 +18,11 @@ gradient (full-size: only the parameters are sharded; the layer types' own recor
    bucket is sent.
 
 Each rank ends with its shard of Σ_ranks Σ_i c_i v_i — the privatizer then adds N(0, σ²C²) on its own shard
-(:meth:`hf_dp.privacy.privatizer.PrivateOptimizer._add_shard_noise`), exactly as after two passes. FSDP's own
-reduce-scatter carries only what autograd still computes (the normalisation layers' small weight gradients, which
-ghost clipping does not use): it is dropped (``p.grad = None``) after each micro-batch. An empty micro-batch's
+(:meth:`hf_dp.privacy.privatizer.PrivateOptimizer._add_shard_noise`), exactly as after two passes. The backward
+computes no parameter gradient at all (the linear and embedding layers' own autograd functions, the normalisation
+layers' forward with detached parameters), so FSDP2 has nothing to reduce-scatter and runs no collective of its own
+after the backward (``tests/test_fsdp.py`` counts none); whatever autograd might still leave in ``.grad`` is dropped
+(``p.grad = None``) after each micro-batch. An empty micro-batch's
 placeholder row has zero output gradients (its loss enters the backward multiplied by 0), so it contributes exactly 0;
 its rank still joins every collective, which keeps the ranks in step.
 
@@ -182,7 +184,7 @@ class ShardedGhostEngine(GhostEngine):
                 sharded = reducer.finish()
         finally:
             clipper.clear()
-            for p in opt.params:  # FSDP's reduce-scatter of what autograd still computed (normalisation layers)
+            for p in opt.params:  # anything autograd still computed (none for the registered layer types)
                 p.grad = None
         opt.add_clipped_sum(sharded)
 

@@ -1,4 +1,6 @@
-"""Ghost clipping of ``nn.LayerNorm``: the default recording (input, output gradient) per call.
+"""Ghost clipping of ``nn.LayerNorm``: the default recording (input, output gradient) per call; the layer's own
+forward runs with its parameters detached (:func:`~hf_dp.clipping.registry.without_parameter_gradients`), so
+autograd computes no weight gradient that would be discarded (and FSDP2 has none to reduce-scatter).
 
 Per example, the weight's gradient is Σ_t g_t ⊙ x̂_t (x̂ the normalised input, recomputed from the recorded
 input) and the bias's Σ_t g_t: both are vectors of the layer's width, so they are formed per example; their squared
@@ -12,12 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .common import affine_of, cat_records, sum_gamma, summed_sq, unit_roundoff
-from .registry import GhostLayerType, register_layer
+from .registry import GhostLayerType, register_layer, without_parameter_gradients
 
 
 @register_layer(nn.LayerNorm)
 class LayerNormType(GhostLayerType):
     name = "layernorm"
+
+    def instrument(self, layer):
+        return super().instrument(layer) + [without_parameter_gradients(layer.module)]
 
     def terms(self, layer, scale, affine, dt, work):
         m = layer.module

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 __all__ = ["GhostLayerType", "Layer", "register_layer", "unregister_layer", "register_matcher", "unregister_matcher",
-           "layer_type_for", "registered_layers", "patch_forward"]
+           "layer_type_for", "registered_layers", "patch_forward", "without_parameter_gradients"]
 
 _REGISTRY: dict[type, "GhostLayerType"] = {}
 _MATCHERS: list = []  # (predicate, entry), consulted in order after the MRO
@@ -194,4 +194,33 @@ class _ForwardPatch:
 
 def patch_forward(module: nn.Module, forward) -> _ForwardPatch:
     """Replace ``module.forward`` on the instance by ``forward``; ``remove()`` on the result restores it."""
+    return _ForwardPatch(module, forward)
+
+
+def without_parameter_gradients(module: nn.Module) -> _ForwardPatch:
+    """Make the module's training forward compute no gradient for its own parameters (they enter it detached), so
+    autograd skips their weight-gradient products and, under FSDP2, no parameter of the layer has a gradient to
+    reduce-scatter — for a layer whose per-example gradients come from its records alone (one pass: the
+    normalisation layers). The output still needs a gradient (the records hold it): when no tensor input requires
+    one, the first tensor input is made a leaf that does. ``remove()`` on the result restores the forward."""
+    inner = module.__dict__.get("forward") or type(module).forward.__get__(module)
+
+    def forward(*args, _m=module, _inner=inner, **kwargs):
+        if not (_m.training and torch.is_grad_enabled()):
+            return _inner(*args, **kwargs)
+        tensors = [v for v in (*args, *kwargs.values()) if torch.is_tensor(v)]
+        if tensors and not any(t.requires_grad for t in tensors) and tensors[0].is_floating_point():
+            first = tensors[0]
+            promoted = first.detach().requires_grad_(True)
+            args = tuple(promoted if v is first else v for v in args)
+            kwargs = {k: promoted if v is first else v for k, v in kwargs.items()}
+        saved = dict(_m._parameters)
+        try:
+            for name, p in saved.items():
+                if p is not None:
+                    _m._parameters[name] = p.detach()
+            return _inner(*args, **kwargs)
+        finally:
+            _m._parameters.update(saved)
+
     return _ForwardPatch(module, forward)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .common import affine_of, cat_records, sum_gamma, summed_sq, unit_roundoff
-from .registry import GhostLayerType, register_layer, register_matcher
+from .registry import GhostLayerType, register_layer, register_matcher, without_parameter_gradients
 
 __all__ = ["RMSNormType", "HFRMSNormType", "is_hf_rmsnorm", "rmsnorm_eps"]
 
@@ -76,7 +76,8 @@ class RMSNormType(GhostLayerType):
             raise ValueError(f"ghost clipping supports RMSNorm over one axis only ({name} normalises {tuple(module.normalized_shape)})")
 
     def instrument(self, layer) -> list:
-        """The default recording, also when the input is passed by keyword."""
+        """The default recording, also when the input is passed by keyword; the forward computes no weight gradient
+        (:func:`~hf_dp.clipping.registry.without_parameter_gradients`: the records give it)."""
 
         def fwd_hook(module, args, kwargs, out, _rec=layer.records):
             if not (module.training and torch.is_grad_enabled()) or not torch.is_tensor(out) or not out.requires_grad:
@@ -85,7 +86,7 @@ class RMSNormType(GhostLayerType):
             x = x.detach()
             out.register_hook(lambda g, _x=x: _rec.append((_x, g)))
 
-        return [layer.module.register_forward_hook(fwd_hook, with_kwargs=True)]
+        return [layer.module.register_forward_hook(fwd_hook, with_kwargs=True), without_parameter_gradients(layer.module)]
 
     def terms(self, layer, scale, affine, dt, work):
         m = layer.module
