@@ -469,11 +469,14 @@ class DPTrainer(Trainer):
         with self._suffix_ctx(), _library_bars_off():
             if self.args.dp_enabled:
                 self._check_contract()
+                setup.share_sampling_key(self)  # several ranks: the Poisson sampler's key of this train(), rank 0's
             try:
                 out = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             except BaseException:
                 canaries.after_train(self, failed=True)  # --audit_canaries: drop the draw; no second train() on it
                 raise
+            finally:
+                self._sampling_key = None  # forgotten: a later train() draws its own
         canaries.after_train(self)  # --audit_canaries: score, bound (trainer.audit_record), drop the draw
         return out
 

@@ -12,6 +12,7 @@ with zero loss, which keeps DDP's ranks in step) occur often and are counted.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 
@@ -54,6 +55,12 @@ WORKER = r"""
 
     placeholders = count_placeholders()
 
+    import hashlib
+    key_seen = []  # a hash of the sampler's shared key (OS entropy, rank 0's) as each step begins
+    class KeySeen(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            key_seen.append(hashlib.sha256(str(trainer._sampling_key).encode()).hexdigest())
+
     tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
     ds = make_pair_dataset(tok, n={n})
     counter = StepCounter()
@@ -65,7 +72,7 @@ WORKER = r"""
     model = make_model()
     names.update({{id(p): n for n, p in model.named_parameters()}})
     trainer = DPTrainer(
-        model=model, args=args, train_dataset=ds, data_collator=make_collator(tok), callbacks=[counter, FirstGrad()]
+        model=model, args=args, train_dataset=ds, data_collator=make_collator(tok), callbacks=[counter, FirstGrad(), KeySeen()]
     )
     assert args.world_size == 2, args.world_size
     trainer.train()
@@ -86,6 +93,8 @@ WORKER = r"""
             first_noise=first_noise,
             first_grad=first_grad,
             first_step_indices=[i for b in drawn[:{ga}] for i in b],
+            draws=[list(b) for b in drawn],
+            key_seen=key_seen, key_after=trainer._sampling_key,
             wrapped=type(trainer.model_wrapped).__name__,
             log_history=trainer.state.log_history,
         ),
@@ -104,6 +113,21 @@ def launched(tmp_path_factory):
         engines=ENGINE_WORKER.format(n=E_N, per_device=E_PER_DEVICE, ga=E_GA, steps=E_STEPS, seed=E_SEED, engines=ENGINES),
     ), timeout=400)
     return {"run": rank_results(base), "engines": rank_results(base, "engines_")}
+
+
+def test_two_process_ranks_share_one_draw_and_balance_it(launched):
+    """OS entropy (no --dp_seed): both ranks draw with rank 0's key of this train() (the same at every step, forgotten
+    afterwards) and take disjoint shares of the one draw, whose sizes differ by at most one row in every step (each
+    rank drawing its own shard, they differ by a Poisson fluctuation and the slower rank sets the pace)."""
+    r0, r1 = launched["run"]
+    assert len(set(r0["key_seen"])) == 1 and r0["key_seen"] == r1["key_seen"] and len(r0["key_seen"]) == STEPS
+    assert r0["key_seen"][0] != hashlib.sha256(b"None").hexdigest()
+    assert r0["key_after"] is None and r1["key_after"] is None
+    assert min(len(r0["draws"]), len(r1["draws"])) >= STEPS * GA  # (the loader may fetch one batch ahead)
+    for t in range(STEPS):
+        mine = [[i for b in r["draws"][t * GA : (t + 1) * GA] for i in b] for r in (r0, r1)]
+        assert not set(mine[0]) & set(mine[1]) and all(len(set(m)) == len(m) for m in mine)
+        assert abs(len(mine[0]) - len(mine[1])) <= 1, (t, mine)
 
 
 def test_two_process_gloo_run(launched, tmp_path):
@@ -143,7 +167,7 @@ def test_two_process_gloo_run(launched, tmp_path):
     for n in r0["first_grad"]:
         assert torch.equal(r0["first_grad"][n], r1["first_grad"][n])
     drawn = r0["first_step_indices"] + r1["first_step_indices"]
-    assert all(i % 2 == 0 for i in r0["first_step_indices"]) and all(i % 2 == 1 for i in r1["first_step_indices"])
+    assert not set(r0["first_step_indices"]) & set(r1["first_step_indices"])
     tok = make_tokenizer(tmp_path / "tok_ref")
     ds = make_pair_dataset(tok, n=N)
     collate = make_collator(tok)

@@ -1,5 +1,5 @@
-"""Two CPU processes (gloo) train a causal LM with a privacy unit column (issue 29): ranks shard units (never rows of
-one unit), each unit's rows stay on one rank and in one micro-batch, both ranks end with the same model, ghost
+"""Two CPU processes (gloo) train a causal LM with a privacy unit column (issue 29): ranks share out each step's drawn
+units (never rows of one unit), each unit's rows stay on one rank and in one micro-batch, both ranks end with the same model, ghost
 clipping trains the model the Opacus hooks train (same --dp_seed), and ε is that of one process with the same global
 batch over N = the number of units."""
 
@@ -57,10 +57,13 @@ def test_two_processes_train_one_model_over_units(tmp_path):
         assert a["clipping"] == engine and a["steps"] == b["steps"] == STEPS
         for n in a["params"]:
             assert torch.equal(a["params"][n], b["params"][n]), f"{engine}: {n} differs across ranks"
-        # the ranks' units are disjoint, each unit whole (all its rows) in one micro-batch of one rank
-        own0 = {users[i] for mb in a["drawn"] for i in mb}
-        own1 = {users[i] for mb in b["drawn"] for i in mb}
-        assert own0 and own1 and not (own0 & own1)
+        # in every step the ranks' units are disjoint, each unit whole (all its rows) in one micro-batch of one rank
+        assert min(len(a["drawn"]), len(b["drawn"])) >= 2 * STEPS  # 2 micro-batches a step (the loader may fetch ahead)
+        for t in range(STEPS):
+            own0 = {users[i] for mb in a["drawn"][2 * t : 2 * t + 2] for i in mb}
+            own1 = {users[i] for mb in b["drawn"][2 * t : 2 * t + 2] for i in mb}
+            assert not (own0 & own1)
+        assert any(a["drawn"]) and any(b["drawn"])
         for mb in a["drawn"] + b["drawn"]:
             for u in {users[i] for i in mb}:
                 assert sorted(i for i in mb if users[i] == u) == [i for i in range(N_ROWS) if users[i] == u]

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from two_process import DISTRIBUTED, launch  # noqa: E402
 
-N, PER_DEVICE, GA, STEPS, SEED = 64, 2, 2, 4, 15  # SEED: a --dp_seed whose draws leave a micro-batch empty (asserted below)
+N, PER_DEVICE, GA, STEPS, SEED = 64, 2, 2, 4, 28  # SEED: a --dp_seed whose draws leave a micro-batch empty (asserted below)
 CKPT_N, CKPT_SIGMA = 16, 1.0  # the LoRA checkpoint runs: B = 2 × 2 × 2 = 8, 2 steps per epoch (checkpoint at step 2)
 
 WORKER = r"""
@@ -105,7 +105,11 @@ WORKER = r"""
         NOISE[0] = noise
         shards.clear()
         placeholders.clear()
-        trainer = make_trainer(os.path.join(out, name, "run"), trainable, clipping=clipping)
+        unit_kw = {{}}
+        if name == "units":  # three rows per user; C so small that every unit's summed gradient is clipped
+            unit_kw = dict(dataset=ds.add_column("user", [i // 3 for i in range(len(ds))]), privacy_unit_column="user",
+                           per_sample_max_grad_norm=1e-3)
+        trainer = make_trainer(os.path.join(out, name, "run"), trainable, clipping=clipping, **unit_kw)
         COUNTS.update(gathers=0, reduces=0, backward=0, norms_pass=0)
         trainer.train()
         counts = dict(COUNTS)
@@ -142,8 +146,9 @@ WORKER = r"""
 
 pytestmark = DISTRIBUTED
 
-JOBS = {"fsdp": [("full", "all", "recorded", None), ("lora", "lora", "off", None), ("full_two_pass", "all", "off", "ghost_two_pass")],
-        "ddp": [("full", "all", "off", None), ("lora", "lora", "off", None)]}
+JOBS = {"fsdp": [("full", "all", "recorded", None), ("lora", "lora", "off", None), ("full_two_pass", "all", "off", "ghost_two_pass"),
+                 ("units", "all", "off", None)],
+        "ddp": [("full", "all", "off", None), ("lora", "lora", "off", None), ("units", "all", "off", None)]}
 
 
 def _run(tmp_path, mode: str) -> dict:
@@ -218,6 +223,24 @@ def test_fsdp_two_pass_trains_the_ddp_model_and_the_one_pass_model(launches):
         torch.testing.assert_close(t0["params"][n], d0["params"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
         torch.testing.assert_close(t0["params"][n], f0["params"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     assert t0["epsilon"] == d0["epsilon"] and t0["history"] == d0["history"]
+
+
+def test_fsdp_privacy_units_train_the_ddp_model(launches):
+    """--privacy_unit_column under FSDP (one pass, the default): each user's rows clipped as one unit (C so small that
+    every unit is clipped) and the ranks' draws over users — the same --dp_seed, the noise zeroed: DDP's model at the
+    same ε (clipping rows instead of users would sum up to three times C per user and train another model)."""
+    _, fsdp, ddp = launches
+    u0, u1 = fsdp["units"]
+    d0 = ddp["units"][0]
+    assert u0["clipping"] == "ghost" and u0["wrapped"].startswith("FSDP") and all(u0["sharded"])
+    assert u0["spec"] == d0["spec"] and u0["epsilon"] == d0["epsilon"] and u0["history"] == d0["history"]
+    assert u0["spec"]["dataset_size"] == -(-N // 3)  # the accountant's N counts users
+    moved = False
+    for n in u0["params"]:
+        torch.testing.assert_close(u0["params"][n], u1["params"][n], rtol=0, atol=0)
+        torch.testing.assert_close(u0["params"][n], d0["params"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        moved |= not torch.equal(u0["params"][n], fsdp["full"][0]["params"][n])
+    assert moved
 
 
 def test_fsdp_one_pass_runs_one_backward_and_gathers_each_unit_at_most_twice(launches):

@@ -252,9 +252,9 @@ def test_poisson_sampler_statistics():
     assert list(PoissonBatchSampler(n, q, steps)) != list(PoissonBatchSampler(n, q, steps))
     # the state holds no seed
     assert set(sampler.state_dict()) == {"num_samples", "sample_rate"}
-    # ranks sample disjoint shards
-    r0 = PoissonBatchSampler(n, q, steps, seed=5, rank=0, world_size=2)
-    r1 = PoissonBatchSampler(n, q, steps, seed=5, rank=1, world_size=2)
+    # ranks share out one draw (tests/test_shared_draw.py); under --secure_rng they sample disjoint shards
+    r0 = PoissonBatchSampler(n, q, steps, secure=True, rank=0, world_size=2)
+    r1 = PoissonBatchSampler(n, q, steps, secure=True, rank=1, world_size=2)
     assert all(i % 2 == 0 for b in r0 for i in b) and all(i % 2 == 1 for b in r1 for i in b)
 
 

@@ -7,7 +7,11 @@ so hf_dp never stores a seed or a generator state, and three sources cover every
 * **OS entropy** (default): each stream is a ``torch.Generator`` (Mersenne Twister on the CPU, Philox on
   CUDA; fast, on the parameters' device) started from fresh OS entropy (:mod:`secrets`) when the stream
   starts — once per sampler iteration, once per privatizer (a resumed or rebuilt optimizer starts a new
-  one), once per (step, parameter, shard) under FSDP. On the CPU the whole 19,968-bit Mersenne Twister state
+  one), once per (step, parameter, shard) under FSDP. With several processes the sampler's stream must be the same
+  on every rank (:mod:`hf_dp.privacy.sampler`: all draw one sample and share it out): rank 0 draws a key of 256 bits
+  of OS entropy at every ``train()`` and broadcasts it in memory (:func:`shared_entropy_key`); each iteration's
+  stream is keyed by (that key, the ledger step at which it starts), and the key is forgotten when ``train()``
+  ends. On the CPU the whole 19,968-bit Mersenne Twister state
   is set (:func:`stream_generator`): ``manual_seed`` keeps only the low 32 bits of a seed there, so
   streams seeded through it would have 2³² possible outputs and two of a run's many FSDP streams would
   draw the same noise after about 2¹⁶ streams (birthday bound). The state is held only in memory. MT is not a cryptographic generator: its seed is unpredictable,
@@ -15,7 +19,8 @@ so hf_dp never stores a seed or a generator state, and three sources cover every
   itself is never released, only noisy sums, so this is the usual choice of DP libraries (Opacus'
   default) — ``--secure_rng`` removes the question.
 * **A fixed seed** (``--dp_seed``, reproducible research): each stream's state is derived from a hash of
-  (seed, purpose, the ledger's stream tag when set, rank, the ledger step at which the stream starts) — on the CPU
+  (seed, purpose, the ledger's stream tag when set, rank — 0 for the Poisson draw that all ranks share —, the ledger
+  step at which the stream starts; FSDP's noise shards by parameter and offset) — on the CPU
   the whole Mersenne Twister state, expanded from SHAKE-256 of that key, so distinct keys never share a stream. An
   uninterrupted run is reproducible, and so is a clean continuation of its checkpoint (nothing computed past it, no
   other resume of it: the tag stays unset); a ``train()`` that continues a ledger without resuming (a second
@@ -129,3 +134,23 @@ def secure_gaussian_like(reference: torch.Tensor, std: float) -> torch.Tensor:
         return torch.zeros_like(reference)
     z = csprng_normal(4 * n).view(4, n).sum(0) * (0.5 * std)
     return z.view(reference.shape).to(device=reference.device, dtype=reference.dtype)
+
+
+#: bits of the ranks' shared sampling key
+SHARED_KEY_BITS = 256
+
+
+def shared_entropy_key(device=None) -> int | None:
+    """A key of :data:`SHARED_KEY_BITS` bits of OS entropy that every process of the default group holds: rank 0's,
+    broadcast in memory (a collective: every rank calls it at the same point); ``None`` with one process or without
+    torch.distributed. ``device``: where the broadcast tensor lives (the CPU under gloo; the rank's accelerator under
+    NCCL)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return None
+    if device is None or dist.get_backend() == "gloo":
+        device = torch.device("cpu")
+    t = torch.frombuffer(bytearray(secrets.token_bytes(SHARED_KEY_BITS // 8)), dtype=torch.uint8).to(device)
+    dist.broadcast(t, src=0)  # every rank's own bytes are replaced by rank 0's
+    return int.from_bytes(bytes(t.cpu().tolist()), "little")

@@ -1,9 +1,18 @@
 """Poisson sampling, exactly as the accountant assumes.
 
 Every logical step, each example is included independently with probability q (so the logical
-batch size is Binomial(N, q), mean B = qN, and may be empty). With several processes, rank r
-samples its shard ``r, r+W, r+2W, …`` at the same rate q: the union over ranks is one Poisson
-sample of the whole dataset at rate q. The ranks' draws are split into ``micro_batches`` physical
+batch size is Binomial(N, q), mean B = qN, and may be empty). With several processes (W ranks), every rank
+draws the **same** Poisson sample of the whole dataset — the same stream, keyed without the rank: ``--dp_seed``'s,
+or a key of 256 bits of OS entropy that rank 0 draws at every ``train()`` and broadcasts in memory
+(``shared_key``, :func:`hf_dp.privacy.randomness.shared_entropy_key`) — and takes its share of it
+(:func:`balanced_shares`): the drawn examples dealt out in turn (with privacy units, each unit whole to the rank with
+the fewest rows so far), so the ranks' sizes differ by at most one example (one unit) and the slowest rank no longer
+sets the pace of a step by a Poisson fluctuation (with per-rank draws it processed about B/W + 0.56·√(B/W) examples
+for two ranks, + 1.4·√(B/W) for eight). The shares are disjoint and their union is the one draw, so each example
+enters a step at most once, with probability q, as the accountant assumes. Under ``--secure_rng`` (the OS CSPRNG
+draws every example's coin, which no rank can share without a collective per step) rank r samples its shard
+``r, r+W, r+2W, …`` at the same rate q instead: the union over ranks is again one Poisson sample at rate q. The
+ranks' draws are split into ``micro_batches`` physical
 batches (the Trainer's gradient-accumulation steps), so the Trainer always sees the same number of
 micro-batches per step; their sizes fluctuate around ``per_device_train_batch_size``. With ``lengths``
 (``--train_sampling_strategy group_by_length``) each rank's draw is ordered by length before it is cut, so each
@@ -14,17 +23,20 @@ which example's clipped gradient.
 **Privacy units** (``units=``, ``--privacy_unit_column``): the draw is over units — groups of rows (a user's
 messages, a document's blocks) — each included independently with probability q; every row of a drawn unit enters
 that logical batch (or, with ``max_rows_per_unit=k``, a uniform random subset of k of its rows drawn afresh from the
-same stream), and all of a unit's rows go to the same micro-batch, so that the clipping engine can clip the unit's
-summed gradient. Ranks shard units, not rows. ``num_samples`` is then the number of units (the accountant's N).
+same stream), and all of a unit's rows go to the same micro-batch of the same rank, so that the clipping engine can
+clip the unit's summed gradient. Ranks share out units, not rows. ``num_samples`` is then the number of units (the
+accountant's N).
 
 Randomness (:mod:`hf_dp.privacy.randomness`): every iteration (one epoch of HF's loop) draws from a
-new stream — OS entropy by default, the OS CSPRNG with ``secure=True``, or, with a fixed ``seed``,
-a stream keyed by (seed, the ledger's stream tag when set, rank, the ledger step at which the iteration starts). The
+new stream — OS entropy by default (with several ranks: keyed by their shared key of this ``train()`` and the ledger
+step at which the iteration starts), the OS CSPRNG with ``secure=True``, or, with a fixed ``seed``,
+a stream keyed by (seed, the ledger's stream tag when set, the ledger step at which the iteration starts) — with
+several ranks sharing the draw, exactly the stream one process would draw from. The
 tag is ``None`` for a fresh run and a clean continuation of a checkpoint, and a new id for a resume from which other
 steps were already computed (:func:`hf_dp.run.spent.reconcile_resumed_ledger`) or for a ``train()`` that continues
 a ledger without resuming (:func:`hf_dp.run.lineage.before_train`). So the draws of a second
 ``train()``, of a resumed run (with or without HF's data skip), of two resumes from checkpoints of one run and of a
-new epoch are never those of an earlier step: nothing is replayed, and no seed is saved anywhere.
+new epoch are never those of an earlier step: nothing is replayed, and no seed or key is saved anywhere.
 """
 
 from __future__ import annotations
@@ -47,6 +59,9 @@ class PoissonBatchSampler(Sampler):
     gives the ledger's ``meta["stream_tag"]``, see :attr:`hf_dp.privacy.privatizer.PrivateOptimizer.stream_tag`).
     ``lengths``: optional ``[num_samples]`` token counts; when set, each draw is sorted by them (stable) before it is
     cut into micro-batches. It changes no draw: the same stream yields the same set of indices with or without it.
+    ``shared_key``: with ``world_size > 1``, no ``seed`` and not ``secure``, a callable giving the key (an int of 256
+    random bits) every rank holds for the current ``train()``; iterating without one is refused (each rank would draw
+    its own sample of the whole dataset, and an example could enter one step on two ranks).
     """
 
     def __init__(
@@ -65,6 +80,7 @@ class PoissonBatchSampler(Sampler):
         max_rows_per_unit: int | None = None,
         allow_empty_units: bool = False,
         stream_tag: Callable[[], str | None] | None = None,
+        shared_key: Callable[[], int | None] | None = None,
     ):
         if num_samples <= 0:
             raise ValueError("the training dataset is empty")
@@ -93,6 +109,7 @@ class PoissonBatchSampler(Sampler):
         self._drawn = 0  # logical batches drawn by this object (the default position)
         self._position = position if position is not None else (lambda: self._drawn)
         self._stream_tag = stream_tag if stream_tag is not None else (lambda: None)
+        self._shared_key = shared_key if shared_key is not None else (lambda: None)
         self.epoch = 0
         self.lengths = lengths
 
@@ -138,26 +155,48 @@ class PoissonBatchSampler(Sampler):
     def __len__(self) -> int:
         return self.steps_per_epoch * self.micro_batches
 
+    @property
+    def shared(self) -> bool:
+        """Every rank draws the one sample of the whole dataset and takes its share (see the module docstring)."""
+        return self.world_size > 1 and not self._secure
+
+    def _generator(self):
+        """This iteration's stream (``None`` under ``secure``): keyed by (seed or the ranks' shared key, "poisson",
+        the stream tag when set, the rank, the position) — the rank 0 on every rank that shares the draw, so that with
+        a seed the ranks' shares are exactly one process's draw."""
+        if self._secure:
+            return None
+        seed = self._seed
+        if self.shared and seed is None:
+            seed = self._shared_key()
+            if seed is None:
+                raise RuntimeError(
+                    "a Poisson sampler over several ranks without --dp_seed needs the ranks' shared key of this train() "
+                    "(hf_dp.privacy.randomness.shared_entropy_key); without it each rank would draw its own sample")
+        tag = self._stream_tag()
+        key = ("poisson",) + (() if tag is None else (tag,)) + (0 if self.shared else self.rank, int(self._position()))
+        return stream_generator(seed, *key)
+
     def __iter__(self):
-        shard = torch.arange(self.rank, self.num_samples, self.world_size)
-        gen = None
-        if not self._secure:
-            tag = self._stream_tag()
-            key = ("poisson", self.rank, int(self._position())) if tag is None else ("poisson", tag, self.rank, int(self._position()))
-            gen = stream_generator(self._seed, *key)
+        population = torch.arange(self.num_samples) if self.shared else torch.arange(self.rank, self.num_samples, self.world_size)
+        gen = self._generator()
         for _ in range(self.steps_per_epoch):
-            u = csprng_uniform(len(shard)) if self._secure else torch.rand(len(shard), generator=gen, dtype=torch.float64)
-            drawn = shard[u < self.sample_rate]
+            u = csprng_uniform(len(population)) if self._secure else torch.rand(len(population), generator=gen, dtype=torch.float64)
+            drawn = population[u < self.sample_rate]
             self._drawn += 1
             if self._lengths is not None:  # order only: the set drawn (and so the clipped sum) is the same
                 drawn = drawn[torch.argsort(self._lengths[drawn], stable=True)]
             if self.units is None:
+                if self.shared:  # dealt out in turn (balanced_shares of equal sizes): this rank's share, in the draw's order
+                    drawn = drawn[self.rank :: self.world_size]
                 # split into `micro_batches` contiguous chunks of near-equal size (some may be empty)
                 bounds = [math.floor(i * len(drawn) / self.micro_batches) for i in range(self.micro_batches + 1)]
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     yield drawn[a:b].tolist()
                 continue
-            rows = [self._rows_of(int(j), gen) for j in drawn]
+            rows = [self._rows_of(int(j), gen) for j in drawn]  # every drawn unit's, in order: the stream is shared
+            if self.shared:
+                rows = [rows[i] for i in balanced_shares([len(r) for r in rows], self.world_size)[self.rank]]
             # whole units per micro-batch, cut where the running row count crosses each equal share of the rows
             sizes = torch.tensor([0] + [len(r) for r in rows], dtype=torch.float64).cumsum(0)
             total = float(sizes[-1])
@@ -189,3 +228,25 @@ class PoissonBatchSampler(Sampler):
                 "refusing to resume: the checkpoint's sampler had "
                 f"N={state.get('num_samples')}, q={state.get('sample_rate')}, now N={self.num_samples}, q={self.sample_rate}"
             )
+
+
+def balanced_shares(sizes: Sequence[int], world_size: int) -> list[list[int]]:
+    """The positions 0..len(sizes)−1 of one draw dealt out to ``world_size`` ranks, each list in increasing order —
+    disjoint, and together every position once. Equal sizes (rows): dealt in turn, position i to rank i mod W, so
+    the shares differ by at most one. Otherwise (units of ``sizes[i]`` rows): the largest first (ties: the earlier
+    position), each to the rank with the fewest rows so far (ties: the lower rank), so the ranks' rows differ by at
+    most the largest unit. A function of the sizes alone: every rank computes the same shares."""
+    world_size = int(world_size)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    if len(set(sizes)) <= 1:
+        for i in range(len(sizes)):
+            shares[i % world_size].append(i)
+        return shares
+    load = [0] * world_size
+    for i in sorted(range(len(sizes)), key=lambda i: (-int(sizes[i]), i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        shares[r].append(i)
+        load[r] += int(sizes[i])
+    return [sorted(share) for share in shares]

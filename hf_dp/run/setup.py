@@ -21,7 +21,7 @@ from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
 from hf_dp.plan import calibrated_for, run_block
 from hf_dp.privacy.accounting import PrivacyLedger
 from hf_dp.privacy.planning import plan_mechanism
-from hf_dp.privacy.randomness import SEEDED, source_name
+from hf_dp.privacy.randomness import ENTROPY, SEEDED, shared_entropy_key, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
 from hf_dp.privacy.selection import HOLDER, plan_role
 from hf_dp.run import contract, lineage
@@ -77,8 +77,9 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
         n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
         rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: trainer.ledger.steps,
         units=trainer._unit_rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=trainer._audit is not None,
-        stream_tag=lambda: trainer.ledger.meta.get("stream_tag"),
+        stream_tag=lambda: trainer.ledger.meta.get("stream_tag"), shared_key=lambda: trainer._sampling_key,
     )
+    trainer._sampling_key = None  # several ranks, OS entropy: set by share_sampling_key at every train()
     trainer._lengths_of = None
     set_sampler_lengths(trainer)  # refused here, before any step, if the lengths are unknown
     trainer._dp_noise_seed = args.dp_seed
@@ -122,6 +123,22 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
     trainer._planned_train_dataset = trainer.train_dataset
     #: the mechanism σ, q and the steps were planned for: every train() and every step must still run it
     trainer._planned_mechanism = contract.mechanism_snapshot(trainer)
+
+
+def share_sampling_key(trainer) -> None:
+    """At every ``train()`` under DP, on every rank, before any batch is drawn: with several processes and OS entropy,
+    the key of this ``train()``'s Poisson streams, rank 0's 256 bits broadcast in memory
+    (:func:`hf_dp.privacy.randomness.shared_entropy_key`), so that every rank draws the one sample it shares out
+    (:mod:`hf_dp.privacy.sampler`); ``DPTrainer.train`` forgets it when it returns or raises. Nothing otherwise
+    (one process, ``--dp_seed``, ``--secure_rng``)."""
+    trainer._sampling_key = None
+    if trainer.randomness != ENTROPY or max(1, trainer.args.world_size) <= 1:
+        return
+    key = shared_entropy_key(trainer.args.device)
+    if key is None:
+        raise ValueError(f"world_size is {trainer.args.world_size} but torch.distributed is not initialized: the ranks "
+                         "cannot share their Poisson draws; launch with torchrun (or accelerate launch)")
+    trainer._sampling_key = key
 
 
 def setup_units(trainer, rows: int) -> None:
