@@ -397,3 +397,34 @@ def test_per_step_spent_record_makes_no_accountant_call(tmp_path, monkeypatch):
     trainer.save_model(str(tmp_path / "out"))
     record = json.loads((tmp_path / "out" / "hf_dp_epsilon_spent.json").read_text())
     assert record["steps"] == 20 and record["epsilon"] == pytest.approx(trainer.get_epsilon())
+
+
+# ---------------------------------------------------------------------------------------------------
+# an epoch stopped between micro-batches: its partial logical batch never enters a later step
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dp_seed", [None, 3])
+def test_a_logical_batch_cut_by_an_epoch_stop_is_dropped(dp_seed, ds, collator, tmp_path):
+    """A callback that stops the epoch after the first of two micro-batches (HF breaks out before the optimizer
+    step): the next epoch starts a new draw at the same ledger step (with --dp_seed the very same draw), so the cut
+    micro-batch's clipped sum must be gone before it — else its examples would enter one noisy step twice (2C)."""
+    from transformers import TrainerCallback
+
+    seen = {}
+
+    class CutFirstEpoch(TrainerCallback):
+        def on_substep_end(self, args, state, control, **kw):
+            if state.epoch < 1 and "cut" not in seen:
+                seen["cut"] = [getattr(p, "summed_grad", None) is not None for p in trainer._dp_optimizer.params]
+                control.should_epoch_stop = True
+            return control
+
+        def on_step_begin(self, args, state, control, **kw):
+            if "cut" in seen and "next" not in seen:
+                seen["next"] = [getattr(p, "summed_grad", None) is not None for p in trainer._dp_optimizer.params]
+
+    trainer = _trainer(_args(tmp_path, dp_seed=dp_seed, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                             max_steps=10), ds, collator, callbacks=[CutFirstEpoch()])
+    trainer.train()
+    assert any(seen["cut"])  # the first micro-batch's clipped sum was pending when the epoch stopped
+    assert not any(seen["next"]), "the cut logical batch's clipped sum was carried into the next epoch's step"
+    assert trainer.ledger.steps == trainer.state.global_step > 0

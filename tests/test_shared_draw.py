@@ -109,3 +109,62 @@ def test_secure_rng_ranks_sample_their_own_shards():
     kw = dict(num_samples=300, sample_rate=0.2, steps_per_epoch=6, secure=True, world_size=3)
     for r in range(3):
         assert all(i % 3 == r for b in PoissonBatchSampler(rank=r, **kw) for i in b)
+
+
+@pytest.mark.parametrize("units", [False, True], ids=["rows", "units"])
+def test_ranks_whose_lengths_differ_still_share_the_draw_disjointly(units):
+    """The share is cut before the length order: a rank whose lengths differ from the others' (a random transform of
+    the dataset that the ranks' fingerprint does not see) changes only the order of its own share."""
+    n = 300
+    unit_rows = [[2 * u, 2 * u + 1] for u in range(n // 2)] if units else None
+    kw = dict(num_samples=len(unit_rows) if units else n, sample_rate=0.2, steps_per_epoch=8, micro_batches=2, seed=9,
+              units=unit_rows)
+    lens = [torch.randint(1, 50, (n,), generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+    ranks = [PoissonBatchSampler(rank=r, world_size=2, lengths=lens[r], **kw) for r in (0, 1)]
+    one = _steps(PoissonBatchSampler(**kw), 2)
+    shares = [_steps(s, 2) for s in ranks]
+    for t in range(8):
+        per_rank = [[i for b in shares[r][t] for i in b] for r in (0, 1)]
+        assert not set(per_rank[0]) & set(per_rank[1])
+        assert sorted(per_rank[0] + per_rank[1]) == sorted(i for b in one[t] for i in b)
+
+
+def test_draw_digest_changes_with_what_decides_the_draw():
+    base = dict(num_samples=40, sample_rate=0.25, steps_per_epoch=4, micro_batches=2, seed=3, world_size=2)
+    d = PoissonBatchSampler(**base).draw_digest(5, None, "k")
+    assert d == PoissonBatchSampler(**base, rank=1).draw_digest(5, None, "k")  # the rank is not in it
+    assert d == PoissonBatchSampler(**base, lengths=list(range(40))).draw_digest(5, None, "k")  # nor the lengths
+    for change in (dict(num_samples=41), dict(sample_rate=0.2), dict(micro_batches=1), dict(world_size=3)):
+        assert PoissonBatchSampler(**{**base, **change}).draw_digest(5, None, "k") != d, change
+    assert PoissonBatchSampler(**base).draw_digest(6, None, "k") != d  # the position
+    assert PoissonBatchSampler(**base).draw_digest(5, "tag", "k") != d
+    units = [[2 * u, 2 * u + 1] for u in range(20)]
+    other = [[0]] + [[2 * u, 2 * u + 1] for u in range(1, 20)] + [[1]]
+    u1 = PoissonBatchSampler(**{**base, "num_samples": 20}, units=units).draw_digest()
+    assert u1 != PoissonBatchSampler(**{**base, "num_samples": 21}, units=other).draw_digest()
+    assert u1 != PoissonBatchSampler(**{**base, "num_samples": 20}, units=units, max_rows_per_unit=1).draw_digest()
+
+
+def test_ranks_that_would_draw_differently_are_refused(monkeypatch):
+    """hf_dp.run.contract.check_ranks_share_draw with a second rank (simulated) whose ledger step differs."""
+    import types
+
+    import torch.distributed as dist
+
+    from hf_dp.run import contract
+
+    sampler = PoissonBatchSampler(40, 0.25, 4, seed=3, world_size=2)
+    trainer = types.SimpleNamespace(_dp_sampler=sampler, _sampling_key=None,
+                                    ledger=types.SimpleNamespace(steps=5, meta={}))
+    theirs = {"digest": sampler.draw_digest(5, None, None)}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+    def all_gather_object(out, obj):
+        out[0], out[1] = obj, theirs["digest"]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    contract.check_ranks_share_draw(trainer)  # the same: accepted
+    theirs["digest"] = sampler.draw_digest(6, None, None)
+    with pytest.raises(ValueError, match="would draw different Poisson samples"):
+        contract.check_ranks_share_draw(trainer)

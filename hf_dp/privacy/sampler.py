@@ -9,13 +9,17 @@ or a key of 256 bits of OS entropy that rank 0 draws at every ``train()`` and br
 the fewest rows so far), so the ranks' sizes differ by at most one example (one unit) and the slowest rank no longer
 sets the pace of a step by a Poisson fluctuation (with per-rank draws it processed about B/W + 0.56·√(B/W) examples
 for two ranks, + 1.4·√(B/W) for eight). The shares are disjoint and their union is the one draw, so each example
-enters a step at most once, with probability q, as the accountant assumes. Under ``--secure_rng`` (the OS CSPRNG
+enters a step at most once, with probability q, as the accountant assumes — provided every rank draws alike: the
+shares are cut from the draw in index order (never after a length order, which a rank's data transform could
+change), and at every ``train()`` the ranks compare a digest of everything else that decides the draw (N, units,
+q, steps, ledger step, stream tag, key: :meth:`PoissonBatchSampler.draw_digest`,
+:func:`hf_dp.run.contract.check_ranks_share_draw`) and refuse to train if it differs. Under ``--secure_rng`` (the OS CSPRNG
 draws every example's coin, which no rank can share without a collective per step) rank r samples its shard
 ``r, r+W, r+2W, …`` at the same rate q instead: the union over ranks is again one Poisson sample at rate q. The
 ranks' draws are split into ``micro_batches`` physical
 batches (the Trainer's gradient-accumulation steps), so the Trainer always sees the same number of
 micro-batches per step; their sizes fluctuate around ``per_device_train_batch_size``. With ``lengths``
-(``--train_sampling_strategy group_by_length``) each rank's draw is ordered by length before it is cut, so each
+(``--train_sampling_strategy group_by_length``) each rank's draw (its share) is ordered by length before it is cut, so each
 micro-batch pads to a length near its own rows' (less padding, less compute); which examples are drawn, and so
 the clipped sum, the noise and the accountant's q, are unchanged — the cut only decides which micro-batch computes
 which example's clipped gradient.
@@ -182,21 +186,27 @@ class PoissonBatchSampler(Sampler):
         gen = self._generator()
         for _ in range(self.steps_per_epoch):
             u = csprng_uniform(len(population)) if self._secure else torch.rand(len(population), generator=gen, dtype=torch.float64)
-            drawn = population[u < self.sample_rate]
+            drawn = population[u < self.sample_rate]  # in index order
             self._drawn += 1
-            if self._lengths is not None:  # order only: the set drawn (and so the clipped sum) is the same
-                drawn = drawn[torch.argsort(self._lengths[drawn], stable=True)]
+            # the share (several ranks) is cut from the draw in index order and only then ordered by length, so that
+            # it depends on the stream, N and the units alone (a rank whose lengths differ changes only its own order)
             if self.units is None:
-                if self.shared:  # dealt out in turn (balanced_shares of equal sizes): this rank's share, in the draw's order
+                if self.shared:  # dealt out in turn (balanced_shares of equal sizes): this rank's share
                     drawn = drawn[self.rank :: self.world_size]
+                if self._lengths is not None:  # order only: the set drawn (and so the clipped sum) is the same
+                    drawn = drawn[torch.argsort(self._lengths[drawn], stable=True)]
                 # split into `micro_batches` contiguous chunks of near-equal size (some may be empty)
                 bounds = [math.floor(i * len(drawn) / self.micro_batches) for i in range(self.micro_batches + 1)]
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     yield drawn[a:b].tolist()
                 continue
-            rows = [self._rows_of(int(j), gen) for j in drawn]  # every drawn unit's, in order: the stream is shared
+            rows = [self._rows_of(int(j), gen) for j in drawn]  # every drawn unit's, in index order: the stream is shared
             if self.shared:
-                rows = [rows[i] for i in balanced_shares([len(r) for r in rows], self.world_size)[self.rank]]
+                mine = balanced_shares([len(r) for r in rows], self.world_size)[self.rank]
+                drawn, rows = drawn[mine], [rows[i] for i in mine]
+            if self._lengths is not None:  # order only (a unit's length: its longest row)
+                order = torch.argsort(self._lengths[drawn], stable=True).tolist()
+                rows = [rows[i] for i in order]
             # whole units per micro-batch, cut where the running row count crosses each equal share of the rows
             sizes = torch.tensor([0] + [len(r) for r in rows], dtype=torch.float64).cumsum(0)
             total = float(sizes[-1])
@@ -206,6 +216,19 @@ class PoissonBatchSampler(Sampler):
                 cuts[i] = max(cuts[i], cuts[i - 1])
             for a, b in zip(cuts[:-1], cuts[1:]):
                 yield [r for unit_rows in rows[a:b] for r in unit_rows]
+
+    def draw_digest(self, *extra) -> str:
+        """SHA-256 of everything besides the key, tag and position that decides which examples this sampler's stream
+        draws and how a shared draw is dealt out (N, the rows, q, steps, micro-batches, world size, the units and
+        their row cap, the source), with ``extra``: ranks that share a draw must agree on it
+        (:func:`hf_dp.run.contract.check_ranks_share_draw`). Lengths are not in it: they only order a rank's share."""
+        import hashlib
+
+        h = hashlib.sha256(repr((self.num_samples, self.num_rows, self.sample_rate, self.steps_per_epoch, self.micro_batches,
+                                 self.world_size, self.max_rows_per_unit, self._secure, self._seed is None, extra)).encode())
+        for rows in self.units or ():
+            h.update(rows.numpy().tobytes() + b"|")
+        return h.hexdigest()
 
     def _rows_of(self, unit: int, gen) -> list[int]:
         """The rows of a drawn unit that enter this step: all, or a uniform random subset of ``max_rows_per_unit``

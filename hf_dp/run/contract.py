@@ -422,6 +422,31 @@ def check_ranks_agree(fingerprint: str, mechanism: dict) -> None:
         )
 
 
+def check_ranks_share_draw(trainer) -> None:
+    """Under several processes, at every ``train()`` once the sampler's key is shared: every rank's Poisson sampler
+    would draw the same sample (the same N, rows, units, q, steps, position, stream tag and a SHA-256 of the key) —
+    each rank deals itself a share of that one draw (:mod:`hf_dp.privacy.sampler`), so ranks that drew differently
+    could put one example into a step on two of them."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return
+    sampler = trainer._dp_sampler
+    key = getattr(trainer, "_sampling_key", None)
+    mine = sampler.draw_digest(int(trainer.ledger.steps), trainer.ledger.meta.get("stream_tag"),
+                               None if key is None else hashlib.sha256(str(key).encode()).hexdigest())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if any(g != gathered[0] for g in gathered):
+        raise ValueError(
+            "the processes would draw different Poisson samples (their N, privacy units, q, steps, ledger step or "
+            "random key differ): each rank takes its share of one draw, so one example could enter a step on two "
+            "ranks; launch every rank with the same data, arguments and model ledger (--prior_privacy)"
+        )
+
+
 def check_at_train(trainer) -> None:
     """``DPTrainer._check_contract``, at every ``train()`` before any step: the training set is the one planned, the
     flags refused under DP are not set, the mechanism is still the one planned, every rank holds the same data in the

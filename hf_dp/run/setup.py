@@ -129,16 +129,18 @@ def share_sampling_key(trainer) -> None:
     """At every ``train()`` under DP, on every rank, before any batch is drawn: with several processes and OS entropy,
     the key of this ``train()``'s Poisson streams, rank 0's 256 bits broadcast in memory
     (:func:`hf_dp.privacy.randomness.shared_entropy_key`), so that every rank draws the one sample it shares out
-    (:mod:`hf_dp.privacy.sampler`); ``DPTrainer.train`` forgets it when it returns or raises. Nothing otherwise
-    (one process, ``--dp_seed``, ``--secure_rng``)."""
+    (:mod:`hf_dp.privacy.sampler`); ``DPTrainer.train`` forgets it when it returns or raises. Then, with several
+    processes, every rank checks that all would draw the same sample (:func:`hf_dp.run.contract.check_ranks_share_draw`)."""
     trainer._sampling_key = None
-    if trainer.randomness != ENTROPY or max(1, trainer.args.world_size) <= 1:
+    if max(1, trainer.args.world_size) <= 1:
         return
-    key = shared_entropy_key(trainer.args.device)
-    if key is None:
-        raise ValueError(f"world_size is {trainer.args.world_size} but torch.distributed is not initialized: the ranks "
-                         "cannot share their Poisson draws; launch with torchrun (or accelerate launch)")
-    trainer._sampling_key = key
+    if trainer.randomness == ENTROPY:
+        key = shared_entropy_key(trainer.args.device)
+        if key is None:
+            raise ValueError(f"world_size is {trainer.args.world_size} but torch.distributed is not initialized: the "
+                             "ranks cannot share their Poisson draws; launch with torchrun (or accelerate launch)")
+        trainer._sampling_key = key
+    contract.check_ranks_share_draw(trainer)
 
 
 def setup_units(trainer, rows: int) -> None:

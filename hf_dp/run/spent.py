@@ -332,10 +332,21 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
 class BudgetGuard(TrainerCallback):
     """Stops training (as HF's own stop) once the next step would exceed the target ε — e.g. after a
     resume that counted steps an interrupted run took past its checkpoint. Every step taken is on record
-    (:func:`write_spent`, through ``DPTrainer._record_spent``) at its end, before anything it produced is written."""
+    (:func:`write_spent`, through ``DPTrainer._record_spent``) at its end, before anything it produced is written.
+    At every epoch's start it drops a logical batch that an epoch stop cut between its micro-batches (a callback's
+    ``should_epoch_stop``: HF leaves the epoch before the optimizer step): the next epoch draws anew at the same ledger
+    step — with a seed or the ranks' shared key of the ``train()``, the same draw — so the cut micro-batches' clipped
+    sums would put their examples into one noisy step twice."""
 
     def __init__(self, trainer):
         self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        opt = self.trainer._dp_optimizer
+        if opt is not None:
+            opt.discard_pending()
+        self.trainer.clipping_engine.clear()
+        return control
 
     def on_step_end(self, args, state, control, **kwargs):
         # every step taken is on record before any output of it is written; ε only if already known (an accountant
