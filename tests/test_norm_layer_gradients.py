@@ -101,3 +101,36 @@ def test_outside_training_and_after_detach_the_norm_is_its_own_forward(norm):
     model(x).sum().backward()  # instrumentation removed: autograd's gradients again
     assert all(p.grad is not None for p in model[1].parameters())
     assert "forward" not in model[1].__dict__
+
+
+def test_a_model_under_a_dptrainer_trains_as_usual_outside_its_training_steps(tmp_path):
+    """DPTrainer's one-pass ghost clipping records (and skips autograd's weight gradients of linear, embedding and
+    normalisation layers) only inside its training_step: the same model object differentiated anywhere else — a
+    plain Trainer, a --disable_dp baseline, a user's own loop, before or after train() — gets every gradient."""
+    from hf_dp import DPTrainer
+    from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    ds = make_pair_dataset(tok, n=64)
+    collate = make_collator(tok)
+    model = make_model()
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path / "run", trainable="all", clipping="ghost", max_steps=2,
+                                                  per_device_train_batch_size=8, logging_steps=1),
+                        train_dataset=ds, data_collator=collate)
+    assert trainer.clipping == "ghost"
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def plain_backward():
+        model.train()
+        model.zero_grad(set_to_none=True)
+        batch = collate([ds[i] for i in range(4)])
+        batch.pop("labels")
+        model(**batch).logits.sum().backward()
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        model.zero_grad(set_to_none=True)
+        return missing
+
+    assert trainable and plain_backward() == []
+    trainer.train()  # the DP steps record as before
+    assert trainer.state.global_step == 2 and trainer.ledger.steps == 2
+    assert plain_backward() == []

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .common import affine_of, as_3d, diag_norms, gamma, gram64, sum_gamma, unit_roundoff
-from .registry import GhostLayerType, patch_forward, register_layer
+from .registry import GhostLayerType, patch_forward, recording, register_layer
 
 
 class _GhostEmbedding(torch.autograd.Function):
@@ -47,7 +47,7 @@ class EmbeddingType(GhostLayerType):
         m = layer.module
 
         def forward(ids, _m=m, _rec=layer.records):
-            if not (_m.training and torch.is_grad_enabled()):
+            if not recording(_m):
                 return type(_m).forward(_m, ids)
             return _GhostEmbedding.apply(ids, _m.weight, _m.padding_idx, _rec)
 

@@ -30,6 +30,7 @@ added to :data:`ENGINES` and to ``--clipping`` (``hf_dp/arguments.py``), and joi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -72,6 +73,22 @@ class ClippingEngine:
         """Forget an interrupted step's records (the optimizer's ``discard_pending`` drops its sums)."""
         if self.clipper is not None:
             self.clipper.clear()
+
+    @contextlib.contextmanager
+    def active(self):
+        """The ghost clipper's instrumentation resumed inside the block and paused again after it (also when it
+        raises): DPTrainer runs each ``training_step`` in it, so that the model it instruments trains and
+        differentiates as usual anywhere else — a plain ``Trainer`` or a ``--disable_dp`` run on the same model object
+        gets autograd's weight gradients (one-pass ghost clipping computes none for the layers it records)."""
+        clipper = self.clipper
+        if clipper is None:
+            yield
+            return
+        clipper.pause(False)
+        try:
+            yield
+        finally:
+            clipper.pause(True)
 
 
 class HooksEngine(ClippingEngine):

@@ -44,7 +44,7 @@ from torch import nn
 from hf_dp.models.hints import single_query_head_size
 
 from .common import TINY32, affine_of, cat_records, dense_sq, gamma, gram64, gram_bound, row_norms64, sum_gamma, summed_sq, unit_roundoff
-from .registry import GhostLayerType, patch_forward, register_layer
+from .registry import GhostLayerType, patch_forward, recording, register_layer
 
 try:  # GPT-2 style transposed linear
     from transformers.pytorch_utils import Conv1D
@@ -152,7 +152,7 @@ class LinearType(GhostLayerType):
         m = layer.module
 
         def forward(x, _m=m, _rec=layer.records, _tr=self.transposed):
-            if not (_m.training and torch.is_grad_enabled()):
+            if not recording(_m):
                 return type(_m).forward(_m, x)
             return _GhostLinear.apply(x, _m.weight, _m.bias, _rec, _tr, single_query_head_size())
 

@@ -37,9 +37,19 @@ import torch
 from torch import nn
 
 __all__ = ["GhostLayerType", "Layer", "register_layer", "unregister_layer", "register_matcher", "unregister_matcher",
-           "layer_type_for", "registered_layers", "patch_forward", "without_parameter_gradients"]
+           "layer_type_for", "registered_layers", "patch_forward", "without_parameter_gradients", "recording", "PAUSED_ATTR"]
 
 _REGISTRY: dict[type, "GhostLayerType"] = {}
+
+#: set (True) on an instrumented module while its ghost clipping is paused (:meth:`GhostClipper.pause
+#: <hf_dp.clipping.ghost.GhostClipper.pause>`): its forward is then its own, with autograd's weight gradients
+PAUSED_ATTR = "_hf_dp_ghost_paused"
+
+
+def recording(module: nn.Module) -> bool:
+    """Whether an instrumented module's call is recorded (and, for the types that skip it, computes no weight
+    gradient): training mode, gradients enabled, ghost clipping not paused. Every entry's instrumentation asks this."""
+    return module.training and torch.is_grad_enabled() and not module.__dict__.get(PAUSED_ATTR, False)
 _MATCHERS: list = []  # (predicate, entry), consulted in order after the MRO
 
 
@@ -66,7 +76,7 @@ class GhostLayerType:
         (Two passes use the same recording for every type, see :class:`~hf_dp.clipping.ghost.GhostClipper`.)"""
 
         def fwd_hook(module, args, out, _rec=layer.records):
-            if not (module.training and torch.is_grad_enabled()) or not out.requires_grad:
+            if not recording(module) or not out.requires_grad:
                 return
             x = args[0].detach()
             out.register_hook(lambda g, _x=x: _rec.append((_x, g)))
@@ -206,7 +216,7 @@ def without_parameter_gradients(module: nn.Module) -> _ForwardPatch:
     inner = module.__dict__.get("forward") or type(module).forward.__get__(module)
 
     def forward(*args, _m=module, _inner=inner, **kwargs):
-        if not (_m.training and torch.is_grad_enabled()):
+        if not recording(_m):
             return _inner(*args, **kwargs)
         tensors = [v for v in (*args, *kwargs.values()) if torch.is_tensor(v)]
         if tensors and not any(t.requires_grad for t in tensors) and tensors[0].is_floating_point():

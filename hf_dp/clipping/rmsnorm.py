@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .common import affine_of, cat_records, sum_gamma, summed_sq, unit_roundoff
-from .registry import GhostLayerType, register_layer, register_matcher, without_parameter_gradients
+from .registry import GhostLayerType, recording, register_layer, register_matcher, without_parameter_gradients
 
 __all__ = ["RMSNormType", "HFRMSNormType", "is_hf_rmsnorm", "rmsnorm_eps"]
 
@@ -80,7 +80,7 @@ class RMSNormType(GhostLayerType):
         (:func:`~hf_dp.clipping.registry.without_parameter_gradients`: the records give it)."""
 
         def fwd_hook(module, args, kwargs, out, _rec=layer.records):
-            if not (module.training and torch.is_grad_enabled()) or not torch.is_tensor(out) or not out.requires_grad:
+            if not recording(module) or not torch.is_tensor(out) or not out.requires_grad:
                 return
             x = args[0] if args else next(v for v in kwargs.values() if torch.is_tensor(v))
             x = x.detach()
