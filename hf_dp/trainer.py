@@ -346,7 +346,7 @@ class DPTrainer(Trainer):
             # and the optimizer HF steps (still the privatizer, with σ, C and B planned) are what the accountant was told
             contract.check_mechanism(self._planned_mechanism, contract.mechanism_snapshot(self, with_parameters=False))
             contract.check_optimizer(self)
-        with self.clipping_engine.active() if self.args.dp_enabled else contextlib.nullcontext():  # ghost: only here
+        with self.clipping_engine.active(self._dp_optimizer) if self.args.dp_enabled else contextlib.nullcontext():
             loss = super().training_step(model, inputs, num_items_in_batch)
         if self.args.dp_enabled:
             if self._loss_scale is None:

@@ -74,21 +74,34 @@ class ClippingEngine:
         if self.clipper is not None:
             self.clipper.clear()
 
+    def pause(self, paused: bool = True) -> None:
+        """Pause (or resume) what the engine attached to the model: the ghost clipper's instrumentation
+        (:meth:`~hf_dp.clipping.ghost.GhostClipper.pause`) or Opacus' per-sample-gradient hooks."""
+        self._paused = bool(paused)
+        if self.clipper is not None:
+            self.clipper.pause(paused)
+        if self.grad_sampler is not None and self.grad_sampler.attached:
+            gsm = self.grad_sampler.gsm
+            gsm.disable_hooks() if paused else gsm.enable_hooks()
+
     @contextlib.contextmanager
-    def active(self):
-        """The ghost clipper's instrumentation resumed inside the block and paused again after it (also when it
-        raises): DPTrainer runs each ``training_step`` in it, so that the model it instruments trains and
-        differentiates as usual anywhere else — a plain ``Trainer`` or a ``--disable_dp`` run on the same model object
-        gets autograd's weight gradients (one-pass ghost clipping computes none for the layers it records)."""
-        clipper = self.clipper
-        if clipper is None:
-            yield
-            return
-        clipper.pause(False)
+    def active(self, optimizer=None):
+        """One micro-batch of DP training (DPTrainer runs each ``training_step`` in it): first whatever a forward or
+        backward outside it left is dropped (records, per-sample gradients, the privatizer's parameters' ``.grad`` —
+        e.g. a callback's own backward, which two passes would otherwise sum unclipped and the hooks would clip into
+        this step), then the engine's instrumentation is resumed, and afterwards it is put back as it was (paused, as
+        DPTrainer keeps it: the model it instruments trains and differentiates as usual anywhere else, and a second
+        DPTrainer's steps on the same model are not recorded by this one's hooks)."""
+        if optimizer is not None:
+            self.discard(optimizer)
+            for p in optimizer.params:
+                p.grad = None
+        before = getattr(self, "_paused", False)
+        self.pause(False)
         try:
             yield
         finally:
-            clipper.pause(True)
+            self.pause(before)
 
 
 class HooksEngine(ClippingEngine):

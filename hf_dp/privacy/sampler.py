@@ -220,12 +220,13 @@ class PoissonBatchSampler(Sampler):
     def draw_digest(self, *extra) -> str:
         """SHA-256 of everything besides the key, tag and position that decides which examples this sampler's stream
         draws and how a shared draw is dealt out (N, the rows, q, steps, micro-batches, world size, the units and
-        their row cap, the source), with ``extra``: ranks that share a draw must agree on it
+        their row cap, the source, a SHA-256 of the seed), with ``extra``: ranks that share a draw must agree on it
         (:func:`hf_dp.run.contract.check_ranks_share_draw`). Lengths are not in it: they only order a rank's share."""
         import hashlib
 
+        seed = None if self._seed is None else hashlib.sha256(str(self._seed).encode()).hexdigest()
         h = hashlib.sha256(repr((self.num_samples, self.num_rows, self.sample_rate, self.steps_per_epoch, self.micro_batches,
-                                 self.world_size, self.max_rows_per_unit, self._secure, self._seed is None, extra)).encode())
+                                 self.world_size, self.max_rows_per_unit, self._secure, seed, extra)).encode())
         for rows in self.units or ():
             h.update(rows.numpy().tobytes() + b"|")
         return h.hexdigest()

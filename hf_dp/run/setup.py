@@ -100,8 +100,7 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
     else:
         engine = make_engine(trainer.clipping, trainer.model)
     trainer.clipping_engine = audit_engine(trainer, engine) if audit_engine is not None else engine
-    if engine.clipper is not None:  # recording only inside DPTrainer.training_step (ClippingEngine.active)
-        engine.clipper.pause(True)
+    engine.pause(True)  # recording only inside DPTrainer.training_step (ClippingEngine.active)
     trainer.ghost_clipper, trainer.grad_sampler = trainer.clipping_engine.clipper, trainer.clipping_engine.grad_sampler
     # the planner's start-of-run block (hf_dp.plan): public quantities only, no extra calibration
     # two lines by default; the noise figures and the table when asked (--log_level debug, or hf_dp's logger at DEBUG).
