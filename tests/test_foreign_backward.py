@@ -94,3 +94,17 @@ def test_a_second_dptrainer_on_the_same_model_counts_each_example_once(first, da
     assert len(sums) == len(clean) == 3
     for step, (got, ref) in enumerate(zip(sums, clean)):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-9, msg=lambda m: f"step {step}: {m}")
+
+
+def test_an_earlier_dptrainers_clipper_records_nothing_while_another_trains(data, tmp_path):
+    """Two ghost DPTrainers on one model: while the later one trains, the earlier one's instrumentation (paused per
+    clipper) keeps no records — they would hold every layer's activations of every step until it trains itself."""
+    ds, collate = data
+    model = make_model()
+    earlier = _trainer(tmp_path, "earlier", model, ds, collate, "ghost")
+    later = _trainer(tmp_path, "later", model, ds, collate, "ghost")
+    later.train()
+    assert later.state.global_step == 3
+    assert sum(len(layer.records) for layer in earlier.ghost_clipper.layers) == 0
+    earlier.train()  # and it still trains, on its own records
+    assert earlier.state.global_step == 3

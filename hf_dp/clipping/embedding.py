@@ -46,9 +46,11 @@ class EmbeddingType(GhostLayerType):
     def instrument(self, layer) -> list:
         m = layer.module
 
-        def forward(ids, _m=m, _rec=layer.records):
-            if not recording(_m):
-                return type(_m).forward(_m, ids)
+        prev = m.__dict__.get("forward")  # another clipper's patch, reached while this one is paused
+
+        def forward(ids, _m=m, _rec=layer.records, _layer=layer, _prev=prev):
+            if not recording(_m, _layer):
+                return _prev(ids) if _prev is not None else type(_m).forward(_m, ids)
             return _GhostEmbedding.apply(ids, _m.weight, _m.padding_idx, _rec)
 
         return [patch_forward(m, forward)]

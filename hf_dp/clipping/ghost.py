@@ -102,7 +102,7 @@ from torch import nn
 
 from .common import Workspace, unit_index
 from .hooks import install_batch_hooks
-from .registry import PAUSED_ATTR, Layer, layer_type_for, recording
+from .registry import Layer, layer_type_for, recording
 
 
 #: relative safety margin on ghost norms before computing clip factors (see GhostClipper.clipped_sum)
@@ -218,7 +218,7 @@ class GhostClipper:
         tags = layer.type.record_tags or (None,) * len(layer.modules)
 
         def fwd_hook(module, args, out, _layer=layer, _tag=None):
-            if not recording(module) or not torch.is_tensor(out) or not out.requires_grad:
+            if not recording(module, _layer) or not torch.is_tensor(out) or not out.requires_grad:
                 return
             if out.dtype not in (torch.float32, torch.float64):
                 raise ValueError(
@@ -250,19 +250,19 @@ class GhostClipper:
             layer.done = True
 
     def pause(self, paused: bool = True) -> None:
-        """Pause (or resume) the instrumentation without removing it: while paused every instrumented module runs its
-        own forward, records nothing and gets autograd's weight gradients (:func:`hf_dp.clipping.registry.recording`),
-        so the model can be trained or differentiated otherwise. ``DPTrainer`` keeps its clipper paused outside its
+        """Pause (or resume) the instrumentation without removing it: while paused every instrumented module runs the
+        forward it had before (its own, or another clipper's instrumentation, itself paused or not), records nothing
+        for this clipper and gets autograd's weight gradients (:func:`hf_dp.clipping.registry.recording`), so the
+        model can be trained or differentiated otherwise. ``DPTrainer`` keeps its clipper paused outside its
         ``training_step`` (:meth:`hf_dp.clipping.engines.ClippingEngine.active`)."""
         for layer in self.layers:
-            for m in layer.modules:
-                m.__dict__[PAUSED_ATTR] = bool(paused)
+            layer.state["paused"] = bool(paused)
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.pause(False)
+        self.pause(True)  # a detached clipper records nothing (another clipper's patch may still lead to its own)
         self.clear()
 
     def clear(self) -> None:

@@ -22,7 +22,7 @@ class LayerNormType(GhostLayerType):
     name = "layernorm"
 
     def instrument(self, layer):
-        return super().instrument(layer) + [without_parameter_gradients(layer.module)]
+        return super().instrument(layer) + [without_parameter_gradients(layer.module, layer)]
 
     def terms(self, layer, scale, affine, dt, work):
         m = layer.module

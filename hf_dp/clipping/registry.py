@@ -18,7 +18,9 @@ Adding a layer type is one new file (``linear.py``, ``layernorm.py`` and ``embed
 imported in ``hf_dp/clipping/__init__.py`` (or by the code that uses the layer). The default
 :meth:`~GhostLayerType.instrument` records (input, output gradient) per call with a forward hook, which is what a
 layer whose per-example gradient is a function of those two needs; override it to record something else or to
-avoid the autograd weight gradient (``linear.py``). Test the new type against the per-example loop
+avoid the autograd weight gradient (``linear.py``); record only while :func:`recording` ``(module, layer)`` says so
+(DPTrainer pauses each clipper outside its training steps), and while it does not, call the forward the module had
+before the patch. Test the new type against the per-example loop
 (``tests/test_ghost_clipping.py``, ``tests/test_clipping_registry.py``).
 
 A module is matched by its class's MRO: the entry of the most specific registered class wins (so a subclass can
@@ -37,19 +39,16 @@ import torch
 from torch import nn
 
 __all__ = ["GhostLayerType", "Layer", "register_layer", "unregister_layer", "register_matcher", "unregister_matcher",
-           "layer_type_for", "registered_layers", "patch_forward", "without_parameter_gradients", "recording", "PAUSED_ATTR"]
+           "layer_type_for", "registered_layers", "patch_forward", "without_parameter_gradients", "recording"]
 
 _REGISTRY: dict[type, "GhostLayerType"] = {}
 
-#: set (True) on an instrumented module while its ghost clipping is paused (:meth:`GhostClipper.pause
-#: <hf_dp.clipping.ghost.GhostClipper.pause>`): its forward is then its own, with autograd's weight gradients
-PAUSED_ATTR = "_hf_dp_ghost_paused"
-
-
-def recording(module: nn.Module) -> bool:
-    """Whether an instrumented module's call is recorded (and, for the types that skip it, computes no weight
-    gradient): training mode, gradients enabled, ghost clipping not paused. Every entry's instrumentation asks this."""
-    return module.training and torch.is_grad_enabled() and not module.__dict__.get(PAUSED_ATTR, False)
+def recording(module: nn.Module, layer: "Layer | None" = None) -> bool:
+    """Whether an instrumented module's call is recorded for ``layer`` (and, for the types that skip it, computes no
+    weight gradient): training mode, gradients enabled, and ``layer``'s clipper not paused
+    (:meth:`GhostClipper.pause <hf_dp.clipping.ghost.GhostClipper.pause>` — per clipper, so a second clipper on the
+    same model records only for itself). Every entry's instrumentation asks this."""
+    return module.training and torch.is_grad_enabled() and not (layer is not None and layer.state["paused"])
 _MATCHERS: list = []  # (predicate, entry), consulted in order after the MRO
 
 
@@ -76,7 +75,7 @@ class GhostLayerType:
         (Two passes use the same recording for every type, see :class:`~hf_dp.clipping.ghost.GhostClipper`.)"""
 
         def fwd_hook(module, args, out, _rec=layer.records):
-            if not recording(module) or not out.requires_grad:
+            if not recording(module, layer) or not out.requires_grad:
                 return
             x = args[0].detach()
             out.register_hook(lambda g, _x=x: _rec.append((_x, g)))
@@ -106,6 +105,7 @@ class Layer:
         self.type = ltype
         self.modules = ltype.members(module)  # usually [module]; both modules of a tied pair
         self.records: list = []  # appended during backward (one-pass: by the type's instrumentation)
+        self.state = {"paused": False}  # GhostClipper.pause (shared with the members' views of a tied pair)
         self.calls = 0  # two-pass: forward calls since the last clear
         self.done = False  # two-pass: norms computed in this pass 1
 
@@ -207,7 +207,7 @@ def patch_forward(module: nn.Module, forward) -> _ForwardPatch:
     return _ForwardPatch(module, forward)
 
 
-def without_parameter_gradients(module: nn.Module) -> _ForwardPatch:
+def without_parameter_gradients(module: nn.Module, layer: "Layer | None" = None) -> _ForwardPatch:
     """Make the module's training forward compute no gradient for its own parameters (they enter it detached), so
     autograd skips their weight-gradient products and, under FSDP2, no parameter of the layer has a gradient to
     reduce-scatter — for a layer whose per-example gradients come from its records alone (one pass: the
@@ -216,7 +216,7 @@ def without_parameter_gradients(module: nn.Module) -> _ForwardPatch:
     inner = module.__dict__.get("forward") or type(module).forward.__get__(module)
 
     def forward(*args, _m=module, _inner=inner, **kwargs):
-        if not recording(_m):
+        if not recording(_m, layer):
             return _inner(*args, **kwargs)
         tensors = [v for v in (*args, *kwargs.values()) if torch.is_tensor(v)]
         if tensors and not any(t.requires_grad for t in tensors) and tensors[0].is_floating_point():

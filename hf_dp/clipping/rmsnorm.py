@@ -80,13 +80,13 @@ class RMSNormType(GhostLayerType):
         (:func:`~hf_dp.clipping.registry.without_parameter_gradients`: the records give it)."""
 
         def fwd_hook(module, args, kwargs, out, _rec=layer.records):
-            if not recording(module) or not torch.is_tensor(out) or not out.requires_grad:
+            if not recording(module, layer) or not torch.is_tensor(out) or not out.requires_grad:
                 return
             x = args[0] if args else next(v for v in kwargs.values() if torch.is_tensor(v))
             x = x.detach()
             out.register_hook(lambda g, _x=x: _rec.append((_x, g)))
 
-        return [layer.module.register_forward_hook(fwd_hook, with_kwargs=True), without_parameter_gradients(layer.module)]
+        return [layer.module.register_forward_hook(fwd_hook, with_kwargs=True), without_parameter_gradients(layer.module, layer)]
 
     def terms(self, layer, scale, affine, dt, work):
         m = layer.module

@@ -82,6 +82,7 @@ class TiedEmbeddingType(GhostLayerType):
     def instrument(self, layer) -> list:
         emb, head = Layer(layer.module, self.emb_type), Layer(self.head, self.head_type)
         emb.records, head.records = _Tagged(layer.records, "emb"), _Tagged(layer.records, "head")
+        emb.state = head.state = layer.state  # paused with the pair
         return self.emb_type.instrument(emb) + self.head_type.instrument(head)
 
     def terms(self, layer, scale, affine, dt, work):
