@@ -441,7 +441,9 @@ class PrivateOptimizer(DPOptimizer):
             p.summed_grad = None
 
     def zero_grad(self, set_to_none: bool = True):
-        self.discard_pending()  # as Opacus' DPOptimizer.zero_grad: HF calls it after each step, never between micro-batches
+        # as Opacus' DPOptimizer.zero_grad (transformers 5 clears gradients with model.zero_grad() instead: privatize and
+        # accumulate clear their own state, and each DP training_step starts by dropping leftovers, ClippingEngine.active)
+        self.discard_pending()
         self.rule.zero_grad(set_to_none)
 
     # ----- state ----------------------------------------------------------------------------------------
