@@ -108,3 +108,28 @@ def test_an_earlier_dptrainers_clipper_records_nothing_while_another_trains(data
     assert sum(len(layer.records) for layer in earlier.ghost_clipper.layers) == 0
     earlier.train()  # and it still trains, on its own records
     assert earlier.state.global_step == 3
+
+
+def test_the_batch_checks_apply_only_inside_dp_steps():
+    """The refusal of a frozen BatchNorm in training mode (batch statistics mix examples) guards DP steps; with the
+    instrumentation paused (outside DPTrainer's training steps) the model runs as it is."""
+    from torch import nn
+
+    from hf_dp.clipping import GhostClipper
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[1].requires_grad_(False)
+    gc = GhostClipper(model)
+    try:
+        x = torch.randn(6, 4)
+        with pytest.raises(RuntimeError, match="runs in training mode under DP training"):
+            model(x)
+        gc.pause(True)
+        model(x).sum().backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        gc.pause(False)
+        with pytest.raises(RuntimeError, match="runs in training mode under DP training"):
+            model(x)
+    finally:
+        gc.detach()

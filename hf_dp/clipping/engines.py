@@ -81,6 +81,7 @@ class ClippingEngine:
         if self.clipper is not None:
             self.clipper.pause(paused)
         if self.grad_sampler is not None and self.grad_sampler.attached:
+            self.grad_sampler.paused = bool(paused)
             gsm = self.grad_sampler.gsm
             gsm.disable_hooks() if paused else gsm.enable_hooks()
 

@@ -202,6 +202,7 @@ class GhostClipper:
         self._zero_rows: torch.Tensor | None = None  # two-pass: examples whose output gradients pass 2 zeroes
         self._units = None  # two-pass: the UnitIndex of the norms pass in flight
         self.batch_size: int | None = None
+        self.paused = False  # pause(): the batch hooks (hf_dp.clipping.hooks.install_batch_hooks) leave the model as it is
         self._handles: list = []  # hooks and forward patches, each with remove()
         self.layers = [Layer(m, ltype) for m, ltype in self.check_supported(model)]
         self._handles.extend(install_batch_hooks(model, self))
@@ -255,6 +256,7 @@ class GhostClipper:
         for this clipper and gets autograd's weight gradients (:func:`hf_dp.clipping.registry.recording`), so the
         model can be trained or differentiated otherwise. ``DPTrainer`` keeps its clipper paused outside its
         ``training_step`` (:meth:`hf_dp.clipping.engines.ClippingEngine.active`)."""
+        self.paused = bool(paused)
         for layer in self.layers:
             layer.state["paused"] = bool(paused)
 

@@ -151,6 +151,7 @@ class GradSamplerHandle:
         self._hook_handles = hook_handles
         self.batch_size: int | None = None
         self.attached = True
+        self.paused = False  # ClippingEngine.pause: the batch hooks leave the model as it is
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -238,7 +239,7 @@ def install_batch_hooks(model: nn.Module, holder) -> list:
     # 2. expand batch-1 (broadcast) inputs of trainable embeddings.
     def expand_broadcast_input(_module, args):
         bs = handle.batch_size
-        if not args or bs is None or bs <= 1:
+        if not args or bs is None or bs <= 1 or getattr(handle, "paused", False):  # (paused: the model as it is)
             return None
         x = args[0]
         if torch.is_tensor(x) and x.dim() >= 1 and x.shape[0] == 1:
@@ -247,7 +248,7 @@ def install_batch_hooks(model: nn.Module, holder) -> list:
 
     # 3. frozen BatchNorm must run in eval mode.
     def forbid_train_mode(module, _args):
-        if module.training:
+        if module.training and not getattr(handle, "paused", False):
             raise RuntimeError(
                 f"{type(module).__name__} runs in training mode under DP training: it normalizes with "
                 "batch statistics, which mixes examples. Put it in eval mode (module.eval()) or replace it."
@@ -259,7 +260,8 @@ def install_batch_hooks(model: nn.Module, holder) -> list:
     #    clipping can bound each example's contribution, so refuse rather than mis-attribute it.
     def forbid_shared_input(module, args, _name=None):
         bs = handle.batch_size
-        if depth[0] <= 0 or not module.training or not torch.is_grad_enabled() or bs is None or not args:
+        if (depth[0] <= 0 or not module.training or not torch.is_grad_enabled() or bs is None or not args
+                or getattr(handle, "paused", False)):
             return None
         x = args[0]
         if torch.is_tensor(x) and x.dim() >= 2 and x.shape[0] != bs:
