@@ -52,6 +52,7 @@ class ClippingEngine:
     name = ""
     clipper: GhostClipper | None = None
     grad_sampler: GradSamplerHandle | None = None
+    _paused = False  # pause(): DPTrainer pauses the engine at set-up and resumes it in active()
 
     def before_backward(self, losses: torch.Tensor, optimizer, units: torch.Tensor | None = None) -> torch.Tensor:
         return losses
@@ -82,8 +83,10 @@ class ClippingEngine:
             self.clipper.pause(paused)
         if self.grad_sampler is not None and self.grad_sampler.attached:
             self.grad_sampler.paused = bool(paused)
-            gsm = self.grad_sampler.gsm
-            gsm.disable_hooks() if paused else gsm.enable_hooks()
+            if paused:
+                self.grad_sampler.gsm.disable_hooks()
+            else:
+                self.grad_sampler.gsm.enable_hooks()
 
     @contextlib.contextmanager
     def active(self, optimizer=None):
@@ -97,7 +100,7 @@ class ClippingEngine:
             self.discard(optimizer)
             for p in optimizer.params:
                 p.grad = None
-        before = getattr(self, "_paused", False)
+        before = self._paused
         self.pause(False)
         try:
             yield

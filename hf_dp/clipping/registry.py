@@ -42,6 +42,8 @@ __all__ = ["GhostLayerType", "Layer", "register_layer", "unregister_layer", "reg
            "layer_type_for", "registered_layers", "patch_forward", "without_parameter_gradients", "recording"]
 
 _REGISTRY: dict[type, "GhostLayerType"] = {}
+_MATCHERS: list = []  # (predicate, entry), consulted in order after the MRO
+
 
 def recording(module: nn.Module, layer: "Layer | None" = None) -> bool:
     """Whether an instrumented module's call is recorded for ``layer`` (and, for the types that skip it, computes no
@@ -49,7 +51,6 @@ def recording(module: nn.Module, layer: "Layer | None" = None) -> bool:
     (:meth:`GhostClipper.pause <hf_dp.clipping.ghost.GhostClipper.pause>` — per clipper, so a second clipper on the
     same model records only for itself). Every entry's instrumentation asks this."""
     return module.training and torch.is_grad_enabled() and not (layer is not None and layer.state["paused"])
-_MATCHERS: list = []  # (predicate, entry), consulted in order after the MRO
 
 
 class GhostLayerType:

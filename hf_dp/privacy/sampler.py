@@ -6,7 +6,7 @@ draws the **same** Poisson sample of the whole dataset — the same stream, keye
 or a key of 256 bits of OS entropy that rank 0 draws at every ``train()`` and broadcasts in memory
 (``shared_key``, :func:`hf_dp.privacy.randomness.shared_entropy_key`) — and takes its share of it
 (:func:`balanced_shares`): the drawn examples dealt out in turn (with privacy units, each unit whole to the rank with
-the fewest rows so far), so the ranks' sizes differ by at most one example (one unit) and the slowest rank no longer
+the fewest rows so far), so the ranks' sizes differ by at most one example (with units, by at most the largest unit's rows) and the slowest rank no longer
 sets the pace of a step by a Poisson fluctuation (with per-rank draws it processed about B/W + 0.56·√(B/W) examples
 for two ranks, + 1.4·√(B/W) for eight). The shares are disjoint and their union is the one draw, so each example
 enters a step at most once, with probability q, as the accountant assumes — provided every rank draws alike: the

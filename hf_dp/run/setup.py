@@ -5,7 +5,8 @@ privacy units (:func:`setup_units`; N = the number of units), plans the mechanis
 (:func:`hf_dp.privacy.planning.plan_mechanism`: q = B/N, the steps, σ), makes the ledger (continuing the model's own:
 :func:`hf_dp.run.lineage.adopt_model_ledger`), the Poisson sampler, the clipping engine (:func:`choose_clipping`),
 logs the planner's start-of-run block (:func:`hf_dp.plan.run_block`) and keeps the snapshot of the mechanism that
-every ``train()`` and every step compares with (:func:`hf_dp.run.contract.mechanism_snapshot`). It takes the trainer as
+every ``train()`` and every step compares with (:func:`hf_dp.run.contract.mechanism_snapshot`). At every ``train()``
+:func:`share_sampling_key` then gives several ranks the key of their one Poisson draw. It takes the trainer as
 an argument and sets its attributes, as the rest of :mod:`hf_dp.run` does.
 """
 
