@@ -98,6 +98,71 @@ def test_trainers_in_turn_on_one_model_continue_its_ledger(ds, collator, tmp_pat
     assert config["hf_dp_privacy"]["steps"] == 9 and "sha256" not in json.dumps(config["hf_dp_privacy"])
 
 
+def test_a_stale_trainer_saves_the_ledger_the_model_carries(ds, collator, tmp_path, caplog):
+    """Issue 49 item 4 (72a3f42): T1 trained a model 3 steps, T2 3 more, T1 3 more (9 noisy steps); T2.save_model
+    then wrote 6 steps (epsilon of 6) into privacy.json and config.json, and a DPTrainer on that release started at 6.
+    Whatever trainer writes it, a release never counts fewer steps than the weights it holds took."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = make_model()
+    t1 = _trainer(tmp_path / "t1", ds, collator, model=model)
+    t1.train()
+    t2 = _trainer(tmp_path / "t2", ds, collator, model=model)
+    t2.train()
+    t1.train()
+    assert t1.ledger.steps == 9
+    # T2 is stale: what it saves, its report and its epsilon are the model's (one warning says so)
+    out = tmp_path / "t2" / "release"
+    with caplog.at_level(logging.WARNING, logger="hf_dp"):
+        t2.save_model(str(out))
+        privacy = json.loads((out / "privacy.json").read_text())
+        assert privacy["steps"] == 9 and privacy["epsilon"] == pytest.approx(_eps(9), rel=1e-9)
+        assert json.loads((out / "config.json").read_text())["hf_dp_privacy"]["steps"] == 9
+        assert t2.get_epsilon() == pytest.approx(_eps(9), rel=1e-9)
+        assert t2.privacy_report()["steps"] == 9
+    warned = [m for m in _hf_dp_warnings(caplog) if "another DPTrainer" in m]
+    assert len(warned) == 1 and t1.run_id in warned[0] and "9 noisy steps" in warned[0], _hf_dp_warnings(caplog)
+    assert sorted((r["run_id"], r["steps"]) for r in privacy["ledger"]["runs"]) == sorted([(t1.run_id, 6), (t2.run_id, 3)])
+    from hf_dp.run.spent import read_spent_runs
+
+    assert read_spent_runs(str(tmp_path / "t2"))[t2.run_id]["steps"] == 9
+    loaded = AutoModelForSequenceClassification.from_pretrained(str(out))
+    assert _trainer(tmp_path / "t3", ds, collator, model=loaded).ledger.steps == 9
+    # the in-memory model the same; T1 training again counts T2's steps once, not twice
+    assert _trainer(tmp_path / "t4", ds, collator, model=model).ledger.steps == 9
+    t1.train()
+    assert t1.ledger.steps == 12
+
+
+def test_a_trainer_that_never_trained_saves_the_steps_its_model_took_since(ds, collator, tmp_path):
+    """A DPTrainer built before another one trained the model: its release counts those steps (it wrote epsilon 0)."""
+    model = make_model()
+    idle = _trainer(tmp_path / "idle", ds, collator, model=model)
+    _trainer(tmp_path / "t1", ds, collator, model=model).train()
+    idle.save_model(str(tmp_path / "idle" / "release"))
+    privacy = json.loads((tmp_path / "idle" / "release" / "privacy.json").read_text())
+    assert privacy["steps"] == 3 and privacy["epsilon"] == pytest.approx(_eps(3), rel=1e-9)
+    assert json.loads((tmp_path / "idle" / "release" / "config.json").read_text())["hf_dp_privacy"]["steps"] == 3
+
+
+def test_a_stale_trainers_log_leaves_the_models_config_whole(ds, collator, tmp_path):
+    """A stale trainer's log() (an evaluate()) refreshes model.config: it must not put the stale record there, which a
+    plain ``model.save_pretrained`` would then release."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = make_model()
+    t1 = _trainer(tmp_path / "t1", ds, collator, model=model)
+    t1.train()
+    t2 = _trainer(tmp_path / "t2", ds, collator, model=model)
+    t2.train()
+    t1.train()
+    t2.log({"loss": 0.0})
+    assert model.config.hf_dp_privacy["steps"] == 9
+    model.save_pretrained(str(tmp_path / "plain"))
+    loaded = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "plain"))
+    assert _trainer(tmp_path / "t3", ds, collator, model=loaded).ledger.steps == 9
+
+
 def test_the_same_data_rebuilt_is_recognised(tok, ds, collator, tmp_path):
     model = make_model()
     _trainer(tmp_path / "a", ds, collator, model=model).train()

@@ -72,6 +72,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .copies import note_hooks
+
 __all__ = [
     "GradSamplerHandle",
     "attach_grad_sampler",
@@ -343,6 +345,8 @@ def attach_grad_sampler(model: nn.Module) -> GradSamplerHandle:
         _strip_opacus_state(model)
         raise
     handle.gsm = gsm
+    # a copy of the model (deepcopy, pickle) has none of these hooks nor Opacus' attributes (hf_dp.clipping.copies)
+    note_hooks(model, handles + list(getattr(model, "autograd_grad_sample_hooks", None) or []), _OPACUS_MODULE_ATTRS)
     return handle
 
 

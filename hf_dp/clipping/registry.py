@@ -20,8 +20,9 @@ imported in ``hf_dp/clipping/__init__.py`` (or by the code that uses the layer).
 layer whose per-example gradient is a function of those two needs; override it to record something else or to
 avoid the autograd weight gradient (``linear.py``); record only while :func:`recording` ``(module, layer)`` says so
 (DPTrainer pauses each clipper outside its training steps), and while it does not, call the forward the module had
-before the patch. Test the new type against the per-example loop
-(``tests/test_ghost_clipping.py``, ``tests/test_clipping_registry.py``).
+before the patch. Patch a forward with :func:`patch_forward` and return every hook's handle: a copy of the model
+(``copy.deepcopy``, a pickle) is then made without them (:mod:`hf_dp.clipping.copies`). Test the new type against
+the per-example loop (``tests/test_ghost_clipping.py``, ``tests/test_clipping_registry.py``).
 
 A module is matched by its class's MRO: the entry of the most specific registered class wins (so a subclass can
 get its own entry). :func:`unregister_layer` removes an entry. A family of classes that share no base class —
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from . import copies
 
 __all__ = ["GhostLayerType", "Layer", "register_layer", "unregister_layer", "register_matcher", "unregister_matcher",
            "layer_type_for", "registered_layers", "patch_forward", "without_parameter_gradients", "recording"]
@@ -190,13 +193,17 @@ def registered_layers() -> dict[type, GhostLayerType]:
 
 
 class _ForwardPatch:
-    """An instance-level ``forward`` override, undone by :meth:`remove` (the handle :func:`patch_forward` returns)."""
+    """An instance-level ``forward`` override, undone by :meth:`remove` (the handle :func:`patch_forward` returns). A
+    copy of the module (``copy.deepcopy``, a pickle) runs the forward it had before (:mod:`hf_dp.clipping.copies`):
+    the patch names the original module, whose weights a copy must not compute with."""
 
     def __init__(self, module: nn.Module, forward):
-        self.module, self.old = module, module.__dict__.get("forward")
+        self.module, self.old, self.forward = module, module.__dict__.get("forward"), forward
         module.forward = forward
+        copies.note_patch(module, forward, self.old)
 
     def remove(self) -> None:
+        copies.drop_patch(self.module, self.forward)
         if self.old is None:
             self.module.__dict__.pop("forward", None)
         else:

@@ -205,10 +205,10 @@ def _merge(existing: list[dict], new: list[dict]) -> list[dict]:
     return list(out.values())
 
 
-def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]] | None, choice: str) -> None:
+def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]] | None, choice: str, quiet=False) -> None:
     """Compose into ``trainer``'s ledger the earlier runs ``carried`` by its model (and read from a file) as
     ``choice`` says: every one unless ``separate`` (fail closed); warn once about those counted without knowing that
-    the data are the same."""
+    the data are the same (``quiet``: the caller says what was taken in)."""
     ledger, refs = trainer.ledger, trainer._hf_dp_refs
     own = ledger.meta.get("run_id")
     known = {r.get("run_id"): r["steps"] for r in ledger.prior}
@@ -268,7 +268,7 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
         if opt is not None:
             opt.budget_steps = None  # the steps known to fit were for the ledger without these runs
         total = "; --epsilon is the model's total" if trainer.privacy_spec.target_epsilon is not None else ""
-        if choice != "continue" and unasked:
+        if not quiet and choice != "continue" and unasked:
             unknown = [r for r, same in unasked if same is None]
             other = [r for r, same in unasked if same is False]
             where = " and ".join(
@@ -286,7 +286,7 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
                 where, run_epsilon(runs), float(runs[0].get("delta") or trainer.privacy_spec.delta),
                 choice, ledger.get_epsilon(), total,
             )
-        else:
+        elif not quiet:
             implicit = choice == "auto" or (choice != "continue" and same_data)
             why = ("counting the earlier DP runs of this model (--prior_privacy continue)" if choice == "continue" else
                    "this model was already trained with DP on this training data" if implicit else
@@ -343,6 +343,27 @@ def _refuse_selected(model, from_file_path: str | None, choice: str) -> None:
         "fresh copy of the base model (or pass --prior_privacy separate if the new training data share no example "
         "with the selection's)"
     )
+
+
+def take_later_runs(trainer):
+    """``trainer``, its ledger first brought up to its model's: before a ledger is written or reported (:func:`record_spent`
+    at every log, checkpoint, ``save_model`` and ``push_to_hub``; ``DPTrainer.privacy_report``, which the recipes'
+    release writers read; ``DPTrainer.get_epsilon``), the runs of DPTrainers that trained the same model object since
+    this one took in its record (the model carries the last one's ledger, :data:`MODEL_ATTR`) are taken in as
+    :func:`before_train` takes them. So a stale trainer (T1, T2, T1 again train the model; T2 saves) never writes fewer
+    steps than the weights took; runs declared separate (``--prior_privacy separate``, other data) stay separate."""
+    model = _plain_model(trainer.model)
+    record = getattr(model, MODEL_ATTR, None)
+    if trainer.args.dp_enabled and isinstance(record, ModelLedger) and record.ledger is not trainer.ledger:
+        ledger, choice = trainer.ledger, str(getattr(trainer.args, "prior_privacy", None) or "auto")
+        _refuse_selected(model, None, choice)
+        before = ledger.steps
+        _take(trainer, _carried(model), None, choice, quiet=True)
+        if ledger.steps > before:
+            logger.warning("hf_dp: another DPTrainer (run %s) trained this model since this trainer last trained it (or was "
+                           "made): this trainer's ledger now counts those steps too (%d noisy steps, epsilon %.4g): what it "
+                           "reports and saves is the model's", record.run_id, ledger.steps, ledger.get_epsilon())
+    return trainer
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -491,8 +512,8 @@ def refresh_config(trainer) -> None:
 def record_spent(trainer, compute_epsilon: bool = True) -> None:
     """The record of steps taken (``hf_dp_epsilon_spent.json``, keyed by run id), the runs' records in the checkpoints
     this run descends from, and the model's public record. The count is what resumes rely on; ε is informative, and
-    with ``compute_epsilon=False`` written only when the ledger already has it."""
-    ledger = trainer.ledger
+    with ``compute_epsilon=False`` written only when the ledger already has it; the model's steps (:func:`take_later_runs`)."""
+    ledger = take_later_runs(trainer).ledger
     if ledger.steps == 0:
         return
     eps = trainer.get_epsilon() if compute_epsilon else ledger.cached_epsilon()
