@@ -16,8 +16,8 @@ columns), plus hf_dp's DP flags (``--epsilon``, ``--per_sample_max_grad_norm``, 
 What the recipe decides (recipes/README.md, "Supervised fine-tuning"):
 
 * **The loss.** Conversations (``messages``) are scored on the assistant's tokens only: ``--assistant_only_loss`` is
-  on unless given; prompt-completion rows on the completion only (TRL's ``completion_only_loss``). Each
-  conversation's loss is the mean over its scored tokens (hf_dp.sft).
+  on unless given (``DPSFTConfig``'s default, per data kind); prompt-completion rows on the completion only (TRL's
+  ``completion_only_loss``). Each conversation's loss is the mean over its scored tokens (hf_dp.sft).
 * **The chat template.** A tokenizer without one (``--tokenizer_name minilm``) gets :data:`DEFAULT_CHAT_TEMPLATE`
   (``role: text`` lines, the assistant's text inside ``{% generation %}``); ``--chat_template_path`` sets another.
 * **The unit.** ``--privacy_unit_column user_id``: all conversations of one user are one unit (N = users).
@@ -149,14 +149,14 @@ def _load_data(data_args: SftScriptArguments, args):
 
 def run(data_args: SftScriptArguments, model_args: SftModelArguments, args, given: set) -> dict[str, Any]:
     from hf_dp.sft import DPSFTTrainer
+    from hf_dp.sft.config import resolve_loss_scope
 
     start = time.time()
     # before any model is loaded; under a unit column without 🤗 Datasets' bars (they print the number of
     # conversations, private under user-level DP)
-    with no_progress_bar() if args.dp_enabled and args.privacy_unit_column else contextlib.nullcontext():
+    with no_progress_bar() if args.dp_enabled and (args.privacy_unit_column or args.public_dataset_size is not None) \
+            else contextlib.nullcontext():
         train, dev, kind = _load_data(data_args, args)
-    if kind == "messages" and "--assistant_only_loss" not in given:
-        args.assistant_only_loss = True  # score the assistant's tokens only (TRL's default scores every token)
     clm_args = ClmModelArguments(model_name_or_path=model_args.model_name_or_path, model_type=model_args.model_type,
                                  config_overrides=model_args.config_overrides, config_name=model_args.config_name,
                                  tokenizer_name=model_args.tokenizer_name, model_revision=model_args.model_revision,
@@ -167,10 +167,9 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args, give
         config.eos_token_id = tokenizer.eos_token_id
     if getattr(tokenizer, "chat_template", None) is None and args.chat_template_path is None and kind != "text":
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    if args.assistant_only_loss and args.chat_template_path is None and "generation" not in (tokenizer.chat_template or ""):
-        raise RecipeError("--assistant_only_loss needs a chat template that marks the assistant's tokens with "
-                          "{% generation %}; the tokenizer's has none: pass --chat_template_path, or "
-                          "--assistant_only_loss false to score every token")
+    # --assistant_only_loss unless given: on for messages (the assistant's tokens only), off for prompt-completion rows
+    # (completion_only_loss scores the completion); a template that cannot mark the assistant's tokens: one error line
+    resolve_loss_scope(args, train[0], tokenizer)
     model = build_model(clm_args, config, tokenizer, path)
     trainer = DPSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=dev, processing_class=tokenizer)
     trainer.base_model_id = base_model_id(model_args.model_name_or_path) if model_args.model_name_or_path else None

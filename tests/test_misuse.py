@@ -173,6 +173,8 @@ CASES = {
                                     ValueError, r"^--privacy_unit_column user_id: the training set has no column 'user_id' \(it has \['attention_mask', 'input_ids', 'labels'\]\)$"),
     "max-rows-per-unit-without-unit": ({"max_rows_per_unit": 2}, dataset, bert, {},
                                        ValueError, r"^--max_rows_per_unit needs --privacy_unit_column \(without it every unit is one row\)$"),
+    "public-dataset-size-not-positive": ({"public_dataset_size": 0}, dataset, bert, {},
+                                         ValueError, r"^--public_dataset_size must be a whole number >= 1 \(the number of training examples, or of units with --privacy_unit_column, declared public\), got 0$"),
     "collator-two-rows-per-example": ({}, dataset, bert, {"data_collator": two_rows_per_example},
                                       ValueError, r"^the data collator returned '\w+' with \d+ rows for \d+ drawn example\(s\): DP training needs exactly one row per example"),
     "max-steps-zero": ({"max_steps": 0}, dataset, bert, {},

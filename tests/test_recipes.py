@@ -858,3 +858,40 @@ def test_a_unit_level_run_of_the_default_trainable_set_trains_without_the_prefix
     code, out, err = _run(glue, capsys, argv)
     assert code == 0, err[-3000:]
     assert json.loads((tmp_path / "run" / "release" / "privacy.json").read_text())["privacy_unit"]["num_units"] == 12
+
+
+def test_overwrite_output_dir_refuses_to_delete_the_model_it_would_load(glue, tiny_bert, tmp_path, capsys):
+    """Issue 49 item 6: --overwrite_output_dir with --model_name_or_path inside --output_dir (an earlier run's release)
+    deleted the model before it was loaded. One error line; nothing deleted."""
+    import shutil
+
+    data = _sst2_files(tmp_path)
+    out = tmp_path / "run"
+    release = out / "release"
+    shutil.copytree(tiny_bert, release)
+    (release / "privacy.json").write_text("{}")
+    (out / "checkpoint-2").mkdir()
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    argv = _tiny_argv(tiny_bert, data, out, "--max_steps", "1", "--overwrite_output_dir")
+    argv[argv.index("--model_name_or_path") + 1] = str(release)
+    code, _, err = _run(glue, capsys, argv)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"error: --model_name_or_path {release} lies inside --output_dir {out}, "
+                                                   "which --overwrite_output_dir clears")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
+def test_a_declared_public_size_plans_the_run_and_the_actual_count_is_not_released(glue, tiny_bert, tmp_path, capsys):
+    """Issue 49 item 3 through the recipe: --public_dataset_size N is the N of q, σ, the steps and the card; the actual
+    number of training rows (96) is named nowhere in the release or on the console."""
+    data = _sst2_files(tmp_path)
+    out = tmp_path / "run"
+    code, stdout, err = _run(glue, capsys, _tiny_argv(tiny_bert, data, out, "--max_steps", "2", "--public_dataset_size", "200"))
+    assert code == 0, err[-3000:]
+    privacy = json.loads((out / "release" / "privacy.json").read_text())
+    assert privacy["dataset_size"] == 200 and privacy["sample_rate"] == 16 / 200
+    assert privacy["dataset_size_source"] == "declared public (--public_dataset_size)"
+    assert privacy["neighbouring_relation"] == "add/remove one example"
+    card = (out / "release" / "README.md").read_text()
+    assert "96" not in card and "96" not in json.dumps(privacy["privacy_unit"])
+    assert "96 " not in stdout and "96 " not in err.replace("1e-3", "")

@@ -193,3 +193,34 @@ def test_the_planner_cli_times_the_whole_command_and_explains_its_epochs(tmp_pat
     out = capsys.readouterr().out
     assert float(re.search(r"^\(([\d.]+) s\)$", out, re.M).group(1)) >= 1.0
     assert "the epochs are a compute budget, not a privacy choice: 3 = the largest of --epochs" in out
+
+
+def test_overwrite_output_dir_refuses_to_delete_the_model_it_would_load(clm, tok_dir, tmp_path, capsys):
+    """Issue 49 item 6: --overwrite_output_dir with --model_name_or_path inside --output_dir (the release of an earlier
+    run, output_dir/release) deleted the model before loading it. Refused in one error line, nothing deleted."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    train, dev = _user_files(tmp_path)
+    out = tmp_path / "run"
+    release = out / "release"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "hf_dp_epsilon_spent.json").write_text("{}")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=64)).save_pretrained(release)
+    tok.save_pretrained(release)
+    (release / "privacy.json").write_text("{}")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    argv = ["--model_name_or_path", str(release), "--train_file", train, "--validation_file", dev, "--output_dir",
+            str(out), "--per_device_train_batch_size", "4", "--noise_multiplier", "1.0", "--delta", "1e-3",
+            "--max_steps", "1", "--disable_tqdm", "true", "--overwrite_output_dir"]
+    code, _, err = _run(clm, capsys, argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert lines[-1] == (f"error: --model_name_or_path {release} lies inside --output_dir {out}, which "
+                         "--overwrite_output_dir clears (the earlier run's checkpoints, records and release) before the "
+                         "model is loaded: copy the model out of that folder first, or choose another --output_dir"), lines[-1]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before  # nothing deleted
+    # the output_dir itself is refused alike (its records would be cleared and the new run written into the model)
+    code, _, err = _run(clm, capsys, [*argv[:-1], "--output_dir", str(release), "--overwrite_output_dir"])
+    assert code == 2 and f"error: --model_name_or_path {release} lies inside --output_dir {release}, which" in err
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before

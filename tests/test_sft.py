@@ -277,3 +277,72 @@ def test_every_sftconfig_flag_is_classified_and_the_doc_table_is_current():
     with open(os.path.join(ROOT, "docs", "sft.md"), encoding="utf-8") as f:
         doc = f.read()
     assert markdown() in doc, "regenerate the table in docs/sft.md: python -m hf_dp.sft.config --markdown"
+
+
+# ------------------------------------------------------------------------------- the default scores no prompt token
+def _default_config(tmp_path, **over):
+    """DPSFTConfig without assistant_only_loss / completion_only_loss: what a user who sets neither gets."""
+    kw = dict(output_dir=str(tmp_path / "out"), epsilon=3.0, per_device_train_batch_size=4, max_steps=1, use_cpu=True,
+              report_to="none", save_strategy="no", dp_seed=1, max_length=32, disable_tqdm=True)
+    kw.update(over)
+    return DPSFTConfig(**kw)
+
+
+def _scored(tr, i=0):
+    row = tr.train_dataset[i]
+    return [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX]
+
+
+def test_the_default_scores_only_assistant_or_completion_tokens_per_data_kind(tmp_path, tok):
+    """Issue 49 item 6: DPSFTConfig() kept TRL's assistant_only_loss=False, so on messages data every prompt token was
+    scored (the README promises the assistant's tokens only). The default now depends on the data: messages -> the
+    assistant's tokens; prompt-completion -> the completion (TRL's completion_only_loss); plain text -> every token.
+    privacy.json and the card say which tokens were scored; none of the three fails."""
+    assert DPSFTConfig.__dataclass_fields__["assistant_only_loss"].default is None  # "per data kind"
+    msgs = [{"role": "user", "content": "w1 w2 w3 w4"}, {"role": "assistant", "content": "w7 w8 w9"}]
+    rows = [{"messages": msgs}] + [{"messages": c["messages"]} for c in conversations(7)]
+    tr = DPSFTTrainer(model=llama(tok), args=_default_config(tmp_path), train_dataset=Dataset.from_list(rows),
+                      processing_class=tok)
+    assert _scored(tr) == tok(" w7 w8 w9 [SEP]", add_special_tokens=False)["input_ids"]  # no user token scored
+    tr.train()
+    tr.save_model()
+    sft = json.load(open(tmp_path / "out" / "privacy.json"))["sft"]
+    assert sft["assistant_only_loss"] is True and sft["scored_tokens"] == "the assistant's tokens only"
+    assert sft["assistant_only_loss_source"] == "default for conversational ('messages') data"
+    card = " ".join(open(tmp_path / "out" / "README.md").read().split())
+    assert "scored tokens: the assistant's tokens only (default for conversational ('messages') data)" in card
+
+    r = random.Random(1)
+    pc = [{"prompt": "w1 w2 w3 w4", "completion": " w7 w8 w9"}] + [
+        {"prompt": words(r, 2, 5), "completion": " " + words(r, 1, 4)} for _ in range(7)]
+    tr = DPSFTTrainer(model=llama(tok), args=_default_config(tmp_path), train_dataset=Dataset.from_list(pc),
+                      processing_class=tok)  # TRL refused assistant_only_loss=True here: not conversational
+    assert _scored(tr)[:3] == tok(" w7 w8 w9", add_special_tokens=False)["input_ids"]
+    sft = tr.sft_settings()
+    assert sft["assistant_only_loss"] is False and sft["scored_tokens"] == "the completion's tokens only"
+
+    text = [{"text": words(r, 3, 8)} for _ in range(8)]
+    tr = DPSFTTrainer(model=llama(tok), args=_default_config(tmp_path), train_dataset=Dataset.from_list(text),
+                      processing_class=tok)
+    assert tr.sft_settings()["scored_tokens"] == "every token"
+
+
+def test_the_default_on_messages_with_a_template_without_generation_markers_is_one_sentence(tmp_path, tok):
+    """A chat template without {% generation %} (and none TRL knows how to patch): the default cannot score the
+    assistant's tokens only. One sentence naming both ways out, not TRL's traceback; assistant_only_loss=False then
+    scores every token, and the record says so."""
+    import copy
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    rows = Dataset.from_list([{"messages": c["messages"]} for c in conversations(8)])
+    with pytest.raises(ValueError) as e:
+        DPSFTTrainer(model=llama(plain), args=_default_config(tmp_path), train_dataset=rows, processing_class=plain)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("on conversational ('messages') data DPSFTTrainer scores only the "
+                                              "assistant's tokens by default (assistant_only_loss)"), msg
+    assert "{% generation %}" in msg and "assistant_only_loss=False" in msg
+    tr = DPSFTTrainer(model=llama(plain), args=_default_config(tmp_path, assistant_only_loss=False), train_dataset=rows,
+                      processing_class=plain)
+    sft = tr.sft_settings()
+    assert sft["scored_tokens"] == "every token" and sft["assistant_only_loss_source"] == "given"

@@ -31,7 +31,9 @@ guarantee is the reported ε. The reported N (``dataset_size``, the card's N) co
 With ``--privacy_unit_column`` each canary is its own unit (its unit column is empty). A run cannot be resumed (the
 draw is not stored, so a new process cannot rebuild the training set) and is audited after its one ``train()``.
 The frozen-prefix cache of the training set is built without its progress bar and log line (their row count would
-be real + included).
+be real + included). The logged training loss is the real rows' only: the training loader tags the canary rows
+(:func:`loader_parts`) and ``DPTrainer.training_step`` takes an input canary's loss out of what a micro-batch reports
+(:func:`input_canary_loss`; the canary is trained on as any row), as a gradient canary's model loss is 0 already.
 
 White-box (gradient) canaries (``--audit_kind gradient``). The same m canary units and rows (the draw, N, q and
 the accounting above are unchanged), but a canary's contribution is a gradient the auditor chooses: a random unit
@@ -73,7 +75,9 @@ from hf_dp.audit.fdp import gdp_audit_scores, gdp_record
 from hf_dp.audit.lm_canaries import TokenCanaries, lm_canary_scores
 from hf_dp.audit.one_run_bound import OneRunBound, audit_scores, ceiling, describe, record, utility_cost
 from hf_dp.audit.stats import power_note
-from hf_dp.run.data import TaggedRows
+# the canary rows' tags in the training loader and compute_loss (re-exported: DPTrainer calls them here)
+from hf_dp.audit.canary_rows import (CANARY_KEY, _gradient_state, input_canary_loss, logged_loss,  # noqa: F401
+                                     loader_parts, pop_rows, zero_canary_losses)
 
 # ------------------------------------------------------------------------------------------------
 # --audit_canaries m: the canaries of a DPTrainer run (the trainer's hooks call these; they take the trainer)
@@ -88,8 +92,6 @@ CANARY_TOKENS = 32
 AUDIT_KINDS = ("input", "gradient")
 #: a gradient canary's raw norm, in units of C: the run clips it to C (a clip x 10 break lets 10 C through)
 GRADIENT_NORM = 1e3
-#: the batch key of each training row's canary id (-1: a real row), --audit_kind gradient
-CANARY_KEY = "_hf_dp_canary"
 GRADIENT_SCORE = ("sum over the steps of the log-likelihood ratio of the privatized (noisy) gradient's projection on "
                   "the canary's direction")
 ACCOUNTING = (
@@ -252,89 +254,9 @@ def extend_units(trainer, rows: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# --audit_kind gradient: the canary rows' tag, their zero model loss, their gradient in the engine's clipped sum
+# --audit_kind gradient: the canary rows' gradient in the engine's clipped sum (their tags and zero model loss:
+# hf_dp.audit.canary_rows)
 # ------------------------------------------------------------------------------------------------
-def _gradient_state(trainer):
-    state = getattr(trainer, "_audit", None)
-    return state if state is not None and state.kind == "gradient" else None
-
-
-class _CanaryTagged(TaggedRows):
-    """The training set as the loader reads it under ``--audit_kind gradient``: each row (a dict) gets
-    :data:`CANARY_KEY`, its canary id (-1 for a real row). Not picklable (the ids of the rows are the draw)."""
-
-    KEY, FLAG, _OWN = CANARY_KEY, "--audit_kind gradient", ("dataset", "real_rows", "row_canary")
-
-    def __init__(self, dataset, real_rows: int, row_canary: np.ndarray):
-        self.dataset, self.real_rows, self.row_canary = dataset, int(real_rows), row_canary
-
-    def tag(self, i: int) -> int:
-        return int(self.row_canary[i - self.real_rows]) if i >= self.real_rows else -1
-
-    def __reduce__(self):
-        raise TypeError("the canary-tagged training set cannot be pickled: its tags are the inclusion draw "
-                        "(--audit_kind gradient needs --dataloader_num_workers 0 or fork-started workers)")
-
-
-class _CanaryCollator:
-    """Takes :data:`CANARY_KEY` out of the rows before the user's collator (``collate_fn``) sees them and puts the
-    rows' ids back as a batch key; one row per example (a collator that emits several is refused)."""
-
-    def __init__(self, collate_fn):
-        self.collate_fn = collate_fn
-        self.data_collator = getattr(collate_fn, "data_collator", collate_fn)  # what hf_dp.run.contract inspects
-
-    def __call__(self, features):
-        import torch
-
-        ids = [int(f.get(CANARY_KEY, -1)) if hasattr(f, "get") else -1 for f in features]
-        plain = [{k: v for k, v in f.items() if k != CANARY_KEY} if hasattr(f, "items") else f for f in features]
-        batch = self.collate_fn(plain)
-        if hasattr(batch, "keys"):
-            rows = next((v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() >= 1), len(plain))
-            if rows != len(plain):
-                raise ValueError("--audit_kind gradient needs a data collator that makes one row per example; this one "
-                                 f"made {rows} rows of {len(plain)} examples")
-            batch[CANARY_KEY] = torch.tensor(ids, dtype=torch.long)
-        return batch
-
-
-def loader_parts(trainer, dataset, collate_fn):
-    """DPTrainer's ``get_train_dataloader``: (dataset, collator) with the canary tags under ``--audit_kind gradient``
-    (unchanged otherwise)."""
-    state = _gradient_state(trainer)
-    if state is None:
-        return dataset, collate_fn
-    if state.row_canary is None:
-        raise ValueError("--audit_canaries audits one train() call: the inclusion draw was dropped after the first "
-                         "audit; make a new DPTrainer")
-    return _CanaryTagged(dataset, state.real_rows, state.row_canary), _CanaryCollator(collate_fn)
-
-
-def pop_rows(trainer, inputs):
-    """DPTrainer's ``compute_loss``: the micro-batch's canary ids (a tensor, -1 for real rows), taken out of
-    ``inputs``; ``None`` without gradient canaries."""
-    rows = inputs.pop(CANARY_KEY, None) if hasattr(inputs, "pop") else None
-    return rows if _gradient_state(trainer) is not None else None
-
-
-def zero_canary_losses(trainer, losses, rows, empty: bool):
-    """A canary row's model loss is exactly 0 (its gradient through the model too); the micro-batch's canary ids are
-    kept for the engine's ``after_backward`` (not for an empty micro-batch's placeholder or the contract probe)."""
-    import torch
-
-    state = _gradient_state(trainer)
-    if state is None or rows is None:
-        return losses
-    rows = rows.to(losses.device).view(-1)
-    if rows.shape[0] != losses.shape[0]:
-        raise ValueError(f"internal: {rows.shape[0]} canary tags for {losses.shape[0]} per-example losses")
-    canary = rows >= 0
-    if not empty and not getattr(trainer, "_contract_probe", False):
-        state.pending = [int(k) for k in rows[canary].tolist()]
-    return torch.where(canary, torch.zeros_like(losses), losses)
-
-
 class _GradientCanaryEngine:
     """The trainer's clipping engine, with each drawn canary's gradient s·u_k handed to the privatizer's own
     per-example clipping after the engine's ``after_backward`` (see the module docstring)."""
@@ -531,13 +453,15 @@ def after_train(trainer, failed: bool = False) -> dict | None:
     rec = record(bound, "white-box" if gradient else "black-box", GRADIENT_SCORE if gradient else state.canaries.score_name)
     rec["gaussian_dp"] = gdp_record(gdp)
     eps = float(trainer.get_epsilon())
+    # the real units as the mechanism counts them: the declared --public_dataset_size (the actual count is then private)
+    real_units = getattr(trainer.args, "public_dataset_size", None) or state.real_units
     rec.update(
         epsilon=eps, violation=bool(bound.epsilon_lower > eps), ceiling=(top := ceiling(state.m, float(trainer.args.delta), beta)),
         low_power=bool(power_note(eps, top, state.m)),  # the claim above or within 1 of the ceiling (README's rule)
-        real_units=state.real_units, dataset_size_includes_canaries=state.m, accounting=ACCOUNTING,
+        real_units=real_units, dataset_size_includes_canaries=state.m, accounting=ACCOUNTING,
     )
     rec["summary"] = describe(rec)
-    rec["utility_cost"] = utility_cost(state.m, int(state.real_units or 0), float(trainer.privacy_spec.sample_rate),
+    rec["utility_cost"] = utility_cost(state.m, int(real_units or 0), float(trainer.privacy_spec.sample_rate),
                                        bool(getattr(trainer.args, "_hf_dp_canaries_on_top", False)))
     trainer.audit_record = rec
     return rec

@@ -151,7 +151,8 @@ def build_front_matter(
     if _is_dp(report):
         meta["differential_privacy"] = {
             k: report[k]
-            for k in ("epsilon", "delta", "target_epsilon", "accountant", "unit_of_privacy", "privacy_unit", "sampling", "sample_rate",
+            for k in ("epsilon", "delta", "target_epsilon", "accountant", "unit_of_privacy", "neighbouring_relation",
+                      "dataset_size", "dataset_size_source", "privacy_unit", "sampling", "sample_rate",
                       "noise_multiplier", "max_grad_norm", "expected_batch_size", "steps", "epochs")
             if k in report
         }

@@ -98,8 +98,10 @@ class PrefixCacheManager:
             keep_file=self.args.keep_frozen_features_cache, name=name,
             progress=not self.args.disable_tqdm and self.args.process_index == 0,  # one bar under several processes
             suffix_blocks=self.suffix_blocks,
-            # --audit_canaries: the training set's row count is real rows + the canaries a secret draw included
-            quiet=name == "train" and bool(getattr(self.args, "audit_canaries", None)),
+            # --audit_canaries: the training set's row count is real rows + the canaries a secret draw included;
+            # --public_dataset_size: the actual count is private
+            quiet=name == "train" and (bool(getattr(self.args, "audit_canaries", None))
+                                       or getattr(self.args, "public_dataset_size", None) is not None),
         )
 
     def cache_all(self, train_dataset, eval_dataset):

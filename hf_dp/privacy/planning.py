@@ -2,7 +2,11 @@
 or given), as one :class:`~hf_dp.privacy.accounting.PrivacySpec`.
 
 Everything here is a function of public quantities (N, B, δ, ε or σ, C, the steps); ``DPTrainer`` calls
-:func:`plan_mechanism` once, when it is built, and every later check compares against that plan.
+:func:`plan_mechanism` once, when it is built, and every later check compares against that plan. N is
+:func:`public_size`: ``--public_dataset_size`` when declared (the actual count then only changes how many rows each
+Poisson draw finds), else the actual count, treated as public — under add/remove adjacency it differs between
+neighbouring datasets, so q, σ and T computed from it are not functions of public inputs alone (the record says which:
+:data:`DECLARED`, :data:`COUNTED`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,23 @@ import math
 
 from .accounting import PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
 from .sampler import PoissonBatchSampler
+
+#: where N came from, as ``privacy.json``'s ``dataset_size_source`` says
+DECLARED = "declared public (--public_dataset_size)"
+COUNTED = "actual count (treated as public)"
+#: an actual count this many times the declared size is said to the operator (each draw finds that many more rows)
+LARGER_THAN_DECLARED = 2.0
+
+
+def public_size(declared: int | None, actual: int, extra: int = 0) -> int:
+    """The N the mechanism is planned from: the declared public size plus ``extra`` units that are public by
+    construction (``--audit_canaries``' m canaries), else the ``actual`` count (which includes them)."""
+    return int(declared) + int(extra) if declared is not None else int(actual)
+
+
+def size_source(declared: int | None) -> str:
+    """:data:`DECLARED` or :data:`COUNTED`."""
+    return DECLARED if declared is not None else COUNTED
 
 
 def plan_mechanism(*, n: int, per_device_batch: int, accumulation: int, world_size: int, delta: float,

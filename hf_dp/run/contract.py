@@ -319,6 +319,7 @@ MECHANISM_ARGS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "epsilon", "noise_multiplier", "delta",
     "per_sample_max_grad_norm", "accountant", "max_steps", "num_train_epochs", "clipping", "trainable", "optim",
     "secure_rng", "dp_seed", "cache_frozen_features", "disable_dp", "privacy_unit_column", "max_rows_per_unit",
+    "public_dataset_size",
 )
 
 

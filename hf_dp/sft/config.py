@@ -9,14 +9,16 @@ format of :data:`hf_dp.flags.FLAGS` (the ``TrainingArguments`` fields themselves
 The ``TrainingArguments`` fields keep ``DPTrainingArguments``' defaults (HF's, and ``optim`` a DP optimizer), not the
 ones TRL's ``SFTConfig`` changes: ``gradient_checkpointing`` stays False (TRL turns it on; it is refused under DP),
 ``bf16`` stays False (TRL turns it on wherever it can), ``learning_rate`` 5e-5 and ``logging_steps`` 500. TRL's own
-fields (``max_length``, ``packing``, ``completion_only_loss``, ...) keep TRL's defaults.
+fields (``max_length``, ``packing``, ``completion_only_loss``, ...) keep TRL's defaults, except ``assistant_only_loss``:
+TRL's False scores a conversation's prompt tokens too; here the default is None, per data kind
+(:func:`resolve_loss_scope`: the assistant's tokens only on ``messages`` data, TRL's choice elsewhere).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 try:
     from trl import SFTConfig
@@ -68,7 +70,10 @@ SFT_FLAGS: dict[str, tuple[Rule, ...]] = {
     "completion_only_loss": (Rule(SAFE, "which tokens are scored: each conversation's loss is the mean over its scored "
                                         "(completion) tokens"),),
     "assistant_only_loss": (Rule(SAFE, "which tokens are scored: each conversation's loss is the mean over its "
-                                       "assistant tokens"),),
+                                       "assistant tokens. DPSFTConfig's default (None) is per data kind: True on "
+                                       "conversational ('messages') data, False otherwise (prompt-completion rows are "
+                                       "scored on the completion by completion_only_loss, plain text on every token); "
+                                       "pass false to score every token of a conversation"),),
     "loss_type": (
         Rule(REFUSED, "--loss_type dft is not supported with DP: DPSFTTrainer computes each conversation's mean negative "
                       "log-likelihood itself, so DFT's token weights would be silently ignored; use --loss_type nll",
@@ -113,14 +118,81 @@ def enforce_sft(args) -> None:
             raise ValueError(rule.reason)
 
 
+#: what ``assistant_only_loss=None`` (DPSFTConfig's default) becomes on each kind of data: :func:`resolve_loss_scope`
+ASSISTANT_ONLY_DEFAULT = "default for conversational ('messages') data"
+NOT_ASSISTANT_ONLY_DEFAULT = "default for data without a 'messages' column"
+
+
 @dataclass
 class DPSFTConfig(DPTrainingArguments, SFTConfig):
     """``SFTConfig`` + ``DPTrainingArguments`` (see the module docstring)."""
+
+    # TRL's default (False) scores every token of a conversation, the user's prompts included. Here None means "per
+    # data kind" (resolve_loss_scope): the assistant's tokens on 'messages' data, TRL's own choice elsewhere
+    assistant_only_loss: bool | None = field(
+        default=None,
+        metadata={"help": "Score only the assistant's tokens of each conversation (TRL's assistant_only_loss; needs a "
+                          "chat template with {% generation %} markers, or one TRL can patch). Default: true on "
+                          "conversational ('messages') data, false on other data (prompt-completion rows are scored on "
+                          "the completion by completion_only_loss, plain text on every token); false scores every token"},
+    )
 
     def __post_init__(self):
         if not self.disable_dp:
             enforce_sft(self)
         super().__post_init__()
+
+
+def resolve_loss_scope(args, sample, processing_class=None, formatting_func=None) -> None:
+    """``assistant_only_loss=None`` (the default) becomes True when the training data is conversational with a
+    ``messages`` column (``sample``: its first row) and no ``formatting_func`` turns it into text, else False (TRL's
+    ``completion_only_loss`` then scores a prompt-completion row's completion, and plain text is scored whole); where it
+    came from is kept on ``args`` for the record (:data:`ASSISTANT_ONLY_DEFAULT`, "given"). A resolved default is
+    resolved again for other data. With the assistant's tokens only on 'messages' data and no ``chat_template_path``,
+    a chat template without ``{% generation %}`` markers that TRL cannot patch is refused in one sentence here (TRL
+    would raise deep inside its set-up)."""
+    if getattr(args, "_hf_dp_assistant_only_default", False):
+        args.assistant_only_loss = None  # the same config given again, with other data
+    messages = (formatting_func is None and hasattr(sample, "keys") and "messages" in sample
+                and isinstance(sample["messages"], list))
+    if args.assistant_only_loss is None:
+        args.assistant_only_loss = bool(messages)
+        args._hf_dp_assistant_only_default = True
+        args._hf_dp_assistant_only_source = ASSISTANT_ONLY_DEFAULT if messages else NOT_ASSISTANT_ONLY_DEFAULT
+    else:
+        args._hf_dp_assistant_only_default = False
+        args._hf_dp_assistant_only_source = "given"
+    if not (args.assistant_only_loss and messages) or args.chat_template_path is not None or processing_class is None:
+        return
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    template = getattr(processing_class, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+    problem = None
+    if not template:
+        problem = "the tokenizer has no chat template"
+    else:
+        from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+        if not has_generation_markers(template):
+            try:
+                get_training_chat_template(processing_class)
+            except ValueError:
+                problem = "the tokenizer's chat template has no {% generation %} markers and TRL cannot patch it"
+    if problem:
+        default = " by default" if args._hf_dp_assistant_only_default else ""
+        raise ValueError(
+            f"on conversational ('messages') data DPSFTTrainer scores only the assistant's tokens{default} "
+            f"(assistant_only_loss), which needs a chat template that marks them with {{% generation %}}, but {problem}: "
+            "give such a template (--chat_template_path file.jinja, or tokenizer.chat_template), or pass "
+            "assistant_only_loss=False to score every token of the conversation, the user's included")
+
+
+def scored_tokens(args, completion_only_loss: bool) -> str:
+    """Which tokens each training row's loss is over, in words (privacy.json's ``sft.scored_tokens``, the card)."""
+    if args.assistant_only_loss:
+        return "the assistant's tokens only"
+    if completion_only_loss:
+        return "the completion's tokens only"
+    return "every token"
 
 
 def markdown() -> str:

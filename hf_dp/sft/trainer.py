@@ -6,8 +6,8 @@
 rest — Poisson sampling, per-example (or per-unit) clipping, noise once per logical batch, the accountant, the card.
 
 The objective under DP: each conversation's loss is the **mean negative log-likelihood over its scored tokens** (the
-completion or assistant tokens TRL's masks keep; prompt tokens are never scored,
-:func:`hf_dp.models.loss.causal_lm_loss`), and the clipped per-conversation gradients are summed. TRL's own loss
+completion or assistant tokens TRL's masks keep: by default prompt tokens are never scored — ``assistant_only_loss``
+is on for ``messages`` data (:func:`hf_dp.sft.config.resolve_loss_scope`) —, :func:`hf_dp.models.loss.causal_lm_loss`), and the clipped per-conversation gradients are summed. TRL's own loss
 divides the batch's summed token losses by the batch's token count, which couples the conversations; it is kept for
 evaluation (``eval_loss``, which is computed on evaluation data) and for ``--disable_dp`` baselines.
 
@@ -31,12 +31,22 @@ from trl import SFTTrainer
 from hf_dp.hub import write_privacy_artifacts
 from hf_dp.hub.describe import card_fields
 from hf_dp.run.data import check_eval_is_not_train, no_progress_bar
-from hf_dp.sft.config import DPSFTConfig, enforce_sft
+from hf_dp.sft.config import DPSFTConfig, enforce_sft, resolve_loss_scope, scored_tokens
 from hf_dp.trainer import DPTrainer
 
 #: the SFTConfig settings privacy.json and the card record (public choices of the run)
 RECORDED_SETTINGS = ("max_length", "truncation_mode", "completion_only_loss", "assistant_only_loss", "packing",
                      "padding_free", "loss_type", "dataset_text_field", "chat_template_path", "eos_token")
+
+
+def _first_row(dataset):
+    """The first training row (TRL reads the data kind from it), or None."""
+    if dataset is None:
+        return None
+    try:
+        return dataset[0] if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and len(dataset) else next(iter(dataset))
+    except (StopIteration, TypeError, KeyError, IndexError):
+        return None
 
 
 class DPSFTTrainer(DPTrainer, SFTTrainer):
@@ -62,6 +72,10 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
                                  "DPTrainer (recipes/clm.py)")
             enforce_sft(args)  # again: the config may have been changed since it was made
             check_eval_is_not_train(eval_dataset, train_dataset)  # the raw sets (TRL's preparation makes new ones)
+        # assistant_only_loss=None (DPSFTConfig's default): the assistant's tokens on 'messages' data, else TRL's own
+        # choice (the completion of prompt-completion rows, every token of plain text); a template that cannot mark the
+        # assistant's tokens is refused in one sentence (hf_dp.sft.config.resolve_loss_scope)
+        resolve_loss_scope(args, _first_row(train_dataset), processing_class, formatting_func)
         if isinstance(model, str):  # as SFTTrainer loads it, but before DPTrainer freezes it (--trainable)
             from transformers import AutoModelForCausalLM
 
@@ -69,7 +83,8 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
         self._raw_train_dataset = train_dataset
         # TRL prepares the training set with 🤗 Datasets' maps and filters, whose bars print its number of rows
         # (conversations): private under a unit column (one user's removal changes it by their conversations)
-        with no_progress_bar() if args.dp_enabled and args.privacy_unit_column else contextlib.nullcontext():
+        with no_progress_bar() if args.dp_enabled and (args.privacy_unit_column or args.public_dataset_size is not None) \
+                else contextlib.nullcontext():
             super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
                              formatting_func=formatting_func, compute_loss_func=compute_loss_func, **kwargs)
@@ -108,9 +123,13 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
         out = {"trainer": "DPSFTTrainer (TRL SFTTrainer)", "trl_version": trl.__version__}
         out.update({k: getattr(self.args, k, None) for k in RECORDED_SETTINGS})
         out["completion_only_loss_in_effect"] = bool(self.completion_only_loss)
+        out["scored_tokens"] = scored_tokens(self.args, bool(self.completion_only_loss))
+        out["assistant_only_loss_source"] = getattr(self.args, "_hf_dp_assistant_only_source", "given")
         out["chat_template"] = "set" if getattr(self.processing_class, "chat_template", None) else None
-        out["per_example_loss"] = ("each conversation's mean negative log-likelihood over its scored (completion / "
-                                   "assistant) tokens; prompt and padding tokens are never scored")
+        out["per_example_loss"] = (
+            "each conversation's mean negative log-likelihood over its scored (completion / assistant) tokens; prompt "
+            "and padding tokens are never scored" if out["scored_tokens"] != "every token" else
+            "each row's mean negative log-likelihood over all its tokens (prompt tokens included); padding is never scored")
         return out
 
     def privacy_report(self) -> dict:
@@ -139,5 +158,6 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
             f"supervised fine-tuning on conversations with TRL's SFTTrainer (trl {s['trl_version']}): "
             f"completion_only_loss={s['completion_only_loss']}, assistant_only_loss={s['assistant_only_loss']}, "
             f"max_length={s['max_length']}, packing={s['packing']}, padding_free={s['padding_free']}, "
-            f"loss_type={s['loss_type']}; {s['per_example_loss']}")
+            f"loss_type={s['loss_type']}; scored tokens: {s['scored_tokens']} ({s['assistant_only_loss_source']}); "
+            f"{s['per_example_loss']}")
         write_privacy_artifacts(output_dir, self.privacy_report(), eval_results=eval_results, **fields)

@@ -19,7 +19,8 @@ from hf_dp.privacy.selection import DISTRIBUTIONS, TrialCount
 #: flags a search space may not hold: they define the mechanism (q, steps, δ, the unit), its randomness or the run
 FIXED_BY_THE_MECHANISM = (
     "epsilon", "noise_multiplier", "delta", "accountant", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "num_train_epochs", "max_steps", "privacy_unit_column", "max_rows_per_unit", "dp_seed", "secure_rng", "seed",
+    "num_train_epochs", "max_steps", "privacy_unit_column", "max_rows_per_unit", "public_dataset_size", "dp_seed",
+    "secure_rng", "seed",
     "disable_dp", "prior_privacy", "audit_canaries", "output_dir", "resume_from_checkpoint", "save_strategy",
     "load_best_model_at_end", "report_to", "push_to_hub", "optim",
 )

@@ -63,6 +63,8 @@ def check_resume_settings(training_args, value, n_train: int) -> None:
     from hf_dp.privacy.accounting import _same
     from hf_dp.privacy.planning import plan_mechanism
 
+    from .run import public_size
+
     path = resume_checkpoint(value, training_args.output_dir)
     if path is None or not training_args.dp_enabled or not training_args.do_train:
         return
@@ -73,7 +75,7 @@ def check_resume_settings(training_args, value, n_train: int) -> None:
         return  # DPTrainer refuses a marker without its spec when it loads the checkpoint
     try:
         spec, _, _ = plan_mechanism(
-            n=n_train, per_device_batch=training_args.per_device_train_batch_size,
+            n=public_size(training_args, n_train), per_device_batch=training_args.per_device_train_batch_size,
             accumulation=training_args.gradient_accumulation_steps, world_size=training_args.world_size,
             delta=training_args.delta, epsilon=training_args.epsilon, noise_multiplier=training_args.noise_multiplier,
             max_grad_norm=training_args.per_sample_max_grad_norm, accountant=training_args.accountant,

@@ -69,8 +69,9 @@ def format_help(parser, peek, *, data_arguments: type, model_arguments: type, da
     groups["recipe"].add_argument("--overwrite_output_dir", action="store_true",
                                   help="start a new run in an --output_dir that holds an earlier run: its checkpoints, "
                                   "hf_dp records and release are deleted first (run_clm's flag; transformers 5 dropped "
-                                  "it from TrainingArguments). Without it such a folder is refused, or resumed with "
-                                  "--resume_from_checkpoint True")
+                                  "it from TrainingArguments); refused, before anything is deleted, when the model, config "
+                                  "or tokenizer folder lies inside it. Without it such a folder is refused, or resumed "
+                                  "with --resume_from_checkpoint True")
     data_names = {f.name for f in dataclasses.fields(data_arguments)}
     model_names = {f.name for f in dataclasses.fields(model_arguments)}
     for action in list(parser._actions):

@@ -18,9 +18,12 @@ from .args import RecipeError, optim_name
 # ----------------------------------------------------------------------------------------------- before the model
 
 
-def resume_argument(training_args):
+def resume_argument(training_args, sources: Iterable[tuple[str, Optional[str]]] = ()):
     """``--resume_from_checkpoint``: ``True``/``true`` = the newest complete checkpoint in output_dir (as HF), a path,
-    or None. Refuses to start a fresh run over an output_dir whose checkpoints record privacy already spent."""
+    or None. Refuses to start a fresh run over an output_dir whose checkpoints record privacy already spent.
+    ``sources``: ``(flag, value)`` of what the run loads (``--model_name_or_path``, ``--config_name``,
+    ``--tokenizer_name``); ``--overwrite_output_dir`` refuses, before deleting anything, when one lies inside
+    output_dir (:func:`refuse_clearing_sources`)."""
     from hf_dp.run import checkpointing
 
     value = training_args.resume_from_checkpoint
@@ -32,6 +35,7 @@ def resume_argument(training_args):
         if value is not None:
             raise RecipeError("--overwrite_output_dir starts a new run (the earlier run's files in --output_dir are "
                               "deleted) and --resume_from_checkpoint continues one: pass one of the two")
+        refuse_clearing_sources(training_args.output_dir, sources)
         with training_args.main_process_first(desc="clearing --output_dir"):
             if training_args.process_index == 0:
                 clear_earlier_run(training_args.output_dir)
@@ -41,6 +45,29 @@ def resume_argument(training_args):
             "recorded there); pass --resume_from_checkpoint True to continue it, or choose another --output_dir"
         )
     return value
+
+
+def model_sources(model_args) -> list[tuple[str, Optional[str]]]:
+    """The folders a recipe loads from (``--model_name_or_path``, ``--config_name``, ``--tokenizer_name``), for
+    :func:`resume_argument`."""
+    return [(f"--{name}", getattr(model_args, name, None)) for name in ("model_name_or_path", "config_name", "tokenizer_name")]
+
+
+def refuse_clearing_sources(output_dir: str, sources: Iterable[tuple[str, Optional[str]]]) -> None:
+    """``--overwrite_output_dir`` clears ``output_dir`` (:func:`clear_earlier_run`) before the model is loaded: a model,
+    config or tokenizer folder inside it (e.g. the release of an earlier run, ``output_dir/release``) would be deleted
+    before it is read, or the new run written into it. Refused in one sentence; a Hub id or a preset name (no such
+    local path) is not a folder and passes."""
+    out = os.path.realpath(output_dir)
+    for flag, value in sources:
+        if not value or not os.path.exists(value):
+            continue
+        path = os.path.realpath(value)
+        if path == out or path.startswith(out.rstrip(os.sep) + os.sep):
+            raise RecipeError(
+                f"{flag} {value} lies inside --output_dir {output_dir}, which --overwrite_output_dir clears (the earlier "
+                "run's checkpoints, records and release) before the model is loaded: copy the model out of that folder "
+                "first, or choose another --output_dir")
 
 
 def clear_earlier_run(output_dir: str) -> list[str]:
@@ -78,8 +105,16 @@ def clear_earlier_run(output_dir: str) -> list[str]:
     return names
 
 
+def public_size(training_args, n: int) -> int:
+    """The N a recipe plans and checks with: ``--public_dataset_size`` when declared (the actual count ``n`` is then
+    private: no plan line, check or card names it), else ``n``, treated as public."""
+    declared = getattr(training_args, "public_dataset_size", None)
+    return int(declared) if declared is not None else int(n)
+
+
 def check_privacy_settings(training_args, n_train: int) -> None:
-    """The checks that need only N and the flags (δ < 1/N, B ≤ N, σ calibratable), before any expensive work."""
+    """The checks that need only N and the flags (δ < 1/N, B ≤ N, σ calibratable), before any expensive work; N is
+    :func:`public_size` (``--public_dataset_size`` when declared)."""
     import math
 
     from hf_dp.privacy.accounting import calibrate_noise_multiplier, check_delta
@@ -89,6 +124,7 @@ def check_privacy_settings(training_args, n_train: int) -> None:
         return
     if n_train <= 0:
         raise RecipeError("the training set is empty")
+    n_train = public_size(training_args, n_train)
     # --audit_canaries m: DPTrainer samples N + m units (the canaries are units whether included or not)
     n_units = n_train + int(getattr(training_args, "audit_canaries", None) or 0)
     b = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * max(1, training_args.world_size)
@@ -115,6 +151,7 @@ def compute_budget(training_args, n_train: int) -> tuple[float, str]:
     from hf_dp.privacy.sampler import PoissonBatchSampler
 
     explicit = getattr(training_args, "_hf_dp_explicit", frozenset())
+    n_train = public_size(training_args, n_train)
     steps = training_args.max_steps
     if steps is None or steps <= 0:
         epochs = float(training_args.num_train_epochs)
@@ -146,6 +183,7 @@ def apply_plan(training_args, model, n_train: int, planned_lr: dict[str, float])
 
     probe = copy.deepcopy(model) if training_args.trainable == "lora" else model
     d = apply_trainable(probe, training_args.trainable)[1].num_trainable
+    n_train = public_size(training_args, n_train)
     epochs, budget = compute_budget(training_args, n_train)
     # calibrating σ for every candidate can take ~20 s on a cold cache: say what is happening
     print(f"planner: calibrating σ for each candidate logical batch at {epochs:.4g} epoch(s), "
