@@ -10,7 +10,8 @@ Every HF flag keeps its meaning. Added flags (all parsed by ``HfArgumentParser``
   ``--accountant`` (``prv`` | ``rdp``); ``--trainable`` (``last_block`` | ``last_k:K`` | ``head`` |
   ``all`` | ``lora`` | ``bias``); ``--bc_gamma`` (γ' of the BC variants); ``--macadam_h1/--macadam_h2``;
   ``--secure_rng``; ``--dp_seed``; ``--disable_dp``; ``--privacy_unit_column`` / ``--max_rows_per_unit`` (the unit of
-privacy: a column whose rows form one unit — user-level DP —, default one row); ``--clipping`` (``auto`` | ``ghost`` | ``ghost_two_pass`` |
+privacy: a column whose rows form one unit — user-level DP —, default one row); ``--public_dataset_size`` (N declared
+public: the mechanism is planned from it, not from the actual count); ``--clipping`` (``auto`` | ``ghost`` | ``ghost_two_pass`` |
   ``hooks``: the per-example clipping engine); ``--cache_frozen_features`` (train the suffix from a cache of the frozen prefix).
 
 ``--trainable`` applies to ``--disable_dp`` baselines too, so that they train the same parameters.
@@ -164,6 +165,26 @@ class DPTrainingArguments(TrainingArguments):
             "micro-batch's size; the guarantee is unchanged. Default: all rows of a drawn unit."
         },
     )
+    dp_max_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "The most tokens of one training row (its padded length): a public bound from which ghost clipping's "
+            "float32 rounding allowance is computed, so that each example's clip factor depends on that example alone "
+            "(docs/privacy_flags.md). A longer batch is refused. Default: the model's maximum positions (a large "
+            "maximum, e.g. Llama's, costs each clipped example a little of C: set it to your truncation length)."
+        },
+    )
+    public_dataset_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "A public size N of the training set (the number of examples, or of units with "
+            "--privacy_unit_column), declared instead of counted: q = B/N, sigma, the steps (an epoch is round(N/B) "
+            "steps), the planner's batch, the divisor B and delta < 1/N then come from it, and the actual count only "
+            "changes how many rows each Poisson draw finds (each example is drawn at rate q), so neighbouring datasets "
+            "(add/remove one example or unit) get the same mechanism. Default: the actual count, treated as public "
+            "(the run says so, and privacy.json and the card record it)."
+        },
+    )
     audit_canaries: int | None = field(
         default=None,
         metadata={
@@ -286,6 +307,12 @@ class DPTrainingArguments(TrainingArguments):
         if m is not None and self.audit_kind == "gradient" and self.fsdp:  # the same sentence as hf_dp.audit.canaries
             raise ValueError("--audit_kind gradient is not supported with --fsdp: the canaries' gradients would be added "
                              "to sharded sums; use --audit_kind input")
+        if self.dp_max_length is not None and (isinstance(self.dp_max_length, bool) or int(self.dp_max_length) != self.dp_max_length or self.dp_max_length < 1):
+            raise ValueError(f"--dp_max_length must be a whole number >= 1, got {self.dp_max_length!r}")
+        n = self.public_dataset_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError("--public_dataset_size must be a whole number >= 1 (the number of training examples, or of "
+                             f"units with --privacy_unit_column, declared public), got {n!r}")
         L = self.audit_canary_length
         if isinstance(L, bool) or not isinstance(L, int) or L < 1:
             raise ValueError(f"--audit_canary_length must be a whole number >= 1, got {L!r}")

@@ -12,7 +12,8 @@ What it changes, and nothing else (each override calls ``super()``):
   saving and evaluation are HF's own.
 * ``get_train_dataloader``: the same dataset and collator HF builds, drawn by
   :class:`~hf_dp.privacy.PoissonBatchSampler` (rate q, the accountant's q), one logical batch split
-  into ``gradient_accumulation_steps`` micro-batches per rank.
+  into ``gradient_accumulation_steps`` micro-batches per rank (one above the run's public token bound is split in
+  ``training_step``, :func:`hf_dp.run.data.split_to_bounds`).
 * ``create_optimizer``: HF's param groups (decay / no-decay) go to :func:`hf_dp.optim.make_optimizer`,
   the registered update rule wrapped in :class:`~hf_dp.privacy.PrivateOptimizer` (clip, noise once, ÷B, ledger).
 * ``compute_loss`` / ``training_step``: **the loss-scaling contract** — ``compute_loss`` returns
@@ -26,9 +27,8 @@ What it changes, and nothing else (each override calls ``super()``):
   (``--fsdp full_shard``) ghost clipping runs on the shards (one backward by default, its clipped sums
   reduce-scattered: :mod:`hf_dp.clipping.fsdp_ghost`) and each rank adds the noise to its own shard
   (:mod:`hf_dp.clipping.sharding`); DeepSpeed is refused under DP (docs/fsdp.md).
-* ``log``: adds ``epsilon`` (spent so far) and drops HF's ``grad_norm`` (the norm of the
-  *non-private* gradient). The logged training loss is **not** private (it is computed from the
-  private batch); eval metrics are computed on the eval set.
+* ``log``: adds ``epsilon`` (spent so far) and drops HF's ``grad_norm`` (the *non-private* gradient's norm). The
+  logged training loss is **not** private (computed from the private batch); eval metrics are the eval set's.
 * ``hyperparameter_search``: under DP, private selection (:mod:`hf_dp.tuning.search`): the best of a random number of
   fresh DP runs, ε the selection's total (``backend="dp_random_stopping"``; without DP, HF's own search).
 * ``save_model`` / ``create_model_card``: a plain ``PreTrainedModel`` (LoRA merged), the tokenizer,
@@ -41,9 +41,8 @@ resumes only from a complete checkpoint, refuses changed privacy settings or oth
 noisy step ever taken, an interrupted run's past the checkpoint included. Under FSDP2 a checkpoint is sharded
 (:mod:`hf_dp.clipping.sharding`) and resumes under FSDP with as many processes.
 
-What the overrides hand off takes the trainer as an argument (:mod:`hf_dp.run`): the set-up (``setup``), the training
-loader (``data``), the checks (``contract``), the records of steps spent and the budget stop (``spent``), the model
-folder saved (``release``), the model's ledger across runs (``lineage``).
+What the overrides hand off takes the trainer as an argument (:mod:`hf_dp.run`): ``setup``, ``data`` (the training
+loader), ``contract`` (checks), ``spent`` (steps spent, the budget stop), ``release``, ``lineage`` (the model's ledger).
 """
 
 from __future__ import annotations
@@ -59,12 +58,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from hf_dp.arguments import DPTrainingArguments, check_no_full_eval_cast
 from hf_dp.clipping import sharding
-from hf_dp.run import checkpointing
-from hf_dp.run import contract
-from hf_dp.run import lineage
-from hf_dp.run import release
-from hf_dp.run import setup
-from hf_dp.run import spent
+from hf_dp.run import checkpointing, contract, lineage, release, setup, spent
 from hf_dp.audit import canaries
 from hf_dp.hub import report, write_privacy_artifacts
 from hf_dp.hub.describe import card_fields
@@ -73,12 +67,9 @@ from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
 from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, CachedFeatures, CachedFeaturesCollator
 from hf_dp.privacy.accounting import PrivacySpec
 from hf_dp.models.loss import OBJECTIVES, objective_for, per_example_loss, positions_from_mask
-from hf_dp.run.data import EMPTY_KEY as _EMPTY_KEY
-from hf_dp.run.data import group_by_length, poisson_loader
-from hf_dp.run.data import UNITS_KEY as _UNITS_KEY
-from hf_dp.run.data import PoissonDataLoader as _PoissonDataLoader
-from hf_dp.run.data import check_eval_is_not_train as _check_eval_is_not_train
-from hf_dp.run.data import refuse_sharding as _refuse_sharding
+from hf_dp.run.data import EMPTY_KEY as _EMPTY_KEY, UNITS_KEY as _UNITS_KEY, PoissonDataLoader as _PoissonDataLoader
+from hf_dp.run.data import check_eval_is_not_train as _check_eval_is_not_train, refuse_sharding as _refuse_sharding
+from hf_dp.run.data import group_by_length, poisson_loader, split_to_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -325,6 +316,7 @@ class DPTrainer(Trainer):
         contract.check_logits(outputs.logits, labels, objective)
         losses = per_example_loss(outputs.logits, labels, self.model.config, objective, inputs.get("attention_mask"))
         losses = canaries.zero_canary_losses(self, losses, canary_rows, empty)  # their gradient: the engine's wrapper
+        self._canary_loss = canaries.input_canary_loss(self, losses, canary_rows, empty)  # not in the logged loss
         self._empty_micro_batch = empty
         self._units = None if units is None else units.to(losses.device)
         fsdp = getattr(self, "_fsdp", False) and sharding.is_fsdp_model(model)
@@ -346,26 +338,31 @@ class DPTrainer(Trainer):
             # and the optimizer HF steps (still the privatizer, with σ, C and B planned) are what the accountant was told
             contract.check_mechanism(self._planned_mechanism, contract.mechanism_snapshot(self, with_parameters=False))
             contract.check_optimizer(self)
-        with self.clipping_engine.active(self._dp_optimizer) if self.args.dp_enabled else contextlib.nullcontext():
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.args.dp_enabled:
-            if self._loss_scale is None:
-                raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
-            if getattr(self, "_fsdp", False):  # the ranks' gradients were summed before each undoes its own scale
-                if not sharding.is_fsdp_model(self.model):
-                    raise RuntimeError("--fsdp was given but Accelerate did not shard the model (fully_shard); refusing "
-                                       "to train it as another parallel mode")
-                sharding.check_loss_scale_agrees(self._loss_scale)
-            if self._empty_micro_batch and not getattr(self, "_fsdp", False):
-                # (under FSDP the gradients are already the sum over ranks: the placeholder's part, 0, stays in it)
-                # the placeholder row of an empty micro-batch contributes nothing — not even a rule's per-sample
-                # offset (DP-SGD-L2's λθ, DP-MacAdam's −m̂/b), which would otherwise make a neighbouring dataset's
-                # sum differ by up to 2C when its one extra example is the only one in the micro-batch
-                self._discard_micro_batch()
-            else:  # the clipped sum (ghost) or the per-sample gradients (hooks) go to the privatizer
-                self.clipping_engine.after_backward(self._dp_optimizer, self._loss_scale, self._rows_in_batch, **self._unit_kw())
-            self._loss_scale, self._units = None, None
+        if not self.args.dp_enabled:
+            return super().training_step(model, inputs, num_items_in_batch)
+        loss = None  # a micro-batch above the run's public token bound runs as several (hf_dp.run.data.split_to_bounds)
+        with self.clipping_engine.active(self._dp_optimizer):
+            for part in split_to_bounds(inputs, self.token_bounds, fsdp=getattr(self, "_fsdp", False)):
+                out = canaries.logged_loss(self, super().training_step(model, part, num_items_in_batch))
+                loss = out if loss is None else loss + out
+                self._after_micro_batch()
         return loss
+
+    def _after_micro_batch(self) -> None:
+        if self._loss_scale is None:
+            raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
+        if getattr(self, "_fsdp", False):  # the ranks' gradients were summed before each undoes its own scale
+            if not sharding.is_fsdp_model(self.model):
+                raise RuntimeError("--fsdp was given but Accelerate did not shard the model (fully_shard); refusing "
+                                   "to train it as another parallel mode")
+            sharding.check_loss_scale_agrees(self._loss_scale)
+        if self._empty_micro_batch and not getattr(self, "_fsdp", False):  # (FSDP: the placeholder's 0 is in the sum)
+            # an empty micro-batch's placeholder row adds nothing, not even a rule's per-sample offset (λθ, −m̂/b: else
+            # up to 2C between neighbours when the one extra example is alone in its micro-batch)
+            self._discard_micro_batch()
+        else:  # the clipped sum (ghost) or the per-sample gradients (hooks) go to the privatizer
+            self.clipping_engine.after_backward(self._dp_optimizer, self._loss_scale, self._rows_in_batch, **self._unit_kw())
+        self._loss_scale, self._units = None, None
 
     def _unit_kw(self) -> dict:
         """``units=`` for the engine under ``--privacy_unit_column`` (rows -> 0..U-1); nothing when each row is a unit."""
@@ -385,7 +382,7 @@ class DPTrainer(Trainer):
         selection = getattr(self, "hyperparameter_selection", None)
         if selection is not None:  # the model a private selection released: the selection's total (hf_dp.tuning.search)
             return float(selection["total_epsilon"])
-        return self.ledger.get_epsilon()  # the ledger counts every noisy step, an interrupted run's included
+        return lineage.take_later_runs(self).ledger.get_epsilon()  # every step of the model, an interrupted run's included
 
     def _record_spent(self, compute_epsilon: bool = True) -> None:
         """Write the record of steps taken (the count is what resumes rely on; ε is informative, and with
@@ -414,7 +411,7 @@ class DPTrainer(Trainer):
 
     def privacy_report(self) -> dict:
         """All numbers of the guarantee, as written to ``privacy.json`` and the model card (see :mod:`hf_dp.hub.report`)."""
-        return report.privacy_report(self) if self.args.dp_enabled else report.non_private_report(self)
+        return report.privacy_report(lineage.take_later_runs(self)) if self.args.dp_enabled else report.non_private_report(self)
 
     # ------------------------------------------------------------------------------------------------
     # saving
@@ -482,8 +479,10 @@ class DPTrainer(Trainer):
         return out
 
     def num_examples(self, dataloader) -> int:
-        # HF logs this and derives train_samples_per_second from it: the public N — units (+ m canaries) under a unit
-        # column (rows are private there), else --audit_canaries' real rows + m (not + the included ones)
+        # HF logs this and derives train_samples_per_second from it: the public N — the declared one (+ m canaries), else
+        # units (+ m) under a unit column (rows are private there), else --audit_canaries' real rows + m (not + included)
+        if isinstance(dataloader, _PoissonDataLoader) and self.args.public_dataset_size is not None:
+            return int(self.privacy_spec.dataset_size)
         if isinstance(dataloader, _PoissonDataLoader) and self.args.privacy_unit_column:
             return self.num_units
         if isinstance(dataloader, _PoissonDataLoader) and getattr(self, "_audit", None) is not None:

@@ -67,7 +67,8 @@ from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
-from recipes.common.run import check_privacy_settings, push_folder, resume_argument, summarize  # noqa: E402
+from recipes.common.run import (check_privacy_settings, model_sources, public_size, push_folder,  # noqa: E402
+                                resume_argument, summarize)
 from recipes.common.run import save_release  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
@@ -135,6 +136,8 @@ def lm_batch_plan(training_args, n_units: int) -> Optional[str]:
     if (not training_args.dp_enabled or training_args.epsilon is None or PLANNER_KEYS & explicit
             or not training_args.do_train or n_units <= 0):
         return None
+    declared = training_args.public_dataset_size is not None
+    n_units = public_size(training_args, n_units)  # --public_dataset_size: the declared N, never the actual count
     m = int(getattr(training_args, "audit_canaries", None) or 0)  # DPTrainer samples N + m units
     n = n_units + m
     micro = training_args.per_device_train_batch_size * max(1, training_args.world_size)
@@ -143,7 +146,8 @@ def lm_batch_plan(training_args, n_units: int) -> Optional[str]:
     b = micro * k
     if m:  # the canaries ride on top: q ≈ 1/16 of all N + m units, so the real units keep q ≈ 1/16
         training_args._hf_dp_canaries_on_top = True
-    units = f"N = {n_units:,} + {m:,} canary units" if m else f"N = {n_units:,}"
+    units = (f"N = {n_units:,}" + (" (declared public size)" if declared else "")
+             + (f" + {m:,} canary units" if m else ""))
     return (f"planner (causal LM, no batch size given): logical batch B = {b:,} units ({training_args.per_device_train_batch_size}"
             f" per device × {max(1, training_args.world_size)} process(es) × {k} accumulation steps ≈ N/{LM_STEPS_PER_EPOCH}, "
             f"{units}, q = {b / n:.4g}), the recipe's setting chosen on a public tune split (benchmarks/RESULTS.md §10b); "
@@ -233,15 +237,16 @@ def _sources(data_args: DataTrainingArguments) -> dict[str, str]:
 
 
 def _data_description(data_args: DataTrainingArguments, unit_column: str, user_unit: bool, n_units: int,
-                      block_size: int) -> str:
+                      block_size: int, declared: bool = False) -> str:
     """The card's description of the training data: public facts only (N, the unit, the block length — never a count of
-    blocks or tokens, which depends on the private texts' lengths)."""
+    blocks or tokens, which depends on the private texts' lengths). ``declared``: N is ``--public_dataset_size``."""
     if data_args.train_file:
         source = f"local file {os.path.basename(data_args.train_file)} (column `{data_args.text_column}`)"
     else:
         source = f"`{data_args.dataset_name}`" + (f" ({data_args.dataset_config_name})" if data_args.dataset_config_name else "")
-    unit = (f"{n_units:,} privacy units (`{unit_column}`; each unit's texts concatenated and cut into blocks)" if user_unit
-            else f"{n_units:,} documents, each one privacy unit (a row longer than a block is cut into several)")
+    n = f"{n_units:,}" + (" (a declared public size)" if declared else "")
+    unit = (f"{n} privacy units (`{unit_column}`; each unit's texts concatenated and cut into blocks)" if user_unit
+            else f"{n} documents, each one privacy unit (a row longer than a block is cut into several)")
     return f"{source}: {unit}; blocks of at most {block_size} tokens, never packed across units"
 
 
@@ -286,7 +291,8 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     config, tokenizer, pretrained_path = load_config_and_tokenizer(model_args)
     # a unit column: no bar over the rows (their number is private); several processes: one writes the cache
     with training_args.main_process_first(desc="loading the data"), (
-            no_progress_bar() if training_args.privacy_unit_column else contextlib.nullcontext()):
+            no_progress_bar() if training_args.privacy_unit_column or training_args.public_dataset_size is not None
+            else contextlib.nullcontext()):
         raw = load_raw_datasets(
             train_file=data_args.train_file, validation_file=data_args.validation_file,
             dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config_name,
@@ -302,11 +308,11 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         logger.warning("no validation data (--validation_file): no eval_loss or perplexity")
         training_args.do_eval = False
     check_text_column(raw, data_args.text_column, sources)
-    resume = resume_argument(training_args)
+    resume = resume_argument(training_args, model_sources(model_args))
 
     user_unit = training_args.privacy_unit_column is not None
     unit_column = training_args.privacy_unit_column or DOCUMENT_COLUMN
-    train = n_units = None
+    train = n_units = shown_units = None
     if training_args.do_train:
         train = raw["train"]
         if data_args.max_train_samples is not None:
@@ -315,8 +321,9 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         check_unit_column(train, training_args.privacy_unit_column, data_args.text_column, sources.get("train", "train"))
         if not user_unit:
             train = add_document_ids(train)
-        train = drop_empty_texts(train, data_args.text_column, sources.get("train", "train"), count_is_private=user_unit)
+        train = drop_empty_texts(train, data_args.text_column, sources.get("train", "train"), count_is_private=user_unit or training_args.public_dataset_size is not None)
         n_units = count_units(train, unit_column)
+        shown_units = public_size(training_args, n_units)  # what the plan, the card and the summary name
         check_privacy_settings(training_args, n_units)  # N = the units; before the model and any tokenization
     validation, overlap = None, False
     if training_args.do_eval:
@@ -346,6 +353,8 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     if train_blocks is not None:
         training_args.privacy_unit_column = unit_column  # the trainer's unit: the user's column or each document
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    if training_args.dp_max_length is None:  # blocks of at most block_size tokens: the rounding allowance's public bound
+        training_args.dp_max_length = block_size
 
     # --push_to_hub: train and save locally first, push the saved folder at the end (a failed push loses nothing)
     push = bool(training_args.push_to_hub)
@@ -362,7 +371,8 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     trainer.task_name = TASK
     trainer.dataset_name = None if (data_args.train_file or data_args.validation_file) else data_args.dataset_name
     if train_blocks is not None:
-        trainer.data_description = _data_description(data_args, unit_column, user_unit, n_units, block_size)
+        trainer.data_description = _data_description(data_args, unit_column, user_unit, shown_units, block_size,
+                                                     declared=training_args.public_dataset_size is not None)
     report: dict[str, Any] = {}
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=resume)
@@ -398,8 +408,8 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     extra: list[tuple[str, Any]] = []
     if train_blocks is not None:
         # N only: the number of rows or blocks depends on the private texts (their number per unit, their lengths)
-        unit = (f"'{unit_column}': {n_units:,} units" if user_unit
-                else f"each input row (column '{DOCUMENT_COLUMN}'): {n_units:,} documents")
+        unit = (f"'{unit_column}': {shown_units:,} units" if user_unit
+                else f"each input row (column '{DOCUMENT_COLUMN}'): {shown_units:,} documents")
         extra.append(("privacy unit", f"{unit}, cut into blocks of <= {block_size} tokens"))
     if eval_metrics:
         extra.append(("eval loss", eval_metrics.get("eval_loss")))
@@ -409,7 +419,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         extra += [(f"sample {i}", text) for i, text in enumerate(samples, start=1)]
     summary = summarize(TASK, training_args, report, "perplexity", eval_metrics, None, start, out, pushed,
                         extra_rows=extra)
-    summary.update(samples=samples, block_size=block_size, num_units=n_units, unit_column=unit_column)
+    summary.update(samples=samples, block_size=block_size, num_units=shown_units, unit_column=unit_column)
     return summary
 
 

@@ -38,7 +38,7 @@ from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import MINILM_PACKAGE, ModelArguments, base_model_id, load_pretrained  # noqa: E402,F401
 from recipes.common.model import resolve_model_path  # noqa: E402,F401  (tests and users: the preset's folder)
 from recipes.common.early import check_model_loadable, check_resume_settings, resume_checkpoint  # noqa: E402
-from recipes.common.run import apply_plan, check_privacy_settings, push_folder, resume_argument, summarize  # noqa: E402
+from recipes.common.run import apply_plan, check_privacy_settings, model_sources, push_folder, resume_argument, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.common.run import save_release, write_predictions  # noqa: E402
 from hf_dp.run.data import no_progress_bar  # noqa: E402
@@ -240,11 +240,13 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     local_data = bool(data_args.data_dir or data_args.train_file or data_args.validation_file)
     if local_data:  # before reading local files (offline, an uncached Hub id fails here); Hub data: its own error first
         check_model_loadable(model_args)
-    resume = resume_argument(training_args)
+    resume = resume_argument(training_args, model_sources(model_args))
     resume_checkpoint(resume, training_args.output_dir)  # --resume_from_checkpoint True with nothing to resume
-    # --privacy_unit_column: N is the number of units, and the rows are private (no 🤗 Datasets bar counts them)
+    # --privacy_unit_column: N is the number of units, and the rows are private (no 🤗 Datasets bar counts them); with
+    # --public_dataset_size the actual count is private too
     unit = training_args.privacy_unit_column if training_args.dp_enabled else None
-    quiet = no_progress_bar if unit else contextlib.nullcontext
+    declared = training_args.dp_enabled and training_args.public_dataset_size is not None
+    quiet = no_progress_bar if unit or declared else contextlib.nullcontext
     with quiet():
         raw = load_raw_datasets(
             task_name=data_args.task_name, dataset_name=data_args.dataset_name,
@@ -289,6 +291,8 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         )
     holdout = tokenized.pop(HOLDOUT, None)  # --tune_score private: the held-out training rows, scored privately
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(tokenizer)
+    if training_args.dp_max_length is None:  # the rows are truncated to it: the public bound of the rounding allowance
+        training_args.dp_max_length = data_args.max_seq_length
     compute_metrics = build_compute_metrics(data_args.task_name, is_regression=info.is_regression)
 
     # --push_to_hub: train and save locally first, push the saved folder at the end (a failed push loses nothing)
@@ -311,7 +315,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     trainer.dataset_name = (data_args.dataset_name or ("nyu-mll/glue" if data_args.task_name else None)) if from_hub else None
     if training_args.do_train:
         trainer.data_description = _data_description(
-            data_args, None if training_args.privacy_unit_column else len(tokenized["train"]))
+            data_args, None if training_args.privacy_unit_column or declared else len(tokenized["train"]))
     report: dict[str, Any] = {}
     if training_args.do_train and tune_space is not None:  # the best of K private runs (recipes/common/tune.py)
         best = run_tune(trainer, data_args, tune_space, metric=main_metric_name(data_args.task_name, info.is_regression),

@@ -32,7 +32,7 @@ WORKER = r"""
         args = dp_args(os.path.join(out, engine), optim="dp_sgd", learning_rate=0.5, noise_multiplier=1.0, epsilon=None,
                        accountant="rdp", per_device_train_batch_size=2, gradient_accumulation_steps=2,
                        max_steps={steps}, trainable="all", clipping=engine, ddp_backend="gloo", dp_seed=7,
-                       privacy_unit_column="user_id")
+                       privacy_unit_column="user_id", dp_max_length=32)  # rows of at most 32 tokens
         tr = DPTrainer(model=gpt2(tok), args=args, train_dataset=data, data_collator=collator(tok))
         assert args.world_size == 2
         tr.train()
@@ -68,9 +68,11 @@ def test_two_processes_train_one_model_over_units(tmp_path):
             for u in {users[i] for i in mb}:
                 assert sorted(i for i in mb if users[i] == u) == [i for i in range(N_ROWS) if users[i] == u]
         assert a["spec"]["dataset_size"] == USERS and a["spec"] == b["spec"] and a["epsilon"] == b["epsilon"]
-    # same draws and noise (dp_seed): ghost clipping trains the model the hooks train
+    # same draws and noise (dp_seed): ghost clipping trains the model the hooks train, up to their rounding allowances:
+    # each clipped unit gives up γ·S_u of its norm under ghost clipping (S_u: the sum over its rows' tokens of
+    # ‖a_t‖‖g_t‖) and γ·‖G_u‖ under the hooks, γ ≈ 2e-4 here (hf_dp.clipping.common.TokenBounds)
     for n, p in r0["results"]["ghost"]["params"].items():
-        torch.testing.assert_close(p, r0["results"]["hooks"]["params"][n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p, r0["results"]["hooks"]["params"][n], rtol=1e-3, atol=3e-4)
     # ε of one process with the same global batch (B = 2 × 2 × 2 = 8 units of 15)
     from hf_dp.privacy.accounting import compute_epsilon
 

@@ -191,7 +191,8 @@ def test_fsdp_trains_the_ddp_model_and_releases_a_plain_model(runs):
     assert moved > 1e-3  # it trained
     for n in f0["params"]:
         torch.testing.assert_close(f0["params"][n], f1["params"][n], rtol=0, atol=0)
-        torch.testing.assert_close(f0["params"][n], d0["params"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        # (up to float rounding: the clip factors carry the rounding allowance of the run's public token bounds)
+        torch.testing.assert_close(f0["params"][n], d0["params"][n], rtol=1e-5, atol=3e-6, msg=lambda m: f"{n}: {m}")
     assert f0["epsilon"] == d0["epsilon"] <= 8.0 and f0["history"] == d0["history"]
 
     # the release: a plain PreTrainedModel folder with the card and privacy.json, the weights FSDP trained
@@ -220,8 +221,8 @@ def test_fsdp_two_pass_trains_the_ddp_model_and_the_one_pass_model(launches):
     assert t0["placeholders"] + t1["placeholders"] > 0
     for n in t0["params"]:
         torch.testing.assert_close(t0["params"][n], t1["params"][n], rtol=0, atol=0)
-        torch.testing.assert_close(t0["params"][n], d0["params"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
-        torch.testing.assert_close(t0["params"][n], f0["params"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(t0["params"][n], d0["params"][n], rtol=1e-5, atol=3e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(t0["params"][n], f0["params"][n], rtol=1e-5, atol=3e-6, msg=lambda m: f"{n}: {m}")
     assert t0["epsilon"] == d0["epsilon"] and t0["history"] == d0["history"]
 
 

@@ -6,10 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_dp.clipping.common import TokenBounds
 from hf_dp.models import apply_trainable
 from hf_dp.clipping import linear
 from hf_dp.clipping.ghost import GhostClipper, clip_factors
 from tests.test_models import ARCHS, _batch, _config, _model, _per_example_grads
+
+
+#: the public token bounds of these small batches (tight: the rounding allowance of the exact comparisons stays tiny)
+TIGHT = TokenBounds(max_length=16, max_tokens=96)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 
@@ -28,7 +33,7 @@ def _reference_clipped(model, ids, mask, labels, clip):
 
 
 def _ghost(model, ids, mask, labels, clip, loss_scale, materialize_bytes=256 * 2**20, two_pass=False, affine=None):
-    gc = GhostClipper(model, materialize_bytes=materialize_bytes, two_pass=two_pass)
+    gc = GhostClipper(model, bounds=TIGHT, materialize_bytes=materialize_bytes, two_pass=two_pass)
     try:
         logits = model(input_ids=ids, attention_mask=mask).logits
         if two_pass:
@@ -82,7 +87,7 @@ def test_ghost_refuses_layers_applied_to_batch_shared_inputs():
     model, _ = apply_trainable(_model("deberta-v2"), "last_block")
     model.train()
     ids, mask, _ = _batch(config)
-    gc = GhostClipper(model)
+    gc = GhostClipper(model, bounds=TIGHT)
     with pytest.raises(ValueError, match="shared by the whole batch"):
         model(input_ids=ids, attention_mask=mask)
     gc.detach()
@@ -106,7 +111,7 @@ def test_two_pass_keeps_no_records_and_refuses_misuse():
     model, _ = apply_trainable(_model("bert"), "all")
     model.train()
     ids, mask, labels = _batch(config, batch_size=4, seq_len=6)
-    gc = GhostClipper(model, two_pass=True)
+    gc = GhostClipper(model, bounds=TIGHT, two_pass=True)
     try:
         with pytest.raises(ValueError, match="forward"):
             gc.norms_pass(torch.zeros(4, requires_grad=True))
@@ -129,7 +134,7 @@ def test_two_pass_refuses_reduced_precision():
     model, _ = apply_trainable(_model("bert"), "last_block")
     model.train()
     ids, mask, _ = _batch(config)
-    gc = GhostClipper(model, two_pass=True)
+    gc = GhostClipper(model, bounds=TIGHT, two_pass=True)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="needs float32 layers"):
             model(input_ids=ids, attention_mask=mask)
@@ -190,7 +195,7 @@ def test_detach_restores_plain_forward():
     ids, mask, _ = _batch(config)
     model.eval()
     before = model(input_ids=ids, attention_mask=mask).logits
-    gc = GhostClipper(model)
+    gc = GhostClipper(model, bounds=TIGHT)
     assert model(input_ids=ids, attention_mask=mask).logits.equal(before)  # eval path is the normal forward
     gc.detach()
     assert all("forward" not in m.__dict__ for m in model.modules())
@@ -200,7 +205,7 @@ def test_detach_restores_plain_forward():
 def test_unsupported_layer_is_refused():
     model = torch.nn.Sequential(torch.nn.Conv1d(2, 2, 3), torch.nn.Flatten(), torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="ghost clipping does not support trainable layer"):
-        GhostClipper(model)
+        GhostClipper(model, bounds=TIGHT)
 
 
 def test_shared_parameter_is_refused():
@@ -249,7 +254,7 @@ def test_one_example_contribution_never_exceeds_C_even_with_large_offsets(materi
     named = dict(model.named_parameters())
     gen = torch.Generator().manual_seed(3)
     per = _per_example_grads(copy.deepcopy(model), ids, mask, labels)
-    gc = GhostClipper(model, materialize_bytes=materialize_bytes)
+    gc = GhostClipper(model, bounds=TIGHT, materialize_bytes=materialize_bytes)
     try:
         for i in range(ids.shape[0]):
             for big in (1.0, 30.0):
@@ -344,7 +349,7 @@ def test_single_query_hint_is_checked_not_trusted(monkeypatch):
     c = (clip / (norms_ref + 1e-6)).clamp(max=1.0)
     ref = (per * c[:, None]).sum(0)
     seen = _spy_single_query(monkeypatch)
-    gc = GhostClipper(model)
+    gc = GhostClipper(model, bounds=TIGHT)
     try:
         with single_query_heads(3):
             out = model(x)

@@ -261,7 +261,14 @@ def test_poisson_sampler_statistics():
 # ---------------------------------------------------------------------------------------------------
 # 3. gradient accumulation: GA=2 × 8 trains exactly like GA=1 × 16
 # ---------------------------------------------------------------------------------------------------
-def test_gradient_accumulation_equivalence(ds128, collator, tmp_path):
+def test_gradient_accumulation_equivalence(ds128, collator, tmp_path, monkeypatch):
+    from hf_dp.clipping.common import TokenBounds
+    from hf_dp.run import setup
+
+    # the same public token bounds for both runs (by default they follow the planned micro-batch, 8 or 16 rows, and the
+    # clip factors' rounding allowance with them, ~1e-5): what is compared is the accumulation itself
+    monkeypatch.setattr(setup, "token_bounds", lambda *a, **k: TokenBounds(32, 32 * 64, micro_batches=2))
+
     def run(per_device, ga):
         counter = StepCounter()
         args = dp_args(

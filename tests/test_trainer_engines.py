@@ -15,7 +15,8 @@ def _train(tmp_path, name, model_kw=None, **overrides):
     ds = make_pair_dataset(tok, n=128)
     trainer = DPTrainer(
         model=make_model(seed=0, **(model_kw or {})),
-        args=dp_args(tmp_path / name, num_train_epochs=1, **overrides),
+        # the pairs have at most 15 tokens: a tight public bound keeps the engines' rounding allowances (γ of it) tiny
+        args=dp_args(tmp_path / name, num_train_epochs=1, **{"dp_max_length": 16, **overrides}),
         train_dataset=ds,
         eval_dataset=ds.select(range(32)),
         data_collator=make_collator(tok),
@@ -153,7 +154,9 @@ def test_ghost_two_pass_and_hooks_train_the_same_model(tmp_path, optim, kw):
     t_hooks, p_hooks, m_hooks = _train(tmp_path, "hooks", clipping="hooks", optim=optim, **kw)
     assert t_two.clipping == "ghost_two_pass" and t_two.ghost_clipper.two_pass and t_hooks.clipping == "hooks"
     assert t_two.state.global_step >= 3
-    _assert_same(p_two, p_hooks)
+    # the hooks clip each example to C/(1 + γ), γ its share of the float32 sum's rounding over the run's public token
+    # bound (6e-5 here); MacAdam's per-coordinate scale in ghost clipping carries no such share (hf_dp.clipping.ghost)
+    _assert_same(p_two, p_hooks, atol=3e-5 if optim == "dp_macadam" else 1e-5)
     assert t_two.get_epsilon() == t_hooks.get_epsilon()
     assert m_two["eval_loss"] == pytest.approx(m_hooks["eval_loss"], rel=1e-4)
     logged = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (t_two, t_hooks)]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import transformers as T
 
 from hf_dp.clipping import clip_factors, make_engine
+from hf_dp.clipping.common import TokenBounds
 from hf_dp.optim import make_optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
@@ -156,7 +157,8 @@ def engine_sum(engine, model, batch, units, clip, optim="dp_sgd", hp=None, loss_
     the clipper's per-unit norms."""
     model = copy.deepcopy(model)
     opt = make_opt(model, optim, clip, hp)
-    eng = make_engine(engine, model)
+    ids = batch["input_ids"]  # the bounds of this batch's own shape (a run's are public constants of its plan)
+    eng = make_engine(engine, model, bounds=TokenBounds(ids.shape[1], ids.numel()))
     u = None if units is None else torch.as_tensor(units)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

@@ -335,6 +335,7 @@ def _args(cfg: TrainerAuditConfig, out: str, batch: int, save_steps: int | None)
         per_sample_max_grad_norm=cfg.max_grad_norm, accountant=cfg.accountant, learning_rate=lr,
         lr_scheduler_type="constant", weight_decay=0.0, per_device_train_batch_size=batch,
         gradient_accumulation_steps=1, max_steps=cfg.steps, trainable="all", clipping="auto",
+        dp_max_length=1,  # one one-hot input per row: the public token bound of the clipped sum's rounding allowance
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=[],
         use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, logging_strategy="no", **kw,
     )

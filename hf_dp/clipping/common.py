@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["as_3d", "cat_records", "affine_of", "dense_sq", "Workspace", "UnitIndex", "unit_index", "gamma", "unit_roundoff",
-           "gram64", "gram_bound", "diag_norms", "summed_sq", "sum_gamma", "row_norms64", "TINY32", "GRAM_CHUNK"]
+__all__ = ["as_3d", "cat_records", "affine_of", "dense_sq", "Workspace", "TokenBounds", "UnitIndex", "unit_index", "gamma",
+           "unit_roundoff", "gram64", "gram_bound", "diag_norms", "summed_sq", "sum_gamma", "row_norms64", "TINY32", "GRAM_CHUNK"]
 
 #: float32's smallest positive subnormal: a product or sum that underflows is off by at most half of it
 TINY32 = 2.0**-149
@@ -56,12 +56,14 @@ def dense_sq(x: torch.Tensor, o, sc) -> torch.Tensor:
     return torch.cat([x[i : i + step].double().pow(2).sum(1) for i in range(0, x.shape[0], step)]) if x.shape[0] else x.new_zeros(0, dtype=torch.float64)
 
 
-def summed_sq(v: torch.Tensor, x: torch.Tensor | None, g: torch.Tensor, o=None, sc=None, sum_g: float = 0.0) -> torch.Tensor:
+def summed_sq(v: torch.Tensor, x: torch.Tensor | None, g: torch.Tensor, o=None, sc=None, sum_g=0.0, own=None) -> torch.Tensor:
     """An upper bound [B] (float64) of ‖(v_i + o) ⊙ s‖² for v_i = Σ_t x_t ⊙ g_t (``x`` None: Σ_t g_t) as computed
     in float32 (``v``, [B, n]): the exact sum of the same products may differ by γ_{T+1}·S_i + 2T·2^-149·√n,
-    S_i = Σ_t ‖x_t‖‖g_t‖ (cancellation across tokens); ``sum_g``·S_i is added to the norm for the rounding of the
-    clipped sum across examples (:func:`sum_gamma`)."""
-    T, n = g.shape[1], v.shape[1]
+    S_i = Σ_t ‖x_t‖‖g_t‖ (cancellation across tokens), T the example's tokens — ``own``, a public bound of them
+    (:class:`Workspace`; ``None``: the records' own length, for callers outside a clipper); ``sum_g``·S_i (a number
+    or a [B] tensor, each example's own) is added to the norm for the rounding of the clipped sum across examples
+    (:func:`sum_gamma`)."""
+    T, n = (g.shape[1] if own is None else own), v.shape[1]
     u = unit_roundoff(v.dtype)
     tiny = 2.0**-1074 if v.dtype == torch.float64 else TINY32
     ng = row_norms64(g)
@@ -116,14 +118,16 @@ def diag_norms(gram, rel, eps):
     return ((torch.diagonal(gram, dim1=1, dim2=2) + eps) / (1 - rel)).clamp_min(0).sqrt() * (1 + 2.0**-50)
 
 
-def sum_gamma(tokens: int, u: float = 2.0**-24) -> float:
+def sum_gamma(tokens, u: float = 2.0**-24):
     """γ_{N+2} for a clipped sum Σ_i c_i Σ_t (g_t a_tᵀ or g_t ⊙ x_t) formed in float32 over N = ``tokens`` tokens
     (one matmul, autograd's weight gradient, an ``index_add_``): its rounding is ≤ γ_{N+2} Σ_i c_i S_i, so adding
-    γ_{N+2}·S_i to the bound of ‖G_i‖ makes c_i·(‖G_i‖ + the example's share of that rounding) ≤ C."""
+    γ_{N+2}·S_i to the bound of ‖G_i‖ makes c_i·(‖G_i‖ + the example's share of that rounding) ≤ C. Inside a clipper
+    N is never the micro-batch's own count but a public bound of it (:attr:`Workspace.total`), so that each
+    example's clip factor depends on that example alone."""
     return gamma(tokens + 2, u)
 
 
-def gram_bound(A, ra, ea, G, rg, eg, sum_g: float = 0.0) -> torch.Tensor:
+def gram_bound(A, ra, ea, G, rg, eg, sum_g=0.0, own=None) -> torch.Tensor:
     """An upper bound [B] (float64) of the exact ‖Σ_t g_t a_tᵀ‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s) from A = a aᵀ and
     G = g gᵀ as :func:`gram64` gives them (|ΔA_ts| ≤ ra‖a_t‖‖a_s‖ + ea, |ΔG_ts| ≤ rg‖g_t‖‖g_s‖ + eg), with ``sum_g``·S_i
     added to the norm (:func:`sum_gamma`).
@@ -131,8 +135,9 @@ def gram_bound(A, ra, ea, G, rg, eg, sum_g: float = 0.0) -> torch.Tensor:
     Σ_{t,s} A_ts G_ts is summed in float64; its error is ≤ (ra + rg + ra·rg)·S² + ea(1 + rg)·(Σ_t‖g_t‖)² +
     eg(1 + ra)·(Σ_t‖a_t‖)² + ea·eg·T², S = Σ_t ‖a_t‖‖g_t‖ — relative to S², not to the result, which is what the
     cancellation of terms of both signs (repeated inputs, alternating gradients) needs — plus the float64 sum of the
-    T² products. The norms ‖a_t‖, ‖g_t‖ are bounded from the Grams' diagonals (no further pass over the records)."""
-    T = A.shape[1]
+    T² products. The norms ‖a_t‖, ‖g_t‖ are bounded from the Grams' diagonals (no further pass over the records). T is
+    ``own`` when given (a public bound of the example's tokens, :class:`Workspace`), else the records' length."""
+    T = A.shape[1] if own is None else own
     na, ng = diag_norms(A, ra, ea), diag_norms(G, rg, eg)
     S, Sa, Sg = (na * ng).sum(1), na.sum(1), ng.sum(1)
     rel = ra + rg + ra * rg + 4 * gamma(T * T + 2, 2.0**-53)
@@ -142,13 +147,95 @@ def gram_bound(A, ra, ea, G, rg, eg, sum_g: float = 0.0) -> torch.Tensor:
     return norm * norm * (1 + 2.0**-40)
 
 
+class TokenBounds:
+    """The public token bounds of a run that the rounding allowances of ghost clipping's norms are computed from
+    (issue 49): ``max_length``, the most tokens of one row (the padded length of any micro-batch), and ``max_tokens``,
+    the most tokens that one float32 clipped sum may run over (a micro-batch's rows × its padded length; a micro-batch
+    of several privacy units whose rows would exceed it is split by the trainer, a unit alone may exceed it by its own
+    rows). Both are public inputs of the plan, never counts of the data: each example's clip factor is then a function
+    of that example's records and of these constants only, whatever else shares its micro-batch — before, the
+    allowance was γ over the micro-batch's own rows × padded length, and 256 copies of a short row each lost a little
+    of their factor when one long row joined them, moving the clipped sum by 2.37 C (issue 49's review)."""
+
+    def __init__(self, max_length: int, max_tokens: int | None = None, micro_batches: int = 1):
+        max_length = int(max_length)
+        max_tokens = int(max_tokens if max_tokens is not None else DEFAULT_ROWS * max_length)
+        if max_length < 1 or max_tokens < max_length or int(micro_batches) < 1:
+            raise ValueError(f"token bounds need 1 <= max_length <= max_tokens and micro_batches >= 1, got {max_length}, "
+                             f"{max_tokens} and {micro_batches}")
+        #: ``micro_batches``: the float32 additions of the micro-batches' clipped sums into one logical batch's
+        self.max_length, self.max_tokens, self.micro_batches = max_length, max_tokens, int(micro_batches)
+
+    def __repr__(self) -> str:
+        return f"TokenBounds(max_length={self.max_length}, max_tokens={self.max_tokens}, micro_batches={self.micro_batches})"
+
+    @property
+    def sum_terms(self) -> int:
+        """The most terms of one parameter's clipped sum over a logical batch, per call of a layer: a micro-batch's
+        tokens, then the micro-batches' additions (γ of it is each example's share of that sum's rounding)."""
+        return self.max_tokens + self.micro_batches
+
+    @classmethod
+    def for_model(cls, model, max_length: int | None = None, rows: int = 0, micro_batches: int = 1) -> "TokenBounds":
+        """Bounds from public inputs: ``max_length`` (else the model's maximum positions, else 2048) and a micro-batch
+        of ``rows`` rows (else :data:`DEFAULT_ROWS`)."""
+        if max_length is None:
+            cfg = getattr(model, "config", None)
+            for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+                v = getattr(cfg, name, None)
+                if isinstance(v, int) and v > 0:
+                    max_length = v
+                    break
+            else:
+                max_length = 2048
+        return cls(max_length, int(max_length) * max(int(rows) or DEFAULT_ROWS, 1), micro_batches)
+
+
+#: the rows of a micro-batch a :class:`TokenBounds` allows for when none are given (a clipper built outside DPTrainer)
+DEFAULT_ROWS = 16
+
+
 class Workspace:
     """State shared by the layers of one collection of terms: ``budget``, the bytes of per-example gradients the
-    layers may still materialise (``GhostClipper(materialize_bytes=)``), and the Gram cache."""
+    layers may still materialise (``GhostClipper(materialize_bytes=)``), the Gram cache, and the public token bounds
+    of the layer in hand (:meth:`bound_layer`): ``own`` — an upper bound of one example's tokens in the layer's
+    records, the count in its own rounding terms — and ``total`` — of the tokens of the float32 clipped sum its
+    gradient joins, the count in its share of that sum's rounding (:func:`sum_gamma`). Each is a number, or a [B]
+    float64 tensor under privacy units (a unit's own rows); never a count of the micro-batch's other rows."""
 
-    def __init__(self, budget: int = 0):
+    def __init__(self, budget: int = 0, bounds: "TokenBounds | None" = None):
         self.budget = int(budget)
         self.grams: dict = {}
+        self.bounds = bounds
+        self.own = None
+        self.total = None
+
+    def bound_layer(self, records: list, idx=None) -> None:
+        """Set :attr:`own` and :attr:`total` for a layer's ``records`` (before any regrouping by unit; ``idx`` the
+        :class:`UnitIndex` or ``None``), after checking that the records fit the public bounds: every call's padded
+        length ≤ ``max_length``, and its rows × length ≤ ``max_tokens`` unless the micro-batch is one unit alone
+        (``ValueError`` otherwise: DPTrainer refuses longer rows before training and splits larger micro-batches)."""
+        if self.bounds is None:
+            self.own = self.total = None
+            return
+        L, N, M = self.bounds.max_length, self.bounds.max_tokens, self.bounds.micro_batches
+        calls = max(len(records), 1)
+        for r in records:
+            g = r[1] if len(r) > 1 and torch.is_tensor(r[1]) else r[0]
+            rows = int(g.shape[0]) if g.dim() > 0 else 1
+            tokens = int(as_3d(g).shape[1]) if g.dim() > 1 else 1
+            if tokens > L:
+                raise ValueError(f"a micro-batch of padded length {tokens} exceeds the run's public max_length {L} "
+                                 "(the bound of ghost clipping's rounding allowance)")
+            if rows * tokens > N and not (idx is not None and idx.num_units == 1):
+                raise ValueError(f"a micro-batch of {rows} rows x {tokens} tokens exceeds the run's public max_tokens "
+                                 f"{N} (the bound of ghost clipping's rounding allowance); split it")
+        if idx is None:
+            self.own, self.total = calls * L, calls * N + M
+        else:  # a unit of k rows: k·L tokens of its own; alone in its micro-batch it may exceed N by them
+            k = torch.bincount(idx.units).to(torch.float64)
+            self.own = calls * L * k
+            self.total = calls * torch.clamp(L * k, min=N) + M
 
     def gram(self, a: torch.Tensor):
         """:func:`gram64` of a (a aᵀ per example in float64, rel, abs), computed once per input tensor

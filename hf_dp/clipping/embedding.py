@@ -74,11 +74,12 @@ class EmbeddingType(GhostLayerType):
         ng = diag_norms(G, rg, eg)
         samef = same.to(torch.float64)
         sg = ng.sum(1)
-        T = g.shape[1]
-        slack = (rg * (torch.bmm(samef, ng.unsqueeze(2)).squeeze(2) * ng).sum(1) + eg * samef.sum((1, 2))
+        T = g.shape[1] if work.own is None else work.own  # the public bound of the example's tokens (Workspace)
+        slack = (rg * (torch.bmm(samef, ng.unsqueeze(2)).squeeze(2) * ng).sum(1) + eg * T * T
                  + 4 * gamma(T * T + 2, 2.0**-53) * (1 + rg) * sg * sg)  # the float64 sum of the T² entries
         sq = ((G * samef).sum((1, 2)) + slack * (1 + 2.0**-40)).clamp_min(0).sqrt() * (1 + 2.0**-50)
-        sq = (sq + sum_gamma(g.shape[0] * g.shape[1], unit_roundoff(dt)) * sg).pow(2) * (1 + 2.0**-40)
+        total = g.shape[0] * g.shape[1] if work.total is None else work.total  # the clipped sum's public token bound
+        sq = (sq + sum_gamma(total, unit_roundoff(dt)) * sg).pow(2) * (1 + 2.0**-40)
         if o is not None:  # 2⟨G_i, o ⊙ s²⟩ + ‖o ⊙ s‖² (o covers every row of the table)
             os2 = o if sc is None else o * sc.pow(2)
             sq = sq + 2 * (g * os2[ids]).sum((1, 2)) + (o if sc is None else o * sc).pow(2).sum()

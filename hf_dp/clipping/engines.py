@@ -113,8 +113,9 @@ class HooksEngine(ClippingEngine):
 
     name = "hooks"
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, bounds=None):
         self.grad_sampler = attach_grad_sampler(model)
+        self.bounds = bounds  # the privatizer's rounding allowance of the clipped sum (hf_dp.run.setup) is set from it
         self._checked = False  # every trainable parameter got a per-sample gradient (checked on the first backward)
 
     def after_backward(self, optimizer, loss_scale: float, rows: int, units: torch.Tensor | None = None) -> None:
@@ -129,8 +130,8 @@ class GhostEngine(ClippingEngine):
 
     name = "ghost"
 
-    def __init__(self, model: nn.Module):
-        self.clipper = GhostClipper(model)
+    def __init__(self, model: nn.Module, bounds=None):
+        self.clipper = GhostClipper(model, bounds=bounds)
 
     def after_backward(self, optimizer, loss_scale: float, rows: int, units: torch.Tensor | None = None) -> None:
         opt = optimizer
@@ -146,8 +147,8 @@ class TwoPassGhostEngine(ClippingEngine):
 
     name = "ghost_two_pass"
 
-    def __init__(self, model: nn.Module):
-        self.clipper = GhostClipper(model, two_pass=True)
+    def __init__(self, model: nn.Module, bounds=None):
+        self.clipper = GhostClipper(model, two_pass=True, bounds=bounds)
         self._clip_factors: torch.Tensor | None = None  # c of the micro-batch in flight
         self._affine: dict | None = None  # the rule's per-sample maps used in pass 1, reused after pass 2
 
@@ -181,9 +182,10 @@ class TwoPassGhostEngine(ClippingEngine):
 ENGINES: dict[str, type[ClippingEngine]] = {e.name: e for e in (HooksEngine, GhostEngine, TwoPassGhostEngine)}
 
 
-def make_engine(name: str, model: nn.Module) -> ClippingEngine:
-    """The engine ``name`` (``hooks``, ``ghost``, ``ghost_two_pass``) attached to the plain ``model``."""
-    return ENGINES[name](model)
+def make_engine(name: str, model: nn.Module, bounds=None) -> ClippingEngine:
+    """The engine ``name`` (``hooks``, ``ghost``, ``ghost_two_pass``) attached to the plain ``model``; ``bounds``: the
+    run's public :class:`~hf_dp.clipping.common.TokenBounds` (default: the model's, see there)."""
+    return ENGINES[name](model, bounds=bounds)
 
 
 def _refuse_redefined_embeddings(model: nn.Module) -> None:

@@ -40,10 +40,15 @@ entry) are added (:func:`hf_dp.clipping.common.gram_bound`); per-example gradien
 linear gradients, LayerNorm/RMSNorm weights, biases) get ‖fl(G_i)‖ (float64) + γ_{T+1}·S_i + the underflow term
 (:func:`~hf_dp.clipping.common.summed_sq`). The float32 clipped sum over the micro-batch's N tokens rounds too, by
 at most γ_{N+2}·Σ_i c_i S_i: each bound of ‖G_i‖ also gets γ_{N+2}·S_i (:func:`~hf_dp.clipping.common.sum_gamma`), so
-c_i times (‖G_i‖ + the example's share of that rounding) is ≤ C as well. For typical data S_i/‖G_i‖ is about √T, so
-‖v_i‖ grows by about T·γ_512 + √T·γ_{N+2} ≈ (T + √T·N/512)·3e-5: 0.5 % at T = 128 with 8·128 tokens per
-micro-batch, 2 % at T = 512 with 8·512 (worst-case bounds: the actual rounding is far smaller), 3e-5 + γ_{N+2}
-for one-token examples. (Rules with a
+c_i times (‖G_i‖ + the example's share of that rounding) is ≤ C as well. **Every count in these allowances is a
+public constant of the run** (:class:`~hf_dp.clipping.common.TokenBounds`, issue 49), never the micro-batch's own:
+T is the run's ``max_length`` (per call of the layer; a unit of k rows: k·``max_length``) and N its ``max_tokens``
+(plus the micro-batches' additions), so each example's clip factor is a function of that example alone — with the
+batch's own counts, one long row joining 256 copies of a short one lowered every copy's factor and moved the sum by
+up to 5 C. A micro-batch above ``max_tokens`` must be split by the caller (DPTrainer does) and the layers raise
+``ValueError`` for records beyond the bounds. For typical data S_i/‖G_i‖ is about √T, so ‖v_i‖ grows by about
+T·γ_512 + √T·γ_{N+2}: 1–2 % for a row of the maximum length at N ≈ 10⁴ (measured on tiny GPT-2 / Llama rows of 160
+tokens, tests/test_sensitivity.py; worst-case bounds: the actual rounding is far smaller), less for short rows. (Rules with a
 per-sample affine map keep float32 cross terms ⟨G_i, o⟩; the margin of :func:`clip_factors` covers their rounding
 only approximately.)
 
@@ -73,23 +78,7 @@ v_i = (g_i + o) ⊙ s (DP-SGD-L2: o = λθ; DP-MacAdam: o = −m̂, s = 1/b), ar
 registry does not know, parameters shared between modules other than an embedding tied to an output
 ``nn.Linear`` — :class:`GhostClipper` raises ``ValueError`` and the Opacus hooks must be used.
 
-**Non-finite and overflowing examples.** Whatever an example's loss (NaN, ±inf, or finite but huge, e.g. a
-regression label of 1e19), its contribution c_i v_i to the clipped sum is finite with norm ≤ C, and the other
-examples keep theirs bit for bit:
-
-* an example whose squared norm ‖v_i‖² is not finite in the working precision — NaN or inf records, or
-  ‖v_i‖ ≥ 2^64 ≈ 1.8e19 in float32 — gets c_i = 0 (:func:`clip_factors`) and contributes exactly 0, never
-  0·inf = NaN: its rows are zeroed before the sum (one pass), its output gradients are zeroed by the layer
-  hooks during the second backward (two passes, where the backward of c_i ℓ_i = 0·NaN would otherwise carry
-  NaN from the loss into every weight gradient; this needs the forward's activations to be finite, which they
-  are whatever the labels);
-* a ghost norm whose float32 products overflow although the gradient itself is representable (output
-  gradients ~1e20 on small activations: g_t·g_s overflows, ‖Σ_t g_t a_tᵀ‖ does not) is recomputed in float64
-  for that example and layer only (:meth:`GhostClipper._checked_terms`), and the example is clipped to C as
-  usual — in one pass its clipped sum for that layer is computed in float64 as well.
-
-Only examples with a non-finite layer norm pay for this (one finiteness check of a [B] vector per layer
-otherwise). Nothing is logged: not which examples, not how many.
+Non-finite and overflowing examples: :mod:`hf_dp.clipping.checked` (each contributes a finite c_i v_i, ‖·‖ ≤ C).
 """
 
 from __future__ import annotations
@@ -100,27 +89,15 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .common import Workspace, unit_index
+from .checked import capped as _capped, checked_terms, work_dtype as _work_dtype
+from .common import TokenBounds, Workspace, unit_index
+from .copies import note_hooks
 from .hooks import install_batch_hooks
 from .registry import Layer, layer_type_for, recording
 
 
 #: relative safety margin on ghost norms before computing clip factors (see GhostClipper.clipped_sum)
 NORM_MARGIN = 1e-5
-
-
-def _work_dtype(*dtypes) -> torch.dtype:
-    """The precision of norms and clipped sums: float64 if any operand (input, output gradient, parameter) is
-    float64, else float32 — also under bf16 autocast, whose records are bf16 (never the default dtype)."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
-def _capped(sq: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-    """The squared norms (kept in float64, upper bounds) as inf where they exceed ``dt``'s range: an example whose
-    ‖v_i‖² overflows the working precision gets c_i = 0, as when the norms were computed in it."""
-    if dt == torch.float64 or sq.dtype != torch.float64:
-        return sq
-    return sq.masked_fill(sq > torch.finfo(dt).max, float("inf"))
 
 
 @contextmanager
@@ -190,15 +167,18 @@ class GhostClipper:
                 del entries[head_name]
         return [(m, ltype) for m, ltype in entries.values()]
 
-    def __init__(self, model: nn.Module, materialize_bytes: int = 0, two_pass: bool = False):
+    def __init__(self, model: nn.Module, materialize_bytes: int = 0, two_pass: bool = False, bounds: TokenBounds | None = None):
         self.model = model
+        #: the public token bounds of every rounding allowance (:class:`~hf_dp.clipping.common.TokenBounds`; default:
+        #: the model's maximum positions and 16 rows of them); DPTrainer sets the run's (``--dp_max_length``)
+        self.bounds = bounds if bounds is not None else TokenBounds.for_model(model)
         self.two_pass = bool(two_pass)
         self.materialize_bytes = 0 if self.two_pass else int(materialize_bytes)
         self._phase: str | None = None  # two-pass: "norms" while norms_pass runs its backward
         self._roots: list = []  # two-pass: outputs of the lowest trainable layers of the current forward
         self._sq: torch.Tensor | None = None
         self._affine_now: dict = {}
-        self._work = Workspace()  # two-pass: the Gram cache of pass 1
+        self._work = Workspace(bounds=self.bounds)  # two-pass: the Gram cache of pass 1
         self._zero_rows: torch.Tensor | None = None  # two-pass: examples whose output gradients pass 2 zeroes
         self._units = None  # two-pass: the UnitIndex of the norms pass in flight
         self.batch_size: int | None = None
@@ -210,6 +190,7 @@ class GhostClipper:
             self._handles.append(model.register_forward_pre_hook(lambda _m, _a: self.clear()))
         for layer in self.layers:
             self._handles.extend(self._instrument_two_pass(layer) if self.two_pass else layer.type.instrument(layer))
+        note_hooks(model, self._handles)  # a copy of the model is a plain model (hf_dp.clipping.copies)
 
     # ----- instrumentation (one pass: each layer type's own, see hf_dp.clipping.registry) ----------------
     def _instrument_two_pass(self, layer: Layer) -> list:
@@ -242,9 +223,10 @@ class GhostClipper:
         # no single-query hint: pass 2 sums the exact gradients
         layer.records.append((x, g, None) if tag is None else (x, g, None, tag))
         if len(layer.records) == layer.calls:  # every call of the layer has its gradient: norms now, then drop
+            self._work.bound_layer(layer.records, self._units)
             grouped = layer if self._units is None else self._grouped(layer, self._units)
             with _no_autocast():
-                sq, _ = self._checked_terms(grouped, 1.0, self._affine_now, self._work, with_sum=False)
+                sq, _ = checked_terms(grouped, 1.0, self._affine_now, self._work, with_sum=False)
             self._sq = sq if self._sq is None else self._sq + sq
             layer.records.clear()
             del grouped
@@ -274,7 +256,7 @@ class GhostClipper:
             layer.done = False
         self._roots = []
         self._sq = None
-        self._work = Workspace()
+        self._work = Workspace(bounds=self.bounds)
         self._zero_rows = None
 
     # ----- privacy units ------------------------------------------------------------------------------------
@@ -306,78 +288,6 @@ class GhostClipper:
                          if torch.is_tensor(t) and t.dim() > 0 and t.shape[0] != 1), units.numel())
         return unit_index(units, rows)
 
-    # ----- per-layer terms ---------------------------------------------------------------------------------
-    @staticmethod
-    def _layer_terms(layer: Layer, scale: float, affine: dict | None, work: Workspace):
-        """(per-example ‖v_i‖² over this layer's parameters [B], function c -> {param: Σ_i c_i ∇ℓ_i}) with
-        v_i = (∇ℓ_i + o) ⊙ s per parameter, (o, s) = ``affine.get(param)`` (default: v_i = ∇ℓ_i): the layer
-        type's :meth:`~hf_dp.clipping.registry.GhostLayerType.terms`, in the working precision."""
-        affine = affine or {}
-        m = layer.module
-        if not layer.records:
-            raise ValueError(f"layer {type(m).__name__} recorded no backward pass; is every trainable layer used in the forward?")
-        dt = _work_dtype(*(t.dtype for r in layer.records for t in r[:2]), *(p.dtype for p in layer.params()))
-        return layer.type.terms(layer, scale, affine, dt, work)
-
-    @staticmethod
-    def _with_records(layer: Layer, fn, dtype: torch.dtype | None = None) -> Layer:
-        """A stand-in for ``layer`` whose records are ``fn(t)`` for every tensor t of its records (floating ones
-        then converted to ``dtype``); ``fn`` keeps the batch axis first."""
-
-        def one(t):
-            if not torch.is_tensor(t):
-                return t
-            t = fn(t)
-            return t.to(dtype) if dtype is not None and t.is_floating_point() else t
-
-        out = Layer(layer.module, layer.type)
-        out.records = [tuple(one(t) for t in r) for r in layer.records]
-        return out
-
-    def _exact_terms(self, layer: Layer, scale: float, affine: dict | None):
-        """:meth:`_layer_terms` of a stand-in layer (records of a few examples), never materialising and with a
-        Gram cache of its own."""
-        return self._layer_terms(layer, scale, affine, Workspace())
-
-    def _checked_terms(self, layer: Layer, scale: float, affine: dict | None, work: Workspace, with_sum: bool = True):
-        """:meth:`_layer_terms`, safe for any records: (‖v_i‖² [B], c -> {param: Σ_i c_i v_i}).
-
-        Where the float32 terms come out non-finite (NaN/inf records, or products such as g_t·g_s that overflow
-        although ‖v_i‖² does not), those examples' terms are recomputed in float64 from their records alone and
-        stored back in the working dtype — still inf if ‖v_i‖² is not representable there, and NaN if the records
-        are, so :func:`clip_factors` gives them c_i = 0. The clipped sum then adds the other examples' terms with
-        those examples' records zeroed (c_i·inf never enters a sum; the others' results are unchanged) and, for
-        the recomputed examples with c_i > 0, their float64 clipped sum. Costs one check of a [B] vector unless
-        an example is non-finite."""
-        sq, clipped = self._layer_terms(layer, scale, affine, work)
-        bad = ~torch.isfinite(sq)
-        if not bool(bad.any()):
-            return sq, clipped
-        rows = bad.nonzero().squeeze(1)
-        exact = self._with_records(layer, lambda t: t.index_select(0, rows), torch.float64)
-        dt = _work_dtype(*(t.dtype for r in layer.records for t in r[:2]), *(p.dtype for p in layer.params()))
-        sq = sq.index_put((rows,), _capped(self._exact_terms(exact, scale, affine)[0].to(sq.dtype), dt))
-        if not with_sum:
-            return sq, None
-
-        def zero_bad(t):
-            return t.masked_fill(bad.view(-1, *([1] * (t.dim() - 1))), 0) if t.is_floating_point() else t
-
-        _, clipped_rest = self._exact_terms(self._with_records(layer, zero_bad), scale, affine)
-
-        def clipped_all(c, exact=exact, rows=rows):
-            out = clipped_rest(c)
-            c_rows = c.index_select(0, rows)
-            keep = c_rows > 0  # c_i = 0 (non-finite ‖v_i‖²) contributes exactly nothing
-            if bool(keep.any()):
-                if not bool(keep.all()):
-                    exact = self._with_records(exact, lambda t: t[keep])
-                for p, v in self._exact_terms(exact, scale, affine)[1](c_rows[keep]).items():
-                    out[p] = out[p] + v.to(out[p].dtype)
-            return out
-
-        return sq, clipped_all
-
     # ----- public -----------------------------------------------------------------------------------------
     def _collect(self, loss_scale: float, affine: dict | None = None, release: bool = False, units=None):
         idx = self._unit_index(units)
@@ -385,7 +295,7 @@ class GhostClipper:
             owned = {id(p) for layer in self.layers for p in layer.params()}
             if any(id(p) not in owned for p in affine):
                 raise ValueError("per-sample transform given for a parameter ghost clipping does not cover")
-        work = Workspace(self.materialize_bytes)
+        work = Workspace(self.materialize_bytes, self.bounds)
         # Without a per-sample affine map every record's gradient is the loss scale s times the example's, so the
         # layers work on the records as they are and the scale is undone once: ‖v_i‖² = Σ_layers sq_i / s², the
         # clipped sum = f(c / s) — not one division of every output gradient (an LM head's is [B, T, vocab]) per layer.
@@ -394,8 +304,9 @@ class GhostClipper:
         with _no_autocast():
             terms = []
             for layer in self.layers:
+                work.bound_layer(layer.records, idx)
                 grouped = layer if idx is None else self._grouped(layer, idx)
-                terms.append(self._checked_terms(grouped, inner, affine, work))
+                terms.append(checked_terms(grouped, inner, affine, work))
                 del grouped
                 if release:  # the terms keep what they need (a scaled copy of g, when inner != 1)
                     layer.records.clear()
@@ -488,7 +399,7 @@ class GhostClipper:
         if not self._roots:
             raise ValueError("norms_pass needs a training-mode forward of the model (with grad enabled) first")
         idx = unit_index(units, losses.shape[0])
-        self._phase, self._affine_now, self._sq, self._work = "norms", affine or {}, None, Workspace()
+        self._phase, self._affine_now, self._sq, self._work = "norms", affine or {}, None, Workspace(bounds=self.bounds)
         self._units = idx
         try:
             torch.autograd.grad(losses.sum(), self._roots, retain_graph=True, allow_unused=True)

@@ -30,13 +30,13 @@ class LayerNormType(GhostLayerType):
         xhat = F.layer_norm(x.to(dt), m.normalized_shape, eps=m.eps)
         sq = torch.zeros(g.shape[0], device=g.device, dtype=torch.float64)
         gw = gb = None
-        sum_g = sum_gamma(g.shape[0] * g.shape[1], unit_roundoff(dt))  # the clipped sum's rounding (two passes: autograd's, over B·T tokens)
+        sum_g = sum_gamma(g.shape[0] * g.shape[1] if work.total is None else work.total, unit_roundoff(dt))  # the clipped sum's rounding (its public token bound)
         if m.weight is not None and m.weight.requires_grad:
             gw = (g * xhat).sum(1)
-            sq = sq + summed_sq(gw, xhat, g, *affine_of(affine, m.weight, dtype=dt), sum_g=sum_g)
+            sq = sq + summed_sq(gw, xhat, g, *affine_of(affine, m.weight, dtype=dt), sum_g=sum_g, own=work.own)
         if m.bias is not None and m.bias.requires_grad:
             gb = g.sum(1)
-            sq = sq + summed_sq(gb, None, g, *affine_of(affine, m.bias, dtype=dt), sum_g=sum_g)
+            sq = sq + summed_sq(gb, None, g, *affine_of(affine, m.bias, dtype=dt), sum_g=sum_g, own=work.own)
 
         def clipped(c, gw=gw, gb=gb):
             c = c.to(dt)

@@ -126,12 +126,15 @@ def _single_query(a: torch.Tensor, g: torch.Tensor, head_size: int):
     return q, torch.bmm(v, a)
 
 
-def _materialised_bound(a: torch.Tensor, g: torch.Tensor, sum_g: float, G: torch.Tensor | None = None) -> torch.Tensor:
+def _materialised_bound(a: torch.Tensor, g: torch.Tensor, sum_g, G: torch.Tensor | None = None, own=None) -> torch.Tensor:
     """An upper bound [B] (float64) of ‖Σ_t g_t a_tᵀ‖² (exact, of the given records) from the per-example gradients
     materialised in float32 (``G``, or formed here): the batched matmul sums T products per entry, so
     ‖fl(G_i) − G_i‖ ≤ γ_T·S_i + 2T·2^-149·√(d_in·d_out), S_i = Σ_t ‖a_t‖‖g_t‖; ``sum_g``·S_i is added for the
-    clipped sum's rounding (:func:`~hf_dp.clipping.common.sum_gamma`)."""
+    clipped sum's rounding (:func:`~hf_dp.clipping.common.sum_gamma`); T is ``own`` when given (the public bound of an
+    example's tokens, :class:`~hf_dp.clipping.common.Workspace`)."""
     B, T, d_in = a.shape
+    if own is not None:
+        T = own
     d_out = g.shape[-1]
     u = unit_roundoff(a.dtype)
     tiny = 2.0**-1074 if a.dtype == torch.float64 else TINY32
@@ -139,6 +142,17 @@ def _materialised_bound(a: torch.Tensor, g: torch.Tensor, sum_g: float, G: torch
     S = (row_norms64(a) * row_norms64(g)).sum(1)
     bound = norm + (gamma(T, u) + sum_g) * S + 2 * T * tiny * (d_in * d_out) ** 0.5
     return bound * bound * (1 + 2.0**-40)
+
+
+def _sum_g(work, tokens: int, dt):
+    """γ_{N+2} of the clipped sum's rounding, N the public bound of its tokens (``work.total``, a number or one per
+    unit); ``tokens`` (the records' own count) only for a workspace without bounds (a caller outside a clipper)."""
+    return sum_gamma(tokens if work.total is None else work.total, unit_roundoff(dt))
+
+
+def _rows(v, i: int, chunk: int):
+    """Rows i..i+chunk of a per-example bound (a [B] tensor), or the bound itself (a number or ``None``)."""
+    return v[i : i + chunk] if torch.is_tensor(v) else v
 
 
 @register_layer(nn.Linear)
@@ -187,7 +201,7 @@ class LinearType(GhostLayerType):
                 work.budget -= 4 * B * d_in * d_out
                 per_example = torch.bmm(g.transpose(1, 2), a).view(B, -1)  # [B, d_out * d_in]
                 if o is None and sc is None:  # an upper bound of the exact ‖G_i‖² (also what is summed: fl(G_i))
-                    wsq = _materialised_bound(a, g, sum_gamma(B, unit_roundoff(dt)), per_example)
+                    wsq = _materialised_bound(a, g, _sum_g(work, B * T, dt), per_example, work.own)
                 else:
                     wsq = dense_sq(per_example, o, sc)
             elif sc is not None and T == 1:  # rank one: Σ_jk g_j² a_k² s_jk² (+ cross terms) as matmuls
@@ -199,19 +213,20 @@ class LinearType(GhostLayerType):
                 chunk = max(1, int(2**26 // (d_in * d_out)))
                 wsq = torch.cat([dense_sq(torch.bmm(g[i : i + chunk].transpose(1, 2), a[i : i + chunk]).flatten(1), o, sc) for i in range(0, B, chunk)])
             else:
-                sum_g = sum_gamma(B * T, unit_roundoff(dt))  # the clipped sum below runs over B·T tokens
+                sum_g = _sum_g(work, B * T, dt)  # the clipped sum below runs over the micro-batch's tokens
                 if T * (d_in + d_out) <= GRAM_FACTOR * d_in * d_out:  # an upper bound of the exact ‖G_i‖²
-                    wsq = gram_bound(*work.gram(a), *gram64(g), sum_g)
+                    wsq = gram_bound(*work.gram(a), *gram64(g), sum_g, work.own)
                 else:
                     chunk = max(1, int(2**26 // (d_in * d_out)))
-                    wsq = torch.cat([_materialised_bound(a[i : i + chunk], g[i : i + chunk], sum_g) for i in range(0, B, chunk)])
+                    wsq = torch.cat([_materialised_bound(a[i : i + chunk], g[i : i + chunk], _rows(sum_g, i, chunk),
+                                                         own=_rows(work.own, i, chunk)) for i in range(0, B, chunk)])
                 if o is not None:  # ‖G + o‖² = ‖G‖² + 2⟨G, o⟩ + ‖o‖², ⟨G_i, o⟩ = Σ_t g_t·(o a_t)
                     wsq = wsq + 2 * (torch.matmul(a, o.t()) * g).sum((1, 2)) + o.pow(2).sum()
             sq = sq + s2 * wsq
         gsum = None
         if m.bias is not None and m.bias.requires_grad:
             gsum = g.sum(1)
-            sq = sq + summed_sq(gsum, None, g, *affine_of(affine, m.bias, dtype=dt), sum_g=sum_gamma(B * T, unit_roundoff(dt)))
+            sq = sq + summed_sq(gsum, None, g, *affine_of(affine, m.bias, dtype=dt), sum_g=_sum_g(work, B * T, dt), own=work.own)
 
         def clipped(c, a=a, g=g, gsum=gsum, per_example=per_example, factored=factored):
             c = c.to(dt)

@@ -93,8 +93,8 @@ class RMSNormType(GhostLayerType):
         x, g = cat_records(layer.records, scale, dt)
         xhat = _normalised(x, rmsnorm_eps(m), dt)
         gw = (g * xhat).sum(1)  # Σ_t g_t ⊙ x̂_t
-        sum_g = sum_gamma(g.shape[0] * g.shape[1], unit_roundoff(dt))  # the clipped sum's rounding (two passes: autograd's, over B·T tokens)
-        sq = summed_sq(gw, xhat, g, *affine_of(affine, m.weight, dtype=dt), sum_g=sum_g)  # an upper bound
+        sum_g = sum_gamma(g.shape[0] * g.shape[1] if work.total is None else work.total, unit_roundoff(dt))  # the clipped sum's rounding (its public token bound)
+        sq = summed_sq(gw, xhat, g, *affine_of(affine, m.weight, dtype=dt), sum_g=sum_g, own=work.own)  # an upper bound
 
         def clipped(c, gw=gw):
             return {m.weight: (gw * c.to(dt).view(-1, 1)).sum(0).to(m.weight.dtype)}

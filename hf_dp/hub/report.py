@@ -21,6 +21,18 @@ def _schedule(args, hyper: dict) -> dict:
     return hyper
 
 
+def rounding_report(bounds) -> dict | None:
+    """The public constants the float32 rounding allowance of the clipped sum comes from (issue 49): every example
+    (unit) is clipped so that its contribution plus its share of that rounding — γ of the terms — is ≤ C, the
+    sensitivity the accountant uses; no count of the data enters it."""
+    if bounds is None:
+        return None
+    n, u = bounds.sum_terms + 2, 2.0**-24  # γ_n = n·u/(1 − n·u), float32's worst-case relative rounding of n terms
+    return {"max_length": bounds.max_length, "max_tokens_per_micro_batch": bounds.max_tokens,
+            "sum_terms": bounds.sum_terms, "allowance_gamma": n * u / (1 - n * u),
+            "sensitivity": "C: each example's clipped contribution plus gamma times its rounding terms is <= C"}
+
+
 def privacy_report(trainer) -> dict:
     """All numbers of the guarantee of a DP run, as written to ``privacy.json`` and the model card."""
     args, spec = trainer.args, trainer.privacy_spec
@@ -42,6 +54,8 @@ def privacy_report(trainer) -> dict:
         "sample_rate": spec.sample_rate,
         "expected_batch_size": spec.expected_batch_size,
         "dataset_size": spec.dataset_size,
+        "dataset_size_source": getattr(trainer, "dataset_size_source", None),  # declared, or counted (hf_dp.run.setup)
+        "neighbouring_relation": neighbouring_relation(trainer),
         "steps": steps,
         "planned_steps": spec.planned_steps,
         "epochs": ledger_epochs(trainer.ledger),
@@ -52,6 +66,7 @@ def privacy_report(trainer) -> dict:
         "randomness": trainer.randomness,
         "dp_seed": args.dp_seed if trainer.randomness == SEEDED else None,
         "clipping": getattr(trainer, "clipping", None),
+        "clipping_rounding": rounding_report(getattr(trainer, "token_bounds", None)),
         "cache_frozen_features": bool(trainer._prefix_cache),
         "optimizer": {"name": str(args.optim), "hyperparameters": hyper},
         "trainable": trainable_report(trainer),
@@ -73,7 +88,8 @@ def _objective(trainer) -> str | None:
 def privacy_unit_report(trainer) -> dict:
     """What one unit of privacy is: a row, or the rows sharing a value of ``--privacy_unit_column``. The number of
     rows is not reported: under unit-level DP it is a statistic of the private data (e.g. how many blocks the units'
-    texts make) that ε does not cover; N, the number of units, is the accountant's (and not protected either)."""
+    texts make) that ε does not cover; N, the number of units, is the accountant's: the declared
+    ``--public_dataset_size``, else the actual count (then not protected either: ``dataset_size_source``)."""
     args = trainer.args
     col = getattr(args, "privacy_unit_column", None)
     n = trainer.privacy_spec.dataset_size
@@ -85,6 +101,12 @@ def privacy_unit_report(trainer) -> dict:
     return {"level": "unit", "column": col, "num_units": n, "max_rows_per_unit": k,
             "description": f"unit-level DP (user-level when one value is one person): one unit = all rows with the same "
                            f"'{col}', N = {n:,} units; each unit's summed gradient is clipped to C{cap}"}
+
+
+def neighbouring_relation(trainer) -> str:
+    """The adjacency ε is stated for, as a field (as jax_privacy records it): add/remove one example, or one unit."""
+    col = getattr(trainer.args, "privacy_unit_column", None)
+    return "add/remove one example" if col is None else f"add/remove one unit (all rows of one '{col}')"
 
 
 def unit_of_privacy(trainer) -> str:

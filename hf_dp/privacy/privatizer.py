@@ -130,6 +130,9 @@ class PrivateOptimizer(DPOptimizer):
         self.max_epsilon = max_epsilon
         self.noise_seed = None if noise_seed is None else int(noise_seed)
         self.sampler = None  # a PoissonBatchSampler whose state travels with the optimizer's
+        #: relative rounding allowance of the per-sample gradients' float32 sum (γ of its public term count; set by
+        #: DPTrainer from the run's token bounds): each example is clipped to C/(1 + it)
+        self.sum_allowance = 0.0
         self.steps_taken = 0
         #: steps known to fit in ``max_epsilon`` (see ``_would_exceed_budget``)
         self.budget_steps: int | None = None
@@ -285,7 +288,8 @@ class PrivateOptimizer(DPOptimizer):
             # squares summed in float64, a slice at a time: a float32 norm can fall short of the exact one (by 1 % for
             # one large entry among 2^24 small ones), letting c_i·‖v_i‖ exceed C
             norms = torch.stack([_sq_norms64(g) for g in flat], dim=1).sum(1).sqrt()
-            c = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            # (1 + sum_allowance): each example's share of the float32 sum's rounding (hf_dp.run.setup.token_bounds)
+            c = (self.max_grad_norm / (norms * (1 + self.sum_allowance) + 1e-6)).clamp(max=1.0)
             keep = norms <= torch.finfo(flat[0].dtype).max ** 0.5  # False for NaN and inf (and ‖v_i‖² not representable)
             if bool(keep.all()):
                 keep = None

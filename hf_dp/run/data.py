@@ -417,3 +417,63 @@ def poisson_loader(trainer, base: DataLoader, audit_parts=None) -> PoissonDataLo
         num_workers=trainer.args.dataloader_num_workers,
         pin_memory=trainer.args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# micro-batches within the public token bound of the clipping engine
+# ---------------------------------------------------------------------------------------------------
+def split_to_bounds(inputs: dict, bounds, fsdp: bool = False) -> list:
+    """``inputs`` (one micro-batch) as a list of micro-batches of at most ``bounds.max_tokens`` tokens each (rows ×
+    padded length), privacy units whole (:data:`UNITS_KEY`, renumbered 0..U'-1 in each part; a unit whose rows alone
+    exceed the bound is a part of its own): ghost clipping's rounding allowance is computed from these public bounds
+    (:class:`hf_dp.clipping.common.TokenBounds`), so every float32 clipped sum must run over no more tokens. A
+    micro-batch within the bound (the usual case: the bound allows for a Poisson micro-batch far above its mean) is
+    returned as it is. ``ValueError`` for a padded length above ``bounds.max_length``, and under FSDP for a micro-batch
+    that would need splitting (the ranks' collectives must stay in step). Which rows go together changes no clip
+    factor and no sum: each example's clipped contribution is a function of that example alone."""
+    ids = next((inputs[k] for k in ("input_ids", "inputs_embeds", "attention_mask") if torch.is_tensor(inputs.get(k))), None)
+    if ids is None:  # a model of other inputs: the rows of its first batched tensor, their longest second axis
+        ids = next((v for k, v in inputs.items() if torch.is_tensor(v) and v.dim() > 0 and k != UNITS_KEY), None)
+    if ids is None or ids.dim() == 0 or bool(inputs.get(EMPTY_KEY, False)):
+        return [inputs]
+    rows = int(ids.shape[0])
+    length = int(ids.shape[1]) if ids.dim() > 1 else max(
+        [int(v.shape[1]) for v in inputs.values() if torch.is_tensor(v) and v.dim() > 1 and v.shape[0] == rows] or [1])
+    if length > bounds.max_length:
+        raise ValueError(f"a training batch of padded length {length} exceeds the run's public --dp_max_length "
+                         f"{bounds.max_length}: truncate the rows to it, or raise --dp_max_length")
+    if rows * length <= bounds.max_tokens:
+        return [inputs]
+    if fsdp:
+        raise ValueError(f"a micro-batch of {rows} rows x {length} tokens exceeds the run's public token bound "
+                         f"({bounds.max_tokens}); under FSDP it cannot be split (the ranks' collectives must stay in "
+                         "step): raise --gradient_accumulation_steps or lower --dp_max_length")
+    cap = max(1, bounds.max_tokens // length)
+    units = inputs.get(UNITS_KEY)
+    unit_of = units.tolist() if torch.is_tensor(units) else list(range(rows))
+    members: dict = {}
+    for r, u in enumerate(unit_of):
+        members.setdefault(u, []).append(r)
+    parts, current = [], []
+    for rs in members.values():  # units in order of first appearance, whole
+        if current and len(current) + len(rs) > cap:
+            parts.append(current)
+            current = []
+        current = current + rs
+    if current:
+        parts.append(current)
+    out = []
+    for part in parts:
+        index = torch.tensor(part, dtype=torch.long)
+        piece = {}
+        for k, v in inputs.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows:
+                piece[k] = v.index_select(0, index.to(v.device))
+            else:
+                piece[k] = v
+        if torch.is_tensor(units):
+            first: dict = {}
+            piece[UNITS_KEY] = torch.tensor([first.setdefault(u, len(first)) for u in piece[UNITS_KEY].tolist()],
+                                            dtype=units.dtype, device=units.device)
+        out.append(type(inputs)(piece) if not isinstance(inputs, dict) else piece)
+    return out

@@ -1,7 +1,8 @@
 """The mechanism one DP run plans, once, when its ``DPTrainer`` is made (``DPTrainer._setup_privacy``).
 
 :func:`setup_privacy` sizes and checks the training set (labels, token ids: :mod:`hf_dp.run.contract`), reads the
-privacy units (:func:`setup_units`; N = the number of units), plans the mechanism
+privacy units (:func:`setup_units`; N = the number of units, or ``--public_dataset_size`` when declared:
+:func:`hf_dp.privacy.planning.public_size`, said once by :func:`say_dataset_size`), plans the mechanism
 (:func:`hf_dp.privacy.planning.plan_mechanism`: q = B/N, the steps, σ), makes the ledger (continuing the model's own:
 :func:`hf_dp.run.lineage.adopt_model_ledger`), the Poisson sampler, the clipping engine (:func:`choose_clipping`),
 logs the planner's start-of-run block (:func:`hf_dp.plan.run_block`) and keeps the snapshot of the mechanism that
@@ -13,20 +14,22 @@ an argument and sets its attributes, as the rest of :mod:`hf_dp.run` does.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 
 import torch
 
 from hf_dp.clipping import choose_engine, make_engine
+from hf_dp.clipping.common import TokenBounds, gamma
 from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
 from hf_dp.plan import calibrated_for, run_block
 from hf_dp.privacy.accounting import PrivacyLedger
-from hf_dp.privacy.planning import plan_mechanism
+from hf_dp.privacy.planning import LARGER_THAN_DECLARED, plan_mechanism, public_size, size_source
 from hf_dp.privacy.randomness import ENTROPY, SEEDED, shared_entropy_key, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
 from hf_dp.privacy.selection import HOLDER, plan_role
 from hf_dp.run import contract, lineage
-from hf_dp.run.data import refuse_sharding, set_sampler_lengths, unit_rows
+from hf_dp.run.data import example_lengths, refuse_sharding, set_sampler_lengths, unit_rows
 
 logger = logging.getLogger("hf_dp.trainer")  # DPTrainer's set-up messages keep the trainer's logger name
 
@@ -52,10 +55,14 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
     setup_units(trainer, n)
     if audit_units is not None:  # --audit_canaries: one unit per canary, included or not (N = real + m)
         audit_units(trainer, n)
-    n = trainer.num_units
+    n = trainer.num_units  # the actual count: real units (+ --audit_canaries' m), what the sampler draws from
+    # N the mechanism is planned from: --public_dataset_size (+ m canaries) when declared, else the actual count
+    audit = getattr(trainer, "_audit", None)
+    n_public = public_size(args.public_dataset_size, n, audit.m if audit is not None else 0)
+    trainer.dataset_size_source = size_source(args.public_dataset_size)  # privacy.json's dataset_size_source
     world = max(1, args.world_size)
     trainer.privacy_spec, steps_per_epoch, trainer.planned_epsilon = plan_mechanism(
-        n=n, per_device_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps,
+        n=n_public, per_device_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps,
         world_size=world, delta=args.delta, epsilon=args.epsilon, noise_multiplier=args.noise_multiplier,
         max_grad_norm=args.per_sample_max_grad_norm, accountant=args.accountant, max_steps=args.max_steps,
         num_train_epochs=args.num_train_epochs,
@@ -74,6 +81,8 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
             "example reveal that example's clipped gradient exactly. The seed is recorded in privacy.json "
             "and the model card.", args.dp_seed,
         )
+    # every actual unit is drawn at q = B/N_public, for round(1/q) steps an epoch: the actual count changes only how
+    # many rows a draw finds
     trainer._dp_sampler = PoissonBatchSampler(
         n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
         rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: trainer.ledger.steps,
@@ -93,13 +102,15 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
     trainer._units = None  # the micro-batch's privacy units (rows -> 0..U-1), --privacy_unit_column
     trainer._empty_micro_batch = False
     trainer.clipping = choose_clipping(trainer, world)  # the engine's name (hf_dp.clipping.engines)
+    trainer.token_bounds = token_bounds(trainer.model, args, spec, world, units=trainer._unit_rows is not None)
+    check_row_lengths(trainer.train_dataset, trainer.token_bounds.max_length, args.length_column_name)
     # --audit_kind gradient: the engine hands each drawn canary's gradient to the privatizer's clipping
     if trainer._fsdp and trainer.clipping == "ghost":  # its clipped sums reduce-scattered into the shards
         from hf_dp.clipping.fsdp_ghost import ShardedGhostEngine
 
-        engine = ShardedGhostEngine(trainer.model)
+        engine = ShardedGhostEngine(trainer.model, bounds=trainer.token_bounds)
     else:
-        engine = make_engine(trainer.clipping, trainer.model)
+        engine = make_engine(trainer.clipping, trainer.model, bounds=trainer.token_bounds)
     trainer.clipping_engine = audit_engine(trainer, engine) if audit_engine is not None else engine
     engine.pause(True)  # recording only inside DPTrainer.training_step (ClippingEngine.active)
     trainer.ghost_clipper, trainer.grad_sampler = trainer.clipping_engine.clipper, trainer.clipping_engine.grad_sampler
@@ -112,7 +123,7 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
     if trainer._plan_announced:
         d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         block, warning = run_block(
-            n=n, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
+            n=n_public, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
             max_grad_norm=args.per_sample_max_grad_norm, params=d, epsilon=args.epsilon, sigma_note=role or "",
             calibrated=calibrated_for(getattr(trainer.model, "get_base_model", lambda: trainer.model)()),
             causal_lm=getattr(trainer.objective, "name", None) == "causal_lm",  # the causal-LM verdict (hf_dp.plan)
@@ -121,10 +132,39 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
         logger.info(block)
         if warning:
             logger.warning(warning)
+        say_dataset_size(trainer, n, n_public)
     trainer._contract_probe, trainer._rows_checked, trainer._several_rows = False, None, False
     trainer._planned_train_dataset = trainer.train_dataset
     #: the mechanism σ, q and the steps were planned for: every train() and every step must still run it
     trainer._planned_mechanism = contract.mechanism_snapshot(trainer)
+
+
+def say_dataset_size(trainer, actual: int, n_public: int) -> None:
+    """Once, with the plan: where N came from — the declared public size, or the actual count treated as public
+    (with the flag that declares one) — and, to the operator only (never in the release), an actual count far above
+    the declared size (each draw finds that many more rows than B; the mechanism is unchanged)."""
+    args = trainer.args
+    what = "units" if args.privacy_unit_column else "training examples"
+    audit = getattr(trainer, "_audit", None)
+    canaries = f" + {audit.m:,} canary units" if audit is not None else ""
+    declared = args.public_dataset_size
+    if declared is None:
+        logger.info(
+            "hf_dp: N = %s%s, the actual count of %s, is treated as public: q = B/N, sigma and the steps are computed "
+            "from it, and under add/remove adjacency it differs between neighbouring datasets; declare a public size "
+            "with --public_dataset_size N to plan the mechanism from public inputs only", f"{n_public:,}",
+            f" (real{canaries})" if canaries else "", what)
+        return
+    logger.info("hf_dp: N = %s (%s%s) is the declared public size of the %s (--public_dataset_size): q = B/N, sigma, "
+                "the steps, B and delta < 1/N are planned from it; the actual count only changes how many rows each "
+                "Poisson draw finds", f"{n_public:,}", f"{declared:,}", canaries, what)
+    real = actual - (audit.m if audit is not None else 0)
+    if real > LARGER_THAN_DECLARED * declared:
+        logger.warning(
+            "hf_dp: the training set has about %.1f times as many %s as declared: it is larger than the declared "
+            "--public_dataset_size, so each step draws about that many times the planned B = %s (q = B/N is fixed, so "
+            "the guarantee holds and the divisor stays B; micro-batches grow with it). This line is for you: it is not "
+            "in the release", real / declared, what, f"{trainer.privacy_spec.expected_batch_size:g}")
 
 
 def share_sampling_key(trainer) -> None:
@@ -195,6 +235,32 @@ def param_groups(trainer, model=None) -> list[dict]:
     ]
 
 
+def token_bounds(model, args, spec, world: int, units: bool = False) -> TokenBounds:
+    """The run's public :class:`~hf_dp.clipping.common.TokenBounds`, from public inputs only: ``--dp_max_length`` (else
+    an SFT config's ``max_length``, else the model's maximum positions) and a micro-batch of R rows, R far above the
+    planned micro-batch b = B/(ranks × accumulation): b + 10√b + 10 (a Poisson micro-batch exceeds it with probability
+    below 1e-19 at b ≥ 1), times ``--max_rows_per_unit`` (else 4) under privacy units. A larger micro-batch is split
+    (:func:`hf_dp.run.data.split_to_bounds`)."""
+    b = float(spec.expected_batch_size) / (max(1, world) * max(1, args.gradient_accumulation_steps))
+    rows = math.ceil(b + 10 * math.sqrt(b) + 10) * ((args.max_rows_per_unit or 4) if units else 1)
+    length = args.dp_max_length or getattr(args, "max_length", None)
+    return TokenBounds.for_model(model, length if isinstance(length, int) and length > 0 else None, rows,
+                                 micro_batches=args.gradient_accumulation_steps * max(1, world))
+
+
+def check_row_lengths(dataset, max_length: int, length_column_name: str = "length") -> None:
+    """Refuse, before any step, a training row longer than the run's public ``max_length`` (where the rows' lengths
+    can be read: a tokenized dataset, a prefix cache); a batch that pads beyond it is refused at its step."""
+    try:
+        lengths = example_lengths(dataset, length_column_name)
+    except (ValueError, TypeError, KeyError):
+        return  # rows tokenized by the collator: checked per micro-batch (hf_dp.run.data.split_to_bounds)
+    if len(lengths) and int(lengths.max()) > max_length:
+        raise ValueError(f"a training row has {int(lengths.max())} tokens, more than the run's public --dp_max_length "
+                         f"{max_length} (the bound of ghost clipping's rounding allowance): truncate the rows to it, or "
+                         "raise --dp_max_length")
+
+
 def make_private_optimizer(trainer, model=None):
     """``DPTrainer.create_optimizer`` under DP: the update rule ``--optim`` names over HF's decay / no-decay groups,
     wrapped in the privatizer with the planned σ, C and B, the run's ledger and target ε, drawing from the
@@ -212,6 +278,9 @@ def make_private_optimizer(trainer, model=None):
         secure_mode=args.secure_rng, ledger=trainer.ledger, max_epsilon=spec.target_epsilon, **hyper,
     )
     optimizer.sampler = trainer._dp_sampler
+    # the hooks' clipped sum is formed in float32 over at most the bounds' terms: each example's share of its rounding
+    # is γ of that count times its clipped norm, so it is clipped to C/(1 + γ) (ghost clipping adds γ·S_i to its norm)
+    optimizer.sum_allowance = gamma(trainer.token_bounds.sum_terms + 2)
     if hasattr(optimizer.rule, "clamp_rate_every"):  # BC diagnostic only at the steps that are logged
         steps = args.logging_steps
         optimizer.rule.clamp_rate_every = int(steps) if steps >= 1 else 1
