@@ -43,6 +43,18 @@ PREAMBLE = textwrap.dedent(
 )
 
 
+#: appended to every worker: the ranks leave the process group together (a rank exiting while the other still saves or
+#: reduces aborted now and then at interpreter exit: "terminate called without an active exception")
+FOOTER = textwrap.dedent(
+    """
+    import torch.distributed as _dist
+    if _dist.is_available() and _dist.is_initialized():
+        _dist.barrier()
+        _dist.destroy_process_group()
+    """
+)
+
+
 def gloo_available() -> bool:
     import torch.distributed as dist
 
@@ -81,7 +93,7 @@ def launch(tmp_path: str | os.PathLike, body: str, timeout: int = 240) -> None:
     (skip where gloo is unusable)."""
     tmp_path = Path(tmp_path)
     script = tmp_path / "worker.py"
-    script.write_text(PREAMBLE + textwrap.dedent(body))
+    script.write_text(PREAMBLE + textwrap.dedent(body) + FOOTER)
     # a process group of its own (start_new_session), so that on a timeout the launcher *and* its workers (this test's
     # processes only) are ended
     proc = subprocess.Popen([*torchrun(), str(script), str(tmp_path)], env=env(), cwd=str(tmp_path),
