@@ -340,9 +340,10 @@ class DPTrainer(Trainer):
             contract.check_optimizer(self)
         if not self.args.dp_enabled:
             return super().training_step(model, inputs, num_items_in_batch)
-        loss = None  # a micro-batch above the run's public token bound runs as several (hf_dp.run.data.split_to_bounds)
-        with self.clipping_engine.active(self._dp_optimizer):
-            for part in split_to_bounds(inputs, self.token_bounds, fsdp=getattr(self, "_fsdp", False)):
+        loss = None  # a micro-batch above the run's public token bound runs as several (hf_dp.run.data.split_to_bounds),
+        parts = split_to_bounds(inputs, self.token_bounds, fsdp=getattr(self, "_fsdp", False))  # summed in float64
+        with self.clipping_engine.active(self._dp_optimizer), self._dp_optimizer.parts() if len(parts) > 1 else contextlib.nullcontext():
+            for part in parts:
                 out = canaries.logged_loss(self, super().training_step(model, part, num_items_in_batch))
                 loss = out if loss is None else loss + out
                 self._after_micro_batch()

@@ -27,6 +27,7 @@ REFUSAL_EXAMPLES = [
     ("optim_target_modules", {"optim_target_modules": ["attn"]}),
     ("label_smoothing_factor", {"label_smoothing_factor": 0.1}),
     ("fp16", {"fp16": True}),
+    ("bf16", {"bf16": True}),
     ("activation_checkpointing", {"activation_checkpointing": True}),
     ("gradient_checkpointing", {"gradient_checkpointing": True}),
     ("torch_compile", {"torch_compile": True}),

@@ -177,3 +177,22 @@ def test_the_recipes_accept_and_use_the_declared_size(tmp_path):
         check_privacy_settings(args, 1000)
     args.public_dataset_size, args.max_steps = 320, 20
     assert compute_budget(args, 7)[0] == compute_budget(args, 9999)[0]  # epochs from the declared N, not the actual
+
+
+def test_the_card_never_names_the_actual_count_under_a_declared_size():
+    """The review of issue 49: a card built from a 🤗 Dataset with Hub info appended "1,000 training examples" (the
+    actual, private count) although --public_dataset_size declared N: two neighbouring datasets gave two cards."""
+    from types import SimpleNamespace
+
+    import datasets
+
+    from hf_dp.hub.describe import card_fields
+
+    def fields(n, declared):
+        info = datasets.DatasetInfo(dataset_name="nyu-mll/glue", config_name="sst2")
+        train = datasets.Dataset.from_dict({"x": list(range(n))}, info=info)
+        args = SimpleNamespace(privacy_unit_column=None, public_dataset_size=declared)
+        return card_fields(SimpleNamespace(args=args, train_dataset=train, model=None))
+
+    assert "1,000 training examples" in fields(1000, None)["data_description"]  # N treated as public: stated
+    assert fields(1000, 5000) == fields(1001, 5000) and "training examples" not in fields(1000, 5000)["data_description"]

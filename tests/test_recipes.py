@@ -895,3 +895,23 @@ def test_a_declared_public_size_plans_the_run_and_the_actual_count_is_not_releas
     card = (out / "release" / "README.md").read_text()
     assert "96" not in card and "96" not in json.dumps(privacy["privacy_unit"])
     assert "96 " not in stdout and "96 " not in err.replace("1e-3", "")
+
+
+def test_a_fresh_run_into_a_folder_holding_an_earlier_release_is_refused(glue, tiny_bert, tmp_path, capsys):
+    """Issue 53: re-running a recipe into an --output_dir that holds an earlier run without checkpoints (its release
+    and records) trained again and replaced release/ silently. Now one error line, nothing touched;
+    --overwrite_output_dir replaces it."""
+    data = _sst2_files(tmp_path)
+    out = tmp_path / "run"
+    argv = _tiny_argv(tiny_bert, data, out, "--max_steps", "1", "--save_strategy", "no")
+    code, _, err = _run(glue, capsys, argv)
+    assert code == 0, err[-3000:]
+    first = (out / "release" / "privacy.json").read_text()
+    before = sorted((str(p.relative_to(out)), p.stat().st_mtime_ns) for p in out.rglob("*"))
+    code, _, err = _run(glue, capsys, argv)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"error: --output_dir {out} holds an earlier run (")
+    assert sorted((str(p.relative_to(out)), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+    code, _, err = _run(glue, capsys, argv + ["--overwrite_output_dir"])
+    assert code == 0, err[-3000:]
+    assert json.loads((out / "release" / "privacy.json").read_text())["run_id"] != json.loads(first)["run_id"]

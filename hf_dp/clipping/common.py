@@ -79,9 +79,15 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return 2.0**-53 if dtype == torch.float64 else 2.0**-24
 
 
-def gamma(n: int, u: float = 2.0**-24) -> float:
-    """γ_n = n·u/(1 − n·u): the worst-case relative error of a sum of n products in precision u, any order."""
-    return n * u / (1 - n * u)
+def gamma(n, u: float = 2.0**-24):
+    """γ_n = n·u/(1 − n·u): the worst-case relative error of a sum of n products in precision u, any order (n a number
+    or a tensor). Defined for n·u < 1 only: ``ValueError`` from n·u ≥ 1/2 on (the bound would be meaningless, and past
+    1 negative — an allowance that lifted every clip factor above C)."""
+    nu = n * u
+    if (float(nu.max()) if torch.is_tensor(nu) else nu) >= 0.5:
+        raise ValueError(f"a float rounding allowance over {float(n.max()) if torch.is_tensor(n) else n:.0f} terms at unit "
+                         f"roundoff {u:g} is not meaningful (n·u >= 1/2): use smaller public token bounds (--dp_max_length)")
+    return nu / (1 - nu)
 
 
 def row_norms64(x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +155,7 @@ def gram_bound(A, ra, ea, G, rg, eg, sum_g=0.0, own=None) -> torch.Tensor:
 
 class TokenBounds:
     """The public token bounds of a run that the rounding allowances of ghost clipping's norms are computed from
-    (issue 49): ``max_length``, the most tokens of one row (the padded length of any micro-batch), and ``max_tokens``,
+    (issue 49): ``max_length``, the most tokens of one row (its own: padding adds exact zeros only), and ``max_tokens``,
     the most tokens that one float32 clipped sum may run over (a micro-batch's rows × its padded length; a micro-batch
     of several privacy units whose rows would exceed it is split by the trainer, a unit alone may exceed it by its own
     rows). Both are public inputs of the plan, never counts of the data: each example's clip factor is then a function
@@ -165,6 +171,19 @@ class TokenBounds:
                              f"{max_tokens} and {micro_batches}")
         #: ``micro_batches``: the float32 additions of the micro-batches' clipped sums into one logical batch's
         self.max_length, self.max_tokens, self.micro_batches = max_length, max_tokens, int(micro_batches)
+        if self.allowance > MAX_ALLOWANCE:
+            raise ValueError(
+                f"the rounding allowance of the clipped sum over {max_tokens:,} tokens per micro-batch (max_length "
+                f"{max_length:,}) would be {f'{self.allowance:.2%}' if self.allowance < 1 else 'undefined (n·u >= 1/2)'} of "
+                f"every clipped norm, more than {MAX_ALLOWANCE:.0%}: set "
+                "--dp_max_length to the rows' truncation length (the default is the model's maximum positions), or "
+                "lower --per_device_train_batch_size")
+
+    @property
+    def allowance(self) -> float:
+        """γ of :attr:`sum_terms` (float32): each example's share of its clipped sum's rounding, relative to its S_i."""
+        nu = (self.sum_terms + 2) * 2.0**-24
+        return nu / (1 - nu) if nu < 0.5 else float("inf")
 
     def __repr__(self) -> str:
         return f"TokenBounds(max_length={self.max_length}, max_tokens={self.max_tokens}, micro_batches={self.micro_batches})"
@@ -193,6 +212,9 @@ class TokenBounds:
 
 #: the rows of a micro-batch a :class:`TokenBounds` allows for when none are given (a clipper built outside DPTrainer)
 DEFAULT_ROWS = 16
+#: the largest rounding allowance (γ of the bounds' terms, relative) a :class:`TokenBounds` accepts: 2^20 tokens per
+#: micro-batch give 6.7 %; beyond, the allowance costs more than it is worth — and past 2^23 γ is not defined
+MAX_ALLOWANCE = 0.07
 
 
 class Workspace:
@@ -212,9 +234,9 @@ class Workspace:
 
     def bound_layer(self, records: list, idx=None) -> None:
         """Set :attr:`own` and :attr:`total` for a layer's ``records`` (before any regrouping by unit; ``idx`` the
-        :class:`UnitIndex` or ``None``), after checking that the records fit the public bounds: every call's padded
-        length ≤ ``max_length``, and its rows × length ≤ ``max_tokens`` unless the micro-batch is one unit alone
-        (``ValueError`` otherwise: DPTrainer refuses longer rows before training and splits larger micro-batches)."""
+        :class:`UnitIndex` or ``None``), after checking that the records fit the public bounds: every call's rows ×
+        padded length ≤ ``max_tokens`` unless the micro-batch is one unit alone (``ValueError`` otherwise: DPTrainer
+        splits larger micro-batches, and refuses rows longer than ``max_length``)."""
         if self.bounds is None:
             self.own = self.total = None
             return
@@ -224,9 +246,8 @@ class Workspace:
             g = r[1] if len(r) > 1 and torch.is_tensor(r[1]) else r[0]
             rows = int(g.shape[0]) if g.dim() > 0 else 1
             tokens = int(as_3d(g).shape[1]) if g.dim() > 1 else 1
-            if tokens > L:
-                raise ValueError(f"a micro-batch of padded length {tokens} exceeds the run's public max_length {L} "
-                                 "(the bound of ghost clipping's rounding allowance)")
+            # (a padded length above L is allowed: the positions past a row's own tokens have zero output gradients,
+            # so their products add exact zeros — the caller checks the rows' own lengths, split_to_bounds)
             if rows * tokens > N and not (idx is not None and idx.num_units == 1):
                 raise ValueError(f"a micro-batch of {rows} rows x {tokens} tokens exceeds the run's public max_tokens "
                                  f"{N} (the bound of ghost clipping's rounding allowance); split it")

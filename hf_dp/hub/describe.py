@@ -56,7 +56,9 @@ def card_fields(trainer) -> dict[str, Any]:
     description = getattr(trainer, "data_description", None)
     # under --privacy_unit_column the number of rows is private (one unit's removal changes it by its rows): the card
     # gives N, the number of units, only (the report's dataset_size)
-    unit_level = getattr(getattr(trainer, "args", None), "privacy_unit_column", None) is not None
+    # (and so is the actual count under --public_dataset_size, whose N is the declared one)
+    args = getattr(trainer, "args", None)
+    unit_level = getattr(args, "privacy_unit_column", None) is not None or getattr(args, "public_dataset_size", None) is not None
     train = getattr(trainer, "train_dataset", None)
     if dataset_name is None and description is None:
         dataset_name, description = dataset_info(train)

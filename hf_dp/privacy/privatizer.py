@@ -31,6 +31,8 @@ recompute the noise.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from opacus.optimizers import DPOptimizer
@@ -133,6 +135,7 @@ class PrivateOptimizer(DPOptimizer):
         #: relative rounding allowance of the per-sample gradients' float32 sum (γ of its public term count; set by
         #: DPTrainer from the run's token bounds): each example is clipped to C/(1 + it)
         self.sum_allowance = 0.0
+        self._parts: dict | None = None  # parts(): the float64 sum of a split micro-batch's parts
         self.steps_taken = 0
         #: steps known to fit in ``max_epsilon`` (see ``_would_exceed_budget``)
         self.budget_steps: int | None = None
@@ -300,10 +303,7 @@ class PrivateOptimizer(DPOptimizer):
             if keep is not None:
                 g = torch.where(keep.to(g.device).view(-1, *([1] * (g.dim() - 1))), g, g.new_zeros(()))
             grad = torch.einsum("i,i...", c.to(g.device).to(p.dtype), g)
-            if p.summed_grad is not None:
-                p.summed_grad += grad
-            else:
-                p.summed_grad = grad
+            self._add_to_sum(p, grad)
 
     @torch.no_grad()
     def add_clipped_sum(self, clipped: dict) -> None:
@@ -319,9 +319,30 @@ class PrivateOptimizer(DPOptimizer):
             g = clipped.get(p)
             if g is None:
                 raise ValueError("ghost clipping returned no clipped sum for a trainable parameter")
-            g = g.view_as(p)
-            prev = getattr(p, "summed_grad", None)  # FSDP: Accelerate swapped in sharded parameters without it
-            p.summed_grad = g if prev is None else prev + g
+            self._add_to_sum(p, g.view_as(p))
+
+    def _add_to_sum(self, p, g) -> None:
+        """``p.summed_grad += g`` — or, inside :meth:`parts` (a micro-batch run as several), into a float64 sum of the
+        parts that :meth:`parts` adds once: the parts' float32 additions would otherwise round with the whole sum's
+        magnitude, once per part, beyond the allowance of the run's public micro-batch count."""
+        if self._parts is not None:
+            prev = self._parts.get(p)
+            self._parts[p] = g.double() if prev is None else prev + g.double()
+            return
+        prev = getattr(p, "summed_grad", None)  # FSDP: Accelerate swapped in sharded parameters without it
+        p.summed_grad = g if prev is None else prev + g
+
+    @contextlib.contextmanager
+    def parts(self):
+        """The clipped sums added inside are summed in float64 and added to ``summed_grad`` once, on a clean exit."""
+        self._parts = {}
+        try:
+            yield
+            parts = self._parts
+        finally:
+            self._parts = None
+        for p, g in parts.items():
+            self._add_to_sum(p, g.to(p.dtype))
 
     # Opacus' pre_step calls clip_and_accumulate on pending grad samples; we route it through accumulate
     def clip_and_accumulate(self):

@@ -213,6 +213,12 @@ def choose_clipping(trainer, world: int) -> str:
     all-reduces the noisy clipped sum once per logical batch. Under FSDP2 one-pass ghost clipping by default
     (:mod:`hf_dp.clipping.fsdp_ghost`), two passes when asked; DeepSpeed is refused."""
     refuse_sharding(trainer.args, getattr(trainer, "is_fsdp_enabled", False), getattr(trainer, "is_deepspeed_enabled", False))
+    low = sorted({str(p.dtype).replace("torch.", "") for p in trainer.model.parameters()
+                  if p.requires_grad and p.dtype not in (torch.float32, torch.float64)})
+    if low:  # the forward, the records and the clipped sums in that precision: the --bf16 refusal's reason, and more
+        raise ValueError(f"DP training needs float32 (or float64) trainable parameters, got {', '.join(low)}: in reduced "
+                         "precision each example's gradient depends on its micro-batch's shape and the clipped sums round "
+                         "at 2^-8, so one example can move the sum by more than C; load the model in float32")
     trainer._fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
     if trainer._fsdp:  # FSDP2: one-pass ghost clipping (auto), or two passes when asked (hf_dp.clipping.fsdp_ghost)
         mode = "ghost_two_pass" if trainer.args.clipping == "ghost_two_pass" else "ghost"

@@ -44,7 +44,21 @@ def resume_argument(training_args, sources: Iterable[tuple[str, Optional[str]]] 
             f"--output_dir {training_args.output_dir} holds checkpoints of an earlier run (the privacy it spent is "
             "recorded there); pass --resume_from_checkpoint True to continue it, or choose another --output_dir"
         )
+    if value is None and training_args.do_train and earlier_run_files(training_args.output_dir):
+        raise RecipeError(
+            f"--output_dir {training_args.output_dir} holds an earlier run ({', '.join(earlier_run_files(training_args.output_dir))}): "
+            "a new run would replace its release; pass --overwrite_output_dir to delete it first, or choose another --output_dir"
+        )
     return value
+
+
+def earlier_run_files(output_dir: str) -> list[str]:
+    """What an earlier run left in ``output_dir`` besides checkpoints: its release (``release/`` with a privacy.json)
+    and hf_dp's records (``hf_dp_*``)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(n for n in os.listdir(output_dir) if n.startswith("hf_dp_")
+                  or (n == RELEASE_SUBDIR and os.path.isfile(os.path.join(output_dir, n, "privacy.json"))))
 
 
 def model_sources(model_args) -> list[tuple[str, Optional[str]]]:
