@@ -50,11 +50,12 @@ def bert(seed=0):
     return T.BertForSequenceClassification(cfg)
 
 
-def gpt2(seed=0):
+def gpt2(seed=0, tie=True):
     torch.manual_seed(seed)
     cfg = T.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=MAX_LEN, resid_pdrop=0.0,
-                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return T.GPT2LMHeadModel(cfg)  # tied input and output embeddings
+                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                       tie_word_embeddings=tie)
+    return T.GPT2LMHeadModel(cfg)  # tied input and output embeddings by default
 
 
 def llama(seed=0):

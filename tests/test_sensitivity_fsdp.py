@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from two_process import DISTRIBUTED, in_sequence, launch, rank_results  # noqa: E402
 
+import test_sensitivity as sensitivity  # noqa: E402  (the models and the micro-batches of the one-process test)
+
 pytestmark = DISTRIBUTED  # slow: tests/conftest.py SLOW_FILES
 
 C = 1e-4  # every example is clipped: each contributes exactly its clipped share
@@ -39,41 +41,12 @@ PER_DEVICE = 160  # the planned micro-batch: the run's public token bound (rows)
 CASES = (("gpt2", "ghost"), ("gpt2", "ghost_two_pass"), ("bert", "ghost"), ("bert", "ghost_two_pass"))
 
 
-def bert(seed=0):
-    import transformers as T
-
-    torch.manual_seed(seed)
-    cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-                       max_position_embeddings=MAX_LEN, num_labels=2, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0, initializer_range=0.3)
-    return T.BertForSequenceClassification(cfg)
-
-
 def gpt2(seed=0):
-    import transformers as T
-
-    torch.manual_seed(seed)
-    # untied: FSDP under DP refuses trainable parameters shared between modules
-    cfg = T.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=MAX_LEN, resid_pdrop=0.0,
-                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                       tie_word_embeddings=False)
-    return T.GPT2LMHeadModel(cfg)
+    return sensitivity.gpt2(seed, tie=False)  # untied: FSDP under DP refuses parameters shared between modules
 
 
-MODELS = {"bert": (bert, "BertLayer"), "gpt2": (gpt2, "GPT2Block")}
-
-
-def batch(rows, causal: bool, labels=None):
-    """A right-padded micro-batch of token-id lists as DPTrainer's collators give it."""
-    L = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    out = {"input_ids": ids, "attention_mask": mask}
-    out["labels"] = ids.masked_fill(mask == 0, -100) if causal else torch.tensor(labels)
-    return out
+MODELS = {"bert": (sensitivity.bert, "BertLayer"), "gpt2": (gpt2, "GPT2Block")}
+batch = sensitivity.batch
 
 
 def rand_rows(g, n, length):
