@@ -254,7 +254,7 @@ class Workspace:
         if idx is None:
             self.own, self.total = calls * L, calls * N + M
         else:  # a unit of k rows: k·L tokens of its own; alone in its micro-batch it may exceed N by them
-            k = torch.bincount(idx.units).to(torch.float64)
+            k = idx.counts.to(torch.float64)
             self.own = calls * L * k
             self.total = calls * torch.clamp(L * k, min=N) + M
 
@@ -296,6 +296,7 @@ class UnitIndex:
         self.rows = int(rows)
         if rows == 0:
             self.units, self.num_units, self.max_rows, self.identity = units, 0, 0, True
+            self.counts = units.new_zeros(0)
             self.dest = units
             return
         if int(units.min()) < 0:
@@ -306,6 +307,7 @@ class UnitIndex:
         self.units = units
         self.num_units = int(counts.numel())
         self.max_rows = int(counts.max())
+        self.counts = counts  # each unit's rows (its own token bound: Workspace.bound_layer)
         self.identity = self.num_units == self.rows and bool(torch.equal(units, torch.arange(rows, device=units.device)))
         order = torch.argsort(units, stable=True)
         starts = torch.cumsum(counts, 0) - counts
@@ -315,7 +317,7 @@ class UnitIndex:
 
     def to(self, device) -> "UnitIndex":
         if self.dest.device != torch.device(device):
-            self.units, self.dest = self.units.to(device), self.dest.to(device)
+            self.units, self.dest, self.counts = self.units.to(device), self.dest.to(device), self.counts.to(device)
         return self
 
     def regroup(self, t: torch.Tensor) -> torch.Tensor:
