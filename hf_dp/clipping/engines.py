@@ -218,7 +218,7 @@ def choose_engine(mode: str, model: nn.Module, *, optim: str, rule_cls, reduced_
         raise ValueError(
             "--clipping ghost_two_pass needs float32 training: its second backward sums the clipped per-example "
             "gradients in the autocast precision, across examples, which loosens the per-example bound C; "
-            "use --clipping ghost (its sums run in float32) with --bf16/--fp16"
+            "train in float32 (DPTrainer refuses --bf16/--fp16 before it gets here)"
         )
     reasons = []
     if not rule_cls.ghost_compatible():
