@@ -40,9 +40,9 @@ def install_break(variant: str) -> None:
 
         out = create(self, model)
         if variant == "no_noise":
-            zero_noise(self._dp_optimizer)  # σ = 0 while the noise is drawn; the nominal σ stays everywhere else
+            zero_noise(self.dp.optimizer)  # σ = 0 while the noise is drawn; the nominal σ stays everywhere else
         else:
-            divide_noise(self._dp_optimizer, 10.0)  # σ/10 while the noise is drawn
+            divide_noise(self.dp.optimizer, 10.0)  # σ/10 while the noise is drawn
         return out
 
     cls.create_optimizer = create_without_noise

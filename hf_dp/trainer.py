@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 
 import torch
 from torch.utils.data import DataLoader, SequentialSampler
@@ -65,7 +66,7 @@ from hf_dp.hub.describe import card_fields
 from hf_dp.models import apply_trainable
 from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
 from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, CachedFeatures, CachedFeaturesCollator
-from hf_dp.privacy.accounting import PrivacySpec
+from hf_dp.run.state import PrivacyState
 from hf_dp.models.loss import OBJECTIVES, objective_for, per_example_loss, positions_from_mask
 from hf_dp.run.data import EMPTY_KEY as _EMPTY_KEY, UNITS_KEY as _UNITS_KEY, PoissonDataLoader as _PoissonDataLoader
 from hf_dp.run.data import check_eval_is_not_train as _check_eval_is_not_train, refuse_sharding as _refuse_sharding
@@ -134,7 +135,7 @@ class DPTrainer(Trainer):
         if not isinstance(args, DPTrainingArguments):
             raise TypeError("DPTrainer needs args=DPTrainingArguments(...)")
         self.trainable_info = None
-        self.privacy_spec: PrivacySpec | None = None
+        self.dp = PrivacyState()  # the run's privacy state, filled by hf_dp.run.setup (hf_dp.run.state)
         if args.dp_enabled:
             if model is None:
                 raise ValueError("DPTrainer needs a model (model_init is not supported with DP)")
@@ -195,7 +196,7 @@ class DPTrainer(Trainer):
         on (:func:`hf_dp.tuning.private_score.refuse_evaluating_the_score_set`)."""
         if isinstance(dataset, str) and isinstance(self.eval_dataset, dict):
             dataset = self.eval_dataset.get(dataset)
-        if getattr(self, "private_score_sets", None):
+        if self.dp.selection.score_sets:
             from hf_dp.tuning.private_score import refuse_evaluating_the_score_set
 
             refuse_evaluating_the_score_set(self, dataset)
@@ -277,15 +278,15 @@ class DPTrainer(Trainer):
         if not self.args.dp_enabled:
             return super().create_optimizer(model)
         if self.optimizer is None:  # the privatizer over the update rule, planned at set-up (hf_dp.run.setup)
-            self.optimizer = self._dp_optimizer = setup.make_private_optimizer(self, model)
-            canaries.check_optimizer(self, self._dp_optimizer)  # --audit_kind gradient: a rule it can audit
+            self.optimizer = self.dp.optimizer = setup.make_private_optimizer(self, model)
+            canaries.check_optimizer(self, self.dp.optimizer)  # --audit_kind gradient: a rule it can audit
         return self.optimizer
 
     # ------------------------------------------------------------------------------------------------
     # the step
     # ------------------------------------------------------------------------------------------------
     def _capture_loss_scale(self, grad: torch.Tensor) -> None:
-        self._loss_scale = float(grad.detach().float().reshape(-1)[0])
+        self.dp.step.loss_scale = float(grad.detach().float().reshape(-1)[0])
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.args.dp_enabled or not model.training:
@@ -316,33 +317,33 @@ class DPTrainer(Trainer):
         contract.check_logits(outputs.logits, labels, objective)
         losses = per_example_loss(outputs.logits, labels, self.model.config, objective, inputs.get("attention_mask"))
         losses = canaries.zero_canary_losses(self, losses, canary_rows, empty)  # their gradient: the engine's wrapper
-        self._canary_loss = canaries.input_canary_loss(self, losses, canary_rows, empty)  # not in the logged loss
-        self._empty_micro_batch = empty
-        self._units = None if units is None else units.to(losses.device)
-        fsdp = getattr(self, "_fsdp", False) and sharding.is_fsdp_model(model)
+        self.dp.step.canary_loss = canaries.input_canary_loss(self, losses, canary_rows, empty)  # not in the logged loss
+        self.dp.step.empty = empty
+        self.dp.step.units = None if units is None else units.to(losses.device)
+        fsdp = self.dp.fsdp and sharding.is_fsdp_model(model)
         if fsdp:  # every micro-batch's pass 2 reduce-scattered, summed over ranks (hf_dp.clipping.sharding)
             sharding.prepare_micro_batch(model)
         # ghost_two_pass: its pass 1 (the norms) runs here; under FSDP on every rank for every micro-batch, the empty
         # one's placeholder included (its loss is then multiplied by 0), so that the ranks' all-gathers stay in step
-        if (not empty or fsdp) and not self._contract_probe:
-            losses = self.clipping_engine.before_backward(losses, self._dp_optimizer, **self._unit_kw())
+        if (not empty or fsdp) and not self.dp.contract.probe:
+            losses = self.dp.engine.before_backward(losses, self.dp.optimizer, **self._unit_kw())
         total = losses.sum() * 0.0 if empty else losses.sum()
         if total.requires_grad:
             total.register_hook(self._capture_loss_scale)
-        self._rows_in_batch = labels.shape[0]
-        loss = total / (self.privacy_spec.expected_batch_size / max(1, self.args.world_size))
+        self.dp.step.rows = labels.shape[0]
+        loss = total / (self.dp.spec.expected_batch_size / max(1, self.args.world_size))
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.args.dp_enabled:  # every micro-batch (a few comparisons): the arguments (a callback may change them)
             # and the optimizer HF steps (still the privatizer, with σ, C and B planned) are what the accountant was told
-            contract.check_mechanism(self._planned_mechanism, contract.mechanism_snapshot(self, with_parameters=False))
+            contract.check_mechanism(self.dp.contract.planned, contract.mechanism_snapshot(self, with_parameters=False))
             contract.check_optimizer(self)
         if not self.args.dp_enabled:
             return super().training_step(model, inputs, num_items_in_batch)
         loss = None  # a micro-batch above the run's public token bound runs as several (hf_dp.run.data.split_to_bounds),
-        parts = split_to_bounds(inputs, self.token_bounds, fsdp=getattr(self, "_fsdp", False))  # summed in float64
-        with self.clipping_engine.active(self._dp_optimizer), self._dp_optimizer.parts() if len(parts) > 1 else contextlib.nullcontext():
+        parts = split_to_bounds(inputs, self.dp.bounds, fsdp=self.dp.fsdp)  # summed in float64
+        with self.dp.engine.active(self.dp.optimizer), self.dp.optimizer.parts() if len(parts) > 1 else contextlib.nullcontext():
             for part in parts:
                 out = canaries.logged_loss(self, super().training_step(model, part, num_items_in_batch))
                 loss = out if loss is None else loss + out
@@ -350,28 +351,28 @@ class DPTrainer(Trainer):
         return loss
 
     def _after_micro_batch(self) -> None:
-        if self._loss_scale is None:
+        if self.dp.step.loss_scale is None:
             raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
-        if getattr(self, "_fsdp", False):  # the ranks' gradients were summed before each undoes its own scale
+        if self.dp.fsdp:  # the ranks' gradients were summed before each undoes its own scale
             if not sharding.is_fsdp_model(self.model):
                 raise RuntimeError("--fsdp was given but Accelerate did not shard the model (fully_shard); refusing "
                                    "to train it as another parallel mode")
-            sharding.check_loss_scale_agrees(self._loss_scale)
-        if self._empty_micro_batch and not getattr(self, "_fsdp", False):  # (FSDP: the placeholder's 0 is in the sum)
+            sharding.check_loss_scale_agrees(self.dp.step.loss_scale)
+        if self.dp.step.empty and not self.dp.fsdp:  # (FSDP: the placeholder's 0 is in the sum)
             # an empty micro-batch's placeholder row adds nothing, not even a rule's per-sample offset (λθ, −m̂/b: else
             # up to 2C between neighbours when the one extra example is alone in its micro-batch)
             self._discard_micro_batch()
         else:  # the clipped sum (ghost) or the per-sample gradients (hooks) go to the privatizer
-            self.clipping_engine.after_backward(self._dp_optimizer, self._loss_scale, self._rows_in_batch, **self._unit_kw())
-        self._loss_scale, self._units = None, None
+            self.dp.engine.after_backward(self.dp.optimizer, self.dp.step.loss_scale, self.dp.step.rows, **self._unit_kw())
+        self.dp.step.loss_scale, self.dp.step.units = None, None
 
     def _unit_kw(self) -> dict:
         """``units=`` for the engine under ``--privacy_unit_column`` (rows -> 0..U-1); nothing when each row is a unit."""
-        return {} if self._units is None else {"units": self._units}
+        return {} if self.dp.step.units is None else {"units": self.dp.step.units}
 
     def _discard_micro_batch(self) -> None:
         """Drop what the backward of an empty micro-batch's placeholder row left (records, per-sample gradients)."""
-        self.clipping_engine.discard(self._dp_optimizer)
+        self.dp.engine.discard(self.dp.optimizer)
 
     # ------------------------------------------------------------------------------------------------
     # privacy reporting
@@ -380,7 +381,7 @@ class DPTrainer(Trainer):
         """ε spent so far at δ (0 before training; ``inf`` for a non-private run)."""
         if not self.args.dp_enabled:
             return math.inf
-        selection = getattr(self, "hyperparameter_selection", None)
+        selection = self.dp.selection.record
         if selection is not None:  # the model a private selection released: the selection's total (hf_dp.tuning.search)
             return float(selection["total_epsilon"])
         return lineage.take_later_runs(self).ledger.get_epsilon()  # every step of the model, an interrupted run's included
@@ -405,7 +406,7 @@ class DPTrainer(Trainer):
             logs.pop("grad_norm", None)  # norm of the non-private gradient: never logged
             self._record_spent()  # persisted before it is reported (see hf_dp.run.spent)
             logs["epsilon"] = self.get_epsilon()
-            rule = getattr(self._dp_optimizer, "rule", None)
+            rule = getattr(self.dp.optimizer, "rule", None)
             if getattr(rule, "last_clamp_rate", None) is not None:
                 logs["bc_clamp_rate"] = rule.last_clamp_rate
         super().log(logs, start_time)
@@ -443,7 +444,7 @@ class DPTrainer(Trainer):
                                  example_score=example_score)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        if getattr(self, "hyperparameter_selection", None) is not None:
+        if self.dp.selection.record is not None:
             from hf_dp.tuning.search import refuse_train_after_selection
 
             refuse_train_after_selection(self)
@@ -451,17 +452,17 @@ class DPTrainer(Trainer):
         resume_from_checkpoint = checkpointing.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if self.args.dp_enabled and resume_from_checkpoint is not None:  # FSDP's sharded checkpoints (hf_dp.clipping.sharding)
             sharding.check_resume(resume_from_checkpoint, checkpointing.read_marker(resume_from_checkpoint),
-                                  getattr(self, "_fsdp", False), self.args.world_size)
-        self.resumed_from = resume_from_checkpoint
+                                  self.dp.fsdp, self.args.world_size)
+        self.dp.lineage.resumed_from = resume_from_checkpoint
         canaries.before_train(self, resume_from_checkpoint)  # --audit_canaries: no resume, one train()
-        if self.args.dp_enabled and self._dp_optimizer is not None:
+        if self.args.dp_enabled and self.dp.optimizer is not None:
             # an interrupted step's clipped sums (e.g. an exception between micro-batches) never reach a later step
-            self._dp_optimizer.discard_pending()
-            self.clipping_engine.clear()
-            opt = self._dp_optimizer
+            self.dp.optimizer.discard_pending()
+            self.dp.engine.clear()
+            opt = self.dp.optimizer
             if resume_from_checkpoint is None and opt.max_epsilon is not None and opt._would_exceed_budget():
                 raise ValueError(
-                    f"refusing to train: {self.ledger.steps} noisy steps were already taken (epsilon "
+                    f"refusing to train: {self.dp.ledger.steps} noisy steps were already taken (epsilon "
                     f"{self.get_epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
                 )
         lineage.before_train(self, resume_from_checkpoint)  # the model's ledger, another run's checkpoints (hf_dp.run.lineage)
@@ -475,19 +476,19 @@ class DPTrainer(Trainer):
                 canaries.after_train(self, failed=True)  # --audit_canaries: drop the draw; no second train() on it
                 raise
             finally:
-                self._sampling_key = None  # forgotten: a later train() draws its own
-        canaries.after_train(self)  # --audit_canaries: score, bound (trainer.audit_record), drop the draw
+                self.dp.sampling_key = None  # forgotten: a later train() draws its own
+        canaries.after_train(self)  # --audit_canaries: score, bound (trainer.dp.audit_record), drop the draw
         return out
 
     def num_examples(self, dataloader) -> int:
         # HF logs this and derives train_samples_per_second from it: the public N — the declared one (+ m canaries), else
         # units (+ m) under a unit column (rows are private there), else --audit_canaries' real rows + m (not + included)
         if isinstance(dataloader, _PoissonDataLoader) and self.args.public_dataset_size is not None:
-            return int(self.privacy_spec.dataset_size)
+            return int(self.dp.spec.dataset_size)
         if isinstance(dataloader, _PoissonDataLoader) and self.args.privacy_unit_column:
-            return self.num_units
-        if isinstance(dataloader, _PoissonDataLoader) and getattr(self, "_audit", None) is not None:
-            return self._audit.public_rows
+            return self.dp.units.count
+        if isinstance(dataloader, _PoissonDataLoader) and self.dp.audit is not None:
+            return self.dp.audit.public_rows
         return super().num_examples(dataloader)
 
     def _check_contract(self) -> None:
@@ -496,11 +497,11 @@ class DPTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):  # private HF API: see HF_PRIVATE_OVERRIDES
         # steps taken by an earlier train() of this trainer (not those of earlier runs its ledger started from)
-        taken_here = (self.ledger.steps if getattr(self, "resumed_ledger_steps", None) is not None else self.ledger.own_steps) if self.args.dp_enabled else 0
+        taken_here = (self.dp.ledger.steps if self.dp.lineage.resumed_ledger_steps is not None else self.dp.ledger.own_steps) if self.args.dp_enabled else 0
         if checkpoint is not None and self._prefix_cache:
             evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
             self.prefix_cache.check_after_resume([("train", self.train_dataset)] + [("eval", v) for v in evals], checkpoint)
-        if checkpoint is not None and self.args.dp_enabled and getattr(self, "_fsdp", False):
+        if checkpoint is not None and self.args.dp_enabled and self.dp.fsdp:
             sharding.load_checkpoint_state(self, checkpoint)  # the privatizer's sharded state, the ledger, the scheduler
         else:
             super()._load_optimizer_and_scheduler(checkpoint)
@@ -513,7 +514,7 @@ class DPTrainer(Trainer):
         """N and a SHA-256 fingerprint of the training set (before any caching), recorded in checkpoint markers."""
         if self._train_fingerprint is None:
             self._train_fingerprint = checkpointing.dataset_fingerprint(self._fingerprint_source)
-        return {"num_samples": self.privacy_spec.dataset_size, "sha256": self._train_fingerprint}
+        return {"num_samples": self.dp.spec.dataset_size, "sha256": self._train_fingerprint}
 
     def _save_checkpoint(self, model, trial):  # private HF API: see HF_PRIVATE_OVERRIDES
         # the completion marker before HF's rotation of old checkpoints (hf_dp.run.checkpointing.save_around)
@@ -521,7 +522,7 @@ class DPTrainer(Trainer):
             super()._save_checkpoint(model, trial)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:  # private HF API: see HF_PRIVATE_OVERRIDES
-        if self.args.dp_enabled and getattr(self, "_fsdp", False):
+        if self.args.dp_enabled and self.dp.fsdp:
             sharding.save_checkpoint_state(self, output_dir)  # the model's and the privatizer's shards, the scheduler
         else:
             super()._save_optimizer_and_scheduler(output_dir)
@@ -529,7 +530,7 @@ class DPTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         output_dir = output_dir or self.args.output_dir
         # a checkpoint iff called from _save_checkpoint (a release folder may be named "checkpoint-…" too)
-        is_checkpoint = getattr(self, "_saving_checkpoint", False)
+        is_checkpoint = self.dp.saving_checkpoint
         self._record_spent()  # on record (and in the model's config.json: hf_dp.run.lineage) before the model is written
         # the plain model where HF's save would not write one (FSDP2's shards, LoRA merged): hf_dp.run.release
         if not release.save_model_folder(self, output_dir, is_checkpoint):
@@ -548,3 +549,29 @@ class DPTrainer(Trainer):
         # hf_dp's card for non-private runs too (it says non-private, once): HF's card would replace it
         if self.is_world_process_zero():
             self._write_privacy_files(self.args.output_dir)
+
+
+#: read-only views of the run's privacy state (``DPTrainer.dp``, :class:`hf_dp.run.state.PrivacyState`) under the names
+#: users and earlier releases of hf_dp read: ``trainer.ledger``, ``trainer.privacy_spec``, …
+_STATE_VIEWS = {
+    "mechanism": "mechanism", "ledger": "ledger", "privacy_spec": "spec", "run_id": "run_id", "randomness": "randomness",
+    "num_units": "units.count", "token_bounds": "bounds", "clipping": "clipping", "clipping_engine": "engine",
+    "audit_record": "audit_record", "hyperparameter_selection": "selection.record", "resumed_from": "lineage.resumed_from",
+    "planned_epsilon": "mechanism.planned_epsilon", "dataset_size_source": "mechanism.dataset_size_source",
+    "ghost_clipper": "engine.clipper", "grad_sampler": "engine.grad_sampler",
+}
+
+
+def _state_view(path: str) -> property:
+    get = operator.attrgetter(path)
+
+    def view(self):
+        try:
+            return get(self.dp)
+        except AttributeError:  # a part not made (a non-private run, or before set-up)
+            return None
+    return property(view, doc=f"``self.dp.{path}`` (read-only)")
+
+
+for _name, _path in _STATE_VIEWS.items():
+    setattr(DPTrainer, _name, _state_view(_path))

@@ -105,7 +105,7 @@ def test_a_left_padded_row_gets_the_loss_of_the_same_row_unpadded(tmp_path, tok,
     data = lm_data(tok)
     tr = make(tmp_path, tok, factory(tok), data, side="left", clipping="hooks")
     tr.model.train()
-    tr._contract_probe = True  # compute_loss without the engine
+    tr.dp.contract.probe = True  # compute_loss without the engine
     short, long_ = {"input_ids": data[0]["input_ids"][:5]}, {"input_ids": data[1]["input_ids"] + [7] * 20}
     alone = tr.compute_loss(tr.model, tr._prepare_inputs(dict(collator(tok, "left")([short]))))
     both = tr.compute_loss(tr.model, tr._prepare_inputs(dict(collator(tok, "left")([short, long_]))))
@@ -182,7 +182,7 @@ def test_the_accountant_counts_units_and_each_unit_is_one_draw(tmp_path, tok):
         if seen >= 8:
             break
     # every draw: whole units, each unit in one micro-batch
-    sampler = tr._dp_sampler
+    sampler = tr.dp.sampler
     for _ in range(4):
         it = iter(sampler)  # a new stream each time
         chunks = [next(it) for _ in range(2)]
@@ -199,8 +199,8 @@ def test_max_rows_per_unit_caps_the_rows_of_a_drawn_unit(tmp_path, tok):
               per_device_train_batch_size=4)
     users = data["user_id"]
     drawn_big = set()
-    it = iter(tr._dp_sampler)
-    for _ in range(tr._dp_sampler.steps_per_epoch):
+    it = iter(tr.dp.sampler)
+    for _ in range(tr.dp.sampler.steps_per_epoch):
         chunk = next(it)
         big = [r for r in chunk if users[r] == 0]
         assert len(big) <= 4

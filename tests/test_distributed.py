@@ -59,7 +59,7 @@ WORKER = r"""
     key_seen = []  # a hash of the sampler's shared key (OS entropy, rank 0's) as each step begins
     class KeySeen(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            key_seen.append(hashlib.sha256(str(trainer._sampling_key).encode()).hexdigest())
+            key_seen.append(hashlib.sha256(str(trainer.dp.sampling_key).encode()).hexdigest())
 
     tok = make_tokenizer(os.path.join(out, f"tok{{rank}}"))
     ds = make_pair_dataset(tok, n={n})
@@ -76,7 +76,7 @@ WORKER = r"""
     )
     assert args.world_size == 2, args.world_size
     trainer.train()
-    opt = trainer._dp_optimizer
+    opt = trainer.dp.optimizer
     torch.save(
         dict(
             rank=rank,
@@ -94,7 +94,7 @@ WORKER = r"""
             first_grad=first_grad,
             first_step_indices=[i for b in drawn[:{ga}] for i in b],
             draws=[list(b) for b in drawn],
-            key_seen=key_seen, key_after=trainer._sampling_key,
+            key_seen=key_seen, key_after=trainer.dp.sampling_key,
             wrapped=type(trainer.model_wrapped).__name__,
             log_history=trainer.state.log_history,
         ),

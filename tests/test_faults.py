@@ -97,7 +97,7 @@ SCRIPT = textwrap.dedent(
     t.train(resume_from_checkpoint=True if resume else None)
     torch.save({k: v.detach().clone() for k, v in t.model.state_dict().items()}, os.path.join(out, "final_params.pt"))
     print("RESULT " + json.dumps({
-        "resumed_from": t.resumed_from, "resumed_ledger_steps": getattr(t, "resumed_ledger_steps", None),
+        "resumed_from": t.resumed_from, "resumed_ledger_steps": t.dp.lineage.resumed_ledger_steps,
         "epsilon": t.get_epsilon(), "ledger_steps": t.ledger.steps, "global_step": t.state.global_step,
     }), flush=True)
     '''

@@ -53,7 +53,7 @@ def _instrumented(tr, monkeypatch):
     from hf_dp.audit.trainer_path import ReplayBatchSampler, noise_off
 
     noise_off(tr)
-    tr._dp_sampler = ReplayBatchSampler(tr._dp_sampler)
+    tr.dp.sampler = ReplayBatchSampler(tr.dp.sampler)
     seen = {"steps": []}
     real_scores, real_projections = hooks.gradient_scores, hooks.step_projections
 
@@ -76,11 +76,11 @@ def _instrumented(tr, monkeypatch):
 def _expected(tr, seen, key, bits, clip):
     """Per step t, ⟨clip·Σ_{k drawn at t} u_k, u_j⟩ (in units of C) for every canary j, rebuilt from the recorded draws
     and the key: an (steps, m) array, and the times each canary was drawn."""
-    state = tr._audit
+    state = tr.dp.audit
     rows = np.flatnonzero(bits)
     dirs = GradientDirections(state.m, seen["sizes"], key=key)
     per_step, draws = [], np.zeros(state.m)
-    for batch in tr._dp_sampler.recorded:
+    for batch in tr.dp.sampler.recorded:
         total = np.zeros(dirs.d)
         for r in batch:
             if r >= N_REAL:
@@ -103,7 +103,7 @@ def test_gradient_canaries_go_through_the_clipped_sum(tmp_path, monkeypatch, cli
     sampler's draws and the directions' key) plus the real rows' projection (small: |·| < 0.5 C/B); N and q count all
     m canaries; both engines."""
     tr = _trainer(tmp_path, clipping=clipping)
-    state = tr._audit
+    state = tr.dp.audit
     key, bits = state.key, state.canaries.included
     assert tr.privacy_spec.dataset_size == N_REAL + 100 and tr.clipping == clipping
     assert len(tr.train_dataset) == N_REAL + int(bits.sum())
@@ -133,7 +133,7 @@ def test_a_wider_clip_in_the_engine_reaches_the_canaries(tmp_path, monkeypatch):
     from hf_dp.audit.one_run import partial_break
 
     tr = partial_break(_trainer(tmp_path), "clip_x10")
-    key, bits = tr._audit.key, tr._audit.canaries.included
+    key, bits = tr.dp.audit.key, tr.dp.audit.canaries.included
     seen = _instrumented(tr, monkeypatch)
     tr.train()
     want, _ = _expected(tr, seen, key, bits, clip=10.0)
@@ -159,7 +159,7 @@ def test_the_draw_stays_in_memory(tmp_path):
     import json
 
     tr = _trainer(tmp_path, steps=2, save_strategy="steps", save_steps=1)
-    state = tr._audit
+    state = tr.dp.audit
     bits = state.canaries.included
     loader = tr.get_train_dataloader()
     for obj in (state, loader.dataset):
@@ -296,7 +296,7 @@ def test_an_exception_in_train_drops_the_draw_and_refuses_another_train(tmp_path
     tr.add_callback(Boom())
     with pytest.raises(RuntimeError, match="boom"):
         tr.train()
-    st = tr._audit
+    st = tr.dp.audit
     assert st.trained and st.canaries._included is None and st.row_canary is None and st.score_sum is None
     assert st._projector is None and getattr(tr, "audit_record", None) is None  # no audit of a failed run
     with pytest.raises(ValueError, match="one train"):

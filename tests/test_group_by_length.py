@@ -132,10 +132,10 @@ def test_a_training_set_replaced_after_init_is_refused(tok, tmp_path, strategy):
 def test_switching_the_strategy_after_init_is_honoured(tok, tmp_path):
     trainer = DPTrainer(model=make_model(seed=0), args=dp_args(tmp_path, train_sampling_strategy="group_by_length"),
                         train_dataset=make_pair_dataset(tok, n=64, seed=4), data_collator=make_collator(tok))
-    assert trainer._dp_sampler.lengths is not None
+    assert trainer.dp.sampler.lengths is not None
     trainer.args.train_sampling_strategy = "random"
     trainer.get_train_dataloader()
-    assert trainer._dp_sampler.lengths is None
+    assert trainer.dp.sampler.lengths is None
 
 
 def test_group_by_length_needs_lengths(tok, tmp_path):

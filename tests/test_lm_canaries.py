@@ -74,7 +74,7 @@ def _losses(model, ids) -> np.ndarray:
 
 def test_causal_lm_canaries_are_units_and_are_scored_by_their_loss(tmp_path, monkeypatch):
     tr = _trainer(tmp_path)
-    state = tr._audit
+    state = tr.dp.audit
     assert isinstance(state.canaries, lm_canaries.TokenCanaries)
     bits = state.canaries.included
     assert tr.privacy_spec.dataset_size == N_REAL + 100  # every canary is a unit, whatever the draw
@@ -105,10 +105,10 @@ def test_causal_lm_canaries_are_units_and_are_scored_by_their_loss(tmp_path, mon
 
 def test_under_a_unit_column_each_canary_is_its_own_unit(tmp_path):
     tr = _trainer(tmp_path, units=True)
-    state = tr._audit
+    state = tr.dp.audit
     bits = state.canaries.included
     assert tr.privacy_spec.dataset_size == 10 + 100 and tr.num_units == 110
-    canary_units = tr._unit_rows[10:]
+    canary_units = tr.dp.units.rows[10:]
     assert [len(u) for u in canary_units] == bits.astype(int).tolist()
     assert all(u == [N_REAL + j] for j, u in enumerate(x for x in canary_units if x))
     tr.train()
@@ -157,7 +157,7 @@ def test_canary_rows_do_not_enter_the_logged_training_loss(tmp_path, monkeypatch
     from hf_dp import trainer as trainer_module
 
     tr = _trainer(tmp_path, kind=kind, max_steps=3, logging_strategy="steps", logging_steps=1)
-    canary_ids = {tuple(r) for r in tr._audit.canaries.input_ids}
+    canary_ids = {tuple(r) for r in tr.dp.audit.canaries.input_ids}
     real = trainer_module.per_example_loss
     seen, reported = [], []
 

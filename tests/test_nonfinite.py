@@ -304,7 +304,7 @@ def test_trainer_step_with_a_bad_label_adds_what_the_other_rows_add(tmp_path, to
     extra = {"weight_decay": 0.5} if optim == "dp_sgd_l2" else {}
     trainer = _trainer(tmp_path / f"{clipping}-{optim}", tok, ds, clipping, optim=optim, **extra)
     trainer.create_optimizer_and_scheduler(num_training_steps=10)
-    opt, collator = trainer._dp_optimizer, trainer.data_collator
+    opt, collator = trainer.dp.optimizer, trainer.data_collator
     trainer.model.train()
 
     def summed_after(rows, bad):

@@ -329,11 +329,11 @@ def test_audit_canaries_through_dptrainer(tmp_path):
 
     real = _real_rows()
     tr = _tiny_trainer(real, 3, tmp_path, save_strategy="steps", save_steps=2)
-    state = tr._audit
+    state = tr.dp.audit
     bits = state.canaries.included
     assert tr.privacy_spec.dataset_size == TINY["n"] + 100 and tr.num_units == TINY["n"] + 100
     assert tr.privacy_spec.sample_rate == pytest.approx(16 / (TINY["n"] + 100))
-    assert len(tr.train_dataset) == TINY["n"] + int(bits.sum()) == tr._dp_sampler.num_rows
+    assert len(tr.train_dataset) == TINY["n"] + int(bits.sum()) == tr.dp.sampler.num_rows
     canary_rows = {tuple(r) for r in tr.train_dataset["input_ids"][TINY["n"]:]}
     assert canary_rows == {tuple(ids) for ids, b in zip(state.canaries.input_ids, bits) if b}
     assert tr.train_dataset[:TINY["n"]] == real[:]
@@ -345,7 +345,7 @@ def test_audit_canaries_through_dptrainer(tmp_path):
     # HF's count of training examples (logged, and in train_samples_per_second) is real + m, not real + included
     assert tr.num_examples(tr.get_train_dataloader()) == TINY["n"] + 100
     # the sampler's units: excluded canaries are empty units (drawn, no row); no draw ever yields a missing row
-    units = tr._dp_sampler.units
+    units = tr.dp.sampler.units
     assert [len(u) for u in units[TINY["n"]:]] == [int(b) for b in bits]
     tr.train()
     rec = tr.audit_record
@@ -396,7 +396,7 @@ def test_canaries_do_not_depend_on_the_private_rows(tmp_path):
     made = []
     for i, ds in enumerate((rows(lengths), rows(lengths[:-1]))):
         tr = _tiny_trainer(ds, 1, tmp_path / f"d{i}")
-        made.append(([list(x) for x in tr._audit.canaries.input_ids], list(tr._audit.canaries.labels)))
+        made.append(([list(x) for x in tr.dp.audit.canaries.input_ids], list(tr.dp.audit.canaries.labels)))
     assert made[0] == made[1]
 
 
@@ -411,14 +411,14 @@ def test_audit_canaries_with_privacy_units_and_refusals(tmp_path):
 
     real = _real_rows(units=16)
     tr = _tiny_trainer(real, 1, tmp_path, privacy_unit_column="user")
-    bits = tr._audit.canaries.included
+    bits = tr.dp.audit.canaries.included
     assert tr.num_units == 16 + 100 and tr.privacy_spec.dataset_size == 116
-    rows = tr._unit_rows[16:]
+    rows = tr.dp.units.rows[16:]
     assert [len(r) for r in rows] == [int(b) for b in bits]
     k = TINY["n"]
     for j, r in enumerate(rows, start=16):
         for row in r:
-            assert row == k and int(tr._unit_of_row[row]) == j
+            assert row == k and int(tr.dp.units.of_row[row]) == j
             k += 1
     tr.train()
     assert tr.audit_record["real_units"] == 16
@@ -437,7 +437,7 @@ def test_audit_canaries_with_privacy_units_and_refusals(tmp_path):
         DPTrainer(model=reg, args=args, train_dataset=real.remove_columns("user"))
     # a causal LM is audited since issue 39 item 4 (token canaries scored by their loss: tests/test_lm_canaries.py)
     lm = GPT2LMHeadModel(GPT2Config(vocab_size=TINY["vocab"], n_layer=1, n_embd=16, n_head=2, n_positions=32))
-    assert DPTrainer(model=lm, args=args, train_dataset=real.remove_columns(["user", "labels"]))._audit.m == 100
+    assert DPTrainer(model=lm, args=args, train_dataset=real.remove_columns(["user", "labels"])).dp.audit.m == 100
 
 
 def test_audit_canaries_with_the_frozen_prefix_cache(tmp_path, caplog):
@@ -448,7 +448,7 @@ def test_audit_canaries_with_the_frozen_prefix_cache(tmp_path, caplog):
     real = _real_rows()
     with caplog.at_level(logging.INFO, logger="hf_dp"):
         tr = _tiny_trainer(real, 2, tmp_path, trainable="last_block", cache_frozen_features=True)
-        assert len(tr.train_dataset) == TINY["n"] + tr._audit.included_rows
+        assert len(tr.train_dataset) == TINY["n"] + tr.dp.audit.included_rows
         tr.train()
     assert tr.audit_record["canaries"] == 100 and tr.audit_record["guesses"] >= 5
     assert not [r for r in caplog.records if "prefix cache (train)" in r.getMessage()]

@@ -811,7 +811,7 @@ def test_rules_through_dptrainer_match_float64_references_and_the_report_names_t
     trainer.add_callback(rec)
     trainer.train()
     assert len(rec.grads) == 3
-    phi = trainer._dp_optimizer.noise_std_of_mean ** 2
+    phi = trainer.dp.optimizer.noise_std_of_mean ** 2
     betas = (args.adam_beta1, args.adam_beta2)
     if name == "dp_sgd":
         reference = ref.RefDPSGD(theta0, lam)

@@ -342,7 +342,7 @@ def test_an_interrupted_steps_clipped_sum_never_reaches_a_later_step(ds, collato
                        ds, collator, callbacks=[InterruptMidStep()])
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    opt = trainer._dp_optimizer
+    opt = trainer.dp.optimizer
     assert any(getattr(p, "summed_grad", None) is not None for p in opt.params)  # the interrupted step's half sum
     seen = []
     original = type(opt).add_clipped_sum
@@ -414,13 +414,13 @@ def test_a_logical_batch_cut_by_an_epoch_stop_is_dropped(dp_seed, ds, collator, 
     class CutFirstEpoch(TrainerCallback):
         def on_substep_end(self, args, state, control, **kw):
             if state.epoch < 1 and "cut" not in seen:
-                seen["cut"] = [getattr(p, "summed_grad", None) is not None for p in trainer._dp_optimizer.params]
+                seen["cut"] = [getattr(p, "summed_grad", None) is not None for p in trainer.dp.optimizer.params]
                 control.should_epoch_stop = True
             return control
 
         def on_step_begin(self, args, state, control, **kw):
             if "cut" in seen and "next" not in seen:
-                seen["next"] = [getattr(p, "summed_grad", None) is not None for p in trainer._dp_optimizer.params]
+                seen["next"] = [getattr(p, "summed_grad", None) is not None for p in trainer.dp.optimizer.params]
 
     trainer = _trainer(_args(tmp_path, dp_seed=dp_seed, per_device_train_batch_size=8, gradient_accumulation_steps=2,
                              max_steps=10), ds, collator, callbacks=[CutFirstEpoch()])

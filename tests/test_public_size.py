@@ -74,7 +74,7 @@ def mechanism(tr) -> dict:
         "q": spec.sample_rate, "sigma": spec.noise_multiplier, "T": spec.planned_steps, "B": spec.expected_batch_size,
         "C": spec.max_grad_norm, "N": spec.dataset_size, "delta": spec.delta,
         "divisor": float(opt.expected_batch_size), "privatizer": (opt.noise_multiplier, opt.max_grad_norm),
-        "sampler": (tr._dp_sampler.sample_rate, tr._dp_sampler.steps_per_epoch, tr._dp_sampler.micro_batches),
+        "sampler": (tr.dp.sampler.sample_rate, tr.dp.sampler.steps_per_epoch, tr.dp.sampler.micro_batches),
         "loader_steps": len(tr.get_train_dataloader()), "snapshot": contract.mechanism_snapshot(tr),
         "report": {k: report[k] for k in ("dataset_size", "sample_rate", "noise_multiplier", "planned_steps",
                                           "expected_batch_size", "max_grad_norm", "dataset_size_source",
@@ -136,11 +136,11 @@ def test_a_training_set_larger_than_declared_keeps_the_declared_mechanism_and_wa
     declared size's (T public); a count far above it (here 4x) is said once to the operator (larger batches)."""
     tr = _trainer(tmp_path, _rows(), caplog, public_dataset_size=16, per_device_train_batch_size=4)
     spec = tr.privacy_spec
-    assert spec.sample_rate == 4 / 16 and tr._dp_sampler.steps_per_epoch == 4 and spec.planned_steps == 8
-    assert tr._dp_sampler.num_samples == N  # every actual example can be drawn, each at rate q
+    assert spec.sample_rate == 4 / 16 and tr.dp.sampler.steps_per_epoch == 4 and spec.planned_steps == 8
+    assert tr.dp.sampler.num_samples == N  # every actual example can be drawn, each at rate q
     warned = [line for line in tr._plan_lines if "larger than the declared" in line]
     assert len(warned) == 1, tr._plan_lines
-    sizes = [len(batch) for batch in tr._dp_sampler]
+    sizes = [len(batch) for batch in tr.dp.sampler]
     assert sum(sizes) / len(sizes) > 8  # about q·N = 16 rows per step, not B = 4
 
 

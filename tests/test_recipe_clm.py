@@ -439,7 +439,7 @@ def test_audit_canaries_on_a_causal_lm_print_the_audit_line_and_keep_the_draw_in
 
     def spy(trainer, *a, **kw):
         out = attach(trainer, *a, **kw)
-        seen["bits"] = trainer._audit.canaries.included
+        seen["bits"] = trainer.dp.audit.canaries.included
         return out
 
     monkeypatch.setattr(hooks, "attach", spy)

@@ -53,7 +53,7 @@ def test_two_resumes_of_one_seeded_run_draw_different_noise_and_batches(spies, t
     # ignore_data_skip: each resume's first draws are the first steps it trains (none skipped by HF)
     r2, d2, n2 = run("R2", 6, resume=str(tmp_path / "U" / "checkpoint-2"), ignore_data_skip=True)
     r4, d4, n4 = run("R4", 6, resume=str(tmp_path / "U" / "checkpoint-4"), ignore_data_skip=True)
-    assert r2.resumed_ledger_steps == 2 and r4.resumed_ledger_steps == 4
+    assert r2.dp.lineage.resumed_ledger_steps == 2 and r4.dp.lineage.resumed_ledger_steps == 4
     assert r2.ledger.steps == 4 + 4 and r4.ledger.steps == 4 + 2  # both trained their first step at ledger step 4
     assert len(n2) == 4 and len(n4) == 2 and len(d2) >= 4 and len(d4) >= 2
     assert n2[0].shape == n4[0].shape
@@ -79,7 +79,7 @@ def test_two_resumes_of_a_checkpoint_they_cannot_record_in_draw_different_noise(
     ckpt = str(tmp_path / "U" / "checkpoint-4")
     a, da, na = run("A", 6, resume=ckpt, ignore_data_skip=True)
     b, db, nb = run("B", 6, resume=ckpt, ignore_data_skip=True)
-    assert a.resumed_ledger_steps == b.resumed_ledger_steps == 4 and len(na) == len(nb) == 2
+    assert a.dp.lineage.resumed_ledger_steps == b.dp.lineage.resumed_ledger_steps == 4 and len(na) == len(nb) == 2
     assert not torch.allclose(na[0], nb[0], atol=1e-3)
     assert da[:2] != db[:2]
     assert a.ledger.meta.get("stream_tag") not in (None, b.ledger.meta.get("stream_tag"))

@@ -108,7 +108,7 @@ def run_case(out: str, rank: int, arch: str, engine: str) -> None:
     tr.train()  # Accelerate shards the model (fully_shard) and builds the privatizer over the sharded parameters
     model = tr.model_wrapped or tr.model
     model.train()
-    opt = tr._dp_optimizer
+    opt = tr.dp.optimizer
     assert all(isinstance(p, DTensor) for p in opt.params), "the model was not sharded"
 
     def clipped_sum(inputs) -> torch.Tensor:

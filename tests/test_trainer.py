@@ -178,7 +178,7 @@ def test_sampler_and_accountant_agree(accountant, run, ds128, collator, tmp_path
     n = len(ds128)
     q = b / n
     spec = trainer.privacy_spec
-    sampler = trainer._dp_sampler
+    sampler = trainer.dp.sampler
     assert sampler.sample_rate == spec.sample_rate == q
     assert sampler.micro_batches == 2 and sampler.num_samples == n
     assert spec.expected_batch_size == b and spec.dataset_size == n
@@ -187,10 +187,10 @@ def test_sampler_and_accountant_agree(accountant, run, ds128, collator, tmp_path
 
     steps = counter.optimizer_steps
     expected_steps = run.get("max_steps") or run["num_train_epochs"] * sampler.steps_per_epoch
-    assert steps == trainer.state.global_step == trainer._dp_optimizer.steps_taken == expected_steps
+    assert steps == trainer.state.global_step == trainer.dp.optimizer.steps_taken == expected_steps
     sigma = spec.noise_multiplier
-    assert trainer._dp_optimizer.noise_multiplier == sigma
-    assert trainer._dp_optimizer.expected_batch_size == b
+    assert trainer.dp.optimizer.noise_multiplier == sigma
+    assert trainer.dp.optimizer.expected_batch_size == b
     assert trainer.ledger.accountant.history == [(sigma, q, steps)]
     independent = PRVAccountant() if accountant == "prv" else RDPAccountant()
     independent.history = [(sigma, q, steps)]
@@ -293,7 +293,7 @@ def test_gradient_accumulation_equivalence(ds128, collator, tmp_path, monkeypatc
     tb, mb, cb = run(16, 1)
     assert ta.privacy_spec == tb.privacy_spec  # same B, q, σ
     # same logical draws: A's two micro-batches of each step concatenate to B's single batch
-    sa, sb = ta._dp_sampler, tb._dp_sampler
+    sa, sb = ta.dp.sampler, tb.dp.sampler
     sa.set_epoch(0)
     sb.set_epoch(0)
     micro, logical = list(sa), list(sb)
@@ -546,7 +546,7 @@ def test_optim_args_reach_the_rule(ds128, collator, tmp_path):
     def rule(optim, optim_args):
         trainer = _trainer(make_model(), dp_args(tmp_path, optim=optim, optim_args=optim_args), ds128, collator)
         trainer.create_optimizer()
-        return trainer._dp_optimizer.rule
+        return trainer.dp.optimizer.rule
 
     r = rule("dp_macadam", "fused=false, h2=0.5")
     assert r.fused is False and r.param_groups[0]["h2"] == 0.5

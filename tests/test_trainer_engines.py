@@ -178,7 +178,7 @@ def test_empty_micro_batch_contributes_nothing(tmp_path, clipping):
         train_dataset=ds, data_collator=collator,
     )
     trainer.create_optimizer_and_scheduler(num_training_steps=10)
-    opt = trainer._dp_optimizer
+    opt = trainer.dp.optimizer
     trainer.model.train()
 
     def summed_after(batch):

@@ -20,7 +20,7 @@ training set with the canaries would be a function of the draw). After ``train()
 is scored through HF's ``evaluation_loop`` with the trainer's collator, device and frozen-prefix cache, *without its
 label* (no loss, no metric; canaries never enter an evaluation set): the score is the label's logit margin
 z_y − log Σ_{j≠y} e^{z_j} (included canaries were trained on and tend to score higher). Guesses, counts and the bound
-go to ``trainer.audit_record`` (``privacy.json``'s ``audit``, the card's line next to ε); the bits are then dropped.
+go to ``trainer.dp.audit_record`` (``privacy.json``'s ``audit``, the card's line next to ε); the bits are then dropped.
 
 Accounting. Every canary is a privacy unit whether or not the draw included it: an excluded canary is a unit with no
 row, drawn by the Poisson sampler like any unit and contributing nothing. So **N = real units + m** and
@@ -113,7 +113,7 @@ def check_canary_count(m, delta: float, beta: float = AUDIT_BETA) -> None:
 
 
 class TrainerCanaries:
-    """A DPTrainer's canaries (``trainer._audit``): the :class:`SequenceCanaries`, where they sit in the training set
+    """A DPTrainer's canaries (``trainer.dp.audit``): the :class:`SequenceCanaries`, where they sit in the training set
     (rows ``real_rows`` … ``real_rows + #included − 1``) and the number of real units. Held in memory only."""
 
     def __init__(self, canaries: SequenceCanaries, real_rows: int, like, kind: str = "input"):
@@ -170,8 +170,8 @@ def _shared_bits(bits: np.ndarray, args) -> np.ndarray:
 
 def attach(trainer, model, args, train_dataset, tokenizer=None):
     """``--audit_canaries m`` (DPTrainer's ``__init__``, before HF's): draw the m black-box canaries and return the
-    training set with the included ones appended; ``trainer._audit`` keeps them (None without the flag)."""
-    trainer._audit = None
+    training set with the included ones appended; ``trainer.dp.audit`` keeps them (None without the flag)."""
+    trainer.dp.audit = None
     m = getattr(args, "audit_canaries", None)
     if not m or not args.dp_enabled:
         return train_dataset
@@ -218,7 +218,7 @@ def attach(trainer, model, args, train_dataset, tokenizer=None):
         state.row_canary = np.flatnonzero(canaries._included)  # row real_rows + j is canary row_canary[j]
         state.key = _shared_key(secrets.randbits(128), args)
         state.raw_norm = GRADIENT_NORM * float(args.per_sample_max_grad_norm)
-    trainer._audit = state
+    trainer.dp.audit = state
     return canaries.append_to(train_dataset, blank=(unit_col,) if unit_col else ())
 
 
@@ -234,23 +234,23 @@ def extend_units(trainer, rows: int) -> None:
     """At the end of DPTrainer's ``_setup_units``: the units of the canaries, one each, appended to the real units —
     an included canary's unit is its row, an excluded canary's unit has no row (it is drawn like any unit, and adds
     nothing) —, so that N = real units + m whatever the draw."""
-    state = getattr(trainer, "_audit", None)
+    state = trainer.dp.audit
     if state is None:
         return
     if rows != state.real_rows + state.included_rows:
         raise ValueError("internal: the training set does not hold the real rows and the included canaries")
-    real = trainer._unit_rows if trainer._unit_rows is not None else [[i] for i in range(state.real_rows)]
+    real = trainer.dp.units.rows if trainer.dp.units.rows is not None else [[i] for i in range(state.real_rows)]
     state.real_units = len(real)
     units, k = list(real), state.real_rows
     for b in state.canaries.included:
         units.append([k] if b else [])
         k += int(b)
-    if trainer._unit_of_row is not None:  # unit-level clipping: each included canary row is its own unit
+    if trainer.dp.units.of_row is not None:  # unit-level clipping: each included canary row is its own unit
         for j, rows_of in enumerate(units[len(real):], start=len(real)):
             for r in rows_of:
-                trainer._unit_of_row[r] = j
-    trainer._unit_rows = units
-    trainer.num_units = len(units)
+                trainer.dp.units.of_row[r] = j
+    trainer.dp.units.rows = units
+    trainer.dp.units.count = len(units)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -387,7 +387,7 @@ def gradient_scores(state: TrainerCanaries) -> np.ndarray:
 def before_train(trainer, resume_from_checkpoint) -> None:
     """Refuse a resume (the draw is not stored: a new process cannot rebuild the training set) and a second train()
     (the bits were dropped after the first audit)."""
-    state = getattr(trainer, "_audit", None)
+    state = trainer.dp.audit
     if state is None:
         return
     if resume_from_checkpoint is not None:
@@ -431,10 +431,10 @@ def _drop(state: TrainerCanaries) -> None:
 
 
 def after_train(trainer, failed: bool = False) -> dict | None:
-    """After DPTrainer's train(): score, guess, count, bound; ``trainer.audit_record`` (privacy.json's ``audit``, the
+    """After DPTrainer's train(): score, guess, count, bound; ``trainer.dp.audit_record`` (privacy.json's ``audit``, the
     card's line); the inclusion bits are then dropped. ``failed`` (train() raised): no audit, the bits are dropped all
     the same, and a later train() is refused (it would reuse the draw)."""
-    state = getattr(trainer, "_audit", None)
+    state = trainer.dp.audit
     if state is None or state.trained:
         return None
     state.trained = True
@@ -461,13 +461,13 @@ def after_train(trainer, failed: bool = False) -> dict | None:
         real_units=real_units, dataset_size_includes_canaries=state.m, accounting=ACCOUNTING,
     )
     rec["summary"] = describe(rec)
-    rec["utility_cost"] = utility_cost(state.m, int(real_units or 0), float(trainer.privacy_spec.sample_rate),
+    rec["utility_cost"] = utility_cost(state.m, int(real_units or 0), float(trainer.dp.spec.sample_rate),
                                        bool(getattr(trainer.args, "_hf_dp_canaries_on_top", False)))
-    trainer.audit_record = rec
+    trainer.dp.audit_record = rec
     return rec
 
 
 def report(trainer) -> dict:
     """``{"audit": record}`` for ``privacy.json`` once the run was audited, else ``{}``."""
-    rec = getattr(trainer, "audit_record", None)
+    rec = trainer.dp.audit_record
     return {"audit": dict(rec)} if rec else {}

@@ -20,7 +20,7 @@ CANARY_KEY = "_hf_dp_canary"
 
 
 def _gradient_state(trainer):
-    state = getattr(trainer, "_audit", None)
+    state = trainer.dp.audit
     return state if state is not None and state.kind == "gradient" else None
 
 
@@ -101,7 +101,7 @@ def loader_parts(trainer, dataset, collate_fn):
     """DPTrainer's ``get_train_dataloader``: (dataset, collator) with the canary tags under ``--audit_canaries``
     (unchanged otherwise): each row's canary id under ``--audit_kind gradient``, its place among the canary rows
     under ``--audit_kind input`` (only to leave their losses out of the logged training loss)."""
-    state = getattr(trainer, "_audit", None)
+    state = trainer.dp.audit
     if state is None:
         return dataset, collate_fn
     if state.kind != "gradient":
@@ -116,14 +116,14 @@ def pop_rows(trainer, inputs):
     """DPTrainer's ``compute_loss``: the micro-batch's canary tags (a tensor, -1 for real rows), taken out of
     ``inputs``; ``None`` without canaries."""
     rows = inputs.pop(CANARY_KEY, None) if hasattr(inputs, "pop") else None
-    return rows if getattr(trainer, "_audit", None) is not None else None
+    return rows if trainer.dp.audit is not None else None
 
 
 def input_canary_loss(trainer, losses, rows, empty: bool):
     """``--audit_kind input``: the summed model loss of the micro-batch's canary rows (detached), which
     ``DPTrainer.training_step`` takes out of the loss it reports — the logged training loss is the real rows' (the
     canaries are trained on as any row; gradient canaries' model loss is 0 already). ``None`` otherwise."""
-    state = getattr(trainer, "_audit", None)
+    state = trainer.dp.audit
     if state is None or state.kind == "gradient" or rows is None or empty:
         return None
     rows = rows.to(losses.device).view(-1)
@@ -135,11 +135,11 @@ def input_canary_loss(trainer, losses, rows, empty: bool):
 
 def logged_loss(trainer, loss):
     """``DPTrainer.training_step``: the loss a micro-batch reports (HF sums it into the logged training loss) without
-    its input canary rows' share (:func:`input_canary_loss`, kept by ``compute_loss`` as ``trainer._canary_loss``)."""
-    excluded, trainer._canary_loss = getattr(trainer, "_canary_loss", None), None
+    its input canary rows' share (:func:`input_canary_loss`, kept by ``compute_loss`` as ``trainer.dp.step.canary_loss``)."""
+    excluded, trainer.dp.step.canary_loss = trainer.dp.step.canary_loss, None
     if excluded is None:
         return loss
-    divisor = trainer.privacy_spec.expected_batch_size / max(1, trainer.args.world_size)  # compute_loss's own
+    divisor = trainer.dp.spec.expected_batch_size / max(1, trainer.args.world_size)  # compute_loss's own
     return loss - (excluded / divisor).to(loss.device, loss.dtype)
 
 
@@ -155,6 +155,6 @@ def zero_canary_losses(trainer, losses, rows, empty: bool):
     if rows.shape[0] != losses.shape[0]:
         raise ValueError(f"internal: {rows.shape[0]} canary tags for {losses.shape[0]} per-example losses")
     canary = rows >= 0
-    if not empty and not getattr(trainer, "_contract_probe", False):
+    if not empty and not trainer.dp.contract.probe:
         state.pending = [int(k) for k in rows[canary].tolist()]
     return torch.where(canary, torch.zeros_like(losses), losses)

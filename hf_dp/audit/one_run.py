@@ -218,12 +218,12 @@ def partial_break(tr, variant: str):
 
         def create_with_less_noise(model=None):
             out = create(model)
-            divide_noise(tr._dp_optimizer, 10.0)
+            divide_noise(tr.dp.optimizer, 10.0)
             return out
 
         tr.create_optimizer = create_with_less_noise
     elif variant == "clip_x10":
-        engine = tr.clipping_engine
+        engine = tr.dp.engine
         before, after = engine.before_backward, engine.after_backward
 
         def wider(optimizer, run):
@@ -237,15 +237,15 @@ def partial_break(tr, variant: str):
         engine.after_backward = lambda optimizer, loss_scale, rows, units=None: wider(
             optimizer, lambda: after(optimizer, loss_scale, rows, units))
     elif variant == "replay_step":
-        tr._dp_sampler = _ReplayFirst(tr._dp_sampler)
+        tr.dp.sampler = _ReplayFirst(tr.dp.sampler)
     return tr
 
 
 def _claim(trainer, cfg: OneRunConfig) -> tuple[float, dict]:
     from hf_dp.privacy.accounting import compute_epsilon
 
-    spec = trainer.privacy_spec
-    info = dict(N=spec.dataset_size, B=spec.expected_batch_size, q=spec.sample_rate, steps=trainer.ledger.steps,
+    spec = trainer.dp.spec
+    info = dict(N=spec.dataset_size, B=spec.expected_batch_size, q=spec.sample_rate, steps=trainer.dp.ledger.steps,
                 sigma=spec.noise_multiplier, reported_epsilon=trainer.get_epsilon())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -297,10 +297,10 @@ def black_box_run(cfg: OneRunConfig) -> tuple[OneRunBound, float, dict]:
         claimed, info = _claim(tr, cfg)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    info["included"] = tr._audit.included_rows
-    info["clipping"] = tr.clipping
-    info["gdp"] = tr._audit.gdp
-    return tr._audit.bound, claimed, info
+    info["included"] = tr.dp.audit.included_rows
+    info["clipping"] = tr.dp.clipping
+    info["gdp"] = tr.dp.audit.gdp
+    return tr.dp.audit.bound, claimed, info
 
 
 def white_box_run(cfg: OneRunConfig) -> tuple[np.ndarray, np.ndarray, float, dict]:
@@ -338,7 +338,7 @@ def white_box_run(cfg: OneRunConfig) -> tuple[np.ndarray, np.ndarray, float, dic
         shutil.rmtree(out, ignore_errors=True)
     scores = (theta0 - model.score.weight.detach()[0]).double().numpy()
     info["included"] = int(included.sum())
-    info["clipping"] = tr.clipping
+    info["clipping"] = tr.dp.clipping
     return scores, included, claimed, info
 
 

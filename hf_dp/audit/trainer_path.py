@@ -46,7 +46,7 @@ and the steps in the ledger — evaluated at the audit's δ):
   computes the clipped sum, and restored before the noise, which stays σ·C): per-example gradients are summed unclipped.
 * ``replay_train``: every ``train()`` call after the first is fed the index lists the batch sampler
   yielded in the first call (recorded and substituted by :class:`ReplayBatchSampler`, a wrapper
-  around ``trainer._dp_sampler`` that relies only on its public surface). Noise stays fresh.
+  around ``trainer.dp.sampler`` that relies only on its public surface). Noise stays fresh.
 * ``replay_resume``: after the resume, the first k steps are fed the lists of steps 1…k of the
   interrupted run (the lists HF's resume skips in the current epoch are passed through first).
 * ``two_rows``: a collator that emits every drawn row twice (augmented views), with DPTrainer's
@@ -161,7 +161,7 @@ class CanaryDataset(torch.utils.data.Dataset):
 # replaying batches from the outside
 # ------------------------------------------------------------------------------------------------
 class ReplayBatchSampler:
-    """Wraps the trainer's batch sampler (``trainer._dp_sampler``): records every index list it yields
+    """Wraps the trainer's batch sampler (``trainer.dp.sampler``): records every index list it yields
     and, after :meth:`replay`, substitutes given lists for the ones the wrapped sampler yields.
 
     Relies only on the wrapped sampler being an iterable of index lists with ``__len__`` and
@@ -283,7 +283,7 @@ def noise_off(trainer) -> None:
 
     def create_without_noise(model=None):
         out = create(model)
-        zero_noise(trainer._dp_optimizer)
+        zero_noise(trainer.dp.optimizer)
         return out
 
     trainer.create_optimizer = create_without_noise
@@ -343,7 +343,7 @@ def _args(cfg: TrainerAuditConfig, out: str, batch: int, save_steps: int | None)
 
 def _without_clipping(tr) -> None:
     """Variant ``no_clip``: the engine clips to C = ∞ (factor 1 for every example); the noise keeps σ·C."""
-    engine = tr.clipping_engine
+    engine = tr.dp.engine
     before, after = engine.before_backward, engine.after_backward
 
     def unbounded(optimizer, run):
@@ -367,8 +367,8 @@ def _trainer(cfg, model, args, dataset, require_ghost: bool = True):
 
     tr = DPTrainer(model=model, args=args, train_dataset=dataset)
     tr.remove_callback(PrinterCallback)
-    if require_ghost and tr.clipping != "ghost":
-        raise RuntimeError(f"internal: expected --clipping auto to choose ghost clipping, got {tr.clipping}")
+    if require_ghost and tr.dp.clipping != "ghost":
+        raise RuntimeError(f"internal: expected --clipping auto to choose ghost clipping, got {tr.dp.clipping}")
     if cfg.variant == "no_clip":
         _without_clipping(tr)
     if cfg.variant == "no_noise":
@@ -376,12 +376,12 @@ def _trainer(cfg, model, args, dataset, require_ghost: bool = True):
 
         def create_without_noise(model=None):
             out = create(model)
-            zero_noise(tr._dp_optimizer)  # the privatizer (HF may hand back Accelerate's wrapper of it)
+            zero_noise(tr.dp.optimizer)  # the privatizer (HF may hand back Accelerate's wrapper of it)
             return out
 
         tr.create_optimizer = create_without_noise
     if cfg.variant in ("replay_train", "replay_resume"):
-        tr._dp_sampler = ReplayBatchSampler(tr._dp_sampler)
+        tr.dp.sampler = ReplayBatchSampler(tr.dp.sampler)
     if cfg.variant == "two_rows":  # the collator emits every drawn row twice; the one-row-per-example check bypassed
         build = tr.get_train_dataloader
 
@@ -396,7 +396,7 @@ def _trainer(cfg, model, args, dataset, require_ghost: bool = True):
         from hf_dp.run import contract
 
         tr.args.gradient_accumulation_steps = 3
-        tr._planned_mechanism = contract.mechanism_snapshot(tr)
+        tr.dp.contract.planned = contract.mechanism_snapshot(tr)
     return tr
 
 
@@ -425,21 +425,21 @@ def one_trainer_run(cfg: TrainerAuditConfig, canaries: int, no_canaries: int, wo
             model = CanaryModel(CanaryConfig(dim=k))  # the interrupted run's model is discarded
             tr = _trainer(cfg, model, _args(cfg, out, b, None), dataset)
             if cfg.variant == "replay_resume":
-                spe = len(tr._dp_sampler) // m  # steps per epoch
+                spe = len(tr.dp.sampler) // m  # steps per epoch
                 skip = (cfg.resume_at % spe) * m  # the lists HF's resume draws and skips in the current epoch
-                tr._dp_sampler.replay(interrupted._dp_sampler.recorded[: cfg.resume_at * m], skip=skip)
+                tr.dp.sampler.replay(interrupted.dp.sampler.recorded[: cfg.resume_at * m], skip=skip)
             tr.train(resume_from_checkpoint=ckpt)
         else:
             tr = _trainer(cfg, model, _args(cfg, out, b, None), dataset)
             tr.train()
         if cfg.variant == "replay_train":
-            first_lists = list(tr._dp_sampler.recorded)
+            first_lists = list(tr.dp.sampler.recorded)
         for _ in range(cfg.train_calls - 1):
             if cfg.variant == "replay_train":
-                tr._dp_sampler.replay(first_lists)
+                tr.dp.sampler.replay(first_lists)
             tr.train()
         info = dict(
-            steps=tr.ledger.steps, sigma=tr.privacy_spec.noise_multiplier, q=tr.privacy_spec.sample_rate,
+            steps=tr.dp.ledger.steps, sigma=tr.dp.spec.noise_multiplier, q=tr.dp.spec.sample_rate,
             reported_epsilon=tr.get_epsilon(), N=n, B=b,
         )
         stat = (theta0 - model.score.weight.detach()[0]).double().numpy()

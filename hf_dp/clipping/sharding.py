@@ -342,7 +342,7 @@ def save_checkpoint_state(trainer, output_dir: str) -> None:
 
     save_fsdp_model(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.model, output_dir,
                     **get_fsdp_ckpt_kwargs())
-    state = trainer._dp_optimizer.state_dict()
+    state = trainer.dp.optimizer.state_dict()
     extras = io.BytesIO()
     torch.save(state["hf_dp"], extras)  # one opaque leaf: loaded with weights_only=True, as optimizer.pt is
     dcp.save({"optimizer": state["rule"], "hf_dp": extras.getvalue()},
@@ -369,7 +369,7 @@ def load_checkpoint_state(trainer, checkpoint: str) -> None:
     path = os.path.join(checkpoint, OPTIMIZER_DIR)
     _check_dcp_metadata(os.path.join(path, ".metadata"), checkpoint, tensors_only=False)  # before torch unpickles it
     metadata = dcp.FileSystemReader(path).read_metadata()
-    private = trainer._dp_optimizer
+    private = trainer.dp.optimizer
     params = [p for group in private.rule.param_groups for p in group["params"]]
     template: dict = {}
     for key, md in metadata.state_dict_metadata.items():

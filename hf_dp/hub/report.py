@@ -35,9 +35,9 @@ def rounding_report(bounds) -> dict | None:
 
 def privacy_report(trainer) -> dict:
     """All numbers of the guarantee of a DP run, as written to ``privacy.json`` and the model card."""
-    args, spec = trainer.args, trainer.privacy_spec
-    steps = trainer.ledger.steps
-    rule = trainer._dp_optimizer.rule if trainer._dp_optimizer is not None else None
+    args, spec = trainer.args, trainer.dp.spec
+    steps = trainer.dp.ledger.steps
+    rule = trainer.dp.optimizer.rule if trainer.dp.optimizer is not None else None
     hyper = {}
     if rule is not None:  # the rule describes itself: its variant and the hyper-parameters its update reads
         hyper = _schedule(args, rule.describe())
@@ -54,28 +54,28 @@ def privacy_report(trainer) -> dict:
         "sample_rate": spec.sample_rate,
         "expected_batch_size": spec.expected_batch_size,
         "dataset_size": spec.dataset_size,
-        "dataset_size_source": getattr(trainer, "dataset_size_source", None),  # declared, or counted (hf_dp.run.setup)
+        "dataset_size_source": trainer.dp.mechanism.dataset_size_source,  # declared, or counted (hf_dp.run.setup)
         "neighbouring_relation": neighbouring_relation(trainer),
         "steps": steps,
         "planned_steps": spec.planned_steps,
-        "epochs": ledger_epochs(trainer.ledger),
+        "epochs": ledger_epochs(trainer.dp.ledger),
         "sampling": "poisson",
         "unit_of_privacy": unit_of_privacy(trainer),
         "privacy_unit": privacy_unit_report(trainer),
-        "secure_rng": trainer.randomness == CSPRNG,
-        "randomness": trainer.randomness,
-        "dp_seed": args.dp_seed if trainer.randomness == SEEDED else None,
-        "clipping": getattr(trainer, "clipping", None),
-        "clipping_rounding": rounding_report(getattr(trainer, "token_bounds", None)),
+        "secure_rng": trainer.dp.randomness == CSPRNG,
+        "randomness": trainer.dp.randomness,
+        "dp_seed": args.dp_seed if trainer.dp.randomness == SEEDED else None,
+        "clipping": trainer.dp.clipping,
+        "clipping_rounding": rounding_report(trainer.dp.bounds),
         "cache_frozen_features": bool(trainer._prefix_cache),
         "optimizer": {"name": str(args.optim), "hyperparameters": hyper},
         "trainable": trainable_report(trainer),
         "model_selection": model_selection_report(trainer),
-        "hyperparameter_selection": getattr(trainer, "hyperparameter_selection", None),  # hf_dp.tuning.search
-        "run_id": getattr(trainer, "run_id", None),
+        "hyperparameter_selection": trainer.dp.selection.record,  # hf_dp.tuning.search
+        "run_id": trainer.dp.run_id,
         "ledger": ledger_report(trainer),
         # --audit_canaries: the one-run audit's record (hf_dp.audit.canaries.after_train), once the run was audited
-        **({"audit": dict(trainer.audit_record)} if getattr(trainer, "audit_record", None) else {}),
+        **({"audit": dict(trainer.dp.audit_record)} if trainer.dp.audit_record else {}),
     }
 
 
@@ -92,7 +92,7 @@ def privacy_unit_report(trainer) -> dict:
     ``--public_dataset_size``, else the actual count (then not protected either: ``dataset_size_source``)."""
     args = trainer.args
     col = getattr(args, "privacy_unit_column", None)
-    n = trainer.privacy_spec.dataset_size
+    n = trainer.dp.spec.dataset_size
     if col is None:
         return {"level": "row", "column": None, "num_units": n, "max_rows_per_unit": None,
                 "description": f"example-level (row-level) DP: one unit = one row of the training set, N = {n:,}"}
@@ -125,7 +125,7 @@ def ledger_report(trainer) -> dict:
     """Whose steps ε counts: the runs of this model on this data (earlier ones first, this one last), the runs not
     counted (other or unknown data), the checkpoint this run resumed from (its run and step) and the steps counted
     past it (its run's, other resumes'). Public numbers and run ids only (the ledger's own public record)."""
-    ledger = trainer.ledger
+    ledger = trainer.dp.ledger
     build = getattr(ledger, "public_record", None)
     record = dict(build()) if callable(build) else {}
     record.pop("format", None)

@@ -234,8 +234,8 @@ def checkpoint_info(trainer) -> dict:
         info["fsdp"] = {"world_size": args.world_size}
     if args.dp_enabled:
         info.update(
-            ledger_steps=trainer.ledger.steps, epsilon=trainer.get_epsilon(), privacy_spec=trainer.privacy_spec.as_dict(),
-            train_data=trainer._train_data_info(), run_id=trainer.run_id,
+            ledger_steps=trainer.dp.ledger.steps, epsilon=trainer.get_epsilon(), privacy_spec=trainer.dp.spec.as_dict(),
+            train_data=trainer._train_data_info(), run_id=trainer.dp.run_id,
         )
     return info
 
@@ -245,7 +245,7 @@ def save_around(trainer, trial):
     """Around ``Trainer._save_checkpoint`` (``DPTrainer._save_checkpoint`` runs HF's inside): the steps taken are on
     record first, a stale marker of the folder is removed, and HF's rotation of old checkpoints is deferred until the
     completion marker is on disk (HF writes ``checkpoint-N`` in place, then rotates), so a complete checkpoint exists at
-    every instant. While HF saves, ``trainer._saving_checkpoint`` tells ``save_model`` it writes a checkpoint, not a
+    every instant. While HF saves, ``trainer.dp.saving_checkpoint`` tells ``save_model`` it writes a checkpoint, not a
     release (whatever the folder's name). Yields the checkpoint folder."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -257,12 +257,12 @@ def save_around(trainer, trial):
         remove_marker(folder)
     limit = args.save_total_limit
     args.save_total_limit = None
-    trainer._saving_checkpoint = True
+    trainer.dp.saving_checkpoint = True
     try:
         yield folder
     finally:
         args.save_total_limit = limit
-        trainer._saving_checkpoint = False
+        trainer.dp.saving_checkpoint = False
     if args.world_size > 1:
         trainer.accelerator.wait_for_everyone()  # every rank's files (rng_state_i.pth; FSDP: its shards) are written
     if args.should_save:

@@ -366,7 +366,7 @@ def check_optimizer(trainer) -> None:
     """The optimizer HF steps is the trainer's privatizer, with the σ, C and B it was built with (an optimizer assigned
     to ``trainer.optimizer``, or a privatizer attribute changed, after ``create_optimizer`` would train without the
     planned noise while the report claims it)."""
-    opt, dp = trainer.optimizer, getattr(trainer, "_dp_optimizer", None)
+    opt, dp = trainer.optimizer, trainer.dp.optimizer
     if opt is None or dp is None:
         return
     inner = opt
@@ -378,7 +378,7 @@ def check_optimizer(trainer) -> None:
             "create_optimizer): its steps would use unclipped, un-noised gradients while the report claims DP; let "
             "DPTrainer build the optimizer from --optim"
         )
-    spec = trainer.privacy_spec
+    spec = trainer.dp.spec
     planned = {"noise_multiplier": spec.noise_multiplier, "C": spec.max_grad_norm, "B": spec.expected_batch_size,
                "clip norm": dp.rule.clip_norm(spec.max_grad_norm)}
     now = {"noise_multiplier": dp.noise_multiplier, "C": dp.user_max_grad_norm, "B": dp.expected_batch_size,
@@ -434,9 +434,9 @@ def check_ranks_share_draw(trainer) -> None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return
-    sampler = trainer._dp_sampler
-    key = getattr(trainer, "_sampling_key", None)
-    mine = sampler.draw_digest(int(trainer.ledger.steps), trainer.ledger.meta.get("stream_tag"),
+    sampler = trainer.dp.sampler
+    key = trainer.dp.sampling_key
+    mine = sampler.draw_digest(int(trainer.dp.ledger.steps), trainer.dp.ledger.meta.get("stream_tag"),
                                None if key is None else hashlib.sha256(str(key).encode()).hexdigest())
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -453,23 +453,23 @@ def check_at_train(trainer) -> None:
     flags refused under DP are not set, the mechanism is still the one planned, every rank holds the same data in the
     same order, a non-HF collator gives one usable row per example for every training row, and each example's loss
     depends on that example alone (:func:`hf_dp.run.independence.probe_independence`)."""
-    if trainer.train_dataset is not trainer._planned_train_dataset:
+    if trainer.train_dataset is not trainer.dp.contract.planned_dataset:
         raise ValueError(
             "train_dataset was replaced after the DPTrainer was built: N, the fingerprint that resumes, ranks and "
             "the model's ledger compare, and the label checks describe the dataset given at construction; make a "
             "new DPTrainer for other data"
         )
     check_flags(trainer.args)  # HF flags refused under DP, also when set on trainer.args after construction
-    check_mechanism(trainer._planned_mechanism, mechanism_snapshot(trainer))
+    check_mechanism(trainer.dp.contract.planned, mechanism_snapshot(trainer))
     if trainer.args.world_size > 1:
-        check_ranks_agree(trainer._train_data_info()["sha256"], trainer._planned_mechanism)
-    if trainer._rows_checked is not trainer.data_collator:  # the dataset is fixed (above); again if the collator changed
+        check_ranks_agree(trainer._train_data_info()["sha256"], trainer.dp.contract.planned)
+    if trainer.dp.contract.rows_checked is not trainer.data_collator:  # the dataset is fixed (above); again if the collator changed
         loader = trainer.get_train_dataloader()
         outcome = check_every_row(loader.dataset, loader.collate_fn, getattr(trainer.model, "config", None), trainer.objective)
         # a collator seen to emit several rows (or none) for one example: every micro-batch's rows are attributed
         # to their examples, also when the row count happens to equal the number of examples drawn
-        trainer._several_rows = outcome.endswith("several rows per example")
-        trainer._rows_checked = trainer.data_collator
+        trainer.dp.contract.several_rows = outcome.endswith("several rows per example")
+        trainer.dp.contract.rows_checked = trainer.data_collator
     outcome = independence.probe_independence(trainer)
     if outcome != "passed":
         logger.warning("hf_dp: the per-example contract could not be verified on a probe micro-batch (%s)", outcome)

@@ -383,10 +383,10 @@ def group_by_length(args) -> bool:
 def set_sampler_lengths(trainer) -> None:
     """group_by_length: the Poisson sampler orders each draw by these lengths (in memory only); else no order."""
     if not group_by_length(trainer.args):
-        trainer._dp_sampler.lengths, trainer._lengths_of = None, None
-    elif trainer._lengths_of is not trainer.train_dataset:  # computed once per dataset object
-        trainer._dp_sampler.lengths = example_lengths(trainer.train_dataset, trainer.args.length_column_name)
-        trainer._lengths_of = trainer.train_dataset
+        trainer.dp.sampler.lengths, trainer.dp.lengths_of = None, None
+    elif trainer.dp.lengths_of is not trainer.train_dataset:  # computed once per dataset object
+        trainer.dp.sampler.lengths = example_lengths(trainer.train_dataset, trainer.args.length_column_name)
+        trainer.dp.lengths_of = trainer.train_dataset
 
 
 def poisson_loader(trainer, base: DataLoader, audit_parts=None) -> PoissonDataLoader:
@@ -396,24 +396,24 @@ def poisson_loader(trainer, base: DataLoader, audit_parts=None) -> PoissonDataLo
     the noise was calibrated for. ``audit_parts(trainer, dataset, collate)``: the one-run audit's tagging of its
     canaries (:func:`hf_dp.audit.canaries.loader_parts`), passed by the trainer."""
     dataset = base.dataset
-    if len(dataset) != trainer._dp_sampler.num_rows:
+    if len(dataset) != trainer.dp.sampler.num_rows:
         raise ValueError(
             f"the training dataset has {len(dataset)} rows, but this DPTrainer calibrated the noise for "
-            f"{trainer._dp_sampler.num_rows} rows (N = {trainer._dp_sampler.num_samples}, q = B/N, delta < 1/N): "
+            f"{trainer.dp.sampler.num_rows} rows (N = {trainer.dp.sampler.num_samples}, q = B/N, delta < 1/N): "
             "train_dataset was replaced after the trainer was made; make a new DPTrainer for other data"
         )
     set_sampler_lengths(trainer)
-    units = trainer._unit_of_row is not None
+    units = trainer.dp.units.of_row is not None
     if units:
-        dataset = UnitTagged(dataset, trainer._unit_of_row)
+        dataset = UnitTagged(dataset, trainer.dp.units.of_row)
     collate = base.collate_fn
     if audit_parts is not None:  # --audit_kind gradient: the canaries' tags
         dataset, collate = audit_parts(trainer, dataset, collate)
     return PoissonDataLoader(
         dataset,
-        batch_sampler=trainer._dp_sampler,
+        batch_sampler=trainer.dp.sampler,
         collate_fn=EmptySafeCollator(collate, dataset, units=units, unit_column=trainer.args.privacy_unit_column,
-                                     attribute=trainer._several_rows),
+                                     attribute=trainer.dp.contract.several_rows),
         num_workers=trainer.args.dataloader_num_workers,
         pin_memory=trainer.args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
     )

@@ -165,7 +165,7 @@ def probe_independence(trainer, probe_rows: int = 4, candidates: int = 12) -> st
     model = trainer.model
     was_training = model.training
     model.train()
-    trainer._contract_probe = True
+    trainer.dp.contract.probe = True
     results = []
     try:
         with _no_dropout(model):
@@ -196,10 +196,10 @@ def probe_independence(trainer, probe_rows: int = 4, candidates: int = 12) -> st
                 results.append([(leaf.detach(), torch.zeros_like(leaf) if g is None else g.detach())
                                 for leaf, g in zip(tap.leaves, grads)])
     finally:
-        trainer._contract_probe = False
-        trainer._loss_scale = None
-        trainer._empty_micro_batch = False
-        engine = getattr(trainer, "clipping_engine", None)
+        trainer.dp.contract.probe = False
+        trainer.dp.step.loss_scale = None
+        trainer.dp.step.empty = False
+        engine = trainer.dp.engine
         if engine is not None:
             engine.clear()  # the probe's forwards ran without autograd: nothing recorded, cleared all the same
         model.train(was_training)

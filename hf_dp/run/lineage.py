@@ -90,7 +90,7 @@ def _same_data(ref: DataRef | None, trainer) -> bool | None:
     """Is ``ref`` the training data of ``trainer``? ``None``: unknown (no reference, or the data are gone)."""
     if ref is None:
         return None
-    if ref.num_samples != trainer.privacy_spec.dataset_size:
+    if ref.num_samples != trainer.dp.spec.dataset_size:
         return False
     if ref.dataset() is not None and ref.dataset() is trainer._fingerprint_source:
         return True
@@ -209,7 +209,7 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
     """Compose into ``trainer``'s ledger the earlier runs ``carried`` by its model (and read from a file) as
     ``choice`` says: every one unless ``separate`` (fail closed); warn once about those counted without knowing that
     the data are the same (``quiet``: the caller says what was taken in)."""
-    ledger, refs = trainer.ledger, trainer._hf_dp_refs
+    ledger, refs = trainer.dp.ledger, trainer.dp.lineage.refs
     own = ledger.meta.get("run_id")
     known = {r.get("run_id"): r["steps"] for r in ledger.prior}
     known.update({r.get("run_id"): r["steps"] for r in ledger.meta.get("separate") or []})
@@ -264,10 +264,10 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
         )
     if counted:
         ledger.set_prior(_merge(ledger.prior, counted))
-        opt = getattr(trainer, "_dp_optimizer", None)
+        opt = trainer.dp.optimizer
         if opt is not None:
             opt.budget_steps = None  # the steps known to fit were for the ledger without these runs
-        total = "; --epsilon is the model's total" if trainer.privacy_spec.target_epsilon is not None else ""
+        total = "; --epsilon is the model's total" if trainer.dp.spec.target_epsilon is not None else ""
         if not quiet and choice != "continue" and unasked:
             unknown = [r for r, same in unasked if same is None]
             other = [r for r, same in unasked if same is False]
@@ -283,7 +283,7 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
                 "examples these sets share (a re-ordered or re-columned copy shares them all), so this run's ledger "
                 "counts those steps (--prior_privacy %s; epsilon now %.4g before this run's steps%s). If this run's "
                 "training data share no example with theirs, pass --prior_privacy separate",
-                where, run_epsilon(runs), float(runs[0].get("delta") or trainer.privacy_spec.delta),
+                where, run_epsilon(runs), float(runs[0].get("delta") or trainer.dp.spec.delta),
                 choice, ledger.get_epsilon(), total,
             )
         elif not quiet:
@@ -303,8 +303,8 @@ def adopt_model_ledger(trainer) -> None:
     """At construction (``DPTrainer._setup_privacy``, right after the ledger is made): start the ledger from the
     earlier runs the model carries, as ``--prior_privacy`` says."""
     choice = str(getattr(trainer.args, "prior_privacy", None) or "auto")
-    trainer._hf_dp_refs = {}
-    trainer._hf_dp_data = DataRef(trainer._fingerprint_source, trainer.privacy_spec.dataset_size, trainer._train_fingerprint)
+    trainer.dp.lineage.refs = {}
+    trainer.dp.lineage.data = DataRef(trainer._fingerprint_source, trainer.dp.spec.dataset_size, trainer._train_fingerprint)
     from_file = _runs_from_file(choice) if choice not in PRIOR_CHOICES else None
     carried = _carried(_plain_model(trainer.model))
     _refuse_selected(_plain_model(trainer.model), from_file_path=choice if from_file is not None else None, choice=choice)
@@ -354,8 +354,8 @@ def take_later_runs(trainer):
     steps than the weights took; runs declared separate (``--prior_privacy separate``, other data) stay separate."""
     model = _plain_model(trainer.model)
     record = getattr(model, MODEL_ATTR, None)
-    if trainer.args.dp_enabled and isinstance(record, ModelLedger) and record.ledger is not trainer.ledger:
-        ledger, choice = trainer.ledger, str(getattr(trainer.args, "prior_privacy", None) or "auto")
+    if trainer.args.dp_enabled and isinstance(record, ModelLedger) and record.ledger is not trainer.dp.ledger:
+        ledger, choice = trainer.dp.ledger, str(getattr(trainer.args, "prior_privacy", None) or "auto")
         _refuse_selected(model, None, choice)
         before = ledger.steps
         _take(trainer, _carried(model), None, choice, quiet=True)
@@ -375,9 +375,9 @@ def before_train(trainer, resume_from_checkpoint) -> None:
     refuse a target ε the earlier runs already spent, and attach the ledger to the model."""
     if not trainer.args.dp_enabled:
         return
-    ledger = trainer.ledger
+    ledger = trainer.dp.ledger
     _sync_run_id(trainer)
-    ledger.meta["run_id"] = trainer.run_id
+    ledger.meta["run_id"] = trainer.dp.run_id
     if resume_from_checkpoint is None:
         _refuse_other_runs_checkpoints(trainer)
         model = _plain_model(trainer.model)
@@ -390,7 +390,7 @@ def before_train(trainer, resume_from_checkpoint) -> None:
             # a continuation that is not a resume (a second train(), or a new trainer on a model that carries this
             # ledger) starts at a ledger step that a clean resume of one of the run's checkpoints may also start at:
             # under --dp_seed its streams get a tag of their own, so the two never draw the same batches or noise
-            ledger.meta["stream_tag"] = f"{trainer.run_id}@{ledger.steps}"
+            ledger.meta["stream_tag"] = f"{trainer.dp.run_id}@{ledger.steps}"
     attach(trainer)
 
 
@@ -405,14 +405,14 @@ def _sync_run_id(trainer) -> None:
     if trainer.args.world_size > 1 and _distributed():
         import torch.distributed as dist
 
-        box = [trainer.run_id]
+        box = [trainer.dp.run_id]
         dist.broadcast_object_list(box, src=0)
-        trainer.run_id = box[0]
+        trainer.dp.run_id = box[0]
 
 
 def _refuse_other_runs_checkpoints(trainer) -> None:
-    ledger = trainer.ledger
-    own = {trainer.run_id} | {a.get("run_id") for a in ledger.meta.get("ancestry") or []}
+    ledger = trainer.dp.ledger
+    own = {trainer.dp.run_id} | {a.get("run_id") for a in ledger.meta.get("ancestry") or []}
     found = spent.other_runs_checkpoints(trainer.args.output_dir, own)
     if trainer.args.world_size > 1 and _distributed():  # every rank refuses, or none (a folder only rank 0 sees)
         import torch
@@ -442,9 +442,9 @@ def _refuse_other_runs_checkpoints(trainer) -> None:
 def _check_prior_budget(trainer) -> None:
     """With earlier runs in the ledger and a target ε (the model's total): refuse when not one more step fits, and
     say when the planned steps do not all fit (the run then stops at the target, as a resumed run does)."""
-    ledger, spec = trainer.ledger, trainer.privacy_spec
+    ledger, spec = trainer.dp.ledger, trainer.dp.spec
     target = spec.target_epsilon
-    trainer._hf_dp_budget_steps = None
+    trainer.dp.lineage.budget_steps = None
     if target is None or ledger.prior_steps == 0:
         return
     within = lambda n: ledger.epsilon_after(n) <= target * (1 + 1e-9)  # noqa: E731
@@ -456,17 +456,17 @@ def _check_prior_budget(trainer) -> None:
             f"target epsilon={target}, the model's total: raise --epsilon to the total you accept for this model, or "
             "train a fresh copy of the base model"
         )
-    if getattr(trainer, "_dp_optimizer", None) is not None:
+    if trainer.dp.optimizer is not None:
         return  # a later train() of this trainer: the budget guard stops it at the target
     planned = int(spec.planned_steps or 0)
     lo, hi = ledger.steps + 1, ledger.steps + planned
     if within(hi):
-        trainer._hf_dp_budget_steps = hi
+        trainer.dp.lineage.budget_steps = hi
         return
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if within(mid) else (lo, mid)
-    trainer._hf_dp_budget_steps = lo
+    trainer.dp.lineage.budget_steps = lo
     logger.warning(
         "hf_dp: with the %d steps of earlier runs in the ledger (epsilon %.4g), the target epsilon=%s (the model's total) "
         "leaves room for %d of this run's %d planned steps at sigma=%.4g; the run stops there. To spread the remaining "
@@ -479,17 +479,17 @@ def after_optimizer_load(trainer, checkpoint) -> None:
     """After HF built the optimizer (and loaded a checkpoint's state into it): the steps the trainer pre-set as
     fitting the budget were computed for this run alone; with earlier runs in the ledger they are this module's
     (or, after a resume, unknown: the privatizer finds them)."""
-    opt = getattr(trainer, "_dp_optimizer", None)
-    if opt is None or opt.max_epsilon is None or trainer.ledger.prior_steps == 0:
+    opt = trainer.dp.optimizer
+    if opt is None or opt.max_epsilon is None or trainer.dp.ledger.prior_steps == 0:
         return
-    opt.budget_steps = None if checkpoint is not None else getattr(trainer, "_hf_dp_budget_steps", None)
+    opt.budget_steps = None if checkpoint is not None else trainer.dp.lineage.budget_steps
 
 
 def attach(trainer) -> None:
     """The model carries this trainer's ledger: in memory (with its training data) and in ``model.config``."""
     model = _plain_model(trainer.model)
-    refs = dict(trainer._hf_dp_refs)
-    record = ModelLedger(trainer.ledger, trainer._hf_dp_data, refs)
+    refs = dict(trainer.dp.lineage.refs)
+    record = ModelLedger(trainer.dp.ledger, trainer.dp.lineage.data, refs)
     try:
         setattr(model, MODEL_ATTR, record)
     except (AttributeError, TypeError):  # pragma: no cover - a model object that takes no attribute
@@ -502,9 +502,9 @@ def refresh_config(trainer) -> None:
     config = getattr(_plain_model(trainer.model), "config", None)
     if config is None:
         return
-    if trainer._hf_dp_data.fingerprint is None and trainer._train_fingerprint is not None:
-        trainer._hf_dp_data.fingerprint = trainer._train_fingerprint
-    record = public_record(trainer.ledger)
+    if trainer.dp.lineage.data.fingerprint is None and trainer._train_fingerprint is not None:
+        trainer.dp.lineage.data.fingerprint = trainer._train_fingerprint
+    record = public_record(trainer.dp.ledger)
     record.pop("counted_past_parent", None)
     setattr(config, CONFIG_ATTR, record)
 
@@ -520,17 +520,17 @@ def record_spent(trainer, compute_epsilon: bool = True) -> None:
     meta = ledger.meta
     if trainer.args.should_save:
         extra = {"parent": meta["parent"]} if meta.get("parent") else None
-        spent.write_spent(trainer.args.output_dir, ledger.steps, eps, trainer.privacy_spec.as_dict(),
-                                  run_id=trainer.run_id, extra=extra)
+        spent.write_spent(trainer.args.output_dir, ledger.steps, eps, trainer.dp.spec.as_dict(),
+                                  run_id=trainer.dp.run_id, extra=extra)
         ancestry = meta.get("ancestry") or []
-        written = getattr(trainer, "_hf_dp_resume_steps", None)
-        start = getattr(trainer, "_hf_dp_resume_start", None)
-        if ancestry and start is not None and written != ledger.steps and meta.get("run_id") == trainer.run_id:
-            record = {"run_id": trainer.run_id, "output_dir": os.path.abspath(trainer.args.output_dir),
+        written = trainer.dp.lineage.resume_steps
+        start = trainer.dp.lineage.resume_start
+        if ancestry and start is not None and written != ledger.steps and meta.get("run_id") == trainer.dp.run_id:
+            record = {"run_id": trainer.dp.run_id, "output_dir": os.path.abspath(trainer.args.output_dir),
                       "start_steps": start, "steps": ledger.steps, "parent": meta.get("parent")}
             for a in ancestry:
                 spent.write_resume_record(a["checkpoint"], record)
-            trainer._hf_dp_resume_steps = ledger.steps
+            trainer.dp.lineage.resume_steps = ledger.steps
     refresh_config(trainer)
 
 

@@ -19,7 +19,7 @@ def save_model_folder(trainer, output_dir: str, is_checkpoint: bool) -> bool:
     training arguments, where HF's save would not write the plain model; ``False``: HF's ``save_model`` writes it.
     ``is_checkpoint``: called from ``_save_checkpoint`` (a release folder may be named ``checkpoint-…`` too)."""
     args, model = trainer.args, trainer.model
-    fsdp = getattr(trainer, "_fsdp", False) and sharding.is_fsdp_model(model)
+    fsdp = trainer.dp.fsdp and sharding.is_fsdp_model(model)
     if fsdp and is_checkpoint and not args.save_only_model:
         # FSDP2, a checkpoint: the model stays sharded (its shards are written with the optimizer's, by
         # _save_optimizer_and_scheduler: hf_dp.clipping.sharding.save_checkpoint_state); rank 0 writes its config

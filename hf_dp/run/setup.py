@@ -24,7 +24,8 @@ from hf_dp.clipping.common import TokenBounds, gamma
 from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
 from hf_dp.plan import calibrated_for, run_block
 from hf_dp.privacy.accounting import PrivacyLedger
-from hf_dp.privacy.planning import LARGER_THAN_DECLARED, plan_mechanism, public_size, size_source
+from hf_dp.privacy.mechanism import Mechanism
+from hf_dp.privacy.planning import LARGER_THAN_DECLARED, public_size
 from hf_dp.privacy.randomness import ENTROPY, SEEDED, shared_entropy_key, source_name
 from hf_dp.privacy.sampler import PoissonBatchSampler
 from hf_dp.privacy.selection import HOLDER, plan_role
@@ -55,25 +56,25 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
     setup_units(trainer, n)
     if audit_units is not None:  # --audit_canaries: one unit per canary, included or not (N = real + m)
         audit_units(trainer, n)
-    n = trainer.num_units  # the actual count: real units (+ --audit_canaries' m), what the sampler draws from
+    n = trainer.dp.units.count  # the actual count: real units (+ --audit_canaries' m), what the sampler draws from
     # N the mechanism is planned from: --public_dataset_size (+ m canaries) when declared, else the actual count
-    audit = getattr(trainer, "_audit", None)
+    audit = trainer.dp.audit
     n_public = public_size(args.public_dataset_size, n, audit.m if audit is not None else 0)
-    trainer.dataset_size_source = size_source(args.public_dataset_size)  # privacy.json's dataset_size_source
-    world = max(1, args.world_size)
-    trainer.privacy_spec, steps_per_epoch, trainer.planned_epsilon = plan_mechanism(
-        n=n_public, per_device_batch=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps,
-        world_size=world, delta=args.delta, epsilon=args.epsilon, noise_multiplier=args.noise_multiplier,
-        max_grad_norm=args.per_sample_max_grad_norm, accountant=args.accountant, max_steps=args.max_steps,
-        num_train_epochs=args.num_train_epochs,
-    )
-    spec = trainer.privacy_spec
+    mechanism = Mechanism.plan(
+        n=n_public, declared=args.public_dataset_size is not None, per_device_batch=args.per_device_train_batch_size,
+        accumulation=args.gradient_accumulation_steps, world_size=args.world_size, delta=args.delta,
+        epsilon=args.epsilon, noise_multiplier=args.noise_multiplier, max_grad_norm=args.per_sample_max_grad_norm,
+        accountant=args.accountant, max_steps=args.max_steps, num_train_epochs=args.num_train_epochs,
+        privacy_unit=args.privacy_unit_column, max_rows_per_unit=args.max_rows_per_unit)
+    dp = trainer.dp  # the run's privacy state (hf_dp.run.state), filled here
+    dp.mechanism, world, steps_per_epoch = mechanism, mechanism.world_size, mechanism.steps_per_epoch
+    spec = trainer.dp.spec
     q, b, planned, sigma = spec.sample_rate, int(spec.expected_batch_size), spec.planned_steps, spec.noise_multiplier
-    trainer.ledger = PrivacyLedger(spec)
-    trainer.ledger.meta["privacy_unit"] = args.privacy_unit_column  # each run's record says what it protected
+    trainer.dp.ledger = PrivacyLedger(spec)
+    trainer.dp.ledger.meta["privacy_unit"] = args.privacy_unit_column  # each run's record says what it protected
     lineage.adopt_model_ledger(trainer)  # the earlier runs the model carries (--prior_privacy; hf_dp.run.lineage)
-    trainer.randomness = source_name(args.dp_seed, args.secure_rng)
-    if trainer.randomness == SEEDED:
+    trainer.dp.randomness = source_name(args.dp_seed, args.secure_rng)
+    if trainer.dp.randomness == SEEDED:
         logger.warning(
             "hf_dp: --dp_seed %s fixes the Poisson batches and the noise: anyone who knows the seed can "
             "recompute them and remove the noise from the released model. Use it for reproducible research "
@@ -83,44 +84,43 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
         )
     # every actual unit is drawn at q = B/N_public, for round(1/q) steps an epoch: the actual count changes only how
     # many rows a draw finds
-    trainer._dp_sampler = PoissonBatchSampler(
+    trainer.dp.sampler = PoissonBatchSampler(
         n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
-        rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: trainer.ledger.steps,
-        units=trainer._unit_rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=trainer._audit is not None,
-        stream_tag=lambda: trainer.ledger.meta.get("stream_tag"), shared_key=lambda: trainer._sampling_key,
+        rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: dp.ledger.steps,
+        units=trainer.dp.units.rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=trainer.dp.audit is not None,
+        stream_tag=lambda: dp.ledger.meta.get("stream_tag"), shared_key=lambda: dp.sampling_key,
     )
-    trainer._sampling_key = None  # several ranks, OS entropy: set by share_sampling_key at every train()
-    trainer._lengths_of = None
+    trainer.dp.sampling_key = None  # several ranks, OS entropy: set by share_sampling_key at every train()
+    trainer.dp.lengths_of = None
     set_sampler_lengths(trainer)  # refused here, before any step, if the lengths are unknown
-    trainer._dp_noise_seed = args.dp_seed
+    trainer.dp.noise_seed = args.dp_seed
     #: the run's lineage: a random public id written with every record of steps taken (a resume is a new run, its
     #: parent the checkpoint's run); under --dp_seed, a resume that is not a clean continuation keys its seeded
     #: streams with it (ledger.meta["stream_tag"], hf_dp.run.spent.reconcile_resumed_ledger)
-    trainer.run_id = secrets.token_hex(8)
-    trainer._dp_optimizer = None  # a PrivateOptimizer, made by create_optimizer
-    trainer._loss_scale = None
-    trainer._units = None  # the micro-batch's privacy units (rows -> 0..U-1), --privacy_unit_column
-    trainer._empty_micro_batch = False
-    trainer.clipping = choose_clipping(trainer, world)  # the engine's name (hf_dp.clipping.engines)
-    trainer.token_bounds = token_bounds(trainer.model, args, spec, world, units=trainer._unit_rows is not None)
-    check_row_lengths(trainer.train_dataset, trainer.token_bounds.max_length, args.length_column_name)
+    trainer.dp.run_id = secrets.token_hex(8)
+    trainer.dp.optimizer = None  # a PrivateOptimizer, made by create_optimizer
+    trainer.dp.step.loss_scale = None
+    trainer.dp.step.units = None  # the micro-batch's privacy units (rows -> 0..U-1), --privacy_unit_column
+    trainer.dp.step.empty = False
+    trainer.dp.clipping = choose_clipping(trainer, world)  # the engine's name (hf_dp.clipping.engines)
+    trainer.dp.bounds = token_bounds(trainer.model, args, spec, world, units=trainer.dp.units.rows is not None)
+    check_row_lengths(trainer.train_dataset, trainer.dp.bounds.max_length, args.length_column_name)
     # --audit_kind gradient: the engine hands each drawn canary's gradient to the privatizer's clipping
-    if trainer._fsdp and trainer.clipping == "ghost":  # its clipped sums reduce-scattered into the shards
+    if trainer.dp.fsdp and trainer.dp.clipping == "ghost":  # its clipped sums reduce-scattered into the shards
         from hf_dp.clipping.fsdp_ghost import ShardedGhostEngine
 
-        engine = ShardedGhostEngine(trainer.model, bounds=trainer.token_bounds)
+        engine = ShardedGhostEngine(trainer.model, bounds=trainer.dp.bounds)
     else:
-        engine = make_engine(trainer.clipping, trainer.model, bounds=trainer.token_bounds)
-    trainer.clipping_engine = audit_engine(trainer, engine) if audit_engine is not None else engine
+        engine = make_engine(trainer.dp.clipping, trainer.model, bounds=trainer.dp.bounds)
+    trainer.dp.engine = audit_engine(trainer, engine) if audit_engine is not None else engine
     engine.pause(True)  # recording only inside DPTrainer.training_step (ClippingEngine.active)
-    trainer.ghost_clipper, trainer.grad_sampler = trainer.clipping_engine.clipper, trainer.clipping_engine.grad_sampler
     # the planner's start-of-run block (hf_dp.plan): public quantities only, no extra calibration
     # two lines by default; the noise figures and the table when asked (--log_level debug, or hf_dp's logger at DEBUG).
     # Under a private selection (hf_dp.privacy.selection.plan_context) a trial names its ε per trial, and a trainer that
     # only holds the selection prints nothing: the single run its σ is planned for is never made
     role = plan_role()
-    trainer._plan_announced = role != HOLDER
-    if trainer._plan_announced:
+    trainer.dp.plan_announced = role != HOLDER
+    if trainer.dp.plan_announced:
         d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         block, warning = run_block(
             n=n_public, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
@@ -133,10 +133,10 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
         if warning:
             logger.warning(warning)
         say_dataset_size(trainer, n, n_public)
-    trainer._contract_probe, trainer._rows_checked, trainer._several_rows = False, None, False
-    trainer._planned_train_dataset = trainer.train_dataset
+    trainer.dp.contract.probe, trainer.dp.contract.rows_checked, trainer.dp.contract.several_rows = False, None, False
+    trainer.dp.contract.planned_dataset = trainer.train_dataset
     #: the mechanism σ, q and the steps were planned for: every train() and every step must still run it
-    trainer._planned_mechanism = contract.mechanism_snapshot(trainer)
+    trainer.dp.contract.planned = contract.mechanism_snapshot(trainer)
 
 
 def say_dataset_size(trainer, actual: int, n_public: int) -> None:
@@ -145,7 +145,7 @@ def say_dataset_size(trainer, actual: int, n_public: int) -> None:
     the declared size (each draw finds that many more rows than B; the mechanism is unchanged)."""
     args = trainer.args
     what = "units" if args.privacy_unit_column else "training examples"
-    audit = getattr(trainer, "_audit", None)
+    audit = trainer.dp.audit
     canaries = f" + {audit.m:,} canary units" if audit is not None else ""
     declared = args.public_dataset_size
     if declared is None:
@@ -164,7 +164,7 @@ def say_dataset_size(trainer, actual: int, n_public: int) -> None:
             "hf_dp: the training set has about %.1f times as many %s as declared: it is larger than the declared "
             "--public_dataset_size, so each step draws about that many times the planned B = %s (q = B/N is fixed, so "
             "the guarantee holds and the divisor stays B; micro-batches grow with it). This line is for you: it is not "
-            "in the release", real / declared, what, f"{trainer.privacy_spec.expected_batch_size:g}")
+            "in the release", real / declared, what, f"{trainer.dp.spec.expected_batch_size:g}")
 
 
 def share_sampling_key(trainer) -> None:
@@ -173,15 +173,15 @@ def share_sampling_key(trainer) -> None:
     (:func:`hf_dp.privacy.randomness.shared_entropy_key`), so that every rank draws the one sample it shares out
     (:mod:`hf_dp.privacy.sampler`); ``DPTrainer.train`` forgets it when it returns or raises. Then, with several
     processes, every rank checks that all would draw the same sample (:func:`hf_dp.run.contract.check_ranks_share_draw`)."""
-    trainer._sampling_key = None
+    trainer.dp.sampling_key = None
     if max(1, trainer.args.world_size) <= 1:
         return
-    if trainer.randomness == ENTROPY:
+    if trainer.dp.randomness == ENTROPY:
         key = shared_entropy_key(trainer.args.device)
         if key is None:
             raise ValueError(f"world_size is {trainer.args.world_size} but torch.distributed is not initialized: the "
                              "ranks cannot share their Poisson draws; launch with torchrun (or accelerate launch)")
-        trainer._sampling_key = key
+        trainer.dp.sampling_key = key
     contract.check_ranks_share_draw(trainer)
 
 
@@ -189,8 +189,8 @@ def setup_units(trainer, rows: int) -> None:
     """``--privacy_unit_column``: the rows of each unit, read once from the training set given at construction
     (before any column removal); N = the number of units. Without it every row is its own unit."""
     col = trainer.args.privacy_unit_column
-    trainer._unit_rows, trainer._unit_of_row = None, None
-    trainer.num_units = rows
+    trainer.dp.units.rows, trainer.dp.units.of_row = None, None
+    trainer.dp.units.count = rows
     if col is None:
         return
     if trainer._prefix_cache:
@@ -198,12 +198,12 @@ def setup_units(trainer, rows: int) -> None:
             "--privacy_unit_column with --cache_frozen_features is not supported yet: the cache does not keep the "
             "unit column; drop one of the two flags"
         )
-    trainer._unit_rows = unit_rows(trainer._fingerprint_source, col)
+    trainer.dp.units.rows = unit_rows(trainer._fingerprint_source, col)
     unit_of_row = torch.empty(rows, dtype=torch.long)
-    for j, r in enumerate(trainer._unit_rows):
+    for j, r in enumerate(trainer.dp.units.rows):
         unit_of_row[r] = j
-    trainer._unit_of_row = unit_of_row
-    trainer.num_units = len(trainer._unit_rows)
+    trainer.dp.units.of_row = unit_of_row
+    trainer.dp.units.count = len(trainer.dp.units.rows)
 
 
 def choose_clipping(trainer, world: int) -> str:
@@ -219,8 +219,8 @@ def choose_clipping(trainer, world: int) -> str:
         raise ValueError(f"DP training needs float32 (or float64) trainable parameters, got {', '.join(low)}: in reduced "
                          "precision each example's gradient depends on its micro-batch's shape and the clipped sums round "
                          "at 2^-8, so one example can move the sum by more than C; load the model in float32")
-    trainer._fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
-    if trainer._fsdp:  # FSDP2: one-pass ghost clipping (auto), or two passes when asked (hf_dp.clipping.fsdp_ghost)
+    trainer.dp.fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
+    if trainer.dp.fsdp:  # FSDP2: one-pass ghost clipping (auto), or two passes when asked (hf_dp.clipping.fsdp_ghost)
         mode = "ghost_two_pass" if trainer.args.clipping == "ghost_two_pass" else "ghost"
         if trainer.args.clipping == "auto":
             logger.info("hf_dp: --clipping auto chose ghost (one-backward ghost clipping, clipped sums reduce-scattered "
@@ -271,7 +271,7 @@ def make_private_optimizer(trainer, model=None):
     """``DPTrainer.create_optimizer`` under DP: the update rule ``--optim`` names over HF's decay / no-decay groups,
     wrapped in the privatizer with the planned σ, C and B, the run's ledger and target ε, drawing from the
     trainer's Poisson sampler (:func:`hf_dp.optim.make_optimizer`)."""
-    args, spec = trainer.args, trainer.privacy_spec
+    args, spec = trainer.args, trainer.dp.spec
     hyper = rule_hyperparameters(
         args.optim, lr=args.learning_rate, weight_decay=args.weight_decay, optim_args=args.optim_args,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, gamma=args.bc_gamma,
@@ -280,13 +280,13 @@ def make_private_optimizer(trainer, model=None):
     optimizer = make_optimizer(
         args.optim, param_groups(trainer, model),
         noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
-        expected_batch_size=spec.expected_batch_size, noise_seed=trainer._dp_noise_seed,
-        secure_mode=args.secure_rng, ledger=trainer.ledger, max_epsilon=spec.target_epsilon, **hyper,
+        expected_batch_size=spec.expected_batch_size, noise_seed=trainer.dp.noise_seed,
+        secure_mode=args.secure_rng, ledger=trainer.dp.ledger, max_epsilon=spec.target_epsilon, **hyper,
     )
-    optimizer.sampler = trainer._dp_sampler
+    optimizer.sampler = trainer.dp.sampler
     # the hooks' clipped sum is formed in float32 over at most the bounds' terms: each example's share of its rounding
     # is γ of that count times its clipped norm, so it is clipped to C/(1 + γ) (ghost clipping adds γ·S_i to its norm)
-    optimizer.sum_allowance = gamma(trainer.token_bounds.sum_terms + 2)
+    optimizer.sum_allowance = gamma(trainer.dp.bounds.sum_terms + 2)
     if hasattr(optimizer.rule, "clamp_rate_every"):  # BC diagnostic only at the steps that are logged
         steps = args.logging_steps
         optimizer.rule.clamp_rate_every = int(steps) if steps >= 1 else 1

@@ -227,7 +227,7 @@ def _choose_stream_tag(trainer, checkpoint: str, own_id: str | None, clean: bool
     record is written before the check, so of two concurrent resumes at least the later one sees the other; a resume
     whose record could not be written into ``checkpoint`` (``recorded`` False: a read-only folder) is invisible to the
     next one, so it is never a clean continuation either."""
-    ledger = trainer.ledger
+    ledger = trainer.dp.ledger
     if clean:
         clean = recorded and not [r for r in read_resume_records(checkpoint) if r["run_id"] != own_id]
     import torch.distributed as dist
@@ -249,7 +249,7 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
     run, as recorded by :func:`write_spent`), and refuse to resume when one more step would exceed the
     target ε. ``trainer`` is the ``DPTrainer`` (duck-typed)."""
     marker = read_marker(checkpoint) or {}
-    steps, recorded = trainer.ledger.steps, marker.get("ledger_steps", trainer.state.global_step)
+    steps, recorded = trainer.dp.ledger.steps, marker.get("ledger_steps", trainer.state.global_step)
     if steps != recorded or steps < trainer.state.global_step:
         raise ValueError(
             f"refusing to resume from {checkpoint}: its privacy ledger records {steps} noisy steps but the "
@@ -264,14 +264,14 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
             f"now: {trainer._train_data_info()['num_samples']} examples, fingerprint "
             f"{trainer._train_data_info()['sha256'][:12]}…). Resume with the same training set or start a new run."
         )
-    trainer.resumed_ledger_steps = steps
+    trainer.dp.lineage.resumed_ledger_steps = steps
     # Steps taken past this checkpoint (by an interrupted run, as recorded in output_dir, or by this
     # trainer) were computed with randomness that is gone; the steps resumed now draw fresh batches
     # and noise, so those steps are a release of their own: they stay in the ledger.
     # A resume is a new run whose parent is the checkpoint's run at its step: the lineage's ledger counts,
     # conservatively, every noisy step computed from this checkpoint — its own, those its run took past it, and
     # those of every other run resumed from it (or from a checkpoint descended from it) past their own resumes.
-    own_id = getattr(trainer, "run_id", None)
+    own_id = trainer.dp.run_id
     parent_run = marker.get("run_id")
     past = max(steps, taken_here, steps_already_taken(checkpoint, trainer.args.output_dir, marker)) - steps
     forks = other_resumes(checkpoint, exclude={own_id, parent_run} - {None})
@@ -286,7 +286,7 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         taken = int(t.item())
     if taken > steps:
-        trainer.ledger.add_steps(taken - steps)
+        trainer.dp.ledger.add_steps(taken - steps)
     if past > 0:
         logger.warning(
             "hf_dp: resuming from %s (%d noisy steps), but %d steps were already taken past it; they count "
@@ -300,7 +300,7 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
             "trained from this checkpoint, this one included",
             checkpoint, len(forks), ", ".join(f"run {f['run_id']}: {f['steps']} steps" for f in forks), trainer.get_epsilon(),
         )
-    meta = trainer.ledger.meta
+    meta = trainer.dp.ledger.meta
     ancestry = [dict(a) for a in meta.get("ancestry") or []]
     ancestry.append({"run_id": parent_run, "global_step": int(marker.get("global_step", trainer.state.global_step)),
                      "checkpoint": os.path.abspath(checkpoint)})
@@ -308,7 +308,7 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
         run_id=own_id, parent={"run_id": parent_run, "global_step": ancestry[-1]["global_step"]}, ancestry=ancestry,
         counted_past_parent={"parent_run_steps": past, "other_resumes": forks},
     )
-    trainer._hf_dp_resume_start = taken  # this run's steps past its resume: its ledger minus this (lineage.record_spent)
+    trainer.dp.lineage.resume_start = taken  # this run's steps past its resume: its ledger minus this (lineage.record_spent)
     own_record_written = not trainer.args.should_save  # the saving process writes the records (the others: its view counts)
     if trainer.args.should_save and own_id is not None:
         record = {"run_id": own_id, "output_dir": os.path.abspath(trainer.args.output_dir), "start_steps": taken,
@@ -321,10 +321,10 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
                 "steps of this run", ", ".join(unwritable),
             )
     _choose_stream_tag(trainer, checkpoint, own_id, clean=past == 0 and taken == steps, recorded=own_record_written)
-    opt = trainer._dp_optimizer
+    opt = trainer.dp.optimizer
     if opt is not None and opt.max_epsilon is not None and opt._would_exceed_budget():
         raise ValueError(
-            f"refusing to resume from {checkpoint}: {trainer.ledger.steps} noisy steps were already taken "
+            f"refusing to resume from {checkpoint}: {trainer.dp.ledger.steps} noisy steps were already taken "
             f"(epsilon {trainer.get_epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
         )
 
@@ -342,17 +342,17 @@ class BudgetGuard(TrainerCallback):
         self.trainer = trainer
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        opt = self.trainer._dp_optimizer
+        opt = self.trainer.dp.optimizer
         if opt is not None:
             opt.discard_pending()
-        self.trainer.clipping_engine.clear()
+        self.trainer.dp.engine.clear()
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
         # every step taken is on record before any output of it is written; ε only if already known (an accountant
         # call per step costs 0.1-0.5 s with PRV; saves and logs compute it)
         self.trainer._record_spent(compute_epsilon=False)
-        opt = self.trainer._dp_optimizer
+        opt = self.trainer.dp.optimizer
         if opt is not None and opt.max_epsilon is not None and state.global_step < state.max_steps and opt._would_exceed_budget():
             logger.warning(
                 "hf_dp: stopping at step %d: one more step would spend more than the target epsilon=%s",

@@ -88,7 +88,7 @@ def check_private_score(trainer, score_dataset, score_noise_multiplier, example_
             units = len(unit_rows(heldout, args.privacy_unit_column))
         except ValueError as e:
             raise ValueError(f"the held-out score set: {e}") from None
-    spec = getattr(trainer, "privacy_spec", None)
+    spec = trainer.dp.spec
     if spec is not None:  # the held-out rows are private data too: delta < 1/(N + n) over both (N + n >= their union)
         total = int(spec.dataset_size) + int(units)
         if spec.delta >= 1.0 / total:
@@ -280,7 +280,7 @@ def refuse_evaluating_the_score_set(trainer, dataset) -> None:
     release, outside the selection's ε (only its noisy score is covered)."""
     from hf_dp.run.data import same_dataset, subset_base
 
-    held = getattr(trainer, "private_score_sets", None) or ()
+    held = trainer.dp.selection.score_sets or ()
     if dataset is None or not held:
         return
     for ds in dataset.values() if isinstance(dataset, dict) else [dataset]:

@@ -62,9 +62,9 @@ def check_search(trainer, *, hp_space, direction, backend, score_data, model_ini
     if backend not in (None, BACKEND):
         raise ValueError(f"under DP hyperparameter_search runs backend={BACKEND!r} only: an adaptive search (optuna, "
                          "ray) over private runs has no accounted cost; got backend=" + repr(backend))
-    if getattr(trainer, "hyperparameter_selection", None) is not None:
+    if trainer.dp.selection.record is not None:
         raise ValueError("this trainer already holds the result of a private selection; make a new DPTrainer")
-    if getattr(trainer, "_selection_started", False):
+    if trainer.dp.selection.started:
         raise ValueError("a private selection already ran on this trainer (and failed or was interrupted): its trials "
                          "spent privacy that a second search would not count; make a new DPTrainer")
     if model_init is None:
@@ -100,10 +100,10 @@ def check_search(trainer, *, hp_space, direction, backend, score_data, model_ini
                          "configurations; run hyperparameter_search without torchrun / accelerate launch")
     if getattr(args, "audit_canaries", None):
         raise ValueError("--audit_canaries audits one run; it cannot be combined with a private selection")
-    if getattr(trainer, "ledger", None) is not None and trainer.ledger.own_steps > 0:
-        raise ValueError(f"this trainer already took {trainer.ledger.own_steps} noisy steps (train() was called); a "
+    if trainer.dp.ledger is not None and trainer.dp.ledger.own_steps > 0:
+        raise ValueError(f"this trainer already took {trainer.dp.ledger.own_steps} noisy steps (train() was called); a "
                          "private selection starts from a fresh DPTrainer, whose own model is not trained")
-    if getattr(trainer, "ledger", None) is not None and trainer.ledger.prior:
+    if trainer.dp.ledger is not None and trainer.dp.ledger.prior:
         raise ValueError("this model carries the ledger of earlier DP runs, which this run's ledger counts; a private "
                          "selection starts from a model without one (or give --prior_privacy separate if this training "
                          "data share no example with theirs)")
@@ -129,7 +129,7 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
                  model_init=model_init, score_dataset=score_dataset, score_noise_multiplier=score_noise_multiplier,
                  example_score=example_score, compute_objective=compute_objective)
     count = trial_count(distribution, n_trials, eta)
-    args, spec = trainer.args, trainer.privacy_spec
+    args, spec = trainer.args, trainer.dp.spec
     private = score_data == "private"
     if private and score_noise_multiplier is None:
         score_noise_multiplier = DEFAULT_SCORE_NOISE_MULTIPLIER
@@ -138,18 +138,18 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
                                      score_noise_multiplier=float(score_noise_multiplier) if private else None)
     scoring = private_score.Scoring(trainer, score_dataset, private)
     objective = (example_score or private_score.accuracy) if private else (compute_objective or _default_objective)
-    trainer._selection_started = True  # a failed or interrupted search spent budget too: no second search here
+    trainer.dp.selection.started = True  # a failed or interrupted search spent budget too: no second search here
     seeded = args.dp_seed is not None
     rng = random.Random(derived_seed(args.dp_seed, "selection", "k")) if seeded else random.SystemRandom()
     k = count.sample(rng.random)
     # one accountant for every ε of the selection: its total is an RDP bound (dp-accounting), so each trial's own ε
     # (its plan line, its logs, the released trial's ledger and card) is RDP too, not a PRV figure beside it
     single = (f"; the plan logged when this trainer was made (σ = {spec.noise_multiplier:.4g}) is a single run's, "
-              "which the selection does not make" if getattr(trainer, "_plan_announced", False) else "")
+              "which the selection does not make" if trainer.dp.plan_announced else "")
     logger.info("hf_dp: private selection: %s trials on average (%s), σ = %.4g per trial (ε %.3g each alone (rdp)), "
                 "calibrated so that the total ε is %.4g at δ %g (rdp, the best of K trials)%s", count.mean, count.name,
                 plan.noise_multiplier, plan.per_trial_epsilon, plan.total_epsilon, plan.delta, single)
-    trainer._selection_models = [weakref.ref(trainer.model)]  # to refuse a model_init that returns a used model
+    trainer.dp.selection.models = [weakref.ref(trainer.model)]  # to refuse a model_init that returns a used model
     best = None  # (score, index, trainer, params)
     summary = []
     sign = 1.0 if direction == "maximize" else -1.0
@@ -167,13 +167,13 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
                 best = (None, index, trial_trainer, params, folder)
                 break
             trial_trainer.train()
-            steps = trial_trainer.ledger.own_steps
+            steps = trial_trainer.dp.ledger.own_steps
             if steps > plan.steps:
                 raise RuntimeError(f"internal error: a trial took {steps} noisy steps, more than the {plan.steps} the "
                                    "selection accounts for")
             if private:  # the DP score: the noisy sum, nothing else of the held-out set leaves this block
                 scored = scoring.dataset_for(trial_trainer)
-                trial_trainer.private_score_sets = scoring.views(trial_trainer, scored)
+                trial_trainer.dp.selection.score_sets = scoring.views(trial_trainer, scored)
                 exact, n = private_score.unit_sum(private_score.heldout_scores(trial_trainer, scored, example_score),
                                                   scoring.units)
                 score = private_score.dp_score(exact, n, plan.score_noise_multiplier, secure=bool(args.secure_rng),
@@ -205,7 +205,7 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
                               heldout_units=scoring.n if private else None,
                               unit_column=args.privacy_unit_column if private else None)
     adopt(trainer, winner, params, record,
-          score_sets=(getattr(winner, "private_score_sets", None) or scoring.views(winner)) if private else ())
+          score_sets=(winner.dp.selection.score_sets or scoring.views(winner)) if private else ())
     shutil.rmtree(folder, ignore_errors=True)
     return BestRun(run_id=str(index), objective=(summary[[s["trial"] for s in summary].index(index)]["objective"]
                                                  if k else None),
@@ -231,11 +231,11 @@ def _make_trial(trainer, model_init, trial, params, plan, seed, index, scoring=N
     model = model_init(trial) if _arity(model_init) == 1 else model_init()
     if model is None:
         raise RuntimeError("model_init returned None")
-    if any(ref() is model for ref in trainer._selection_models):
+    if any(ref() is model for ref in trainer.dp.selection.models):
         shutil.rmtree(folder, ignore_errors=True)
         raise ValueError("model_init returned a model an earlier trial trained: every trial must start from a fresh "
                          "model (e.g. from_pretrained inside model_init)")
-    trainer._selection_models.append(weakref.ref(model))
+    trainer.dp.selection.models.append(weakref.ref(model))
     kwargs = dict(trainer._dp_init_kwargs)
     try:
         t = None
@@ -256,9 +256,9 @@ def _make_trial(trainer, model_init, trial, params, plan, seed, index, scoring=N
         raise
     t.selection_trial = index
     if private:  # the trial refuses to evaluate the held-out set (a callback may set control.should_evaluate)
-        t.private_score_sets = scoring.views(t)
-    spec = t.privacy_spec
-    if t.ledger.prior:  # the model carries earlier DP runs (counted unless separate): the selection's total would not
+        t.dp.selection.score_sets = scoring.views(t)
+    spec = t.dp.spec
+    if t.dp.ledger.prior:  # the model carries earlier DP runs (counted unless separate): the selection's total would not
         shutil.rmtree(folder, ignore_errors=True)
         raise ValueError("model_init returned a model that carries the ledger of earlier DP runs, which its ledger "
                          "counts; every trial must start from a model without one (the base model)")
@@ -337,7 +337,7 @@ def adopt(trainer, winner, params, record, score_sets=()) -> None:
     """``trainer`` becomes the winning trial's trainer (its model, ledger, optimizer, state, data and collator) with its
     own output_dir, card fields and the trial's flags; the ledger carries the selection, so the model's config says
     so and no later run continues it as if it were one trial. ``score_sets``: the held-out private set a DP score
-    read (as given and as cached), recorded as ``trainer.private_score_sets``: ``evaluate()``/``predict()`` on it are
+    read (as given and as cached), recorded as ``trainer.dp.selection.score_sets``: ``evaluate()``/``predict()`` on it are
     refused (:func:`hf_dp.tuning.private_score.refuse_evaluating_the_score_set`)."""
     own = {k: v for k, v in trainer.__dict__.items() if k not in winner.__dict__}  # e.g. the recipe's card fields
     args = trainer.args
@@ -347,20 +347,20 @@ def adopt(trainer, winner, params, record, score_sets=()) -> None:
     trainer.__dict__.update(winner.__dict__)
     trainer.__dict__.update(own)
     trainer.args = args
-    trainer.hyperparameter_selection = record
-    trainer.privacy_spec = dataclasses.replace(trainer.privacy_spec, target_epsilon=record["target_epsilon"])
-    trainer.ledger.meta["hyperparameter_selection"] = {
+    trainer.dp.selection.record = record
+    trainer.dp.mechanism = trainer.dp.mechanism.with_target_epsilon(record["target_epsilon"])
+    trainer.dp.ledger.meta["hyperparameter_selection"] = {
         "total_epsilon": record["total_epsilon"], "delta": record["delta"],
         "per_trial_epsilon": record["per_trial_epsilon"], "trials_distribution": record["trials_distribution"],
     }
-    trainer.private_score_sets = tuple({id(d): d for d in score_sets if d is not None}.values())
+    trainer.dp.selection.score_sets = tuple({id(d): d for d in score_sets if d is not None}.values())
     from hf_dp.run import lineage
 
     lineage.attach(trainer)
 
 
 def refuse_train_after_selection(trainer) -> None:
-    if getattr(trainer, "hyperparameter_selection", None) is not None:
+    if trainer.dp.selection.record is not None:
         raise ValueError("refusing to train: this trainer holds the model a private selection released (total epsilon "
-                         f"{trainer.hyperparameter_selection['total_epsilon']:.4g}); further training would not be "
+                         f"{trainer.dp.selection.record['total_epsilon']:.4g}); further training would not be "
                          "counted in that total; save it, or run a new selection")
