@@ -323,7 +323,9 @@ def test_the_probe_passes_a_causal_lm_whose_rows_have_many_lengths(tmp_path, tok
     data = lm_data(tok, n=16)
     data = data.select(sorted(range(16), key=lambda i: len(data[i]["input_ids"])))  # the lengthened variant exists
     tr = make(tmp_path, tok, gpt2(tok), data, side=side, clipping="hooks")
-    assert independence.probe_independence(tr) == "passed"
+    loader = tr.get_train_dataloader()
+    assert independence.probe_independence(loader.dataset, loader.collate_fn, tr.model, tr.dp, compute_loss=tr.compute_loss,
+                                           prepare_inputs=tr._prepare_inputs) == "passed"
 
 
 class Peek(DPTrainer):

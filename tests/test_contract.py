@@ -197,7 +197,7 @@ def test_the_probe_leaves_no_engine_state_behind(tmp_path, tok, data):
     a.train()
     b, _ = _trainer(tmp_path / "b", tok, data, clipping="ghost")
     orig = independence.probe_independence
-    independence.probe_independence = lambda trainer, **kw: "passed"
+    independence.probe_independence = lambda *a, **kw: "passed"
     try:
         b.train()
     finally:

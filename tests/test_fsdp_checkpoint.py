@@ -262,10 +262,10 @@ def test_a_crafted_checkpoint_runs_no_code_at_resume(tmp_path, where):
         (ckpt / OPTIMIZER_DIR / ".metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
     if where == "model_metadata":  # HF's sharded model load would unpickle this entry with weights_only=False
         _dcp_save({"model": {"weight": torch.zeros(2), "extra": _RunsCode(ran)}}, ckpt / "pytorch_model_fsdp_0")
-    trainer = types.SimpleNamespace(_dp_optimizer=types.SimpleNamespace(rule=types.SimpleNamespace(param_groups=[])))
+    private = types.SimpleNamespace(rule=types.SimpleNamespace(param_groups=[]))  # a privatizer with no parameters
     with pytest.raises(ValueError, match=r"^refusing to resume from "):
         check_resume(str(ckpt), {"fsdp": {"world_size": 2}}, True, 2)
-        load_checkpoint_state(trainer, str(ckpt))
+        load_checkpoint_state(private, None, str(ckpt))
     assert not ran.exists()
 
 

@@ -51,7 +51,7 @@ WORKER = r"""
                             processing_class=tok)
         trainer.train(resume_from_checkpoint=resume)
         return trainer, dict(noises=list(noises), ledger_steps=trainer.ledger.steps,
-                             resumed_ledger_steps=getattr(trainer, "resumed_ledger_steps", None),
+                             resumed_ledger_steps=trainer.dp.lineage.resumed_ledger_steps,
                              stream_tag=trainer.ledger.meta.get("stream_tag"))
 
     results = {{}}

@@ -52,7 +52,7 @@ def _instrumented(tr, monkeypatch):
     """No noise (the audit's zero_noise on the privatizer), the sampler's index lists recorded, the scores captured."""
     from hf_dp.audit.trainer_path import ReplayBatchSampler, noise_off
 
-    noise_off(tr)
+    tr.add_callback(noise_off(tr.dp))
     tr.dp.sampler = ReplayBatchSampler(tr.dp.sampler)
     seen = {"steps": []}
     real_scores, real_projections = hooks.gradient_scores, hooks.step_projections
@@ -132,7 +132,8 @@ def test_a_wider_clip_in_the_engine_reaches_the_canaries(tmp_path, monkeypatch):
     canary through: the canaries are clipped where the examples are, not on a side channel."""
     from hf_dp.audit.one_run import partial_break
 
-    tr = partial_break(_trainer(tmp_path), "clip_x10")
+    tr = _trainer(tmp_path)
+    partial_break(tr.dp, "clip_x10")
     key, bits = tr.dp.audit.key, tr.dp.audit.canaries.included
     seen = _instrumented(tr, monkeypatch)
     tr.train()

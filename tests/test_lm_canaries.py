@@ -85,8 +85,8 @@ def test_causal_lm_canaries_are_units_and_are_scored_by_their_loss(tmp_path, mon
     seen = {}
     real = hooks.lm_canary_scores
 
-    def capture(trainer, st, loader):
-        seen["scores"] = real(trainer, st, loader)
+    def capture(predictions, m):
+        seen["scores"] = real(predictions, m)
         return seen["scores"]
 
     monkeypatch.setattr(hooks, "lm_canary_scores", capture)
@@ -141,7 +141,7 @@ def test_without_noise_the_loss_scores_find_the_included_canaries(tmp_path):
     from hf_dp.audit.trainer_path import noise_off
 
     tr = _trainer(tmp_path, max_steps=40, per_device_train_batch_size=64)
-    noise_off(tr)
+    tr.add_callback(noise_off(tr.dp))
     tr.train()
     rec = tr.audit_record
     assert rec["guesses"] >= 20 and rec["correct"] >= 0.9 * rec["guesses"] and rec["epsilon_lower_bound"] > 1.0, rec["summary"]
@@ -154,7 +154,7 @@ def test_canary_rows_do_not_enter_the_logged_training_loss(tmp_path, monkeypatch
     `loss`) is the real rows' summed loss / (B / world size); the canaries are still trained on (input kind)."""
     import torch
 
-    from hf_dp import trainer as trainer_module
+    from hf_dp.run import step as trainer_module  # where DPTrainer.compute_loss computes each example's loss
 
     tr = _trainer(tmp_path, kind=kind, max_steps=3, logging_strategy="steps", logging_steps=1)
     canary_ids = {tuple(r) for r in tr.dp.audit.canaries.input_ids}

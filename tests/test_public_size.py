@@ -75,7 +75,7 @@ def mechanism(tr) -> dict:
         "C": spec.max_grad_norm, "N": spec.dataset_size, "delta": spec.delta,
         "divisor": float(opt.expected_batch_size), "privatizer": (opt.noise_multiplier, opt.max_grad_norm),
         "sampler": (tr.dp.sampler.sample_rate, tr.dp.sampler.steps_per_epoch, tr.dp.sampler.micro_batches),
-        "loader_steps": len(tr.get_train_dataloader()), "snapshot": contract.mechanism_snapshot(tr),
+        "loader_steps": len(tr.get_train_dataloader()), "snapshot": contract.mechanism_snapshot(tr.args, tr.dp.mechanism, tr.model),
         "report": {k: report[k] for k in ("dataset_size", "sample_rate", "noise_multiplier", "planned_steps",
                                           "expected_batch_size", "max_grad_norm", "dataset_size_source",
                                           "neighbouring_relation", "unit_of_privacy", "privacy_unit")},
@@ -192,7 +192,7 @@ def test_the_card_never_names_the_actual_count_under_a_declared_size():
         info = datasets.DatasetInfo(dataset_name="nyu-mll/glue", config_name="sst2")
         train = datasets.Dataset.from_dict({"x": list(range(n))}, info=info)
         args = SimpleNamespace(privacy_unit_column=None, public_dataset_size=declared)
-        return card_fields(SimpleNamespace(args=args, train_dataset=train, model=None))
+        return card_fields(None, args, train)
 
     assert "1,000 training examples" in fields(1000, None)["data_description"]  # N treated as public: stated
     assert fields(1000, 5000) == fields(1001, 5000) and "training examples" not in fields(1000, 5000)["data_description"]

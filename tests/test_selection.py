@@ -994,12 +994,11 @@ def test_the_default_dp_score_needs_one_label_per_example():
 
     for config in (SimpleNamespace(problem_type="regression", num_labels=1),
                    SimpleNamespace(problem_type="multi_label_classification", num_labels=3)):
-        trainer = SimpleNamespace(args=SimpleNamespace(dataloader_drop_last=False, privacy_unit_column=None),
-                                  model=SimpleNamespace(config=config), objective=None, _fingerprint_source=None,
-                                  train_dataset=None, eval_dataset=[1, 2], _dp_init_kwargs={})
+        args = SimpleNamespace(dataloader_drop_last=False, privacy_unit_column=None)
+        pieces = dict(eval_dataset=[1, 2], model=SimpleNamespace(config=config), objective=None)
         with pytest.raises(ValueError, match="^the default DP score is the accuracy of one label per example"):
-            check_private_score(trainer, None, None, None, None, "maximize")
-        check_private_score(trainer, None, None, lambda logits, labels: logits[:, 0], None, "maximize")
+            check_private_score(args, None, None, None, None, None, "maximize", **pieces)
+        check_private_score(args, None, None, None, lambda logits, labels: logits[:, 0], None, "maximize", **pieces)
 
 
 def test_the_recipe_holdout_is_a_fresh_random_split(tmp_path):
@@ -1107,7 +1106,9 @@ def test_delta_must_be_below_one_over_the_private_rows_with_the_heldout_set(data
     other = make_pair_dataset(tok, n=10, seed=3)  # N + n = 74 < 80: accepted by the check
     from hf_dp.tuning.private_score import check_private_score
 
-    check_private_score(trainer, other, None, None, None, "maximize")
+    check_private_score(trainer.args, trainer.dp.spec, other, None, None, None, "maximize",
+                        train_sets=(trainer._fingerprint_source, trainer.train_dataset), model=trainer.model,
+                        objective=trainer.objective)
     assert inits.models == []
 
 

@@ -94,7 +94,9 @@ def test_a_user_level_run_trains_evaluates_and_its_release_names_the_users(tmp_p
     assert tr.num_units == 10 and tr.privacy_spec.dataset_size == 10  # N = users, not the 40 conversations
     from hf_dp.run import independence
 
-    assert independence.probe_independence(tr) == "passed"  # each conversation's loss is its own, on TRL's collator
+    loader = tr.get_train_dataloader()  # each conversation's loss is its own, on TRL's collator
+    assert independence.probe_independence(loader.dataset, loader.collate_fn, tr.model, tr.dp, compute_loss=tr.compute_loss,
+                                           prepare_inputs=tr._prepare_inputs) == "passed"
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
     tr.train()
     assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters() if n in before)

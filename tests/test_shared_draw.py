@@ -154,8 +154,7 @@ def test_ranks_that_would_draw_differently_are_refused(monkeypatch):
     from hf_dp.run import contract
 
     sampler = PoissonBatchSampler(40, 0.25, 4, seed=3, world_size=2)
-    trainer = types.SimpleNamespace(_dp_sampler=sampler, _sampling_key=None,
-                                    ledger=types.SimpleNamespace(steps=5, meta={}))
+    ledger = types.SimpleNamespace(steps=5, meta={})
     theirs = {"digest": sampler.draw_digest(5, None, None)}
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
@@ -164,7 +163,7 @@ def test_ranks_that_would_draw_differently_are_refused(monkeypatch):
         out[0], out[1] = obj, theirs["digest"]
 
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
-    contract.check_ranks_share_draw(trainer)  # the same: accepted
+    contract.check_ranks_share_draw(sampler, ledger, None)  # the same: accepted
     theirs["digest"] = sampler.draw_digest(6, None, None)
     with pytest.raises(ValueError, match="would draw different Poisson samples"):
-        contract.check_ranks_share_draw(trainer)
+        contract.check_ranks_share_draw(sampler, ledger, None)

@@ -1,5 +1,7 @@
 """The one-run audit inside a training run (``--audit_canaries m``, ``--audit_kind input|gradient``): DPTrainer's
-hooks (they take the trainer as an argument; this module imports nothing of hf_dp outside hf_dp.audit's pure modules).
+hooks (they take the run's privacy state ``trainer.dp``, or its audit part ``trainer.dp.audit``, and the pieces they
+use; only :func:`canary_scores`, which runs HF's evaluation loop, takes the trainer; this module imports nothing of
+hf_dp outside hf_dp.audit's pure modules).
 
 The bound (Steinke, Nasr & Jagielski 2023) is :mod:`hf_dp.audit.one_run_bound`, the Gaussian-DP estimate beside it
 (Mahloujifar et al. 2024) :mod:`hf_dp.audit.fdp`, the canaries :mod:`hf_dp.audit.canary_kinds`; the record holds both
@@ -65,6 +67,7 @@ DPTrainer run with ``--audit_canaries``, variants as the trainer path of :mod:`h
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -72,7 +75,7 @@ import numpy as np
 from hf_dp.audit.canary_kinds import (GradientDirections, SequenceCanaries, _special_tokens, label_margins,
                                       step_log_likelihood_ratio)
 from hf_dp.audit.fdp import gdp_audit_scores, gdp_record
-from hf_dp.audit.lm_canaries import TokenCanaries, lm_canary_scores
+from hf_dp.audit.lm_canaries import TokenCanaries, lm_canary_scores, per_sequence_loss
 from hf_dp.audit.one_run_bound import OneRunBound, audit_scores, ceiling, describe, record, utility_cost
 from hf_dp.audit.stats import power_note
 # the canary rows' tags in the training loader and compute_loss (re-exported: DPTrainer calls them here)
@@ -80,7 +83,7 @@ from hf_dp.audit.canary_rows import (CANARY_KEY, _gradient_state, input_canary_l
                                      loader_parts, pop_rows, zero_canary_losses)
 
 # ------------------------------------------------------------------------------------------------
-# --audit_canaries m: the canaries of a DPTrainer run (the trainer's hooks call these; they take the trainer)
+# --audit_canaries m: the canaries of a DPTrainer run (the trainer's hooks call these with its privacy state)
 # ------------------------------------------------------------------------------------------------
 #: the fewest canaries --audit_canaries accepts: below it even a run with no privacy cannot be refuted at ε ≈ 1–3
 MIN_CANARIES = 100
@@ -136,6 +139,7 @@ class TrainerCanaries:
         self._projector = None  # (indices, signs / √support) of all m directions on the parameters' device
         self.raw_norm: float | None = None
         self.gdp = None  # the Gaussian-DP estimate (hf_dp.audit.fdp.GdpEstimate) once audited
+        self.beta = AUDIT_BETA  # 1 − the bound's confidence (the one-run command line's --alpha; else 95 %)
 
     def __reduce__(self):
         raise TypeError("the trainer's canaries cannot be pickled: the inclusion draw must never be stored")
@@ -168,13 +172,14 @@ def _shared_bits(bits: np.ndarray, args) -> np.ndarray:
     return t.cpu().numpy().astype(bool)
 
 
-def attach(trainer, model, args, train_dataset, tokenizer=None):
-    """``--audit_canaries m`` (DPTrainer's ``__init__``, before HF's): draw the m black-box canaries and return the
-    training set with the included ones appended; ``trainer.dp.audit`` keeps them (None without the flag)."""
-    trainer.dp.audit = None
+def attach(objective, model, args, train_dataset, tokenizer=None):
+    """``--audit_canaries m`` (DPTrainer's ``__init__``, before HF's; ``objective``: the trainer's
+    :mod:`hf_dp.models.loss` objective): draw the m black-box canaries and return (the training set with the included
+    ones appended, the audit state that keeps them), which DPTrainer keeps as ``dp.audit``; (``train_dataset``,
+    ``None``) without the flag."""
     m = getattr(args, "audit_canaries", None)
     if not m or not args.dp_enabled:
-        return train_dataset
+        return train_dataset, None
     check_canary_count(m, args.delta)
     kind = getattr(args, "audit_kind", None) or "input"
     if kind not in AUDIT_KINDS:
@@ -184,8 +189,8 @@ def attach(trainer, model, args, train_dataset, tokenizer=None):
                          "to sharded sums; use --audit_kind input")
     config = getattr(model, "config", None)
     num_labels = int(getattr(config, "num_labels", 0) or 0)
-    causal = getattr(trainer.objective, "name", None) == "causal_lm"  # token canaries, no label (hf_dp.audit.lm_canaries)
-    if not causal and (getattr(trainer.objective, "name", None) != "sequence_classification" or getattr(
+    causal = getattr(objective, "name", None) == "causal_lm"  # token canaries, no label (hf_dp.audit.lm_canaries)
+    if not causal and (getattr(objective, "name", None) != "sequence_classification" or getattr(
             config, "problem_type", None) in ("regression", "multi_label_classification") or num_labels < 2):
         raise ValueError("--audit_canaries supports single-label sequence classifiers (>= 2 labels) and causal LMs only: "
                          "its black-box canaries are random token sequences, with random labels for a classifier")
@@ -218,8 +223,7 @@ def attach(trainer, model, args, train_dataset, tokenizer=None):
         state.row_canary = np.flatnonzero(canaries._included)  # row real_rows + j is canary row_canary[j]
         state.key = _shared_key(secrets.randbits(128), args)
         state.raw_norm = GRADIENT_NORM * float(args.per_sample_max_grad_norm)
-    trainer.dp.audit = state
-    return canaries.append_to(train_dataset, blank=(unit_col,) if unit_col else ())
+    return canaries.append_to(train_dataset, blank=(unit_col,) if unit_col else ()), state
 
 
 def _check_input_ids(train_dataset) -> None:
@@ -230,27 +234,28 @@ def _check_input_ids(train_dataset) -> None:
         raise ValueError("--audit_canaries needs an input_ids column in the training set") from None
 
 
-def extend_units(trainer, rows: int) -> None:
-    """At the end of DPTrainer's ``_setup_units``: the units of the canaries, one each, appended to the real units —
+def extend_units(dp, rows: int) -> None:
+    """The set-up's hook ``audit_units`` (:func:`hf_dp.run.setup.setup_privacy`, after the real units are read into
+    ``dp.units``; ``dp`` the run's privacy state): the units of the canaries, one each, appended to the real units —
     an included canary's unit is its row, an excluded canary's unit has no row (it is drawn like any unit, and adds
     nothing) —, so that N = real units + m whatever the draw."""
-    state = trainer.dp.audit
+    state = dp.audit
     if state is None:
         return
     if rows != state.real_rows + state.included_rows:
         raise ValueError("internal: the training set does not hold the real rows and the included canaries")
-    real = trainer.dp.units.rows if trainer.dp.units.rows is not None else [[i] for i in range(state.real_rows)]
+    real = dp.units.rows if dp.units.rows is not None else [[i] for i in range(state.real_rows)]
     state.real_units = len(real)
     units, k = list(real), state.real_rows
     for b in state.canaries.included:
         units.append([k] if b else [])
         k += int(b)
-    if trainer.dp.units.of_row is not None:  # unit-level clipping: each included canary row is its own unit
+    if dp.units.of_row is not None:  # unit-level clipping: each included canary row is its own unit
         for j, rows_of in enumerate(units[len(real):], start=len(real)):
             for r in rows_of:
-                trainer.dp.units.of_row[r] = j
-    trainer.dp.units.rows = units
-    trainer.dp.units.count = len(units)
+                dp.units.of_row[r] = j
+    dp.units.rows = units
+    dp.units.count = len(units)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -286,9 +291,10 @@ class _GradientCanaryEngine:
         self.state.pending = []
 
 
-def wrap_engine(trainer, engine):
-    """DPTrainer's ``_setup_privacy``: the clipping engine, wrapped under ``--audit_kind gradient``."""
-    state = _gradient_state(trainer)
+def wrap_engine(dp, engine):
+    """The set-up's hook ``audit_engine`` (:func:`hf_dp.run.setup.setup_privacy`; ``dp`` the run's privacy state): the
+    clipping engine, wrapped under ``--audit_kind gradient``."""
+    state = _gradient_state(dp.audit)
     return engine if state is None else _GradientCanaryEngine(engine, state)
 
 
@@ -323,10 +329,10 @@ def _prepare(state: TrainerCanaries, optimizer) -> None:
     optimizer.step_hook = score_privatized
 
 
-def check_optimizer(trainer, optimizer) -> None:
-    """DPTrainer's ``create_optimizer`` (before the first step begins): refuse an update rule with a per-sample transform
-    under ``--audit_kind gradient``."""
-    if _gradient_state(trainer) is not None:
+def check_optimizer(state, optimizer) -> None:
+    """DPTrainer's ``create_optimizer`` (before the first step begins; ``state`` the audit state ``dp.audit``): refuse an
+    update rule with a per-sample transform under ``--audit_kind gradient``."""
+    if _gradient_state(state) is not None:
         _check_rule(optimizer)
 
 
@@ -384,10 +390,9 @@ def gradient_scores(state: TrainerCanaries) -> np.ndarray:
     return state.score_sum.copy()
 
 
-def before_train(trainer, resume_from_checkpoint) -> None:
+def before_train(state, resume_from_checkpoint) -> None:
     """Refuse a resume (the draw is not stored: a new process cannot rebuild the training set) and a second train()
-    (the bits were dropped after the first audit)."""
-    state = trainer.dp.audit
+    (the bits were dropped after the first audit). ``state``: the audit state ``dp.audit`` (``None``: no audit)."""
     if state is None:
         return
     if resume_from_checkpoint is not None:
@@ -401,7 +406,10 @@ def before_train(trainer, resume_from_checkpoint) -> None:
 def canary_scores(trainer, state: TrainerCanaries) -> np.ndarray:
     """The label margin of every canary under the trained model: the trainer's collator, device, frozen-prefix cache
     and suffix context, through HF's ``evaluation_loop`` on the canaries *without* their labels (no loss, no metric,
-    no callback's on_evaluate/on_predict ever sees them). A causal LM's: minus their per-token loss (lm_canaries)."""
+    no callback's on_evaluate/on_predict ever sees them). A causal LM's: minus their per-token loss (lm_canaries),
+    each batch's logits reduced by :func:`~hf_dp.audit.lm_canaries.per_sequence_loss` on the way, without
+    ``compute_metrics`` (``DPTrainer._canary_scoring``).
+    Takes the trainer: it runs HF's test loader and evaluation loop (``trainer.evaluation_loop``) on the canaries."""
     c = state.canaries
     lm = isinstance(c, TokenCanaries)
     like = state.like if hasattr(state.like, "column_names") else None
@@ -410,12 +418,13 @@ def canary_scores(trainer, state: TrainerCanaries) -> np.ndarray:
     if trainer._prefix_cache:
         ds = trainer.prefix_cache.cache(ds, "canaries")
     loader = trainer.get_test_dataloader(ds)
-    if lm:
-        return lm_canary_scores(trainer, state, loader)
-    with trainer._suffix_ctx(), warnings.catch_warnings():
+    hooks = trainer._canary_scoring(per_sequence_loss) if lm else contextlib.nullcontext()  # lm: no [m, T, V] array
+    with hooks, trainer._suffix_ctx(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = trainer.evaluation_loop(loader, description="Canary scoring", prediction_loss_only=False,
                                       metric_key_prefix="canary")
+    if lm:
+        return lm_canary_scores(out.predictions, len(c))
     pred = out.predictions
     logits = np.asarray(pred[0] if isinstance(pred, (tuple, list)) else pred, dtype=np.float64)
     return label_margins(logits[: len(c)], c.labels)
@@ -430,21 +439,23 @@ def _drop(state: TrainerCanaries) -> None:
     state.pending = []
 
 
-def after_train(trainer, failed: bool = False) -> dict | None:
-    """After DPTrainer's train(): score, guess, count, bound; ``trainer.dp.audit_record`` (privacy.json's ``audit``, the
-    card's line); the inclusion bits are then dropped. ``failed`` (train() raised): no audit, the bits are dropped all
-    the same, and a later train() is refused (it would reuse the draw)."""
-    state = trainer.dp.audit
+def after_train(dp, args, score_canaries=None, get_epsilon=None, failed: bool = False) -> dict | None:
+    """After DPTrainer's train() (``dp`` the run's privacy state, ``args`` its arguments): score, guess, count, bound;
+    ``dp.audit_record`` (privacy.json's ``audit``, the card's line); the inclusion bits are then dropped.
+    ``score_canaries(state)``: the black-box canaries' scores under the trained model (:func:`canary_scores` on the
+    trainer); ``get_epsilon()``: the ε the trainer reports. ``failed`` (train() raised): no audit, the bits are dropped
+    all the same, and a later train() is refused (it would reuse the draw)."""
+    state = dp.audit
     if state is None or state.trained:
         return None
     state.trained = True
     if failed:
         return _drop(state)
     gradient = state.kind == "gradient"
-    beta = float(getattr(trainer, "audit_beta", AUDIT_BETA))  # the command line's --alpha; else 95 %
-    delta = float(trainer.args.delta)
+    beta = float(state.beta)  # the command line's --alpha; else 95 %
+    delta = float(args.delta)
     try:
-        scores = gradient_scores(state) if gradient else canary_scores(trainer, state)
+        scores = gradient_scores(state) if gradient else score_canaries(state)
         bound = audit_scores(scores, state.canaries.included, delta, beta)
         gdp = gdp_audit_scores(scores, state.canaries.included, delta, beta)
     finally:
@@ -452,22 +463,22 @@ def after_train(trainer, failed: bool = False) -> dict | None:
     state.bound, state.gdp = bound, gdp  # counts and the bounds only (no bit)
     rec = record(bound, "white-box" if gradient else "black-box", GRADIENT_SCORE if gradient else state.canaries.score_name)
     rec["gaussian_dp"] = gdp_record(gdp)
-    eps = float(trainer.get_epsilon())
+    eps = float(get_epsilon())
     # the real units as the mechanism counts them: the declared --public_dataset_size (the actual count is then private)
-    real_units = getattr(trainer.args, "public_dataset_size", None) or state.real_units
+    real_units = getattr(args, "public_dataset_size", None) or state.real_units
     rec.update(
-        epsilon=eps, violation=bool(bound.epsilon_lower > eps), ceiling=(top := ceiling(state.m, float(trainer.args.delta), beta)),
+        epsilon=eps, violation=bool(bound.epsilon_lower > eps), ceiling=(top := ceiling(state.m, float(args.delta), beta)),
         low_power=bool(power_note(eps, top, state.m)),  # the claim above or within 1 of the ceiling (README's rule)
         real_units=real_units, dataset_size_includes_canaries=state.m, accounting=ACCOUNTING,
     )
     rec["summary"] = describe(rec)
-    rec["utility_cost"] = utility_cost(state.m, int(real_units or 0), float(trainer.dp.spec.sample_rate),
-                                       bool(getattr(trainer.args, "_hf_dp_canaries_on_top", False)))
-    trainer.dp.audit_record = rec
+    rec["utility_cost"] = utility_cost(state.m, int(real_units or 0), float(dp.spec.sample_rate),
+                                       bool(getattr(args, "_hf_dp_canaries_on_top", False)))
+    dp.audit_record = rec
     return rec
 
 
-def report(trainer) -> dict:
-    """``{"audit": record}`` for ``privacy.json`` once the run was audited, else ``{}``."""
-    rec = trainer.dp.audit_record
+def report(dp) -> dict:
+    """``{"audit": record}`` for ``privacy.json`` once the run (``dp``: its privacy state) was audited, else ``{}``."""
+    rec = dp.audit_record
     return {"audit": dict(rec)} if rec else {}

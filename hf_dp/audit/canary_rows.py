@@ -1,5 +1,6 @@
 """The canary rows of ``--audit_canaries`` as the training loader and ``compute_loss`` see them
-(:mod:`hf_dp.audit.canaries` re-exports these hooks; DPTrainer calls them there).
+(:mod:`hf_dp.audit.canaries` re-exports these hooks; DPTrainer calls them there with the audit state,
+``trainer.dp.audit``, or the run's privacy state ``trainer.dp``, and the pieces they use).
 
 The loader tags every training row with :data:`CANARY_KEY` (:func:`loader_parts`): under ``--audit_kind gradient`` a
 row's canary id (-1 for a real row; the tags are the secret draw: never pickled), under ``--audit_kind input`` its place
@@ -19,8 +20,8 @@ from hf_dp.run.data import TaggedRows
 CANARY_KEY = "_hf_dp_canary"
 
 
-def _gradient_state(trainer):
-    state = trainer.dp.audit
+def _gradient_state(state):
+    """The audit state ``state`` (``dp.audit``) under ``--audit_kind gradient``, else ``None``."""
     return state if state is not None and state.kind == "gradient" else None
 
 
@@ -97,11 +98,12 @@ class _CanaryCollator:
         return batch
 
 
-def loader_parts(trainer, dataset, collate_fn):
-    """DPTrainer's ``get_train_dataloader``: (dataset, collator) with the canary tags under ``--audit_canaries``
-    (unchanged otherwise): each row's canary id under ``--audit_kind gradient``, its place among the canary rows
-    under ``--audit_kind input`` (only to leave their losses out of the logged training loss)."""
-    state = trainer.dp.audit
+def loader_parts(dp, dataset, collate_fn):
+    """DPTrainer's ``get_train_dataloader`` (the hook ``audit_parts`` of :func:`hf_dp.run.data.poisson_loader`; ``dp``
+    the run's privacy state): (dataset, collator) with the canary tags under ``--audit_canaries`` (unchanged
+    otherwise): each row's canary id under ``--audit_kind gradient``, its place among the canary rows under
+    ``--audit_kind input`` (only to leave their losses out of the logged training loss)."""
+    state = dp.audit
     if state is None:
         return dataset, collate_fn
     if state.kind != "gradient":
@@ -112,18 +114,18 @@ def loader_parts(trainer, dataset, collate_fn):
     return _CanaryTagged(dataset, state.real_rows, state.row_canary), _CanaryCollator(collate_fn)
 
 
-def pop_rows(trainer, inputs):
+def pop_rows(state, inputs):
     """DPTrainer's ``compute_loss``: the micro-batch's canary tags (a tensor, -1 for real rows), taken out of
-    ``inputs``; ``None`` without canaries."""
+    ``inputs``; ``None`` without canaries (``state``: the audit state ``dp.audit``, ``None`` without the flag)."""
     rows = inputs.pop(CANARY_KEY, None) if hasattr(inputs, "pop") else None
-    return rows if trainer.dp.audit is not None else None
+    return rows if state is not None else None
 
 
-def input_canary_loss(trainer, losses, rows, empty: bool):
+def input_canary_loss(state, losses, rows, empty: bool):
     """``--audit_kind input``: the summed model loss of the micro-batch's canary rows (detached), which
     ``DPTrainer.training_step`` takes out of the loss it reports — the logged training loss is the real rows' (the
-    canaries are trained on as any row; gradient canaries' model loss is 0 already). ``None`` otherwise."""
-    state = trainer.dp.audit
+    canaries are trained on as any row; gradient canaries' model loss is 0 already). ``None`` otherwise (``state``:
+    the audit state ``dp.audit``)."""
     if state is None or state.kind == "gradient" or rows is None or empty:
         return None
     rows = rows.to(losses.device).view(-1)
@@ -133,28 +135,30 @@ def input_canary_loss(trainer, losses, rows, empty: bool):
     return losses.detach()[canary].sum() if bool(canary.any()) else None
 
 
-def logged_loss(trainer, loss):
+def logged_loss(dp, loss, world_size: int):
     """``DPTrainer.training_step``: the loss a micro-batch reports (HF sums it into the logged training loss) without
-    its input canary rows' share (:func:`input_canary_loss`, kept by ``compute_loss`` as ``trainer.dp.step.canary_loss``)."""
-    excluded, trainer.dp.step.canary_loss = trainer.dp.step.canary_loss, None
+    its input canary rows' share (:func:`input_canary_loss`, kept by ``compute_loss`` as ``dp.step.canary_loss``;
+    ``dp`` the run's privacy state, ``world_size`` the number of processes)."""
+    excluded, dp.step.canary_loss = dp.step.canary_loss, None
     if excluded is None:
         return loss
-    divisor = trainer.dp.spec.expected_batch_size / max(1, trainer.args.world_size)  # compute_loss's own
+    divisor = dp.spec.expected_batch_size / max(1, world_size)  # compute_loss's own
     return loss - (excluded / divisor).to(loss.device, loss.dtype)
 
 
-def zero_canary_losses(trainer, losses, rows, empty: bool):
+def zero_canary_losses(state, losses, rows, empty: bool, probe: bool = False):
     """A canary row's model loss is exactly 0 (its gradient through the model too); the micro-batch's canary ids are
-    kept for the engine's ``after_backward`` (not for an empty micro-batch's placeholder or the contract probe)."""
+    kept for the engine's ``after_backward`` (not for an empty micro-batch's placeholder or the contract's
+    independence probe, ``probe``). ``state``: the audit state ``dp.audit``."""
     import torch
 
-    state = _gradient_state(trainer)
+    state = _gradient_state(state)
     if state is None or rows is None:
         return losses
     rows = rows.to(losses.device).view(-1)
     if rows.shape[0] != losses.shape[0]:
         raise ValueError(f"internal: {rows.shape[0]} canary tags for {losses.shape[0]} per-example losses")
     canary = rows >= 0
-    if not empty and not trainer.dp.contract.probe:
+    if not empty and not probe:
         state.pending = [int(k) for k in rows[canary].tolist()]
     return torch.where(canary, torch.zeros_like(losses), losses)

@@ -11,9 +11,10 @@ logged, dropped after the audit.
 
 The score of a canary is minus its mean per-token loss (the next-token cross-entropy over its tokens) under the trained
 model: a canary the model was trained on tends to be more likely. It is computed through HF's ``evaluation_loop`` with
-the trainer's collator, device and forward context, each batch's logits reduced to one loss per canary on the way
-(``preprocess_logits_for_metrics``, so that no [m, tokens, vocabulary] array is gathered) and no ``compute_metrics``:
-no metric of the canaries is logged or seen by a callback, and canaries never enter an evaluation set.
+the trainer's collator, device and forward context (:func:`hf_dp.audit.canaries.canary_scores`), each batch's logits
+reduced to one loss per canary on the way (:func:`per_sequence_loss` as ``preprocess_logits_for_metrics``, so that no
+[m, tokens, vocabulary] array is gathered) and no ``compute_metrics``: no metric of the canaries is logged or seen
+by a callback, and canaries never enter an evaluation set.
 
 White-box canaries (``--audit_kind gradient``) need nothing of this module: a canary row's model loss is 0 whatever
 the objective, and its gradient a random direction (:mod:`hf_dp.audit.canaries`); the rows they ride on are these
@@ -21,8 +22,6 @@ token sequences. This module imports nothing of hf_dp outside :mod:`hf_dp.audit.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 
@@ -100,24 +99,14 @@ def per_sequence_loss(logits, labels):
     return tokens.sum(1) / scored.to(torch.float32)
 
 
-def lm_canary_scores(trainer, state, loader) -> np.ndarray:
-    """Minus the mean per-token loss of every canary under the trained model (``state``: the trainer's
-    :class:`~hf_dp.audit.canaries.TrainerCanaries`; ``loader``: the canaries' test loader, built by
-    :func:`hf_dp.audit.canaries.canary_scores`), through HF's ``evaluation_loop`` with the trainer's collator, device
-    and forward context; no ``compute_metrics``, nothing logged (see the module docstring)."""
-    c = state.canaries
-    saved = trainer.preprocess_logits_for_metrics, trainer.compute_metrics
-    trainer.preprocess_logits_for_metrics, trainer.compute_metrics = per_sequence_loss, None
-    try:
-        with trainer._suffix_ctx(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = trainer.evaluation_loop(loader, description="Canary scoring", prediction_loss_only=False,
-                                          metric_key_prefix="canary")
-    finally:
-        trainer.preprocess_logits_for_metrics, trainer.compute_metrics = saved
-    preds = out.predictions  # a list of per-batch arrays under --eval_do_concat_batches false
+def lm_canary_scores(predictions, m: int) -> np.ndarray:
+    """Minus the mean per-token loss of each of the ``m`` canaries under the trained model, from ``predictions``: what
+    HF's ``evaluation_loop`` gathered of :func:`per_sequence_loss` (its ``preprocess_logits_for_metrics``) over the
+    canaries' test loader, run by :func:`hf_dp.audit.canaries.canary_scores` with the trainer's collator, device and
+    forward context; no ``compute_metrics``, nothing logged (see the module docstring)."""
+    preds = predictions  # a list of per-batch arrays under --eval_do_concat_batches false
     parts = preds if isinstance(preds, (list, tuple)) else [preds]
-    losses = np.concatenate([np.asarray(p, dtype=np.float64).reshape(-1) for p in parts])[: len(c)]
-    if losses.shape[0] != len(c) or not np.all(np.isfinite(losses)):
-        raise ValueError(f"internal: {losses.shape[0]} finite canary losses for {len(c)} canaries")
+    losses = np.concatenate([np.asarray(p, dtype=np.float64).reshape(-1) for p in parts])[:m]
+    if losses.shape[0] != m or not np.all(np.isfinite(losses)):
+        raise ValueError(f"internal: {losses.shape[0]} finite canary losses for {m} canaries")
     return -losses

@@ -160,7 +160,11 @@ def _variant_trainer(cfg: OneRunConfig, model, args, dataset):
     from hf_dp.audit.trainer_path import TrainerAuditConfig, _trainer
 
     tcfg = TrainerAuditConfig(optim=cfg.optim, variant="real" if cfg.variant in PARTIAL_BREAKS else cfg.variant)
-    return partial_break(_trainer(tcfg, model, args, dataset, require_ghost=False), cfg.variant)
+    tr = _trainer(tcfg, model, args, dataset, require_ghost=False)
+    brk = partial_break(tr.dp, cfg.variant)
+    if brk is not None:
+        tr.add_callback(brk)
+    return tr
 
 
 class _ReplayFirst:
@@ -207,23 +211,20 @@ def divide_noise(opt, factor: float) -> None:
     opt.add_noise = add_less_noise
 
 
-def partial_break(tr, variant: str):
-    """The partial breaks of :data:`PARTIAL_BREAKS` on a built DPTrainer (its checks see the nominal σ, C and B between
-    steps, as the trainer path's ``no_noise``): ``noise_div10`` — the privatizer adds N(0, (σ/10 · C)²);
+def partial_break(dp, variant: str):
+    """The partial breaks of :data:`PARTIAL_BREAKS` on a built DPTrainer's privacy state ``dp`` (its checks see the
+    nominal σ, C and B between steps, as the trainer path's ``no_noise``): ``noise_div10`` — the privatizer adds
+    N(0, (σ/10 · C)²) (returns the callback that breaks it when ``train()`` begins, for ``trainer.add_callback``);
     ``clip_x10`` — the engine clips to 10 C (also the gradient canaries it hands on), the noise stays σ·C;
     ``replay_step`` — the first step's batch is used again at the second step, with fresh noise (one step at σ/√2,
-    the accountant told two at σ: a break only a very strong audit sees). Other variants: ``tr`` unchanged."""
+    the accountant told two at σ: a break only a very strong audit sees). Other variants: ``dp`` unchanged. Returns
+    the callback to add, or ``None``."""
     if variant == "noise_div10":
-        create = tr.create_optimizer
+        from hf_dp.audit.trainer_path import privatizer_break
 
-        def create_with_less_noise(model=None):
-            out = create(model)
-            divide_noise(tr.dp.optimizer, 10.0)
-            return out
-
-        tr.create_optimizer = create_with_less_noise
+        return privatizer_break(dp, lambda opt: divide_noise(opt, 10.0))
     elif variant == "clip_x10":
-        engine = tr.dp.engine
+        engine = dp.engine
         before, after = engine.before_backward, engine.after_backward
 
         def wider(optimizer, run):
@@ -237,16 +238,18 @@ def partial_break(tr, variant: str):
         engine.after_backward = lambda optimizer, loss_scale, rows, units=None: wider(
             optimizer, lambda: after(optimizer, loss_scale, rows, units))
     elif variant == "replay_step":
-        tr.dp.sampler = _ReplayFirst(tr.dp.sampler)
-    return tr
+        dp.sampler = _ReplayFirst(dp.sampler)
+    return None
 
 
-def _claim(trainer, cfg: OneRunConfig) -> tuple[float, dict]:
+def _claim(dp, reported_epsilon: float, cfg: OneRunConfig) -> tuple[float, dict]:
+    """The claimed ε (the accountant's, for the run's σ, q and ledger steps at ``cfg.delta``) and the run's numbers, from
+    its privacy state ``dp`` and the ε the trainer reports."""
     from hf_dp.privacy.accounting import compute_epsilon
 
-    spec = trainer.dp.spec
-    info = dict(N=spec.dataset_size, B=spec.expected_batch_size, q=spec.sample_rate, steps=trainer.dp.ledger.steps,
-                sigma=spec.noise_multiplier, reported_epsilon=trainer.get_epsilon())
+    spec = dp.spec
+    info = dict(N=spec.dataset_size, B=spec.expected_batch_size, q=spec.sample_rate, steps=dp.ledger.steps,
+                sigma=spec.noise_multiplier, reported_epsilon=reported_epsilon)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         claimed = max(0.0, compute_epsilon(info["sigma"], info["q"], info["steps"], cfg.delta, cfg.accountant))
@@ -290,11 +293,11 @@ def black_box_run(cfg: OneRunConfig) -> tuple[OneRunBound, float, dict]:
         args.audit_kind = "gradient" if cfg.kind == "gradient" else "input"
         args.audit_canary_length = int(x.shape[1])  # the synthetic rows' fixed length (no padding collator)
         tr = _variant_trainer(cfg, _tiny_classifier(cfg), args, real)
-        tr.audit_beta = cfg.alpha
+        tr.dp.audit.beta = cfg.alpha  # the bound's 1 − confidence (hf_dp.audit.canaries.after_train)
         if cfg.progress:
             tr.add_callback(_StepProgress(f"{cfg.optim} {cfg.variant}"))
         tr.train()
-        claimed, info = _claim(tr, cfg)
+        claimed, info = _claim(tr.dp, tr.get_epsilon(), cfg)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     info["included"] = tr.dp.audit.included_rows
@@ -331,9 +334,12 @@ def white_box_run(cfg: OneRunConfig) -> tuple[np.ndarray, np.ndarray, float, dic
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tr = partial_break(_trainer(tcfg, model, _args(tcfg, out, b, None), dataset), cfg.variant)
+            tr = _trainer(tcfg, model, _args(tcfg, out, b, None), dataset)
+            brk = partial_break(tr.dp, cfg.variant)
+            if brk is not None:
+                tr.add_callback(brk)
             tr.train()
-        claimed, info = _claim(tr, cfg)
+        claimed, info = _claim(tr.dp, tr.get_epsilon(), cfg)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     scores = (theta0 - model.score.weight.detach()[0]).double().numpy()

@@ -276,17 +276,23 @@ def _stop_at(k: int):
     return StopAt()
 
 
-def noise_off(trainer) -> None:
-    """The no_noise break on a DPTrainer whose optimizer is not built yet: :func:`zero_noise` on the privatizer that
-    ``create_optimizer`` makes (tests and the one-run audit's trainer runs)."""
-    create = trainer.create_optimizer
+def privatizer_break(dp, brk):
+    """A ``TrainerCallback`` that breaks the privatizer of a DPTrainer whose privacy state is ``dp``: ``brk(dp.optimizer)``
+    at ``on_train_begin`` (after ``create_optimizer`` made it, before the first step). Add it with ``add_callback``."""
+    from transformers import TrainerCallback
 
-    def create_without_noise(model=None):
-        out = create(model)
-        zero_noise(trainer.dp.optimizer)
-        return out
+    class PrivatizerBreak(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            brk(dp.optimizer)  # the privatizer (HF may hold Accelerate's wrapper of it)
 
-    trainer.create_optimizer = create_without_noise
+    return PrivatizerBreak()
+
+
+def noise_off(dp):
+    """The no_noise break for a DPTrainer whose privacy state is ``dp`` (tests and the one-run audit's trainer runs):
+    the callback (:func:`privatizer_break`) that applies :func:`zero_noise` to the privatizer ``create_optimizer``
+    makes, before the first step; ``trainer.add_callback(noise_off(trainer.dp))``."""
+    return privatizer_break(dp, zero_noise)
 
 
 def zero_noise(opt) -> None:
@@ -341,9 +347,9 @@ def _args(cfg: TrainerAuditConfig, out: str, batch: int, save_steps: int | None)
     )
 
 
-def _without_clipping(tr) -> None:
-    """Variant ``no_clip``: the engine clips to C = ∞ (factor 1 for every example); the noise keeps σ·C."""
-    engine = tr.dp.engine
+def _without_clipping(engine) -> None:
+    """Variant ``no_clip``: the trainer's clipping engine (``dp.engine``) clips to C = ∞ (factor 1 for every example);
+    the noise keeps σ·C."""
     before, after = engine.before_backward, engine.after_backward
 
     def unbounded(optimizer, run):
@@ -358,6 +364,22 @@ def _without_clipping(tr) -> None:
         optimizer, lambda: after(optimizer, loss_scale, rows, units))
 
 
+@functools.lru_cache(maxsize=None)
+def _two_rows_trainer():
+    """Variant ``two_rows``: a DPTrainer whose training loader's collator emits every drawn row twice, with the
+    one-row-per-example check bypassed (a class, built on first use)."""
+    from hf_dp import DPTrainer
+
+    class TwoRowsTrainer(DPTrainer):
+        def get_train_dataloader(self):
+            loader = super().get_train_dataloader()
+            checked = loader.collate_fn  # hf_dp's collator: checks the rows, then calls HF's (.collate_fn)
+            loader.collate_fn = lambda features: checked.collate_fn(list(features) * 2) if features else checked(features)
+            return loader
+
+    return TwoRowsTrainer
+
+
 def _trainer(cfg, model, args, dataset, require_ghost: bool = True):
     """A DPTrainer on ``dataset`` with ``cfg.variant``'s break (the module docstring); ``require_ghost``: refuse an
     engine other than one-backward ghost clipping (the canary model's K trials per run rely on it)."""
@@ -365,38 +387,23 @@ def _trainer(cfg, model, args, dataset, require_ghost: bool = True):
 
     from hf_dp import DPTrainer
 
-    tr = DPTrainer(model=model, args=args, train_dataset=dataset)
+    # two_rows: the collator emits every drawn row twice; the one-row-per-example check bypassed
+    cls = _two_rows_trainer() if cfg.variant == "two_rows" else DPTrainer
+    tr = cls(model=model, args=args, train_dataset=dataset)
     tr.remove_callback(PrinterCallback)
     if require_ghost and tr.dp.clipping != "ghost":
         raise RuntimeError(f"internal: expected --clipping auto to choose ghost clipping, got {tr.dp.clipping}")
     if cfg.variant == "no_clip":
-        _without_clipping(tr)
+        _without_clipping(tr.dp.engine)
     if cfg.variant == "no_noise":
-        create = tr.create_optimizer
-
-        def create_without_noise(model=None):
-            out = create(model)
-            zero_noise(tr.dp.optimizer)  # the privatizer (HF may hand back Accelerate's wrapper of it)
-            return out
-
-        tr.create_optimizer = create_without_noise
+        tr.add_callback(noise_off(tr.dp))
     if cfg.variant in ("replay_train", "replay_resume"):
         tr.dp.sampler = ReplayBatchSampler(tr.dp.sampler)
-    if cfg.variant == "two_rows":  # the collator emits every drawn row twice; the one-row-per-example check bypassed
-        build = tr.get_train_dataloader
-
-        def duplicating_loader():
-            loader = build()
-            checked = loader.collate_fn  # hf_dp's collator: checks the rows, then calls HF's (.collate_fn)
-            loader.collate_fn = lambda features: checked.collate_fn(list(features) * 2) if features else checked(features)
-            return loader
-
-        tr.get_train_dataloader = duplicating_loader
     if cfg.variant == "accumulation_changed":  # the issue's trainer.args change after construction, check bypassed
         from hf_dp.run import contract
 
         tr.args.gradient_accumulation_steps = 3
-        tr.dp.contract.planned = contract.mechanism_snapshot(tr)
+        tr.dp.contract.planned = contract.mechanism_snapshot(tr.args, tr.dp.mechanism, tr.model)
     return tr
 
 

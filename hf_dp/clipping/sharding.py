@@ -154,16 +154,17 @@ def check_processes(args) -> None:
                          "with --ddp_backend gloo --use_cpu); in one process train without --fsdp")
 
 
-def enable_on_cpu(trainer) -> bool:
-    """Hand Accelerate the FSDP plugin it dropped on CPU (see the module docstring); ``True`` if it did."""
-    if not fsdp_requested(trainer.args):
+def enable_on_cpu(accelerator, args) -> bool:
+    """Hand ``accelerator`` the FSDP plugin it dropped on CPU (see the module docstring); ``True`` if it did (the
+    caller, ``DPTrainer.create_accelerator_and_postprocess``, then marks the trainer FSDP-enabled)."""
+    if not fsdp_requested(args):
         return False
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    state = trainer.accelerator.state
+    state = accelerator.state
     if state.distributed_type != DistributedType.MULTI_CPU:
         return False
-    plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
+    plugin_args = getattr(args, "fsdp_plugin_args", None)
     plugin = FullyShardedDataParallelPlugin(**plugin_args) if plugin_args is not None else FullyShardedDataParallelPlugin()
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
@@ -174,7 +175,6 @@ def enable_on_cpu(trainer) -> bool:
     from accelerate.state import PartialState
 
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    trainer.is_fsdp_enabled = True
     return True
 
 
@@ -229,16 +229,17 @@ def wrap_classes(model, given=None) -> list[str]:
     return names
 
 
-def set_wrap_classes(trainer) -> None:
+def set_wrap_classes(accelerator, model) -> None:
     """Under FSDP2 with the transformer-based wrap (DP and ``--disable_dp`` runs alike, before ``prepare``): the
-    plugin's layer classes from :func:`wrap_classes` — the model's own blocks when none were given."""
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-    if plugin is None or getattr(trainer, "model", None) is None or int(getattr(plugin, "fsdp_version", 1) or 1) != 2:
+    plugin's layer classes (in ``accelerator``'s state) from :func:`wrap_classes` — ``model``'s own blocks when none
+    were given."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or model is None or int(getattr(plugin, "fsdp_version", 1) or 1) != 2:
         return
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     if getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is transformer_auto_wrap_policy:
-        plugin.transformer_cls_names_to_wrap = wrap_classes(trainer.model, plugin.transformer_cls_names_to_wrap)
+        plugin.transformer_cls_names_to_wrap = wrap_classes(model, plugin.transformer_cls_names_to_wrap)
 
 
 def is_fsdp_model(model) -> bool:
@@ -329,10 +330,12 @@ def full_state_dict(model) -> dict:
 OPTIMIZER_DIR = "hf_dp_optimizer_fsdp"
 
 
-def save_checkpoint_state(trainer, output_dir: str) -> None:
-    """In place of HF's ``_save_optimizer_and_scheduler`` under DP with FSDP (every rank calls it): the model with
-    Accelerate's ``save_fsdp_model`` (as HF writes it: sharded or gathered by ``state_dict_type``), the DP optimizer's state into :data:`OPTIMIZER_DIR` with
-    ``torch.distributed.checkpoint`` (each rank its own shards), the scheduler by the saving process."""
+def save_checkpoint_state(accelerator, model, optimizer, scheduler, should_save: bool, output_dir: str) -> None:
+    """In place of HF's ``_save_optimizer_and_scheduler`` under DP with FSDP (every rank calls it): the ``model`` with
+    Accelerate's ``save_fsdp_model`` through ``accelerator`` (as HF writes it: sharded or gathered by
+    ``state_dict_type``), the DP optimizer's state (``optimizer``, the privatizer) into :data:`OPTIMIZER_DIR` with
+    ``torch.distributed.checkpoint`` (each rank its own shards), the ``scheduler`` by the saving process
+    (``should_save``)."""
     import io
 
     import torch.distributed.checkpoint as dcp
@@ -340,24 +343,23 @@ def save_checkpoint_state(trainer, output_dir: str) -> None:
     from transformers.distributed.fsdp import get_fsdp_ckpt_kwargs
     from transformers.trainer import SCHEDULER_NAME
 
-    save_fsdp_model(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.model, output_dir,
-                    **get_fsdp_ckpt_kwargs())
-    state = trainer.dp.optimizer.state_dict()
+    save_fsdp_model(accelerator.state.fsdp_plugin, accelerator, model, output_dir, **get_fsdp_ckpt_kwargs())
+    state = optimizer.state_dict()
     extras = io.BytesIO()
     torch.save(state["hf_dp"], extras)  # one opaque leaf: loaded with weights_only=True, as optimizer.pt is
     dcp.save({"optimizer": state["rule"], "hf_dp": extras.getvalue()},
              storage_writer=dcp.FileSystemWriter(os.path.join(output_dir, OPTIMIZER_DIR)))
-    if trainer.args.should_save:
-        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+    if should_save:
+        torch.save(scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
 
-def load_checkpoint_state(trainer, checkpoint: str) -> None:
+def load_checkpoint_state(optimizer, scheduler, checkpoint: str) -> None:
     """In place of HF's optimizer and scheduler load under DP with FSDP (every rank calls it, after HF loaded the
-    model's shards): the DP optimizer's state from :data:`OPTIMIZER_DIR` into ``PrivateOptimizer.load_state_dict`` —
-    the path of ``optimizer.pt`` without FSDP (the ledger and the sampler's N and q checked, the rule's state
-    restored) — and the scheduler. The state to load into is built from the checkpoint's own metadata (as torch's
-    ``_EmptyStateDictLoadPlanner`` does), each tensor shaped like its parameter sharded as that parameter: the
-    optimizer is never stepped to create it."""
+    model's shards): the DP optimizer's state from :data:`OPTIMIZER_DIR` into ``optimizer`` (the privatizer's
+    ``PrivateOptimizer.load_state_dict``) — the path of ``optimizer.pt`` without FSDP (the ledger and the sampler's N
+    and q checked, the rule's state restored) — and the ``scheduler``'s. The state to load into is built from the
+    checkpoint's own metadata (as torch's ``_EmptyStateDictLoadPlanner`` does), each tensor shaped like its parameter
+    sharded as that parameter: the optimizer is never stepped to create it."""
     import io
     import pickle
 
@@ -369,7 +371,7 @@ def load_checkpoint_state(trainer, checkpoint: str) -> None:
     path = os.path.join(checkpoint, OPTIMIZER_DIR)
     _check_dcp_metadata(os.path.join(path, ".metadata"), checkpoint, tensors_only=False)  # before torch unpickles it
     metadata = dcp.FileSystemReader(path).read_metadata()
-    private = trainer.dp.optimizer
+    private = optimizer
     params = [p for group in private.rule.param_groups for p in group["params"]]
     template: dict = {}
     for key, md in metadata.state_dict_metadata.items():
@@ -400,7 +402,7 @@ def load_checkpoint_state(trainer, checkpoint: str) -> None:
     rule_state["state"] = {int(k): v for k, v in (rule_state.get("state") or {}).items()}  # torch's ids (DCP's keys are str)
     extras = torch.load(io.BytesIO(template["hf_dp"]), weights_only=True)
     private.load_state_dict({"rule": rule_state, "hf_dp": extras})
-    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+    scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
 
 #: what a ``torch.distributed.checkpoint`` ``.metadata`` file is built of (torch 2.x; plus torch's dtypes): it is a

@@ -2,13 +2,18 @@
 (``config._name_or_path`` when it reads as a Hub id), the task and labels (``config.finetuning_task``,
 ``config.id2label``), the fine-tuning data (a ``datasets.Dataset``'s own info: dataset name, config, split) and a
 title. A recipe (or the user) sets ``trainer.base_model_id``, ``trainer.task_name``, ``trainer.dataset_name``,
-``trainer.data_description`` or ``trainer.model_name`` to override any of them (README.md, "Model cards")."""
+``trainer.data_description`` or ``trainer.model_name`` to override any of them (README.md, "Model cards"):
+``DPTrainer`` hands those (:data:`CARD_SETTINGS`) to :func:`card_fields` with the model, the arguments and the
+training set."""
 
 from __future__ import annotations
 
 import os
 import re
 from typing import Any
+
+#: what may be set on a trainer to override what :func:`card_fields` finds (README.md, "Model cards")
+CARD_SETTINGS = ("base_model_id", "task_name", "dataset_name", "data_description", "model_name")
 
 #: builders of local files: their "dataset name" is a file format, not a dataset anyone can look up
 _FILE_BUILDERS = {"csv", "json", "parquet", "text", "arrow", "pandas", "generator", "imagefolder", "audiofolder"}
@@ -45,33 +50,31 @@ def dataset_info(dataset: Any) -> tuple[str | None, str | None]:
     return None if name.count("/") > 1 else name, desc
 
 
-def card_fields(trainer) -> dict[str, Any]:
-    """The keyword arguments :func:`hf_dp.hub.card.render_model_card` gets from a trainer: what was set on it
-    (``base_model_id``, ``task_name``, ``dataset_name``, ``data_description``, ``model_name``) first, else what the
-    model's config and the training set say."""
-    config = getattr(getattr(trainer, "model", None), "config", None)
-    base = getattr(trainer, "base_model_id", None) or hub_id_or_none(getattr(config, "_name_or_path", None))
-    task = getattr(trainer, "task_name", None) or getattr(config, "finetuning_task", None)
-    dataset_name = getattr(trainer, "dataset_name", None)
-    description = getattr(trainer, "data_description", None)
+def card_fields(model, args, train_dataset, objective: str | None = None, **settings) -> dict[str, Any]:
+    """The keyword arguments :func:`hf_dp.hub.card.render_model_card` gets for a run of ``model`` with ``args`` on
+    ``train_dataset`` (``objective``: the loss trained, :mod:`hf_dp.models.loss`'s name): what was set on the trainer
+    (``settings``, the names of :data:`CARD_SETTINGS`: ``base_model_id``, ``task_name``, ``dataset_name``,
+    ``data_description``, ``model_name``) first, else what the model's config and the training set say."""
+    config = getattr(model, "config", None)
+    base = settings.get("base_model_id") or hub_id_or_none(getattr(config, "_name_or_path", None))
+    task = settings.get("task_name") or getattr(config, "finetuning_task", None)
+    dataset_name = settings.get("dataset_name")
+    description = settings.get("data_description")
     # under --privacy_unit_column the number of rows is private (one unit's removal changes it by its rows): the card
     # gives N, the number of units, only (the report's dataset_size)
     # (and so is the actual count under --public_dataset_size, whose N is the declared one)
-    args = getattr(trainer, "args", None)
     unit_level = getattr(args, "privacy_unit_column", None) is not None or getattr(args, "public_dataset_size", None) is not None
-    train = getattr(trainer, "train_dataset", None)
     if dataset_name is None and description is None:
-        dataset_name, description = dataset_info(train)
-        n = None if unit_level else _rows(train)
+        dataset_name, description = dataset_info(train_dataset)
+        n = None if unit_level else _rows(train_dataset)
         if description and n:
             description += f", {n:,} training examples"
-        if description is None and train is not None:  # no Hub info: what is known, the columns (public structure)
-            columns = getattr(train, "column_names", None)
+        if description is None and train_dataset is not None:  # no Hub info: the columns (public structure)
+            columns = getattr(train_dataset, "column_names", None)
             description = "a dataset given in Python" + (
                 f" (columns {', '.join(f'`{c}`' for c in columns)})" if columns else "")
     labels = labels_of(config) if config is not None else None
     task_description = None
-    objective = getattr(getattr(trainer, "objective", None), "name", None)
     if labels:
         kind = "sequence classification" if getattr(config, "problem_type", None) != "regression" else "regression"
         task_description = f"{kind} — labels: {', '.join(labels)}"
@@ -80,8 +83,7 @@ def card_fields(trainer) -> dict[str, Any]:
     elif objective == "sequence_classification" and config is not None:
         regression = getattr(config, "problem_type", None) == "regression" or getattr(config, "num_labels", 2) == 1
         task_description = "regression" if regression else f"sequence classification ({config.num_labels} labels)"
-    title = getattr(trainer, "model_name", None)
-    model = getattr(trainer, "model", None)
+    title = settings.get("model_name")
     name_or_path = getattr(config, "_name_or_path", None) if config is not None else None
     model_description = None
     if model is not None and not base:
@@ -91,7 +93,7 @@ def card_fields(trainer) -> dict[str, Any]:
             model_description += ", loaded from a local checkpoint"
     return {"base_model": base, "task_name": task, "dataset_name": dataset_name, "data_description": description,
             "model_name": title, "task_description": task_description, "model_description": model_description,
-            "random_init": config is not None and not name_or_path and not getattr(trainer, "base_model_id", None)}
+            "random_init": config is not None and not name_or_path and not settings.get("base_model_id")}
 
 
 def unwrap(model: Any) -> Any:

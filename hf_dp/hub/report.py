@@ -1,17 +1,51 @@
-"""What ``privacy.json`` and the model card say about a run, read from a ``DPTrainer``.
+"""What ``privacy.json`` and the model card say about a run.
 
-:func:`privacy_report` (a DP run: every number of the guarantee), :func:`non_private_report`
-(``--disable_dp``: says so, and records the optimizer and trainable set), and their parts. The trainer
-is passed in (duck-typed; this module does not import it); ``DPTrainer.privacy_report()`` calls these.
+:func:`privacy_report` (a DP run: every number of the guarantee, read from the run's
+:class:`~hf_dp.privacy.mechanism.Mechanism` — ``describe()``, ``unit_report()``, ``unit_of_privacy`` — and its
+ledger), :func:`non_private_report` (``--disable_dp``: says so, and records the optimizer and trainable set), and
+their parts. They take the pieces they read: the mechanism, the ledger, and :class:`RunFacts` (the run's public
+settings and facts), which ``DPTrainer.privacy_report()`` gathers; this module imports neither the trainer nor the
+mechanism's module (duck-typed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from hf_dp import __version__
 from hf_dp.privacy.randomness import CSPRNG, SEEDED
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the report reads of a run besides its mechanism and ledger: public settings and facts only (of the data,
+    the eval sets' names and sizes, which a selection on them depends on). ``DPTrainer.privacy_report`` makes it; the
+    DP parts come from the run's privacy state (:meth:`with_state`)."""
+
+    args: Any  # the run's (DP)TrainingArguments
+    objective: str | None = None  # the loss trained (hf_dp.models.loss: sequence_classification, causal_lm)
+    trainable_info: Any = None  # hf_dp.models.freezing.TrainableInfo (None: --trainable not applied)
+    cache_frozen_features: bool = False
+    callbacks: tuple = ()  # the trainer's callbacks (early stopping selects the model on eval data)
+    eval_dataset: Any = None  # the eval set(s) (a dict of named sets, one set, or None)
+    # under DP, from the privacy state (hf_dp.run.state.PrivacyState)
+    rule: Any = None  # the update rule (hf_dp.optim.base.DPUpdateRule) the privatizer drives, once built
+    randomness: str | None = None  # hf_dp.privacy.randomness: entropy, csprng or seeded
+    clipping: str | None = None  # the clipping engine's name
+    bounds: Any = None  # hf_dp.clipping.common.TokenBounds: the run's public token bounds
+    run_id: str | None = None
+    selection: dict | None = None  # a private hyper-parameter selection's record (hf_dp.tuning.search)
+    audit: dict | None = None  # the one-run audit's record (hf_dp.audit.canaries.after_train), once audited
+
+    def with_state(self, dp) -> "RunFacts":
+        """These facts plus the parts of the run's privacy state ``dp`` (:class:`hf_dp.run.state.PrivacyState`) the
+        report reads besides its mechanism and ledger."""
+        return dataclasses.replace(
+            self, rule=getattr(dp.optimizer, "rule", None), randomness=dp.randomness, clipping=dp.clipping,
+            bounds=dp.bounds, run_id=dp.run_id, selection=dp.selection.record, audit=dp.audit_record)
 
 
 def _schedule(args, hyper: dict) -> dict:
@@ -33,87 +67,44 @@ def rounding_report(bounds) -> dict | None:
             "sensitivity": "C: each example's clipped contribution plus gamma times its rounding terms is <= C"}
 
 
-def privacy_report(trainer) -> dict:
-    """All numbers of the guarantee of a DP run, as written to ``privacy.json`` and the model card."""
-    args, spec = trainer.args, trainer.dp.spec
-    steps = trainer.dp.ledger.steps
-    rule = trainer.dp.optimizer.rule if trainer.dp.optimizer is not None else None
+def privacy_report(mechanism, ledger, run: RunFacts, *, epsilon: float) -> dict:
+    """All numbers of the guarantee of a DP run, as written to ``privacy.json`` and the model card: the planned
+    ``mechanism``'s (:class:`hf_dp.privacy.mechanism.Mechanism`: its ``describe()``, ``unit_of_privacy`` and
+    ``unit_report()``), the ``ledger``'s (steps, epochs, whose runs), ``epsilon`` spent (``DPTrainer.get_epsilon``) and
+    the run's settings (``run``, with the privacy state's parts: :meth:`RunFacts.with_state`)."""
+    args = run.args
     hyper = {}
-    if rule is not None:  # the rule describes itself: its variant and the hyper-parameters its update reads
-        hyper = _schedule(args, rule.describe())
+    if run.rule is not None:  # the rule describes itself: its variant and the hyper-parameters its update reads
+        hyper = _schedule(args, run.rule.describe())
+    described = dict(mechanism.describe())  # δ, target ε, accountant, σ, C, q, B, N and its source, the adjacency, T
+    planned_steps = described.pop("planned_steps")
     return {
         "hf_dp_version": __version__,
         "differential_privacy": True,
-        "objective": _objective(trainer),
-        "epsilon": trainer.get_epsilon(),
-        "delta": spec.delta,
-        "target_epsilon": spec.target_epsilon,
-        "accountant": spec.accountant,
-        "noise_multiplier": spec.noise_multiplier,
-        "max_grad_norm": spec.max_grad_norm,
-        "sample_rate": spec.sample_rate,
-        "expected_batch_size": spec.expected_batch_size,
-        "dataset_size": spec.dataset_size,
-        "dataset_size_source": trainer.dp.mechanism.dataset_size_source,  # declared, or counted (hf_dp.run.setup)
-        "neighbouring_relation": neighbouring_relation(trainer),
-        "steps": steps,
-        "planned_steps": spec.planned_steps,
-        "epochs": ledger_epochs(trainer.dp.ledger),
+        "objective": run.objective,
+        "epsilon": epsilon,
+        **described,
+        "steps": ledger.steps,
+        "planned_steps": planned_steps,
+        "epochs": ledger_epochs(ledger),
         "sampling": "poisson",
-        "unit_of_privacy": unit_of_privacy(trainer),
-        "privacy_unit": privacy_unit_report(trainer),
-        "secure_rng": trainer.dp.randomness == CSPRNG,
-        "randomness": trainer.dp.randomness,
-        "dp_seed": args.dp_seed if trainer.dp.randomness == SEEDED else None,
-        "clipping": trainer.dp.clipping,
-        "clipping_rounding": rounding_report(trainer.dp.bounds),
-        "cache_frozen_features": bool(trainer._prefix_cache),
+        "unit_of_privacy": mechanism.unit_of_privacy,
+        "privacy_unit": mechanism.unit_report(),
+        "secure_rng": run.randomness == CSPRNG,
+        "randomness": run.randomness,
+        "dp_seed": args.dp_seed if run.randomness == SEEDED else None,
+        "clipping": run.clipping,
+        "clipping_rounding": rounding_report(run.bounds),
+        "cache_frozen_features": bool(run.cache_frozen_features),
         "optimizer": {"name": str(args.optim), "hyperparameters": hyper},
-        "trainable": trainable_report(trainer),
-        "model_selection": model_selection_report(trainer),
-        "hyperparameter_selection": trainer.dp.selection.record,  # hf_dp.tuning.search
-        "run_id": trainer.dp.run_id,
-        "ledger": ledger_report(trainer),
+        "trainable": trainable_report(run.trainable_info, args.trainable),
+        "model_selection": model_selection_report(args, run.callbacks, run.eval_dataset),
+        "hyperparameter_selection": run.selection,  # hf_dp.tuning.search
+        "run_id": run.run_id,
+        "ledger": ledger_report(ledger),
         # --audit_canaries: the one-run audit's record (hf_dp.audit.canaries.after_train), once the run was audited
-        **({"audit": dict(trainer.dp.audit_record)} if trainer.dp.audit_record else {}),
+        **({"audit": dict(run.audit)} if run.audit else {}),
     }
-
-
-def _objective(trainer) -> str | None:
-    """The loss the run trained (``hf_dp.models.loss``: sequence_classification, causal_lm)."""
-    obj = getattr(trainer, "objective", None)
-    return getattr(obj, "name", None)
-
-
-def privacy_unit_report(trainer) -> dict:
-    """What one unit of privacy is: a row, or the rows sharing a value of ``--privacy_unit_column``. The number of
-    rows is not reported: under unit-level DP it is a statistic of the private data (e.g. how many blocks the units'
-    texts make) that ε does not cover; N, the number of units, is the accountant's: the declared
-    ``--public_dataset_size``, else the actual count (then not protected either: ``dataset_size_source``)."""
-    args = trainer.args
-    col = getattr(args, "privacy_unit_column", None)
-    n = trainer.dp.spec.dataset_size
-    if col is None:
-        return {"level": "row", "column": None, "num_units": n, "max_rows_per_unit": None,
-                "description": f"example-level (row-level) DP: one unit = one row of the training set, N = {n:,}"}
-    k = getattr(args, "max_rows_per_unit", None)
-    cap = f"; at most {k} random rows of a drawn unit per step" if k else "; every row of a drawn unit enters its step"
-    return {"level": "unit", "column": col, "num_units": n, "max_rows_per_unit": k,
-            "description": f"unit-level DP (user-level when one value is one person): one unit = all rows with the same "
-                           f"'{col}', N = {n:,} units; each unit's summed gradient is clipped to C{cap}"}
-
-
-def neighbouring_relation(trainer) -> str:
-    """The adjacency ε is stated for, as a field (as jax_privacy records it): add/remove one example, or one unit."""
-    col = getattr(trainer.args, "privacy_unit_column", None)
-    return "add/remove one example" if col is None else f"add/remove one unit (all rows of one '{col}')"
-
-
-def unit_of_privacy(trainer) -> str:
-    col = getattr(trainer.args, "privacy_unit_column", None)
-    if col is None:
-        return "one training example (add/remove adjacency)"
-    return f"all training rows with the same '{col}' (add/remove adjacency of one unit)"
 
 
 def ledger_epochs(ledger) -> float:
@@ -121,11 +112,10 @@ def ledger_epochs(ledger) -> float:
     return float(sum(float(q) * int(n) for _, q, n in ledger.accountant.history))
 
 
-def ledger_report(trainer) -> dict:
+def ledger_report(ledger) -> dict:
     """Whose steps ε counts: the runs of this model on this data (earlier ones first, this one last), the runs not
     counted (other or unknown data), the checkpoint this run resumed from (its run and step) and the steps counted
     past it (its run's, other resumes'). Public numbers and run ids only (the ledger's own public record)."""
-    ledger = trainer.dp.ledger
     build = getattr(ledger, "public_record", None)
     record = dict(build()) if callable(build) else {}
     record.pop("format", None)
@@ -139,21 +129,22 @@ def ledger_report(trainer) -> dict:
     return record
 
 
-def trainable_report(trainer) -> dict:
-    info = trainer.trainable_info
+def trainable_report(info, trainable: str | None) -> dict:
+    """The parameters trained: ``info`` (:class:`hf_dp.models.freezing.TrainableInfo`), else ``trainable`` (the
+    ``--trainable`` mode)."""
     return {
-        "mode": info.mode if info else trainer.args.trainable,
+        "mode": info.mode if info else trainable,
         "trainable_params": info.num_trainable if info else None,
         "total_params": info.num_total if info else None,
         "names": list(info.trainable_names) if info else None,
     }
 
 
-def non_private_report(trainer) -> dict:
-    """The report of a ``--disable_dp`` run: says so, and records the optimizer and trainable set."""
-    args = trainer.args
+def non_private_report(run: RunFacts, optimizer, steps: int) -> dict:
+    """The report of a ``--disable_dp`` run: says so, and records the optimizer (HF's, its first parameter group's
+    hyper-parameters), the ``steps`` taken (``state.global_step``) and the trainable set."""
+    args = run.args
     hyper: dict[str, Any] = {}
-    optimizer = getattr(trainer, "optimizer", None)
     groups = getattr(optimizer, "param_groups", None)
     if groups:
         hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in groups[0].items()
@@ -162,25 +153,24 @@ def non_private_report(trainer) -> dict:
     return {
         "hf_dp_version": __version__,
         "differential_privacy": False,
-        "objective": _objective(trainer),
-        "steps": trainer.state.global_step,
-        "cache_frozen_features": bool(getattr(trainer, "_prefix_cache", False)),
+        "objective": run.objective,
+        "steps": steps,
+        "cache_frozen_features": bool(run.cache_frozen_features),
         "optimizer": {"name": str(getattr(args.optim, "value", args.optim)), "hyperparameters": hyper},
-        "trainable": trainable_report(trainer),
-        "model_selection": model_selection_report(trainer),
+        "trainable": trainable_report(run.trainable_info, args.trainable),
+        "model_selection": model_selection_report(args, run.callbacks, run.eval_dataset),
     }
 
 
-def model_selection_report(trainer) -> dict:
+def model_selection_report(args, callbacks, eval_ds) -> dict:
     """Which data chose the released model: the training run alone, or an eval set (best checkpoint /
-    early stopping). Such a selection depends on the eval data, outside the (ε, δ) guarantee."""
+    early stopping: an ``EarlyStoppingCallback`` among ``callbacks``). Such a selection depends on the eval data
+    ``eval_ds``, outside the (ε, δ) guarantee."""
     from transformers import EarlyStoppingCallback
 
-    args = trainer.args
-    early = any(isinstance(cb, EarlyStoppingCallback) for cb in trainer.callback_handler.callbacks)
+    early = any(isinstance(cb, EarlyStoppingCallback) for cb in callbacks)
     best = bool(args.load_best_model_at_end)
     metric = args.metric_for_best_model if (best or early) else None
-    eval_ds = trainer.eval_dataset
     if eval_ds is None:
         names = []
     elif isinstance(eval_ds, dict):

@@ -222,53 +222,54 @@ def resolve_resume_checkpoint(resume_from_checkpoint, output_dir: str):
 # ---------------------------------------------------------------------------------------------------
 # the checkpoint a DPTrainer writes
 # ---------------------------------------------------------------------------------------------------
-def checkpoint_info(trainer) -> dict:
+def checkpoint_info(dp, args, global_step: int, data_info, epsilon, fsdp: bool = False) -> dict:
     """The public facts a ``DPTrainer`` checkpoint's marker records: hf_dp's version, the global step, and under DP the
-    ledger's steps and ε, the privacy spec, the training data's size and fingerprint (never pushed: a checkpoint is not
-    a release) and the run id; under FSDP the number of processes it resumes with."""
+    ledger's steps and ε (``epsilon()``, as ``DPTrainer.get_epsilon`` reports it), the privacy spec, the training
+    data's size and fingerprint (``data_info()``: never pushed, a checkpoint is not a release) and the run id; under
+    FSDP (``fsdp``: HF's ``is_fsdp_enabled``) the number of processes it resumes with."""
     from hf_dp import __version__
 
-    args = trainer.args
-    info = {"hf_dp_version": __version__, "global_step": trainer.state.global_step, "differential_privacy": args.dp_enabled}
-    if getattr(trainer, "is_fsdp_enabled", False):  # sharded: resumed under FSDP with as many processes (hf_dp.clipping.sharding)
+    info = {"hf_dp_version": __version__, "global_step": global_step, "differential_privacy": args.dp_enabled}
+    if fsdp:  # sharded: resumed under FSDP with as many processes (hf_dp.clipping.sharding)
         info["fsdp"] = {"world_size": args.world_size}
     if args.dp_enabled:
         info.update(
-            ledger_steps=trainer.dp.ledger.steps, epsilon=trainer.get_epsilon(), privacy_spec=trainer.dp.spec.as_dict(),
-            train_data=trainer._train_data_info(), run_id=trainer.dp.run_id,
+            ledger_steps=dp.ledger.steps, epsilon=epsilon(), privacy_spec=dp.spec.as_dict(),
+            train_data=data_info(), run_id=dp.run_id,
         )
     return info
 
 
 @contextlib.contextmanager
-def save_around(trainer, trial):
-    """Around ``Trainer._save_checkpoint`` (``DPTrainer._save_checkpoint`` runs HF's inside): the steps taken are on
-    record first, a stale marker of the folder is removed, and HF's rotation of old checkpoints is deferred until the
-    completion marker is on disk (HF writes ``checkpoint-N`` in place, then rotates), so a complete checkpoint exists at
-    every instant. While HF saves, ``trainer.dp.saving_checkpoint`` tells ``save_model`` it writes a checkpoint, not a
-    release (whatever the folder's name). Yields the checkpoint folder."""
+def save_around(output_dir: str, dp, args, state, accelerator, record_spent, data_info, epsilon, fsdp: bool = False):
+    """Around ``Trainer._save_checkpoint`` (``DPTrainer._save_checkpoint`` runs HF's inside, writing into ``output_dir``:
+    HF's ``_get_output_dir(trial)``): the steps taken are on record first (``record_spent()``, the trainer's), a stale
+    marker of the folder is removed, and HF's rotation of old checkpoints is deferred until the completion marker
+    (:func:`checkpoint_info` of ``dp``, ``args``, HF's ``state``, ``data_info``, ``epsilon``, ``fsdp``) is on disk (HF
+    writes ``checkpoint-N`` in place, then rotates), so a complete checkpoint exists at every instant; with several
+    processes every rank's files are written first (``accelerator.wait_for_everyone``). While HF saves,
+    ``dp.saving_checkpoint`` tells ``save_model`` it writes a checkpoint, not a release (whatever the folder's name).
+    Yields the checkpoint folder."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-    args = trainer.args
-    output_dir = trainer._get_output_dir(trial=trial)  # private HF API: hf_dp.trainer.HF_PRIVATE_CALLS
-    folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-    trainer._record_spent()
+    folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+    record_spent()
     if args.should_save and os.path.isdir(folder):
         remove_marker(folder)
     limit = args.save_total_limit
     args.save_total_limit = None
-    trainer.dp.saving_checkpoint = True
+    dp.saving_checkpoint = True
     try:
         yield folder
     finally:
         args.save_total_limit = limit
-        trainer.dp.saving_checkpoint = False
+        dp.saving_checkpoint = False
     if args.world_size > 1:
-        trainer.accelerator.wait_for_everyone()  # every rank's files (rng_state_i.pth; FSDP: its shards) are written
+        accelerator.wait_for_everyone()  # every rank's files (rng_state_i.pth; FSDP: its shards) are written
     if args.should_save:
-        write_marker(folder, checkpoint_info(trainer))
+        write_marker(folder, checkpoint_info(dp, args, state.global_step, data_info, epsilon, fsdp))
         rotate_checkpoints(output_dir=output_dir, save_total_limit=limit,
-                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
 
 # ---------------------------------------------------------------------------------------------------
 # the training data a checkpoint was trained on

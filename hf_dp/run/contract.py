@@ -12,8 +12,9 @@ assumptions where it can, and refuses a violation in one sentence before a step 
   or a denominator counted over the batch (rows, tokens, ``num_items_in_batch``), a collator that mixes examples,
   and a model whose forward mixes the batch.
 * **the mechanism planned at start is the mechanism run** (:func:`mechanism_snapshot`): B, accumulation, world
-  size, N, σ or ε, C, δ, accountant, planned steps, clipping engine, update rule, trainable set — compared at every
-  ``train()`` and every step with what the trainer planned (``trainer.args`` can be changed after it is built).
+  size, N, σ or ε, C, δ, accountant, planned steps, clipping engine, update rule, trainable set, and the planned
+  :class:`~hf_dp.privacy.mechanism.Mechanism`'s fields — compared at every ``train()`` and every step with what was
+  planned at set-up (``trainer.args`` can be changed after the trainer is built).
 * **every rank holds the same data in the same order, and the same mechanism** (:func:`check_ranks_agree`).
 * **labels the loss can use** (:func:`check_labels`): no NaN/inf labels, class labels inside ``[0, num_labels)``
   (or the ignore index -100), checked on the label column before training.
@@ -24,12 +25,15 @@ assumptions where it can, and refuses a violation in one sentence before a step 
 
 At every ``train()``, before any step, :func:`check_at_train` runs the checks of the whole run (``DPTrainer._check_contract``);
 every micro-batch, :func:`check_rows` (in the loader's collator), :func:`check_mechanism` and :func:`check_optimizer`.
+The checks take the pieces they read (the arguments, the model, the run's privacy state ``trainer.dp``, the trainer's
+loader and loss as callables), never the trainer.
 
 What stays the user's responsibility: README, "The per-example contract".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -330,14 +334,18 @@ def _value(v):
     return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
 
 
-def mechanism_snapshot(trainer, with_parameters: bool = True) -> dict:
-    """What the accountant's ε rests on, as ``trainer`` would run it now (arguments, world size, N, the trainable
-    parameter set)."""
-    args = trainer.args
+def mechanism_snapshot(args, mechanism=None, model=None) -> dict:
+    """What the accountant's ε rests on, as a run would run it now: its arguments ``args`` and world size, the planned
+    ``mechanism``'s public fields (:class:`hf_dp.privacy.mechanism.Mechanism`: σ, C, q, B, N and its source, δ, the
+    accountant, the steps, the unit; as ``mechanism.<field>``) and, given the ``model``, its trainable parameter set."""
     snap = {k: _value(getattr(args, k, None)) for k in MECHANISM_ARGS}
     snap["world_size"] = max(1, int(args.world_size))
-    if with_parameters:
-        snap["trainable_parameters"] = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    if mechanism is not None:
+        fields = dict(mechanism.describe())
+        fields.update((f.name, getattr(mechanism, f.name)) for f in dataclasses.fields(mechanism) if f.name != "spec")
+        snap.update((f"mechanism.{k}", _value(v)) for k, v in fields.items())
+    if model is not None:
+        snap["trainable_parameters"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     return snap
 
 
@@ -362,27 +370,26 @@ def _short(v):
     return repr(v)
 
 
-def check_optimizer(trainer) -> None:
-    """The optimizer HF steps is the trainer's privatizer, with the σ, C and B it was built with (an optimizer assigned
-    to ``trainer.optimizer``, or a privatizer attribute changed, after ``create_optimizer`` would train without the
-    planned noise while the report claims it)."""
-    opt, dp = trainer.optimizer, trainer.dp.optimizer
-    if opt is None or dp is None:
+def check_optimizer(optimizer, privatizer, mechanism) -> None:
+    """The ``optimizer`` HF steps is the run's ``privatizer`` (``dp.optimizer``), with the σ, C and B of the planned
+    ``mechanism`` (an optimizer assigned to ``trainer.optimizer``, or a privatizer attribute changed, after
+    ``create_optimizer`` would train without the planned noise while the report claims it)."""
+    if optimizer is None or privatizer is None:
         return
-    inner = opt
-    while inner is not dp and hasattr(inner, "optimizer") and inner.optimizer is not inner:
+    inner = optimizer
+    while inner is not privatizer and hasattr(inner, "optimizer") and inner.optimizer is not inner:
         inner = inner.optimizer  # Accelerate's AcceleratedOptimizer wraps ours
-    if inner is not dp:
+    if inner is not privatizer:
         raise ValueError(
             f"the optimizer is not DPTrainer's privatizer (trainer.optimizer was replaced by {type(inner).__name__} after "
             "create_optimizer): its steps would use unclipped, un-noised gradients while the report claims DP; let "
             "DPTrainer build the optimizer from --optim"
         )
-    spec = trainer.dp.spec
-    planned = {"noise_multiplier": spec.noise_multiplier, "C": spec.max_grad_norm, "B": spec.expected_batch_size,
-               "clip norm": dp.rule.clip_norm(spec.max_grad_norm)}
-    now = {"noise_multiplier": dp.noise_multiplier, "C": dp.user_max_grad_norm, "B": dp.expected_batch_size,
-           "clip norm": dp.max_grad_norm}
+    m, p = mechanism, privatizer
+    planned = {"noise_multiplier": m.noise_multiplier, "C": m.max_grad_norm, "B": m.expected_batch_size,
+               "clip norm": p.rule.clip_norm(m.max_grad_norm)}
+    now = {"noise_multiplier": p.noise_multiplier, "C": p.user_max_grad_norm, "B": p.expected_batch_size,
+           "clip norm": p.max_grad_norm}
     changed = [k for k in planned if not math.isclose(float(planned[k]), float(now[k]), rel_tol=1e-12, abs_tol=0.0)]
     if changed:
         detail = ", ".join(f"{k}: planned {planned[k]!r}, now {now[k]!r}" for k in changed)
@@ -423,9 +430,10 @@ def check_ranks_agree(fingerprint: str, mechanism: dict) -> None:
         )
 
 
-def check_ranks_share_draw(trainer) -> None:
-    """Under several processes, at every ``train()`` once the sampler's key is shared: every rank's Poisson sampler
-    would draw the same sample (the same N, rows, units, q, steps, position, stream tag and a SHA-256 of the key) —
+def check_ranks_share_draw(sampler, ledger, key) -> None:
+    """Under several processes, at every ``train()`` once the sampler's key is shared: every rank's Poisson
+    ``sampler`` would draw the same sample (the same N, rows, units, q, steps, position: the ``ledger``'s step, its
+    stream tag and a SHA-256 of the ``key``, ``dp.sampling_key``) —
     each rank deals itself a share of that one draw (:mod:`hf_dp.privacy.sampler`), so ranks that drew differently
     could put one example into a step on two of them."""
     import hashlib
@@ -434,9 +442,7 @@ def check_ranks_share_draw(trainer) -> None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return
-    sampler = trainer.dp.sampler
-    key = trainer.dp.sampling_key
-    mine = sampler.draw_digest(int(trainer.dp.ledger.steps), trainer.dp.ledger.meta.get("stream_tag"),
+    mine = sampler.draw_digest(int(ledger.steps), ledger.meta.get("stream_tag"),
                                None if key is None else hashlib.sha256(str(key).encode()).hexdigest())
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -448,28 +454,35 @@ def check_ranks_share_draw(trainer) -> None:
         )
 
 
-def check_at_train(trainer) -> None:
-    """``DPTrainer._check_contract``, at every ``train()`` before any step: the training set is the one planned, the
-    flags refused under DP are not set, the mechanism is still the one planned, every rank holds the same data in the
-    same order, a non-HF collator gives one usable row per example for every training row, and each example's loss
-    depends on that example alone (:func:`hf_dp.run.independence.probe_independence`)."""
-    if trainer.train_dataset is not trainer.dp.contract.planned_dataset:
+def check_at_train(dp, args, model, train_dataset, collator, objective, *, loader, data_info, compute_loss,
+                   prepare_inputs) -> None:
+    """``DPTrainer._check_contract``, at every ``train()`` before any step: the ``train_dataset`` is the one planned,
+    the flags refused under DP are not set in ``args``, the mechanism is still the one planned (``dp``: the run's
+    :class:`~hf_dp.run.state.PrivacyState`), every rank holds the same data in the same order (``data_info()``: its
+    SHA-256, read only under several ranks), a non-HF ``collator`` gives one usable row per example for every training
+    row, and each example's loss depends on that example alone (:func:`hf_dp.run.independence.probe_independence`,
+    on the ``model`` through ``prepare_inputs`` and ``compute_loss``). ``loader()``: the training loader (its dataset
+    and collate function); ``objective``: the head's loss (:mod:`hf_dp.models.loss`)."""
+    if train_dataset is not dp.contract.planned_dataset:
         raise ValueError(
             "train_dataset was replaced after the DPTrainer was built: N, the fingerprint that resumes, ranks and "
             "the model's ledger compare, and the label checks describe the dataset given at construction; make a "
             "new DPTrainer for other data"
         )
-    check_flags(trainer.args)  # HF flags refused under DP, also when set on trainer.args after construction
-    check_mechanism(trainer.dp.contract.planned, mechanism_snapshot(trainer))
-    if trainer.args.world_size > 1:
-        check_ranks_agree(trainer._train_data_info()["sha256"], trainer.dp.contract.planned)
-    if trainer.dp.contract.rows_checked is not trainer.data_collator:  # the dataset is fixed (above); again if the collator changed
-        loader = trainer.get_train_dataloader()
-        outcome = check_every_row(loader.dataset, loader.collate_fn, getattr(trainer.model, "config", None), trainer.objective)
+    check_flags(args)  # HF flags refused under DP, also when set on trainer.args after construction
+    check_mechanism(dp.contract.planned, mechanism_snapshot(args, dp.mechanism, model))
+    if args.world_size > 1:
+        check_ranks_agree(data_info()["sha256"], dp.contract.planned)
+    if dp.contract.rows_checked is not collator:  # the dataset is fixed (above); again if the collator changed
+        train_loader = loader()
+        outcome = check_every_row(train_loader.dataset, train_loader.collate_fn, getattr(model, "config", None),
+                                  objective)
         # a collator seen to emit several rows (or none) for one example: every micro-batch's rows are attributed
         # to their examples, also when the row count happens to equal the number of examples drawn
-        trainer.dp.contract.several_rows = outcome.endswith("several rows per example")
-        trainer.dp.contract.rows_checked = trainer.data_collator
-    outcome = independence.probe_independence(trainer)
+        dp.contract.several_rows = outcome.endswith("several rows per example")
+        dp.contract.rows_checked = collator
+    train_loader = loader()
+    outcome = independence.probe_independence(train_loader.dataset, train_loader.collate_fn, model, dp,
+                                              compute_loss=compute_loss, prepare_inputs=prepare_inputs)
     if outcome != "passed":
         logger.warning("hf_dp: the per-example contract could not be verified on a probe micro-batch (%s)", outcome)

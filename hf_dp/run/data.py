@@ -380,42 +380,44 @@ def group_by_length(args) -> bool:
     return str(getattr(args.train_sampling_strategy, "value", args.train_sampling_strategy)) == "group_by_length"
 
 
-def set_sampler_lengths(trainer) -> None:
-    """group_by_length: the Poisson sampler orders each draw by these lengths (in memory only); else no order."""
-    if not group_by_length(trainer.args):
-        trainer.dp.sampler.lengths, trainer.dp.lengths_of = None, None
-    elif trainer.dp.lengths_of is not trainer.train_dataset:  # computed once per dataset object
-        trainer.dp.sampler.lengths = example_lengths(trainer.train_dataset, trainer.args.length_column_name)
-        trainer.dp.lengths_of = trainer.train_dataset
+def set_sampler_lengths(dp, args, dataset) -> None:
+    """group_by_length: the run's Poisson sampler (``dp.sampler``, ``dp`` the run's privacy state) orders each draw by
+    the lengths of ``dataset``'s rows (in memory only); else no order."""
+    if not group_by_length(args):
+        dp.sampler.lengths, dp.lengths_of = None, None
+    elif dp.lengths_of is not dataset:  # computed once per dataset object
+        dp.sampler.lengths = example_lengths(dataset, args.length_column_name)
+        dp.lengths_of = dataset
 
 
-def poisson_loader(trainer, base: DataLoader, audit_parts=None) -> PoissonDataLoader:
+def poisson_loader(dp, args, base: DataLoader, train_dataset, audit_parts=None) -> PoissonDataLoader:
     """``DPTrainer.get_train_dataloader`` under DP: HF's loader ``base`` (its column removal, collator, worker settings)
-    drawn by the trainer's Poisson sampler, its rows tagged with their units under ``--privacy_unit_column``, every
-    micro-batch checked and made safe by :class:`EmptySafeCollator`. Refuses a training set whose size is not the one
-    the noise was calibrated for. ``audit_parts(trainer, dataset, collate)``: the one-run audit's tagging of its
-    canaries (:func:`hf_dp.audit.canaries.loader_parts`), passed by the trainer."""
+    drawn by the run's Poisson sampler (``dp``: the run's privacy state), its rows tagged with their units under
+    ``--privacy_unit_column``, every micro-batch checked and made safe by :class:`EmptySafeCollator`; the sampler's
+    lengths are ``train_dataset``'s (:func:`set_sampler_lengths`). Refuses a training set whose size is not the one
+    the noise was calibrated for. ``audit_parts(dp, dataset, collate)``: the one-run audit's tagging of its canaries
+    (:func:`hf_dp.audit.canaries.loader_parts`), passed by the trainer."""
     dataset = base.dataset
-    if len(dataset) != trainer.dp.sampler.num_rows:
+    if len(dataset) != dp.sampler.num_rows:
         raise ValueError(
             f"the training dataset has {len(dataset)} rows, but this DPTrainer calibrated the noise for "
-            f"{trainer.dp.sampler.num_rows} rows (N = {trainer.dp.sampler.num_samples}, q = B/N, delta < 1/N): "
+            f"{dp.sampler.num_rows} rows (N = {dp.sampler.num_samples}, q = B/N, delta < 1/N): "
             "train_dataset was replaced after the trainer was made; make a new DPTrainer for other data"
         )
-    set_sampler_lengths(trainer)
-    units = trainer.dp.units.of_row is not None
+    set_sampler_lengths(dp, args, train_dataset)
+    units = dp.units.of_row is not None
     if units:
-        dataset = UnitTagged(dataset, trainer.dp.units.of_row)
+        dataset = UnitTagged(dataset, dp.units.of_row)
     collate = base.collate_fn
     if audit_parts is not None:  # --audit_kind gradient: the canaries' tags
-        dataset, collate = audit_parts(trainer, dataset, collate)
+        dataset, collate = audit_parts(dp, dataset, collate)
     return PoissonDataLoader(
         dataset,
-        batch_sampler=trainer.dp.sampler,
-        collate_fn=EmptySafeCollator(collate, dataset, units=units, unit_column=trainer.args.privacy_unit_column,
-                                     attribute=trainer.dp.contract.several_rows),
-        num_workers=trainer.args.dataloader_num_workers,
-        pin_memory=trainer.args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
+        batch_sampler=dp.sampler,
+        collate_fn=EmptySafeCollator(collate, dataset, units=units, unit_column=args.privacy_unit_column,
+                                     attribute=dp.contract.several_rows),
+        num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
     )
 
 

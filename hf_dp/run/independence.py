@@ -2,9 +2,10 @@
 
 On a probe micro-batch of training rows (the training loader's dataset and collator), replacing one example, removing
 one, and lengthening one must leave every other example's model output and loss gradient unchanged
-(:func:`probe_independence`). Catches a ``compute_loss`` override with a batch-level term or a denominator counted over
-the batch (rows, tokens, ``num_items_in_batch``), a collator that mixes examples, and a model whose forward mixes the
-batch or lets a row see the batch's padding. The other checks of the per-example contract are :mod:`hf_dp.run.contract`.
+(:func:`probe_independence`, given the trainer's ``compute_loss`` and ``_prepare_inputs`` as callables). Catches a
+``compute_loss`` override with a batch-level term or a denominator counted over the batch (rows, tokens,
+``num_items_in_batch``), a collator that mixes examples, and a model whose forward mixes the batch or lets a row see
+the batch's padding. The other checks of the per-example contract are :mod:`hf_dp.run.contract`.
 """
 
 from __future__ import annotations
@@ -124,17 +125,18 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a - b).abs() <= 1e-5 * scale).all())
 
 
-def probe_independence(trainer, probe_rows: int = 4, candidates: int = 12) -> str:
+def probe_independence(dataset, collate, model, dp, *, compute_loss, prepare_inputs, probe_rows: int = 4,
+                       candidates: int = 12) -> str:
     """Check on training rows that each example's output and loss gradient depend on that example alone.
 
-    Builds a probe micro-batch of ``probe_rows`` rows through the training loader's dataset and collator, then the
-    same batch with its last row replaced by another row (of another length where one exists) and with its last row
-    removed; runs ``trainer.compute_loss`` on each (model in training mode, dropout off, the forward without
-    autograd) and compares, for every other row, the model's logits and the gradient of the returned loss with
-    respect to them. Raises ``ValueError`` when they differ; returns ``"passed"`` or why it could not run
+    Builds a probe micro-batch of ``probe_rows`` rows through the training loader's ``dataset`` and ``collate``
+    function, then the same batch with its last row replaced by another row (of another length where one exists) and
+    with its last row removed; runs ``compute_loss(model, prepare_inputs(batch), num_items_in_batch=…)`` (the
+    trainer's) on each (model in training mode, dropout off, the forward without autograd, ``dp.contract.probe`` set:
+    no engine records) and compares, for every other row, the model's logits and the gradient of the returned loss
+    with respect to them; ``dp`` (the run's :class:`~hf_dp.run.state.PrivacyState`) keeps no step state and its
+    engine no records afterwards. Raises ``ValueError`` when they differ; returns ``"passed"`` or why it could not run
     (``"skipped: ..."``)."""
-    loader = trainer.get_train_dataloader()
-    dataset, collate = loader.dataset, loader.collate_fn
     n = len(dataset)
     if n < 3:
         return "skipped: fewer than 3 training rows"
@@ -162,10 +164,9 @@ def probe_independence(trainer, probe_rows: int = 4, candidates: int = 12) -> st
     made = padded is None
     if made:  # no longer row among the candidates: make one (a probe row's tokens twice)
         padded = _lengthened(collate, base_rows, lengths[order[0]])
-    model = trainer.model
     was_training = model.training
     model.train()
-    trainer.dp.contract.probe = True
+    dp.contract.probe = True
     results = []
     try:
         with _no_dropout(model):
@@ -173,7 +174,7 @@ def probe_independence(trainer, probe_rows: int = 4, candidates: int = 12) -> st
                 if batch is None:
                     results.append(None)
                     continue
-                inputs = trainer._prepare_inputs(dict(batch))
+                inputs = prepare_inputs(dict(batch))
                 labels = inputs.get("labels")
                 items = None
                 if torch.is_tensor(labels):
@@ -182,12 +183,12 @@ def probe_independence(trainer, probe_rows: int = 4, candidates: int = 12) -> st
                     torch.manual_seed(0)
                     if made and batch is padded:
                         try:  # the made row may be longer than the model takes (its position table)
-                            loss = trainer.compute_loss(model, inputs, num_items_in_batch=items)
+                            loss = compute_loss(model, inputs, num_items_in_batch=items)
                         except (IndexError, RuntimeError, ValueError):
                             results.append(None)
                             continue
                     else:
-                        loss = trainer.compute_loss(model, inputs, num_items_in_batch=items)
+                        loss = compute_loss(model, inputs, num_items_in_batch=items)
                     if isinstance(loss, tuple):
                         loss = loss[0]
                     if not tap.leaves or not torch.is_tensor(loss) or not loss.requires_grad:
@@ -196,10 +197,10 @@ def probe_independence(trainer, probe_rows: int = 4, candidates: int = 12) -> st
                 results.append([(leaf.detach(), torch.zeros_like(leaf) if g is None else g.detach())
                                 for leaf, g in zip(tap.leaves, grads)])
     finally:
-        trainer.dp.contract.probe = False
-        trainer.dp.step.loss_scale = None
-        trainer.dp.step.empty = False
-        engine = trainer.dp.engine
+        dp.contract.probe = False
+        dp.step.loss_scale = None
+        dp.step.empty = False
+        engine = dp.engine
         if engine is not None:
             engine.clear()  # the probe's forwards ran without autograd: nothing recorded, cleared all the same
         model.train(was_training)

@@ -86,18 +86,18 @@ class DataRef:
         self.num_samples, self.fingerprint, self._ref = state["num_samples"], None, None
 
 
-def _same_data(ref: DataRef | None, trainer) -> bool | None:
-    """Is ``ref`` the training data of ``trainer``? ``None``: unknown (no reference, or the data are gone)."""
+def _same_data(ref: DataRef | None, dp) -> bool | None:
+    """Is ``ref`` this run's training data (``dp.lineage.data``)? ``None``: unknown (no reference, or the data are gone)."""
     if ref is None:
         return None
-    if ref.num_samples != trainer.dp.spec.dataset_size:
+    if ref.num_samples != dp.spec.dataset_size:
         return False
-    if ref.dataset() is not None and ref.dataset() is trainer._fingerprint_source:
+    if ref.dataset() is not None and ref.dataset() is dp.lineage.data.dataset():
         return True
     fingerprint = ref.get_fingerprint()
     if fingerprint is None:
         return None
-    return fingerprint == trainer._train_data_info()["sha256"]
+    return fingerprint == dp.lineage.data.get_fingerprint()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,14 +131,6 @@ def run_epsilon(runs: list[dict], delta: float | None = None, accountant: str | 
     return composed_epsilon(canonical_history(history), float(delta), accountant)
 
 
-def public_record(ledger) -> dict:
-    return ledger.public_record()
-
-
-def ledger_runs(ledger) -> list[dict]:
-    return ledger.runs()
-
-
 # ---------------------------------------------------------------------------------------------------
 # the earlier runs a model carries, and what this trainer does with them
 # ---------------------------------------------------------------------------------------------------
@@ -147,7 +139,7 @@ def _carried(model) -> dict | None:
     "separate": [(run, DataRef | None)], "origin": "memory" | "release"}``, or ``None``."""
     record = getattr(model, MODEL_ATTR, None)
     if isinstance(record, ModelLedger):
-        block = [r for r in ledger_runs(record.ledger) if r["steps"] > 0]
+        block = [r for r in record.ledger.runs() if r["steps"] > 0]
         separate = [(dict(r), record.refs.get(r.get("run_id"))) for r in record.ledger.meta.get("separate") or []]
         if block or separate:
             return {"block": block, "block_ref": record.data, "separate": separate, "origin": "memory"}
@@ -205,11 +197,11 @@ def _merge(existing: list[dict], new: list[dict]) -> list[dict]:
     return list(out.values())
 
 
-def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]] | None, choice: str, quiet=False) -> None:
-    """Compose into ``trainer``'s ledger the earlier runs ``carried`` by its model (and read from a file) as
+def _take(dp, carried: dict | None, from_file: tuple[list[dict], list[dict]] | None, choice: str, quiet=False) -> None:
+    """Compose into the run's ledger (``dp.ledger``) the earlier runs ``carried`` by its model (and read from a file) as
     ``choice`` says: every one unless ``separate`` (fail closed); warn once about those counted without knowing that
     the data are the same (``quiet``: the caller says what was taken in)."""
-    ledger, refs = trainer.dp.ledger, trainer.dp.lineage.refs
+    ledger, refs = dp.ledger, dp.lineage.refs
     own = ledger.meta.get("run_id")
     known = {r.get("run_id"): r["steps"] for r in ledger.prior}
     known.update({r.get("run_id"): r["steps"] for r in ledger.meta.get("separate") or []})
@@ -227,9 +219,9 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
         file_ids = set()
     if carried is not None:
         block = [r for r in carried["block"] if new(r) and r.get("run_id") not in file_ids]
-        verdict = _same_data(carried["block_ref"], trainer)
+        verdict = _same_data(carried["block_ref"], dp)
         groups = [(block, verdict, carried["block_ref"])] if block else []
-        groups += [([r], _same_data(ref, trainer), ref) for r, ref in carried["separate"] if new(r) and r.get("run_id") not in file_ids]
+        groups += [([r], _same_data(ref, dp), ref) for r, ref in carried["separate"] if new(r) and r.get("run_id") not in file_ids]
         for runs, same, ref in groups:
             if choice == "separate" and same:
                 raise ValueError(
@@ -264,10 +256,10 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
         )
     if counted:
         ledger.set_prior(_merge(ledger.prior, counted))
-        opt = trainer.dp.optimizer
+        opt = dp.optimizer
         if opt is not None:
             opt.budget_steps = None  # the steps known to fit were for the ledger without these runs
-        total = "; --epsilon is the model's total" if trainer.dp.spec.target_epsilon is not None else ""
+        total = "; --epsilon is the model's total" if dp.spec.target_epsilon is not None else ""
         if not quiet and choice != "continue" and unasked:
             unknown = [r for r, same in unasked if same is None]
             other = [r for r, same in unasked if same is False]
@@ -283,7 +275,7 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
                 "examples these sets share (a re-ordered or re-columned copy shares them all), so this run's ledger "
                 "counts those steps (--prior_privacy %s; epsilon now %.4g before this run's steps%s). If this run's "
                 "training data share no example with theirs, pass --prior_privacy separate",
-                where, run_epsilon(runs), float(runs[0].get("delta") or trainer.dp.spec.delta),
+                where, run_epsilon(runs), float(runs[0].get("delta") or dp.spec.delta),
                 choice, ledger.get_epsilon(), total,
             )
         elif not quiet:
@@ -299,18 +291,19 @@ def _take(trainer, carried: dict | None, from_file: tuple[list[dict], list[dict]
         ledger.meta["separate"] = _merge(ledger.meta.get("separate") or [], [r for r, _ in separate])
 
 
-def adopt_model_ledger(trainer) -> None:
-    """At construction (``DPTrainer._setup_privacy``, right after the ledger is made): start the ledger from the
-    earlier runs the model carries, as ``--prior_privacy`` says."""
-    choice = str(getattr(trainer.args, "prior_privacy", None) or "auto")
-    trainer.dp.lineage.refs = {}
-    trainer.dp.lineage.data = DataRef(trainer._fingerprint_source, trainer.dp.spec.dataset_size, trainer._train_fingerprint)
+def adopt_model_ledger(dp, args, model, dataset, fingerprint: str | None = None) -> None:
+    """At construction (``DPTrainer._setup_privacy``, right after the ledger ``dp.ledger`` is made): record the run's
+    training data ``dataset`` (before any caching; its ``fingerprint`` if already computed) in ``dp.lineage.data``, and
+    start the ledger from the earlier runs ``model`` carries, as ``--prior_privacy`` says."""
+    choice = str(getattr(args, "prior_privacy", None) or "auto")
+    dp.lineage.refs = {}
+    dp.lineage.data = DataRef(dataset, dp.spec.dataset_size, fingerprint)
     from_file = _runs_from_file(choice) if choice not in PRIOR_CHOICES else None
-    carried = _carried(_plain_model(trainer.model))
-    _refuse_selected(_plain_model(trainer.model), from_file_path=choice if from_file is not None else None, choice=choice)
+    carried = _carried(_plain_model(model))
+    _refuse_selected(_plain_model(model), from_file_path=choice if from_file is not None else None, choice=choice)
     if carried is None and from_file is None and choice == "continue":
         logger.info("hf_dp: --prior_privacy continue: the model carries no hf_dp ledger; the ledger starts at 0")
-    _take(trainer, carried, from_file, choice)
+    _take(dp, carried, from_file, choice)
 
 
 def _selection_of(model) -> dict | None:
@@ -345,53 +338,54 @@ def _refuse_selected(model, from_file_path: str | None, choice: str) -> None:
     )
 
 
-def take_later_runs(trainer):
-    """``trainer``, its ledger first brought up to its model's: before a ledger is written or reported (:func:`record_spent`
+def take_later_runs(dp, args, model):
+    """The run's ledger (``dp.ledger``), first brought up to ``model``'s: before a ledger is written or reported (:func:`record_spent`
     at every log, checkpoint, ``save_model`` and ``push_to_hub``; ``DPTrainer.privacy_report``, which the recipes'
     release writers read; ``DPTrainer.get_epsilon``), the runs of DPTrainers that trained the same model object since
     this one took in its record (the model carries the last one's ledger, :data:`MODEL_ATTR`) are taken in as
     :func:`before_train` takes them. So a stale trainer (T1, T2, T1 again train the model; T2 saves) never writes fewer
     steps than the weights took; runs declared separate (``--prior_privacy separate``, other data) stay separate."""
-    model = _plain_model(trainer.model)
+    model = _plain_model(model)
     record = getattr(model, MODEL_ATTR, None)
-    if trainer.args.dp_enabled and isinstance(record, ModelLedger) and record.ledger is not trainer.dp.ledger:
-        ledger, choice = trainer.dp.ledger, str(getattr(trainer.args, "prior_privacy", None) or "auto")
+    if args.dp_enabled and isinstance(record, ModelLedger) and record.ledger is not dp.ledger:
+        ledger, choice = dp.ledger, str(getattr(args, "prior_privacy", None) or "auto")
         _refuse_selected(model, None, choice)
         before = ledger.steps
-        _take(trainer, _carried(model), None, choice, quiet=True)
+        _take(dp, _carried(model), None, choice, quiet=True)
         if ledger.steps > before:
             logger.warning("hf_dp: another DPTrainer (run %s) trained this model since this trainer last trained it (or was "
                            "made): this trainer's ledger now counts those steps too (%d noisy steps, epsilon %.4g): what it "
                            "reports and saves is the model's", record.run_id, ledger.steps, ledger.get_epsilon())
-    return trainer
+    return dp.ledger
 
 
 # ---------------------------------------------------------------------------------------------------
 # at train()
 # ---------------------------------------------------------------------------------------------------
-def before_train(trainer, resume_from_checkpoint) -> None:
+def before_train(dp, args, model, resume_from_checkpoint, fingerprint: str | None = None) -> None:
     """At the start of ``train()`` (after its own checks): name the run in its ledger, refuse a fresh run into an
     output_dir holding another run's checkpoints, take in runs that trained the model since this trainer was made,
-    refuse a target ε the earlier runs already spent, and attach the ledger to the model."""
-    if not trainer.args.dp_enabled:
+    refuse a target ε the earlier runs already spent, and attach the ledger to the model (``fingerprint``:
+    :func:`refresh_config`)."""
+    if not args.dp_enabled:
         return
-    ledger = trainer.dp.ledger
-    _sync_run_id(trainer)
-    ledger.meta["run_id"] = trainer.dp.run_id
+    ledger = dp.ledger
+    _sync_run_id(dp, args)
+    ledger.meta["run_id"] = dp.run_id
     if resume_from_checkpoint is None:
-        _refuse_other_runs_checkpoints(trainer)
-        model = _plain_model(trainer.model)
-        record = getattr(model, MODEL_ATTR, None)
+        _refuse_other_runs_checkpoints(dp, args)
+        plain = _plain_model(model)
+        record = getattr(plain, MODEL_ATTR, None)
         if isinstance(record, ModelLedger) and record.ledger is not ledger:  # another trainer trained it since
-            _refuse_selected(model, None, str(getattr(trainer.args, "prior_privacy", None) or "auto"))
-            _take(trainer, _carried(model), None, str(getattr(trainer.args, "prior_privacy", None) or "auto"))
-        _check_prior_budget(trainer)
+            _refuse_selected(plain, None, str(getattr(args, "prior_privacy", None) or "auto"))
+            _take(dp, _carried(plain), None, str(getattr(args, "prior_privacy", None) or "auto"))
+        _check_prior_budget(dp)
         if ledger.steps > 0:
             # a continuation that is not a resume (a second train(), or a new trainer on a model that carries this
             # ledger) starts at a ledger step that a clean resume of one of the run's checkpoints may also start at:
             # under --dp_seed its streams get a tag of their own, so the two never draw the same batches or noise
-            ledger.meta["stream_tag"] = f"{trainer.dp.run_id}@{ledger.steps}"
-    attach(trainer)
+            ledger.meta["stream_tag"] = f"{dp.run_id}@{ledger.steps}"
+    attach(dp, model, fingerprint)
 
 
 def _distributed() -> bool:
@@ -400,51 +394,50 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _sync_run_id(trainer) -> None:
-    """Every rank names the run as rank 0 does (each drew its own id at construction)."""
-    if trainer.args.world_size > 1 and _distributed():
+def _sync_run_id(dp, args) -> None:
+    """Every rank names the run (``dp.run_id``) as rank 0 does (each drew its own id at construction)."""
+    if args.world_size > 1 and _distributed():
         import torch.distributed as dist
 
-        box = [trainer.dp.run_id]
+        box = [dp.run_id]
         dist.broadcast_object_list(box, src=0)
-        trainer.dp.run_id = box[0]
+        dp.run_id = box[0]
 
 
-def _refuse_other_runs_checkpoints(trainer) -> None:
-    ledger = trainer.dp.ledger
-    own = {trainer.dp.run_id} | {a.get("run_id") for a in ledger.meta.get("ancestry") or []}
-    found = spent.other_runs_checkpoints(trainer.args.output_dir, own)
-    if trainer.args.world_size > 1 and _distributed():  # every rank refuses, or none (a folder only rank 0 sees)
+def _refuse_other_runs_checkpoints(dp, args) -> None:
+    own = {dp.run_id} | {a.get("run_id") for a in dp.ledger.meta.get("ancestry") or []}
+    found = spent.other_runs_checkpoints(args.output_dir, own)
+    if args.world_size > 1 and _distributed():  # every rank refuses, or none (a folder only rank 0 sees)
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if found else 0], dtype=torch.long, device=trainer.args.device)
+        flag = torch.tensor([1 if found else 0], dtype=torch.long, device=args.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and not found:
-            raise ValueError(f"refusing to train: {trainer.args.output_dir} holds another run's checkpoints (seen by rank "
+            raise ValueError(f"refusing to train: {args.output_dir} holds another run's checkpoints (seen by rank "
                              "0); train into another output_dir, resume that run, or move its checkpoints away")
     if not found:
         return
     path, marker = found[0]
     run = marker.get("run_id")
-    rec = spent.read_spent(trainer.args.output_dir, run) if run else None
+    rec = spent.read_spent(args.output_dir, run) if run else None
     steps = max(int(marker.get("ledger_steps") or 0), int((rec or {}).get("steps") or 0))
     eps = (rec or {}).get("epsilon") if rec and int(rec.get("steps") or 0) == steps else marker.get("epsilon")
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     raise ValueError(
-        f"refusing to train: {trainer.args.output_dir} holds {os.path.basename(path)}{more} of another run "
+        f"refusing to train: {args.output_dir} holds {os.path.basename(path)}{more} of another run "
         f"(run {run or 'of an earlier hf_dp'}, {steps} noisy steps" + (f", epsilon {float(eps):.4g}" if eps is not None else "")
         + "), whose checkpoints a new run would overwrite; train into another output_dir, resume that run "
         "(train(resume_from_checkpoint=True)), or move its checkpoints away"
     )
 
 
-def _check_prior_budget(trainer) -> None:
+def _check_prior_budget(dp) -> None:
     """With earlier runs in the ledger and a target ε (the model's total): refuse when not one more step fits, and
     say when the planned steps do not all fit (the run then stops at the target, as a resumed run does)."""
-    ledger, spec = trainer.dp.ledger, trainer.dp.spec
+    ledger, spec = dp.ledger, dp.spec
     target = spec.target_epsilon
-    trainer.dp.lineage.budget_steps = None
+    dp.lineage.budget_steps = None
     if target is None or ledger.prior_steps == 0:
         return
     within = lambda n: ledger.epsilon_after(n) <= target * (1 + 1e-9)  # noqa: E731
@@ -456,17 +449,17 @@ def _check_prior_budget(trainer) -> None:
             f"target epsilon={target}, the model's total: raise --epsilon to the total you accept for this model, or "
             "train a fresh copy of the base model"
         )
-    if trainer.dp.optimizer is not None:
+    if dp.optimizer is not None:
         return  # a later train() of this trainer: the budget guard stops it at the target
     planned = int(spec.planned_steps or 0)
     lo, hi = ledger.steps + 1, ledger.steps + planned
     if within(hi):
-        trainer.dp.lineage.budget_steps = hi
+        dp.lineage.budget_steps = hi
         return
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if within(mid) else (lo, mid)
-    trainer.dp.lineage.budget_steps = lo
+    dp.lineage.budget_steps = lo
     logger.warning(
         "hf_dp: with the %d steps of earlier runs in the ledger (epsilon %.4g), the target epsilon=%s (the model's total) "
         "leaves room for %d of this run's %d planned steps at sigma=%.4g; the run stops there. To spread the remaining "
@@ -475,71 +468,77 @@ def _check_prior_budget(trainer) -> None:
     )
 
 
-def after_optimizer_load(trainer, checkpoint) -> None:
-    """After HF built the optimizer (and loaded a checkpoint's state into it): the steps the trainer pre-set as
-    fitting the budget were computed for this run alone; with earlier runs in the ledger they are this module's
-    (or, after a resume, unknown: the privatizer finds them)."""
-    opt = trainer.dp.optimizer
-    if opt is None or opt.max_epsilon is None or trainer.dp.ledger.prior_steps == 0:
+def after_optimizer_load(dp, checkpoint) -> None:
+    """After HF built the optimizer (``dp.optimizer``; and loaded a checkpoint's state into it): the steps the trainer
+    pre-set as fitting the budget were computed for this run alone; with earlier runs in the ledger they are this
+    module's (or, after a resume, unknown: the privatizer finds them)."""
+    opt = dp.optimizer
+    if opt is None or opt.max_epsilon is None or dp.ledger.prior_steps == 0:
         return
-    opt.budget_steps = None if checkpoint is not None else trainer.dp.lineage.budget_steps
+    opt.budget_steps = None if checkpoint is not None else dp.lineage.budget_steps
 
 
-def attach(trainer) -> None:
-    """The model carries this trainer's ledger: in memory (with its training data) and in ``model.config``."""
-    model = _plain_model(trainer.model)
-    refs = dict(trainer.dp.lineage.refs)
-    record = ModelLedger(trainer.dp.ledger, trainer.dp.lineage.data, refs)
+def attach(dp, model, fingerprint: str | None = None) -> None:
+    """``model`` carries the run's ledger: in memory (with its training data) and in ``model.config`` (:func:`refresh_config`)."""
+    model = _plain_model(model)
+    refs = dict(dp.lineage.refs)
+    record = ModelLedger(dp.ledger, dp.lineage.data, refs)
     try:
         setattr(model, MODEL_ATTR, record)
     except (AttributeError, TypeError):  # pragma: no cover - a model object that takes no attribute
         pass
-    refresh_config(trainer)
+    refresh_config(dp, model, fingerprint)
 
 
-def refresh_config(trainer) -> None:
-    """Write the public record of the ledger into ``model.config`` (saved with the model)."""
-    config = getattr(_plain_model(trainer.model), "config", None)
+def refresh_config(dp, model, fingerprint: str | None = None) -> None:
+    """Write the public record of the ledger into ``model.config`` (saved with the model); the run's data reference
+    (``dp.lineage.data``) keeps the training data's ``fingerprint`` once the trainer has computed it (in memory only:
+    ``DPTrainer._train_data_info``)."""
+    config = getattr(_plain_model(model), "config", None)
     if config is None:
         return
-    if trainer.dp.lineage.data.fingerprint is None and trainer._train_fingerprint is not None:
-        trainer.dp.lineage.data.fingerprint = trainer._train_fingerprint
-    record = public_record(trainer.dp.ledger)
+    if dp.lineage.data.fingerprint is None and fingerprint is not None:
+        dp.lineage.data.fingerprint = fingerprint
+    record = dp.ledger.public_record()
     record.pop("counted_past_parent", None)
     setattr(config, CONFIG_ATTR, record)
 
 
-def record_spent(trainer, compute_epsilon: bool = True) -> None:
+def record_spent(dp, args, model, fingerprint: str | None = None, compute_epsilon: bool = True) -> None:
     """The record of steps taken (``hf_dp_epsilon_spent.json``, keyed by run id), the runs' records in the checkpoints
-    this run descends from, and the model's public record. The count is what resumes rely on; ε is informative, and
-    with ``compute_epsilon=False`` written only when the ledger already has it; the model's steps (:func:`take_later_runs`)."""
-    ledger = take_later_runs(trainer).ledger
+    this run descends from, and the model's public record. The count is what resumes rely on; ε is informative (as
+    ``DPTrainer.get_epsilon`` gives it), and with ``compute_epsilon=False`` written only when the ledger already has it;
+    the model's steps (:func:`take_later_runs`; ``fingerprint``: :func:`refresh_config`)."""
+    ledger = take_later_runs(dp, args, model)
     if ledger.steps == 0:
         return
-    eps = trainer.get_epsilon() if compute_epsilon else ledger.cached_epsilon()
+    if compute_epsilon:  # as DPTrainer.get_epsilon: a private selection's model reports the selection's total
+        selection = dp.selection.record
+        eps = float(selection["total_epsilon"]) if selection is not None else ledger.get_epsilon()
+    else:
+        eps = ledger.cached_epsilon()
     meta = ledger.meta
-    if trainer.args.should_save:
+    if args.should_save:
         extra = {"parent": meta["parent"]} if meta.get("parent") else None
-        spent.write_spent(trainer.args.output_dir, ledger.steps, eps, trainer.dp.spec.as_dict(),
-                                  run_id=trainer.dp.run_id, extra=extra)
+        spent.write_spent(args.output_dir, ledger.steps, eps, dp.spec.as_dict(), run_id=dp.run_id, extra=extra)
         ancestry = meta.get("ancestry") or []
-        written = trainer.dp.lineage.resume_steps
-        start = trainer.dp.lineage.resume_start
-        if ancestry and start is not None and written != ledger.steps and meta.get("run_id") == trainer.dp.run_id:
-            record = {"run_id": trainer.dp.run_id, "output_dir": os.path.abspath(trainer.args.output_dir),
+        written, start = dp.lineage.resume_steps, dp.lineage.resume_start
+        if ancestry and start is not None and written != ledger.steps and meta.get("run_id") == dp.run_id:
+            record = {"run_id": dp.run_id, "output_dir": os.path.abspath(args.output_dir),
                       "start_steps": start, "steps": ledger.steps, "parent": meta.get("parent")}
             for a in ancestry:
                 spent.write_resume_record(a["checkpoint"], record)
-            trainer.dp.lineage.resume_steps = ledger.steps
-    refresh_config(trainer)
+            dp.lineage.resume_steps = ledger.steps
+    refresh_config(dp, model, fingerprint)
 
 
-def mark_non_private(trainer) -> None:
+def mark_non_private(model, global_step: int) -> None:
     """A ``--disable_dp`` run of a model that carries a ledger: its release's ``config.json`` keeps the record of the
-    earlier DP runs, marked as followed by non-private training (the model no longer has their guarantee)."""
-    if not getattr(getattr(trainer, "state", None), "global_step", 0):
+    earlier DP runs, marked as followed by non-private training (the model no longer has their guarantee; none if
+    ``global_step`` is 0: the trainer did not train it)."""
+    if not global_step:
         return  # not trained by this trainer
-    config = getattr(_plain_model(trainer.model), "config", None)
+    config = getattr(_plain_model(model), "config", None)
     record = getattr(config, CONFIG_ATTR, None)
     if isinstance(record, dict) and not record.get("trained_without_dp_after"):
         setattr(config, CONFIG_ATTR, dict(record, trained_without_dp_after=True))

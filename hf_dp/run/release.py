@@ -14,12 +14,14 @@ from hf_dp.clipping import sharding
 from hf_dp.clipping.hooks import unwrap_for_save
 
 
-def save_model_folder(trainer, output_dir: str, is_checkpoint: bool) -> bool:
-    """Write ``output_dir``'s model (every rank takes part under FSDP2, rank 0 writes) with the tokenizer and the
-    training arguments, where HF's save would not write the plain model; ``False``: HF's ``save_model`` writes it.
-    ``is_checkpoint``: called from ``_save_checkpoint`` (a release folder may be named ``checkpoint-…`` too)."""
-    args, model = trainer.args, trainer.model
-    fsdp = trainer.dp.fsdp and sharding.is_fsdp_model(model)
+def save_model_folder(args, model, fsdp: bool, trainable_info, processing_class, output_dir: str,
+                      is_checkpoint: bool) -> bool:
+    """Write ``output_dir``'s model (every rank takes part under FSDP2, rank 0 writes) with the tokenizer
+    (``processing_class``) and the training arguments ``args``, where HF's save would not write the plain model
+    (``fsdp``: the run's FSDP2 under DP, ``dp.fsdp``; ``trainable_info``: ``--trainable``'s, LoRA merged); ``False``:
+    HF's ``save_model`` writes it. ``is_checkpoint``: called from ``_save_checkpoint`` (a release folder may be named
+    ``checkpoint-…`` too)."""
+    fsdp = fsdp and sharding.is_fsdp_model(model)
     if fsdp and is_checkpoint and not args.save_only_model:
         # FSDP2, a checkpoint: the model stays sharded (its shards are written with the optimizer's, by
         # _save_optimizer_and_scheduler: hf_dp.clipping.sharding.save_checkpoint_state); rank 0 writes its config
@@ -33,7 +35,7 @@ def save_model_folder(trainer, output_dir: str, is_checkpoint: bool) -> bool:
         def write(folder):
             plain = sharding.plain_release(model, state_dict)  # LoRA: merged, as without FSDP
             plain.save_pretrained(folder, state_dict=None if plain is not model else state_dict)
-    elif trainer.trainable_info is not None and trainer.trainable_info.mode == "lora" and not is_checkpoint:
+    elif trainable_info is not None and trainable_info.mode == "lora" and not is_checkpoint:
         def write(folder):  # the merged plain model (the training model is left untouched)
             unwrap_for_save(model).save_pretrained(folder)
     else:
@@ -41,7 +43,7 @@ def save_model_folder(trainer, output_dir: str, is_checkpoint: bool) -> bool:
     if args.should_save:
         os.makedirs(output_dir, exist_ok=True)
         write(output_dir)
-        if trainer.processing_class is not None:
-            trainer.processing_class.save_pretrained(output_dir)
+        if processing_class is not None:
+            processing_class.save_pretrained(output_dir)
         torch.save(args, os.path.join(output_dir, "training_args.bin"))
     return True

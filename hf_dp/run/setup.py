@@ -7,8 +7,9 @@ privacy units (:func:`setup_units`; N = the number of units, or ``--public_datas
 :func:`hf_dp.run.lineage.adopt_model_ledger`), the Poisson sampler, the clipping engine (:func:`choose_clipping`),
 logs the planner's start-of-run block (:func:`hf_dp.plan.run_block`) and keeps the snapshot of the mechanism that
 every ``train()`` and every step compares with (:func:`hf_dp.run.contract.mechanism_snapshot`). At every ``train()``
-:func:`share_sampling_key` then gives several ranks the key of their one Poisson draw. It takes the trainer as
-an argument and sets its attributes, as the rest of :mod:`hf_dp.run` does.
+:func:`share_sampling_key` then gives several ranks the key of their one Poisson draw. Its functions take the pieces
+they use (the run's privacy state ``dp``, :class:`hf_dp.run.state.PrivacyState`, the arguments, the model, the
+training set), never the trainer, and fill the state.
 """
 
 from __future__ import annotations
@@ -35,30 +36,32 @@ from hf_dp.run.data import example_lengths, refuse_sharding, set_sampler_lengths
 logger = logging.getLogger("hf_dp.trainer")  # DPTrainer's set-up messages keep the trainer's logger name
 
 
-def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
-    """``DPTrainer._setup_privacy``, once at construction: the training set sized and its labels and token ids
-    checked, the privacy units read (N), the mechanism planned (q = B/N, the steps, σ), the ledger (continuing the
-    model's own), the Poisson sampler, the clipping engine, the planner's start-of-run block, and the snapshot of
-    that mechanism every ``train()`` and every step compares with. ``audit_units(trainer, rows)`` and
-    ``audit_engine(trainer, engine)``: ``--audit_canaries``' hooks (:mod:`hf_dp.audit.canaries`: its units appended,
-    the engine wrapped), passed by the trainer."""
-    args = trainer.args
-    if trainer.train_dataset is None:
+def setup_privacy(dp, args, model, train_dataset, fingerprint_source, objective, *, prefix_cache: bool = False,
+                  fsdp: bool = False, deepspeed: bool = False, audit_units=None, audit_engine=None) -> None:
+    """``DPTrainer._setup_privacy``, once at construction, filling the run's privacy state ``dp``
+    (:class:`hf_dp.run.state.PrivacyState`): the training set sized and its labels and token ids checked (on
+    ``fingerprint_source``, the training set as given, against the model's config and its ``objective``), the privacy
+    units read (N), the mechanism planned (q = B/N, the steps, σ), the ledger (continuing the model's own), the
+    Poisson sampler, the clipping engine, the planner's start-of-run block, and the snapshot of that mechanism every
+    ``train()`` and every step compares with. ``prefix_cache``: ``--cache_frozen_features`` is on; ``fsdp``,
+    ``deepspeed``: HF enabled them. ``audit_units(dp, rows)`` and ``audit_engine(dp, engine)``: ``--audit_canaries``'
+    hooks (:mod:`hf_dp.audit.canaries`: its units appended, the engine wrapped), passed by the trainer."""
+    if train_dataset is None:
         raise ValueError("DP training needs a train_dataset (its size N defines q and delta < 1/N)")
     try:
-        n = len(trainer.train_dataset)
+        n = len(train_dataset)
     except TypeError:
         raise ValueError("DP training needs a sized train_dataset (an IterableDataset cannot be Poisson-sampled)") from None
     if n == 0:
         raise ValueError("the training dataset is empty")
-    contract.check_labels(trainer._fingerprint_source, getattr(trainer.model, "config", None), trainer.objective)
-    contract.check_token_ids(trainer._fingerprint_source, getattr(trainer.model, "config", None))
-    setup_units(trainer, n)
+    contract.check_labels(fingerprint_source, getattr(model, "config", None), objective)
+    contract.check_token_ids(fingerprint_source, getattr(model, "config", None))
+    setup_units(dp.units, n, args.privacy_unit_column, fingerprint_source, prefix_cache)
     if audit_units is not None:  # --audit_canaries: one unit per canary, included or not (N = real + m)
-        audit_units(trainer, n)
-    n = trainer.dp.units.count  # the actual count: real units (+ --audit_canaries' m), what the sampler draws from
+        audit_units(dp, n)
+    n = dp.units.count  # the actual count: real units (+ --audit_canaries' m), what the sampler draws from
     # N the mechanism is planned from: --public_dataset_size (+ m canaries) when declared, else the actual count
-    audit = trainer.dp.audit
+    audit = dp.audit
     n_public = public_size(args.public_dataset_size, n, audit.m if audit is not None else 0)
     mechanism = Mechanism.plan(
         n=n_public, declared=args.public_dataset_size is not None, per_device_batch=args.per_device_train_batch_size,
@@ -66,15 +69,14 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
         epsilon=args.epsilon, noise_multiplier=args.noise_multiplier, max_grad_norm=args.per_sample_max_grad_norm,
         accountant=args.accountant, max_steps=args.max_steps, num_train_epochs=args.num_train_epochs,
         privacy_unit=args.privacy_unit_column, max_rows_per_unit=args.max_rows_per_unit)
-    dp = trainer.dp  # the run's privacy state (hf_dp.run.state), filled here
     dp.mechanism, world, steps_per_epoch = mechanism, mechanism.world_size, mechanism.steps_per_epoch
-    spec = trainer.dp.spec
+    spec = dp.spec
     q, b, planned, sigma = spec.sample_rate, int(spec.expected_batch_size), spec.planned_steps, spec.noise_multiplier
-    trainer.dp.ledger = PrivacyLedger(spec)
-    trainer.dp.ledger.meta["privacy_unit"] = args.privacy_unit_column  # each run's record says what it protected
-    lineage.adopt_model_ledger(trainer)  # the earlier runs the model carries (--prior_privacy; hf_dp.run.lineage)
-    trainer.dp.randomness = source_name(args.dp_seed, args.secure_rng)
-    if trainer.dp.randomness == SEEDED:
+    dp.ledger = PrivacyLedger(spec)
+    dp.ledger.meta["privacy_unit"] = args.privacy_unit_column  # each run's record says what it protected
+    lineage.adopt_model_ledger(dp, args, model, fingerprint_source)  # the earlier runs the model carries (--prior_privacy)
+    dp.randomness = source_name(args.dp_seed, args.secure_rng)
+    if dp.randomness == SEEDED:
         logger.warning(
             "hf_dp: --dp_seed %s fixes the Poisson batches and the noise: anyone who knows the seed can "
             "recompute them and remove the noise from the released model. Use it for reproducible research "
@@ -84,68 +86,69 @@ def setup_privacy(trainer, audit_units=None, audit_engine=None) -> None:
         )
     # every actual unit is drawn at q = B/N_public, for round(1/q) steps an epoch: the actual count changes only how
     # many rows a draw finds
-    trainer.dp.sampler = PoissonBatchSampler(
+    dp.sampler = PoissonBatchSampler(
         n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
         rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: dp.ledger.steps,
-        units=trainer.dp.units.rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=trainer.dp.audit is not None,
+        units=dp.units.rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=dp.audit is not None,
         stream_tag=lambda: dp.ledger.meta.get("stream_tag"), shared_key=lambda: dp.sampling_key,
     )
-    trainer.dp.sampling_key = None  # several ranks, OS entropy: set by share_sampling_key at every train()
-    trainer.dp.lengths_of = None
-    set_sampler_lengths(trainer)  # refused here, before any step, if the lengths are unknown
-    trainer.dp.noise_seed = args.dp_seed
+    dp.sampling_key = None  # several ranks, OS entropy: set by share_sampling_key at every train()
+    dp.lengths_of = None
+    set_sampler_lengths(dp, args, train_dataset)  # refused here, before any step, if the lengths are unknown
+    dp.noise_seed = args.dp_seed
     #: the run's lineage: a random public id written with every record of steps taken (a resume is a new run, its
     #: parent the checkpoint's run); under --dp_seed, a resume that is not a clean continuation keys its seeded
     #: streams with it (ledger.meta["stream_tag"], hf_dp.run.spent.reconcile_resumed_ledger)
-    trainer.dp.run_id = secrets.token_hex(8)
-    trainer.dp.optimizer = None  # a PrivateOptimizer, made by create_optimizer
-    trainer.dp.step.loss_scale = None
-    trainer.dp.step.units = None  # the micro-batch's privacy units (rows -> 0..U-1), --privacy_unit_column
-    trainer.dp.step.empty = False
-    trainer.dp.clipping = choose_clipping(trainer, world)  # the engine's name (hf_dp.clipping.engines)
-    trainer.dp.bounds = token_bounds(trainer.model, args, spec, world, units=trainer.dp.units.rows is not None)
-    check_row_lengths(trainer.train_dataset, trainer.dp.bounds.max_length, args.length_column_name)
+    dp.run_id = secrets.token_hex(8)
+    dp.optimizer = None  # a PrivateOptimizer, made by create_optimizer
+    dp.step.loss_scale = None
+    dp.step.units = None  # the micro-batch's privacy units (rows -> 0..U-1), --privacy_unit_column
+    dp.step.empty = False
+    dp.clipping = choose_clipping(args, model, fsdp, deepspeed)  # the engine's name (hf_dp.clipping.engines)
+    dp.fsdp = bool(fsdp)  # FSDP2 under DP (hf_dp.clipping.sharding)
+    dp.bounds = token_bounds(model, args, spec, world, units=dp.units.rows is not None)
+    check_row_lengths(train_dataset, dp.bounds.max_length, args.length_column_name)
     # --audit_kind gradient: the engine hands each drawn canary's gradient to the privatizer's clipping
-    if trainer.dp.fsdp and trainer.dp.clipping == "ghost":  # its clipped sums reduce-scattered into the shards
+    if dp.fsdp and dp.clipping == "ghost":  # its clipped sums reduce-scattered into the shards
         from hf_dp.clipping.fsdp_ghost import ShardedGhostEngine
 
-        engine = ShardedGhostEngine(trainer.model, bounds=trainer.dp.bounds)
+        engine = ShardedGhostEngine(model, bounds=dp.bounds)
     else:
-        engine = make_engine(trainer.dp.clipping, trainer.model, bounds=trainer.dp.bounds)
-    trainer.dp.engine = audit_engine(trainer, engine) if audit_engine is not None else engine
+        engine = make_engine(dp.clipping, model, bounds=dp.bounds)
+    dp.engine = audit_engine(dp, engine) if audit_engine is not None else engine
     engine.pause(True)  # recording only inside DPTrainer.training_step (ClippingEngine.active)
     # the planner's start-of-run block (hf_dp.plan): public quantities only, no extra calibration
     # two lines by default; the noise figures and the table when asked (--log_level debug, or hf_dp's logger at DEBUG).
     # Under a private selection (hf_dp.privacy.selection.plan_context) a trial names its ε per trial, and a trainer that
     # only holds the selection prints nothing: the single run its σ is planned for is never made
     role = plan_role()
-    trainer.dp.plan_announced = role != HOLDER
-    if trainer.dp.plan_announced:
-        d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    dp.plan_announced = role != HOLDER
+    if dp.plan_announced:
+        d = sum(p.numel() for p in model.parameters() if p.requires_grad)
         block, warning = run_block(
             n=n_public, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
             max_grad_norm=args.per_sample_max_grad_norm, params=d, epsilon=args.epsilon, sigma_note=role or "",
-            calibrated=calibrated_for(getattr(trainer.model, "get_base_model", lambda: trainer.model)()),
-            causal_lm=getattr(trainer.objective, "name", None) == "causal_lm",  # the causal-LM verdict (hf_dp.plan)
+            calibrated=calibrated_for(getattr(model, "get_base_model", lambda: model)()),
+            causal_lm=getattr(objective, "name", None) == "causal_lm",  # the causal-LM verdict (hf_dp.plan)
             optim=str(getattr(args.optim, "value", args.optim)), learning_rate=args.learning_rate,
             detail=args.log_level == "debug" or logger.isEnabledFor(logging.DEBUG))
         logger.info(block)
         if warning:
             logger.warning(warning)
-        say_dataset_size(trainer, n, n_public)
-    trainer.dp.contract.probe, trainer.dp.contract.rows_checked, trainer.dp.contract.several_rows = False, None, False
-    trainer.dp.contract.planned_dataset = trainer.train_dataset
+        say_dataset_size(dp, args, n, n_public)
+    dp.contract.probe, dp.contract.rows_checked, dp.contract.several_rows = False, None, False
+    dp.contract.planned_dataset = train_dataset
     #: the mechanism σ, q and the steps were planned for: every train() and every step must still run it
-    trainer.dp.contract.planned = contract.mechanism_snapshot(trainer)
+    dp.contract.planned = contract.mechanism_snapshot(args, dp.mechanism, model)
 
 
-def say_dataset_size(trainer, actual: int, n_public: int) -> None:
+def say_dataset_size(dp, args, actual: int, n_public: int) -> None:
     """Once, with the plan: where N came from — the declared public size, or the actual count treated as public
     (with the flag that declares one) — and, to the operator only (never in the release), an actual count far above
-    the declared size (each draw finds that many more rows than B; the mechanism is unchanged)."""
-    args = trainer.args
+    the declared size (each draw finds that many more rows than B; the mechanism is unchanged). ``dp``: the run's
+    privacy state (its audit and its planned B)."""
     what = "units" if args.privacy_unit_column else "training examples"
-    audit = trainer.dp.audit
+    audit = dp.audit
     canaries = f" + {audit.m:,} canary units" if audit is not None else ""
     declared = args.public_dataset_size
     if declared is None:
@@ -164,79 +167,78 @@ def say_dataset_size(trainer, actual: int, n_public: int) -> None:
             "hf_dp: the training set has about %.1f times as many %s as declared: it is larger than the declared "
             "--public_dataset_size, so each step draws about that many times the planned B = %s (q = B/N is fixed, so "
             "the guarantee holds and the divisor stays B; micro-batches grow with it). This line is for you: it is not "
-            "in the release", real / declared, what, f"{trainer.dp.spec.expected_batch_size:g}")
+            "in the release", real / declared, what, f"{dp.spec.expected_batch_size:g}")
 
 
-def share_sampling_key(trainer) -> None:
+def share_sampling_key(dp, args) -> None:
     """At every ``train()`` under DP, on every rank, before any batch is drawn: with several processes and OS entropy,
-    the key of this ``train()``'s Poisson streams, rank 0's 256 bits broadcast in memory
+    the key of this ``train()``'s Poisson streams (``dp.sampling_key``), rank 0's 256 bits broadcast in memory
     (:func:`hf_dp.privacy.randomness.shared_entropy_key`), so that every rank draws the one sample it shares out
     (:mod:`hf_dp.privacy.sampler`); ``DPTrainer.train`` forgets it when it returns or raises. Then, with several
     processes, every rank checks that all would draw the same sample (:func:`hf_dp.run.contract.check_ranks_share_draw`)."""
-    trainer.dp.sampling_key = None
-    if max(1, trainer.args.world_size) <= 1:
+    dp.sampling_key = None
+    if max(1, args.world_size) <= 1:
         return
-    if trainer.dp.randomness == ENTROPY:
-        key = shared_entropy_key(trainer.args.device)
+    if dp.randomness == ENTROPY:
+        key = shared_entropy_key(args.device)
         if key is None:
-            raise ValueError(f"world_size is {trainer.args.world_size} but torch.distributed is not initialized: the "
+            raise ValueError(f"world_size is {args.world_size} but torch.distributed is not initialized: the "
                              "ranks cannot share their Poisson draws; launch with torchrun (or accelerate launch)")
-        trainer.dp.sampling_key = key
-    contract.check_ranks_share_draw(trainer)
+        dp.sampling_key = key
+    contract.check_ranks_share_draw(dp.sampler, dp.ledger, dp.sampling_key)
 
 
-def setup_units(trainer, rows: int) -> None:
-    """``--privacy_unit_column``: the rows of each unit, read once from the training set given at construction
-    (before any column removal); N = the number of units. Without it every row is its own unit."""
-    col = trainer.args.privacy_unit_column
-    trainer.dp.units.rows, trainer.dp.units.of_row = None, None
-    trainer.dp.units.count = rows
-    if col is None:
+def setup_units(units, rows: int, column: str | None, source, prefix_cache: bool = False) -> None:
+    """``--privacy_unit_column`` (``column``): the rows of each unit, read once from the training set given at
+    construction (``source``, before any column removal), into ``units`` (:class:`hf_dp.run.state.Units`); N = the
+    number of units. Without it every row is its own unit. ``prefix_cache``: ``--cache_frozen_features`` is on."""
+    units.rows, units.of_row = None, None
+    units.count = rows
+    if column is None:
         return
-    if trainer._prefix_cache:
+    if prefix_cache:
         raise ValueError(
             "--privacy_unit_column with --cache_frozen_features is not supported yet: the cache does not keep the "
             "unit column; drop one of the two flags"
         )
-    trainer.dp.units.rows = unit_rows(trainer._fingerprint_source, col)
+    units.rows = unit_rows(source, column)
     unit_of_row = torch.empty(rows, dtype=torch.long)
-    for j, r in enumerate(trainer.dp.units.rows):
+    for j, r in enumerate(units.rows):
         unit_of_row[r] = j
-    trainer.dp.units.of_row = unit_of_row
-    trainer.dp.units.count = len(trainer.dp.units.rows)
+    units.of_row = unit_of_row
+    units.count = len(units.rows)
 
 
-def choose_clipping(trainer, world: int) -> str:
+def choose_clipping(args, model, fsdp: bool = False, deepspeed: bool = False) -> str:
     """``--clipping``: ``ghost`` (one backward pass) where it applies, else Opacus hooks; ``ghost_two_pass`` only
     when asked for (:func:`hf_dp.clipping.engines.choose_engine`). Any number of processes: under DDP every engine
     runs its forward/backward without DDP's gradient all-reduce (see ``DPTrainer.compute_loss``), and the privatizer
-    all-reduces the noisy clipped sum once per logical batch. Under FSDP2 one-pass ghost clipping by default
-    (:mod:`hf_dp.clipping.fsdp_ghost`), two passes when asked; DeepSpeed is refused."""
-    refuse_sharding(trainer.args, getattr(trainer, "is_fsdp_enabled", False), getattr(trainer, "is_deepspeed_enabled", False))
-    low = sorted({str(p.dtype).replace("torch.", "") for p in trainer.model.parameters()
+    all-reduces the noisy clipped sum once per logical batch. Under FSDP2 (``fsdp``: HF enabled it) one-pass ghost
+    clipping by default (:mod:`hf_dp.clipping.fsdp_ghost`), two passes when asked; DeepSpeed is refused."""
+    refuse_sharding(args, fsdp, deepspeed)
+    low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
                   if p.requires_grad and p.dtype not in (torch.float32, torch.float64)})
     if low:  # the forward, the records and the clipped sums in that precision: the --bf16 refusal's reason, and more
         raise ValueError(f"DP training needs float32 (or float64) trainable parameters, got {', '.join(low)}: in reduced "
                          "precision each example's gradient depends on its micro-batch's shape and the clipped sums round "
                          "at 2^-8, so one example can move the sum by more than C; load the model in float32")
-    trainer.dp.fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
-    if trainer.dp.fsdp:  # FSDP2: one-pass ghost clipping (auto), or two passes when asked (hf_dp.clipping.fsdp_ghost)
-        mode = "ghost_two_pass" if trainer.args.clipping == "ghost_two_pass" else "ghost"
-        if trainer.args.clipping == "auto":
+    if fsdp:  # FSDP2: one-pass ghost clipping (auto), or two passes when asked (hf_dp.clipping.fsdp_ghost)
+        mode = "ghost_two_pass" if args.clipping == "ghost_two_pass" else "ghost"
+        if args.clipping == "auto":
             logger.info("hf_dp: --clipping auto chose ghost (one-backward ghost clipping, clipped sums reduce-scattered "
                         "into the shards) under FSDP; --clipping ghost_two_pass keeps no layer records")
-        return choose_engine(mode, trainer.model, optim=trainer.args.optim, rule_cls=get_entry(trainer.args.optim).rule_cls,
-                             reduced_precision=bool(trainer.args.bf16 or trainer.args.fp16), logger=logger)
-    return choose_engine(trainer.args.clipping, trainer.model, optim=trainer.args.optim, rule_cls=get_entry(trainer.args.optim).rule_cls,
-                         reduced_precision=bool(trainer.args.bf16 or trainer.args.fp16), logger=logger)
+        return choose_engine(mode, model, optim=args.optim, rule_cls=get_entry(args.optim).rule_cls,
+                             reduced_precision=bool(args.bf16 or args.fp16), logger=logger)
+    return choose_engine(args.clipping, model, optim=args.optim, rule_cls=get_entry(args.optim).rule_cls,
+                         reduced_precision=bool(args.bf16 or args.fp16), logger=logger)
 
-def param_groups(trainer, model=None) -> list[dict]:
-    """HF's decay / no-decay parameter groups, built as ``Trainer.create_optimizer`` builds them."""
-    opt_model = trainer.model if model is None else model
-    decay = trainer.get_decay_parameter_names(opt_model)
-    named = list(opt_model.named_parameters())
+
+def param_groups(model, decay, weight_decay: float) -> list[dict]:
+    """HF's decay / no-decay parameter groups of ``model``, built as ``Trainer.create_optimizer`` builds them:
+    ``decay``, the names ``Trainer.get_decay_parameter_names`` gives, get ``weight_decay``."""
+    named = list(model.named_parameters())
     return [
-        {"params": [p for n, p in named if n in decay and p.requires_grad], "weight_decay": trainer.args.weight_decay},
+        {"params": [p for n, p in named if n in decay and p.requires_grad], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay and p.requires_grad], "weight_decay": 0.0},
     ]
 
@@ -267,26 +269,27 @@ def check_row_lengths(dataset, max_length: int, length_column_name: str = "lengt
                          "raise --dp_max_length")
 
 
-def make_private_optimizer(trainer, model=None):
-    """``DPTrainer.create_optimizer`` under DP: the update rule ``--optim`` names over HF's decay / no-decay groups,
-    wrapped in the privatizer with the planned σ, C and B, the run's ledger and target ε, drawing from the
-    trainer's Poisson sampler (:func:`hf_dp.optim.make_optimizer`)."""
-    args, spec = trainer.args, trainer.dp.spec
+def make_private_optimizer(dp, args, model, decay):
+    """``DPTrainer.create_optimizer`` under DP: the update rule ``--optim`` names over HF's decay / no-decay groups of
+    ``model`` (``decay``: ``Trainer.get_decay_parameter_names(model)``), wrapped in the privatizer with the planned σ,
+    C and B, the run's ledger and target ε, drawing from the run's Poisson sampler (``dp``: the run's privacy state;
+    :func:`hf_dp.optim.make_optimizer`)."""
+    spec = dp.spec
     hyper = rule_hyperparameters(
         args.optim, lr=args.learning_rate, weight_decay=args.weight_decay, optim_args=args.optim_args,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, gamma=args.bc_gamma,
         h1=args.macadam_h1, h2=args.macadam_h2,
     )
     optimizer = make_optimizer(
-        args.optim, param_groups(trainer, model),
+        args.optim, param_groups(model, decay, args.weight_decay),
         noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
-        expected_batch_size=spec.expected_batch_size, noise_seed=trainer.dp.noise_seed,
-        secure_mode=args.secure_rng, ledger=trainer.dp.ledger, max_epsilon=spec.target_epsilon, **hyper,
+        expected_batch_size=spec.expected_batch_size, noise_seed=dp.noise_seed,
+        secure_mode=args.secure_rng, ledger=dp.ledger, max_epsilon=spec.target_epsilon, **hyper,
     )
-    optimizer.sampler = trainer.dp.sampler
+    optimizer.sampler = dp.sampler
     # the hooks' clipped sum is formed in float32 over at most the bounds' terms: each example's share of its rounding
     # is γ of that count times its clipped norm, so it is clipped to C/(1 + γ) (ghost clipping adds γ·S_i to its norm)
-    optimizer.sum_allowance = gamma(trainer.dp.bounds.sum_terms + 2)
+    optimizer.sum_allowance = gamma(dp.bounds.sum_terms + 2)
     if hasattr(optimizer.rule, "clamp_rate_every"):  # BC diagnostic only at the steps that are logged
         steps = args.logging_steps
         optimizer.rule.clamp_rate_every = int(steps) if steps >= 1 else 1

@@ -215,7 +215,7 @@ def other_runs_checkpoints(output_dir: str, own_runs: set[str]) -> list[tuple[st
     return found
 
 
-def _choose_stream_tag(trainer, checkpoint: str, own_id: str | None, clean: bool, recorded: bool = True) -> None:
+def _choose_stream_tag(ledger, args, checkpoint: str, own_id: str | None, clean: bool, recorded: bool = True) -> None:
     """The seeded streams' tag of a resumed run (``ledger.meta["stream_tag"]``; :mod:`hf_dp.privacy.randomness`).
 
     Under ``--dp_seed`` the noise and the Poisson draws are keyed by the ledger step. A **clean continuation** —
@@ -227,91 +227,91 @@ def _choose_stream_tag(trainer, checkpoint: str, own_id: str | None, clean: bool
     record is written before the check, so of two concurrent resumes at least the later one sees the other; a resume
     whose record could not be written into ``checkpoint`` (``recorded`` False: a read-only folder) is invisible to the
     next one, so it is never a clean continuation either."""
-    ledger = trainer.dp.ledger
     if clean:
         clean = recorded and not [r for r in read_resume_records(checkpoint) if r["run_id"] != own_id]
     import torch.distributed as dist
 
-    if trainer.args.world_size > 1 and dist.is_available() and dist.is_initialized():
+    if args.world_size > 1 and dist.is_available() and dist.is_initialized():
         import torch  # every rank keys its streams alike (only rank 0 may see the records)
 
-        t = torch.tensor([1 if clean else 0], dtype=torch.long, device=trainer.args.device)
+        t = torch.tensor([1 if clean else 0], dtype=torch.long, device=args.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         clean = bool(t.item())
     if not clean:
         ledger.meta["stream_tag"] = f"{own_id if own_id is not None else secrets.token_hex(8)}@{ledger.steps}"
 
 
-def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
-    """After ``DPTrainer`` loaded ``checkpoint``'s optimizer state (and with it the ledger): refuse a
-    checkpoint whose ledger does not match its marker or whose training data differ, put back into the
+def reconcile_resumed_ledger(dp, args, checkpoint: str, taken_here: int, global_step: int, data_info, epsilon) -> None:
+    """After ``DPTrainer`` loaded ``checkpoint``'s optimizer state (and with it the ledger ``dp.ledger``) at HF's
+    ``global_step``: refuse a checkpoint whose ledger does not match its marker or whose training data differ
+    (``data_info()``: N and the fingerprint of the data now, ``DPTrainer._train_data_info``), put back into the
     ledger the steps taken past the checkpoint (by this trainer: ``taken_here``, or by an interrupted
     run, as recorded by :func:`write_spent`), and refuse to resume when one more step would exceed the
-    target ε. ``trainer`` is the ``DPTrainer`` (duck-typed)."""
+    target ε (``epsilon()``: ε as ``DPTrainer.get_epsilon`` reports it, for the messages)."""
     marker = read_marker(checkpoint) or {}
-    steps, recorded = trainer.dp.ledger.steps, marker.get("ledger_steps", trainer.state.global_step)
-    if steps != recorded or steps < trainer.state.global_step:
+    steps, recorded = dp.ledger.steps, marker.get("ledger_steps", global_step)
+    if steps != recorded or steps < global_step:
         raise ValueError(
             f"refusing to resume from {checkpoint}: its privacy ledger records {steps} noisy steps but the "
-            f"checkpoint is at global step {trainer.state.global_step} (marker: {recorded} ledger steps); was "
+            f"checkpoint is at global step {global_step} (marker: {recorded} ledger steps); was "
             "optimizer.pt saved (save_only_model must be False)?"
         )
     saved_data = marker.get("train_data")
-    if saved_data is not None and saved_data != trainer._train_data_info():
+    if saved_data is not None and saved_data != data_info():
         raise ValueError(
             f"refusing to resume from {checkpoint}: the training data differ from the data it was trained on "
             f"(checkpoint: {saved_data.get('num_samples')} examples, fingerprint {str(saved_data.get('sha256'))[:12]}…; "
-            f"now: {trainer._train_data_info()['num_samples']} examples, fingerprint "
-            f"{trainer._train_data_info()['sha256'][:12]}…). Resume with the same training set or start a new run."
+            f"now: {data_info()['num_samples']} examples, fingerprint "
+            f"{data_info()['sha256'][:12]}…). Resume with the same training set or start a new run."
         )
-    trainer.dp.lineage.resumed_ledger_steps = steps
+    dp.lineage.resumed_ledger_steps = steps
     # Steps taken past this checkpoint (by an interrupted run, as recorded in output_dir, or by this
     # trainer) were computed with randomness that is gone; the steps resumed now draw fresh batches
     # and noise, so those steps are a release of their own: they stay in the ledger.
     # A resume is a new run whose parent is the checkpoint's run at its step: the lineage's ledger counts,
     # conservatively, every noisy step computed from this checkpoint — its own, those its run took past it, and
     # those of every other run resumed from it (or from a checkpoint descended from it) past their own resumes.
-    own_id = trainer.dp.run_id
+    own_id = dp.run_id
     parent_run = marker.get("run_id")
-    past = max(steps, taken_here, steps_already_taken(checkpoint, trainer.args.output_dir, marker)) - steps
+    past = max(steps, taken_here, steps_already_taken(checkpoint, args.output_dir, marker)) - steps
     forks = other_resumes(checkpoint, exclude={own_id, parent_run} - {None})
     taken = steps + past + sum(f["steps"] for f in forks)
     import torch.distributed as dist
 
-    if trainer.args.world_size > 1 and dist.is_available() and dist.is_initialized():
+    if args.world_size > 1 and dist.is_available() and dist.is_initialized():
         # every rank's ledger must agree, also where only rank 0's output_dir holds the record
         import torch
 
-        t = torch.tensor([taken], dtype=torch.long, device=trainer.args.device)
+        t = torch.tensor([taken], dtype=torch.long, device=args.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         taken = int(t.item())
     if taken > steps:
-        trainer.dp.ledger.add_steps(taken - steps)
+        dp.ledger.add_steps(taken - steps)
     if past > 0:
         logger.warning(
             "hf_dp: resuming from %s (%d noisy steps), but %d steps were already taken past it; they count "
             "toward epsilon (now %.4g), and the resumed steps draw fresh batches and noise",
-            checkpoint, steps, past, trainer.get_epsilon(),
+            checkpoint, steps, past, epsilon(),
         )
     if forks:
         logger.warning(
             "hf_dp: %s was already resumed by %d other run(s) (%s); the steps they took from it count in this run's "
             "ledger (epsilon now %.4g before this run's own steps): this run's epsilon is that of releasing every model "
             "trained from this checkpoint, this one included",
-            checkpoint, len(forks), ", ".join(f"run {f['run_id']}: {f['steps']} steps" for f in forks), trainer.get_epsilon(),
+            checkpoint, len(forks), ", ".join(f"run {f['run_id']}: {f['steps']} steps" for f in forks), epsilon(),
         )
-    meta = trainer.dp.ledger.meta
+    meta = dp.ledger.meta
     ancestry = [dict(a) for a in meta.get("ancestry") or []]
-    ancestry.append({"run_id": parent_run, "global_step": int(marker.get("global_step", trainer.state.global_step)),
+    ancestry.append({"run_id": parent_run, "global_step": int(marker.get("global_step", global_step)),
                      "checkpoint": os.path.abspath(checkpoint)})
     meta.update(
         run_id=own_id, parent={"run_id": parent_run, "global_step": ancestry[-1]["global_step"]}, ancestry=ancestry,
         counted_past_parent={"parent_run_steps": past, "other_resumes": forks},
     )
-    trainer.dp.lineage.resume_start = taken  # this run's steps past its resume: its ledger minus this (lineage.record_spent)
-    own_record_written = not trainer.args.should_save  # the saving process writes the records (the others: its view counts)
-    if trainer.args.should_save and own_id is not None:
-        record = {"run_id": own_id, "output_dir": os.path.abspath(trainer.args.output_dir), "start_steps": taken,
+    dp.lineage.resume_start = taken  # this run's steps past its resume: its ledger minus this (lineage.record_spent)
+    own_record_written = not args.should_save  # the saving process writes the records (the others: its view counts)
+    if args.should_save and own_id is not None:
+        record = {"run_id": own_id, "output_dir": os.path.abspath(args.output_dir), "start_steps": taken,
                   "steps": taken, "parent": meta["parent"]}
         unwritable = [a["checkpoint"] for a in ancestry if os.path.isdir(a["checkpoint"]) and not write_resume_record(a["checkpoint"], record)]
         own_record_written = os.path.abspath(checkpoint) not in unwritable
@@ -320,12 +320,12 @@ def reconcile_resumed_ledger(trainer, checkpoint: str, taken_here: int) -> None:
                 "hf_dp: could not record this resume in %s (not writable): a later resume from it will not count the "
                 "steps of this run", ", ".join(unwritable),
             )
-    _choose_stream_tag(trainer, checkpoint, own_id, clean=past == 0 and taken == steps, recorded=own_record_written)
-    opt = trainer.dp.optimizer
+    _choose_stream_tag(dp.ledger, args, checkpoint, own_id, clean=past == 0 and taken == steps, recorded=own_record_written)
+    opt = dp.optimizer
     if opt is not None and opt.max_epsilon is not None and opt._would_exceed_budget():
         raise ValueError(
-            f"refusing to resume from {checkpoint}: {trainer.dp.ledger.steps} noisy steps were already taken "
-            f"(epsilon {trainer.get_epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
+            f"refusing to resume from {checkpoint}: {dp.ledger.steps} noisy steps were already taken "
+            f"(epsilon {epsilon():.4g}); one more would exceed the target epsilon={opt.max_epsilon}"
         )
 
 
@@ -336,23 +336,24 @@ class BudgetGuard(TrainerCallback):
     At every epoch's start it drops a logical batch that an epoch stop cut between its micro-batches (a callback's
     ``should_epoch_stop``: HF leaves the epoch before the optimizer step): the next epoch draws anew at the same ledger
     step — with a seed or the ranks' shared key of the ``train()``, the same draw — so the cut micro-batches' clipped
-    sums would put their examples into one noisy step twice."""
+    sums would put their examples into one noisy step twice. ``dp``: the run's privacy state; ``record_spent``: the
+    trainer's ``DPTrainer._record_spent``."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, dp, record_spent):
+        self.dp, self.record_spent = dp, record_spent
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        opt = self.trainer.dp.optimizer
+        opt = self.dp.optimizer
         if opt is not None:
             opt.discard_pending()
-        self.trainer.dp.engine.clear()
+        self.dp.engine.clear()
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
         # every step taken is on record before any output of it is written; ε only if already known (an accountant
         # call per step costs 0.1-0.5 s with PRV; saves and logs compute it)
-        self.trainer._record_spent(compute_epsilon=False)
-        opt = self.trainer.dp.optimizer
+        self.record_spent(compute_epsilon=False)
+        opt = self.dp.optimizer
         if opt is not None and opt.max_epsilon is not None and state.global_step < state.max_steps and opt._would_exceed_budget():
             logger.warning(
                 "hf_dp: stopping at step %d: one more step would spend more than the target epsilon=%s",

@@ -89,6 +89,7 @@ class Selection:
     started: bool = False  # a search began here: its budget is spent, no second one
     models: list = field(default_factory=list)  # weak references to the models used, to refuse their reuse
     score_sets: tuple = ()  # the held-out private sets a DP score read: never evaluated afterwards
+    trial: int | None = None  # this trainer is (or holds) trial number `trial` of a private selection
 
 
 @dataclass

@@ -36,13 +36,16 @@ from hf_dp.privacy.randomness import secure_gaussian_like, stream_generator
 from hf_dp.privacy.selection import check_score_noise_multiplier
 
 
-def check_private_score(trainer, score_dataset, score_noise_multiplier, example_score, compute_objective,
-                        direction) -> None:
-    """The refusals of ``score_data="private"`` (a DP score on held-out private data), one sentence each."""
+def check_private_score(args, spec, score_dataset, score_noise_multiplier, example_score, compute_objective, direction,
+                        *, eval_dataset=None, train_sets=(), model=None, objective=None) -> None:
+    """The refusals of ``score_data="private"`` (a DP score on held-out private data), one sentence each. ``spec``: the
+    planned mechanism's numbers (``None``: not planned); ``eval_dataset``: the eval set the trainer was given
+    (:func:`raw_eval`), the held-out set when ``score_dataset`` is ``None``; ``train_sets``: the training set as given
+    and as the trainer reads it; ``model`` and ``objective``: the trainer's (``hf_dp.models.loss``), for the default
+    score."""
     from hf_dp.run.data import check_eval_is_not_train, unit_rows
 
-    args = trainer.args
-    heldout = score_dataset if score_dataset is not None else _raw_eval(trainer)
+    heldout = score_dataset if score_dataset is not None else eval_dataset
     if heldout is None:
         raise ValueError("score_data='private' scores every trial on held-out private data: give score_dataset= (rows "
                          "of the private data that no trial trains on), or the DPTrainer an eval_dataset of them")
@@ -54,7 +57,7 @@ def check_private_score(trainer, score_dataset, score_noise_multiplier, example_
         raise ValueError("the held-out score set must be a sized dataset (its size n divides the noisy sum)") from None
     if n == 0:
         raise ValueError("the held-out score set is empty")
-    for train in {id(x): x for x in (trainer._fingerprint_source, trainer.train_dataset) if x is not None}.values():
+    for train in {id(x): x for x in train_sets if x is not None}.values():
         try:
             check_eval_is_not_train(heldout, train)
         except ValueError:
@@ -68,10 +71,9 @@ def check_private_score(trainer, score_dataset, score_noise_multiplier, example_
         raise ValueError(f"example_score must be a function (logits, labels) -> one score in [0, 1] per example, got "
                          f"{example_score!r}")
     if example_score is None:
-        config = getattr(trainer.model, "config", None)
-        objective = getattr(getattr(trainer, "objective", None), "name", None)
+        config = getattr(model, "config", None)
         problem = getattr(config, "problem_type", None)
-        if objective != "causal_lm" and (problem in ("regression", "multi_label_classification")
+        if getattr(objective, "name", None) != "causal_lm" and (problem in ("regression", "multi_label_classification")
                                          or getattr(config, "num_labels", 2) == 1):
             raise ValueError("the default DP score is the accuracy of one label per example, which a regression or "
                              "multi-label head does not have: give example_score=(logits, labels) -> one score in "
@@ -88,7 +90,6 @@ def check_private_score(trainer, score_dataset, score_noise_multiplier, example_
             units = len(unit_rows(heldout, args.privacy_unit_column))
         except ValueError as e:
             raise ValueError(f"the held-out score set: {e}") from None
-    spec = trainer.dp.spec
     if spec is not None:  # the held-out rows are private data too: delta < 1/(N + n) over both (N + n >= their union)
         total = int(spec.dataset_size) + int(units)
         if spec.delta >= 1.0 / total:
@@ -97,10 +98,10 @@ def check_private_score(trainer, score_dataset, score_noise_multiplier, example_
                              "a delta allows a mechanism that publishes a whole record; choose a smaller delta")
 
 
-def _raw_eval(trainer):
-    """The eval set the trainer was given (before any frozen-prefix caching)."""
-    kwargs = getattr(trainer, "_dp_init_kwargs", {})
-    return kwargs["eval_dataset"] if "eval_dataset" in kwargs else trainer.eval_dataset
+def raw_eval(init_kwargs: dict, eval_dataset):
+    """The eval set the trainer was given (before any frozen-prefix caching): the ``eval_dataset=`` of its
+    construction (``init_kwargs``, ``DPTrainer._dp_init_kwargs``), else its ``eval_dataset``."""
+    return init_kwargs["eval_dataset"] if "eval_dataset" in init_kwargs else eval_dataset
 
 
 def accuracy(logits, labels):
@@ -123,7 +124,8 @@ def heldout_scores(trainer, dataset, example_score=None):
     """Each held-out row's score in [0, 1] (float64, in the dataset's order), from ``trainer``'s model: its own
     prediction steps (no ``evaluate()``/``predict()``: no metrics, logs or callbacks). The score function is called
     on one example at a time (its ``[1, ...]`` logits and labels), so no row's score reads another row. Values outside
-    [0, 1] are clipped, NaN counts 0. Exact: for :func:`dp_score` only, never to be released."""
+    [0, 1] are clipped, NaN counts 0. Exact: for :func:`dp_score` only, never to be released.
+    It takes the trainer: it runs HF's prediction loop pieces (``get_test_dataloader``, ``prediction_step``)."""
     import torch
     from transformers.trainer_pt_utils import find_batch_size
 
@@ -210,46 +212,47 @@ def dp_score(exact_sum: float, n: int, sigma: float, **noise) -> float:
 
 class Scoring:
     """The set the trials are scored on: the eval set, or ``score_dataset`` (cached once with the trainer's frozen
-    prefix under ``--cache_frozen_features``); for a DP score, its units and their number n."""
+    prefix under ``--cache_frozen_features``); for a DP score, its units and their number n. Built from the trainer's
+    pieces: ``raw_eval`` (:func:`raw_eval`), ``eval_set`` (its eval set as it reads it, cached; read when
+    ``score_dataset`` is ``None``), ``prefix_cache`` (its ``PrefixCacheManager``, ``None`` without one) and
+    ``unit_column`` (``--privacy_unit_column``)."""
 
-    def __init__(self, trainer, score_dataset, private):
+    def __init__(self, score_dataset, private, *, raw_eval=None, eval_set=None, prefix_cache=None, unit_column=None):
         from hf_dp.run.data import unit_rows
 
         self.private = private
-        self.raw = score_dataset if score_dataset is not None else _raw_eval(trainer)
+        self.raw = score_dataset if score_dataset is not None else raw_eval
         self.is_eval_set = score_dataset is None
         if score_dataset is None:
-            eval_cache = getattr(trainer, "_eval_cache", None)  # the trainer's cache of it (built now if not yet)
-            self.dataset = eval_cache() if eval_cache is not None else trainer.eval_dataset
-        elif getattr(trainer, "_prefix_cache", False):
+            self.dataset = eval_set
+        elif prefix_cache is not None:
             with quiet_cache_log(private):
-                self.dataset = trainer.prefix_cache.cache(score_dataset, "score")
+                self.dataset = prefix_cache.cache(score_dataset, "score")
         else:
             self.dataset = score_dataset
         self.units, self.n = None, None
         if private:
-            col = trainer.args.privacy_unit_column
-            self.units = unit_rows(self.raw, col) if col is not None else None
+            self.units = unit_rows(self.raw, unit_column) if unit_column is not None else None
             self.n = len(self.units) if self.units is not None else len(self.raw)
 
-    def dataset_for(self, trial_trainer):
-        """The score set as ``trial_trainer`` reads it: the trainer's cache if the trial's frozen prefix is the
-        trainer's, else cached anew with the trial's own prefix."""
-        if not getattr(trial_trainer, "_prefix_cache", False):
+    def dataset_for(self, prefix_cache):
+        """The score set as a trial with frozen-prefix cache ``prefix_cache`` (``None``: none) reads it: the trainer's
+        cache if the trial's frozen prefix is the trainer's, else cached anew with the trial's own prefix."""
+        if prefix_cache is None:
             return self.dataset
         with quiet_cache_log(self.private):
             try:
-                return trial_trainer.prefix_cache.cache(self.dataset, "score")
+                return prefix_cache.cache(self.dataset, "score")
             except ValueError as e:
                 if "prefix cache" not in str(e):
                     raise
-                return trial_trainer.prefix_cache.cache(self.raw, "score")
+                return prefix_cache.cache(self.raw, "score")
 
-    def views(self, trial_trainer, *more) -> tuple:
-        """Every form of the held-out set ``trial_trainer`` could evaluate — as given, as cached by the trainer, its own
-        eval set when the held-out set is the eval set (a trial with another frozen prefix caches it anew), and
-        ``more`` — for :func:`refuse_evaluating_the_score_set`."""
-        own = (trial_trainer.eval_dataset,) if self.is_eval_set else ()
+    def views(self, eval_dataset, *more) -> tuple:
+        """Every form of the held-out set a trial whose eval set is ``eval_dataset`` could evaluate — as given, as
+        cached by the trainer, that eval set when the held-out set is the eval set (a trial with another frozen prefix
+        caches it anew), and ``more`` — for :func:`refuse_evaluating_the_score_set`."""
+        own = (eval_dataset,) if self.is_eval_set else ()
         return tuple({id(d): d for d in (self.raw, self.dataset, *own, *more) if d is not None}.values())
 
 
@@ -273,14 +276,14 @@ def quiet_cache_log(active: bool = True):
         log.removeFilter(quiet)
 
 
-def refuse_evaluating_the_score_set(trainer, dataset) -> None:
-    """After a ``score_data="private"`` selection: refuse to evaluate (or predict on) the held-out private set its
-    trials were scored on — the same object, the same 🤗 Datasets fingerprint, or a ``Subset`` overlapping it (a copy
+def refuse_evaluating_the_score_set(score_sets, dataset) -> None:
+    """After a ``score_data="private"`` selection: refuse to evaluate (or predict on) ``dataset`` if it is one of
+    ``score_sets`` (``dp.selection.score_sets``), the held-out private set its trials were scored on — the same object, the same 🤗 Datasets fingerprint, or a ``Subset`` overlapping it (a copy
     of its rows is not detectable) — whose exact metrics would go into the logs, the card and ``privacy.json`` of the
     release, outside the selection's ε (only its noisy score is covered)."""
     from hf_dp.run.data import same_dataset, subset_base
 
-    held = trainer.dp.selection.score_sets or ()
+    held = score_sets or ()
     if dataset is None or not held:
         return
     for ds in dataset.values() if isinstance(dataset, dict) else [dataset]:

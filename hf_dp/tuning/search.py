@@ -55,16 +55,18 @@ BACKEND = "dp_random_stopping"
 SCORE_DATA = ("public", "private")
 
 
-def check_search(trainer, *, hp_space, direction, backend, score_data, model_init, resume_from_checkpoint=None,
-                 score_dataset=None, score_noise_multiplier=None, example_score=None, compute_objective=None) -> None:
-    """Every refusal of a search, in one sentence, before any model is built or trained."""
-    args = trainer.args
+def check_search(args, dp, *, hp_space, direction, backend, score_data, model_init, eval_dataset=None, raw_eval=None,
+                 train_sets=(), model=None, objective=None, resume_from_checkpoint=None, score_dataset=None,
+                 score_noise_multiplier=None, example_score=None, compute_objective=None) -> None:
+    """Every refusal of a search, in one sentence, before any model is built or trained. ``args`` and ``dp`` (the
+    :class:`~hf_dp.run.state.PrivacyState`) are the trainer's; ``eval_dataset`` its eval set; ``raw_eval``,
+    ``train_sets``, ``model`` and ``objective`` what :func:`hf_dp.tuning.private_score.check_private_score` reads."""
     if backend not in (None, BACKEND):
         raise ValueError(f"under DP hyperparameter_search runs backend={BACKEND!r} only: an adaptive search (optuna, "
                          "ray) over private runs has no accounted cost; got backend=" + repr(backend))
-    if trainer.dp.selection.record is not None:
+    if dp.selection.record is not None:
         raise ValueError("this trainer already holds the result of a private selection; make a new DPTrainer")
-    if trainer.dp.selection.started:
+    if dp.selection.started:
         raise ValueError("a private selection already ran on this trainer (and failed or was interrupted): its trials "
                          "spent privacy that a second search would not count; make a new DPTrainer")
     if model_init is None:
@@ -80,12 +82,13 @@ def check_search(trainer, *, hp_space, direction, backend, score_data, model_ini
         if score_noise_multiplier is not None or example_score is not None:
             raise ValueError("score_noise_multiplier and example_score define a DP score on held-out private data: "
                              "they go with score_data='private' only")
-        if score_dataset is None and trainer.eval_dataset is None:
+        if score_dataset is None and eval_dataset is None:
             raise ValueError("hyperparameter_search scores every trial on the eval set: give the DPTrainer an "
                              "eval_dataset (public data)")
     else:
-        private_score.check_private_score(trainer, score_dataset, score_noise_multiplier, example_score, compute_objective,
-                            direction)
+        private_score.check_private_score(args, dp.spec, score_dataset, score_noise_multiplier, example_score,
+                                          compute_objective, direction, eval_dataset=raw_eval, train_sets=train_sets,
+                                          model=model, objective=objective)
     if args.epsilon is None:
         raise ValueError("private selection calibrates each trial's sigma for the total: give --epsilon (the total "
                          "target), not --noise_multiplier")
@@ -100,10 +103,10 @@ def check_search(trainer, *, hp_space, direction, backend, score_data, model_ini
                          "configurations; run hyperparameter_search without torchrun / accelerate launch")
     if getattr(args, "audit_canaries", None):
         raise ValueError("--audit_canaries audits one run; it cannot be combined with a private selection")
-    if trainer.dp.ledger is not None and trainer.dp.ledger.own_steps > 0:
-        raise ValueError(f"this trainer already took {trainer.dp.ledger.own_steps} noisy steps (train() was called); a "
+    if dp.ledger is not None and dp.ledger.own_steps > 0:
+        raise ValueError(f"this trainer already took {dp.ledger.own_steps} noisy steps (train() was called); a "
                          "private selection starts from a fresh DPTrainer, whose own model is not trained")
-    if trainer.dp.ledger is not None and trainer.dp.ledger.prior:
+    if dp.ledger is not None and dp.ledger.prior:
         raise ValueError("this model carries the ledger of earlier DP runs, which this run's ledger counts; a private "
                          "selection starts from a model without one (or give --prior_privacy separate if this training "
                          "data share no example with theirs)")
@@ -122,34 +125,44 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
                distribution="geometric", eta=None, score_data=None, hp_name=None, score_dataset=None,
                score_noise_multiplier=None, example_score=None):
     """The search (see the module docstring). Returns HF's ``BestRun`` (``run_summary``: the trials' configurations
-    and scores and K, for the caller's eyes only: they are not part of the release)."""
+    and scores and K, for the caller's eyes only: they are not part of the release). It takes the trainer: it builds
+    each trial as ``type(trainer)(...)``, trains and evaluates them, and makes the trainer the winner."""
     from transformers.trainer_utils import BestRun
 
-    check_search(trainer, hp_space=hp_space, direction=direction, backend=backend, score_data=score_data,
-                 model_init=model_init, score_dataset=score_dataset, score_noise_multiplier=score_noise_multiplier,
-                 example_score=example_score, compute_objective=compute_objective)
+    from hf_dp.run import lineage
+
+    args, dp = trainer.args, trainer.dp
+    raw = private_score.raw_eval(trainer._dp_init_kwargs, trainer.eval_dataset)
+    check_search(args, dp, hp_space=hp_space, direction=direction, backend=backend, score_data=score_data,
+                 model_init=model_init, eval_dataset=trainer.eval_dataset, raw_eval=raw,
+                 train_sets=(trainer._fingerprint_source, trainer.train_dataset), model=trainer.model,
+                 objective=trainer.objective, score_dataset=score_dataset,
+                 score_noise_multiplier=score_noise_multiplier, example_score=example_score,
+                 compute_objective=compute_objective)
     count = trial_count(distribution, n_trials, eta)
-    args, spec = trainer.args, trainer.dp.spec
+    spec = dp.spec
     private = score_data == "private"
     if private and score_noise_multiplier is None:
         score_noise_multiplier = DEFAULT_SCORE_NOISE_MULTIPLIER
     plan = calibrate_selection_sigma(float(args.epsilon), float(spec.delta), float(spec.sample_rate),
                                      int(spec.planned_steps), count,
                                      score_noise_multiplier=float(score_noise_multiplier) if private else None)
-    scoring = private_score.Scoring(trainer, score_dataset, private)
+    scoring = private_score.Scoring(  # the trainer's cache of its eval set (built now if not yet)
+        score_dataset, private, raw_eval=raw, eval_set=trainer._eval_cache() if score_dataset is None else None,
+        prefix_cache=trainer.prefix_cache if trainer._prefix_cache else None, unit_column=args.privacy_unit_column)
     objective = (example_score or private_score.accuracy) if private else (compute_objective or _default_objective)
-    trainer.dp.selection.started = True  # a failed or interrupted search spent budget too: no second search here
+    dp.selection.started = True  # a failed or interrupted search spent budget too: no second search here
     seeded = args.dp_seed is not None
     rng = random.Random(derived_seed(args.dp_seed, "selection", "k")) if seeded else random.SystemRandom()
     k = count.sample(rng.random)
     # one accountant for every ε of the selection: its total is an RDP bound (dp-accounting), so each trial's own ε
     # (its plan line, its logs, the released trial's ledger and card) is RDP too, not a PRV figure beside it
     single = (f"; the plan logged when this trainer was made (σ = {spec.noise_multiplier:.4g}) is a single run's, "
-              "which the selection does not make" if trainer.dp.plan_announced else "")
+              "which the selection does not make" if dp.plan_announced else "")
     logger.info("hf_dp: private selection: %s trials on average (%s), σ = %.4g per trial (ε %.3g each alone (rdp)), "
                 "calibrated so that the total ε is %.4g at δ %g (rdp, the best of K trials)%s", count.mean, count.name,
                 plan.noise_multiplier, plan.per_trial_epsilon, plan.total_epsilon, plan.delta, single)
-    trainer.dp.selection.models = [weakref.ref(trainer.model)]  # to refuse a model_init that returns a used model
+    dp.selection.models = [weakref.ref(trainer.model)]  # to refuse a model_init that returns a used model
     best = None  # (score, index, trainer, params)
     summary = []
     sign = 1.0 if direction == "maximize" else -1.0
@@ -171,9 +184,10 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
             if steps > plan.steps:
                 raise RuntimeError(f"internal error: a trial took {steps} noisy steps, more than the {plan.steps} the "
                                    "selection accounts for")
+            trial_cache = trial_trainer.prefix_cache if trial_trainer._prefix_cache else None  # its frozen prefix's
             if private:  # the DP score: the noisy sum, nothing else of the held-out set leaves this block
-                scored = scoring.dataset_for(trial_trainer)
-                trial_trainer.dp.selection.score_sets = scoring.views(trial_trainer, scored)
+                scored = scoring.dataset_for(trial_cache)
+                trial_trainer.dp.selection.score_sets = scoring.views(trial_trainer.eval_dataset, scored)
                 exact, n = private_score.unit_sum(private_score.heldout_scores(trial_trainer, scored, example_score),
                                                   scoring.units)
                 score = private_score.dp_score(exact, n, plan.score_noise_multiplier, secure=bool(args.secure_rng),
@@ -181,7 +195,7 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
                 del exact
             else:
                 metrics = (trial_trainer.evaluate() if score_dataset is None
-                           else trial_trainer.evaluate(scoring.dataset_for(trial_trainer)))
+                           else trial_trainer.evaluate(scoring.dataset_for(trial_cache)))
                 score = float(objective(metrics))
         except BaseException:  # nothing of the search is left on disk
             if folder is not None:
@@ -204,8 +218,11 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
                               None if k == 0 else summary[[s["trial"] for s in summary].index(index)]["objective"],
                               heldout_units=scoring.n if private else None,
                               unit_column=args.privacy_unit_column if private else None)
-    adopt(trainer, winner, params, record,
-          score_sets=(winner.dp.selection.score_sets or scoring.views(winner)) if private else ())
+    score_sets = (winner.dp.selection.score_sets or scoring.views(winner.eval_dataset)) if private else ()
+    winner_seed = winner.args.seed
+    trainer._adopt_trial(winner)  # its model, state (dp), data and collator; the trainer's own args (hf_dp.trainer)
+    adopt(trainer.dp, trainer.args, params, winner_seed, record, score_sets=score_sets)
+    lineage.attach(trainer.dp, trainer.model, trainer._train_fingerprint)
     shutil.rmtree(folder, ignore_errors=True)
     return BestRun(run_id=str(index), objective=(summary[[s["trial"] for s in summary].index(index)]["objective"]
                                                  if k else None),
@@ -215,7 +232,8 @@ def run_search(trainer, *, hp_space, compute_objective, n_trials, direction, bac
 
 
 def _make_trial(trainer, model_init, trial, params, plan, seed, index, scoring=None):
-    """A fresh DPTrainer for one trial: a new model, the trainer's data and collator, the trial's flags."""
+    """A fresh DPTrainer for one trial: a new model, the trainer's data and collator, the trial's flags. It takes the
+    trainer: the trial is ``type(trainer)(...)``, built from the trainer's own construction arguments."""
     folder = _trial_folder()
     args = trainer.args
     changes = dict(params, epsilon=None, noise_multiplier=plan.noise_multiplier, accountant="rdp", output_dir=folder, seed=seed,
@@ -254,9 +272,9 @@ def _make_trial(trainer, model_init, trial, params, plan, seed, index, scoring=N
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    t.selection_trial = index
+    t.dp.selection.trial = index
     if private:  # the trial refuses to evaluate the held-out set (a callback may set control.should_evaluate)
-        t.dp.selection.score_sets = scoring.views(t)
+        t.dp.selection.score_sets = scoring.views(t.eval_dataset)
     spec = t.dp.spec
     if t.dp.ledger.prior:  # the model carries earlier DP runs (counted unless separate): the selection's total would not
         shutil.rmtree(folder, ignore_errors=True)
@@ -333,34 +351,29 @@ def selection_record(plan, count, k, hp_space, params, direction, objective, sco
     }
 
 
-def adopt(trainer, winner, params, record, score_sets=()) -> None:
-    """``trainer`` becomes the winning trial's trainer (its model, ledger, optimizer, state, data and collator) with its
-    own output_dir, card fields and the trial's flags; the ledger carries the selection, so the model's config says
-    so and no later run continues it as if it were one trial. ``score_sets``: the held-out private set a DP score
-    read (as given and as cached), recorded as ``trainer.dp.selection.score_sets``: ``evaluate()``/``predict()`` on it are
-    refused (:func:`hf_dp.tuning.private_score.refuse_evaluating_the_score_set`)."""
-    own = {k: v for k, v in trainer.__dict__.items() if k not in winner.__dict__}  # e.g. the recipe's card fields
-    args = trainer.args
+def adopt(dp, args, params, seed, record, score_sets=()) -> None:
+    """The selection's result in the holder's state, once the trainer has become the winning trial's
+    (``DPTrainer._adopt_trial``: its model, state ``dp``, optimizer, data and collator, with its own output_dir and
+    card fields): ``args``, the trainer's own arguments, take the trial's flags (``params``) and HF ``seed``; the ledger
+    carries the selection, so the model's config says so (:func:`hf_dp.run.lineage.attach`, after this) and no later
+    run continues it as if it were one trial. ``score_sets``: the held-out private set a DP score read (as given and
+    as cached), recorded as ``dp.selection.score_sets``: ``evaluate()``/``predict()`` on it are refused
+    (:func:`hf_dp.tuning.private_score.refuse_evaluating_the_score_set`)."""
     for name, value in params.items():
         setattr(args, name, value)
-    args.seed = winner.args.seed
-    trainer.__dict__.update(winner.__dict__)
-    trainer.__dict__.update(own)
-    trainer.args = args
-    trainer.dp.selection.record = record
-    trainer.dp.mechanism = trainer.dp.mechanism.with_target_epsilon(record["target_epsilon"])
-    trainer.dp.ledger.meta["hyperparameter_selection"] = {
+    args.seed = seed
+    dp.selection.record = record
+    dp.mechanism = dp.mechanism.with_target_epsilon(record["target_epsilon"])
+    dp.ledger.meta["hyperparameter_selection"] = {
         "total_epsilon": record["total_epsilon"], "delta": record["delta"],
         "per_trial_epsilon": record["per_trial_epsilon"], "trials_distribution": record["trials_distribution"],
     }
-    trainer.dp.selection.score_sets = tuple({id(d): d for d in score_sets if d is not None}.values())
-    from hf_dp.run import lineage
-
-    lineage.attach(trainer)
+    dp.selection.score_sets = tuple({id(d): d for d in score_sets if d is not None}.values())
 
 
-def refuse_train_after_selection(trainer) -> None:
-    if trainer.dp.selection.record is not None:
+def refuse_train_after_selection(selection) -> None:
+    """Refuse ``train()`` on the holder of a private selection's result (``selection``: its ``dp.selection``)."""
+    if selection.record is not None:
         raise ValueError("refusing to train: this trainer holds the model a private selection released (total epsilon "
-                         f"{trainer.dp.selection.record['total_epsilon']:.4g}); further training would not be "
+                         f"{selection.record['total_epsilon']:.4g}); further training would not be "
                          "counted in that total; save it, or run a new selection")

@@ -1,0 +1,89 @@
+"""One micro-batch of a DP step, between HF's ``training_step`` and the clipping engine (``DPTrainer.compute_loss``,
+``DPTrainer.training_step``): **the loss-scaling contract**.
+
+:func:`private_loss` returns Σ_i ℓ_i / (B / world size) and hooks Σ_i ℓ_i to measure the factor every later scaling
+(the Trainer's gradient-accumulation division, Accelerate, mixed precision) applied before the backward pass;
+:func:`after_micro_batch` hands the engine's clipped sum (ghost) or per-sample gradients (hooks) to the privatizer,
+divided by exactly that factor, so each example's clipped vector is clip_C(∇ℓ_i) whatever the Trainer does to the loss.
+What one micro-batch leaves between the two lives in ``dp.step`` (:class:`hf_dp.run.state.MicroBatch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from hf_dp.clipping import sharding
+from hf_dp.models.loss import per_example_loss, positions_from_mask
+from hf_dp.run import contract
+from hf_dp.run.data import EMPTY_KEY, UNITS_KEY
+
+
+def unit_kw(dp) -> dict:
+    """``units=`` for the engine under ``--privacy_unit_column`` (rows -> 0..U-1); nothing when each row is a unit."""
+    return {} if dp.step.units is None else {"units": dp.step.units}
+
+
+def private_loss(dp, model, inputs: dict, objective, config, world_size: int, audit_losses=None):
+    """``DPTrainer.compute_loss`` under DP, in training: ``(loss, outputs)`` with loss = Σ_i ℓ_i / (B / world size).
+    ``audit_losses(losses, empty)``: ``--audit_canaries``' canary rows' losses (the trainer's hook), else none."""
+    empty = bool(inputs.pop(EMPTY_KEY, False))
+    units = inputs.pop(UNITS_KEY, None)
+    if "labels" not in inputs:
+        raise ValueError(
+            "the training batch has no 'labels': DP training computes each example's loss from them (a causal LM's "
+            "collator makes them: DataCollatorForLanguageModeling(tokenizer, mlm=False))"
+        )
+    labels = inputs.pop("labels")
+    if objective.positions_from_mask and "position_ids" not in inputs and torch.is_tensor(inputs.get("attention_mask")):
+        # each row's positions count its own tokens: a left-padded row's must not depend on the batch's padding
+        inputs["position_ids"] = positions_from_mask(inputs["attention_mask"])
+    # Under DDP the forward runs in no_sync for every micro-batch, the last one included: DDP's reducer then
+    # expects no gradient (ghost clipping leaves none for linear weights) and all-reduces nothing — it would
+    # only average the raw, unclipped gradients, which no DP engine uses. Each rank clips its own examples; the
+    # privatizer adds the noise on rank 0 and all-reduces the noisy sum once per logical batch.
+    sync = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
+    with sync:
+        outputs = model(**inputs)
+    contract.check_logits(outputs.logits, labels, objective)
+    losses = per_example_loss(outputs.logits, labels, config, objective, inputs.get("attention_mask"))
+    if audit_losses is not None:  # a gradient canary's loss is 0 (its gradient: the engine's wrapper)
+        losses = audit_losses(losses, empty)
+    dp.step.empty = empty
+    dp.step.units = None if units is None else units.to(losses.device)
+    fsdp = dp.fsdp and sharding.is_fsdp_model(model)
+    if fsdp:  # every micro-batch's pass 2 reduce-scattered, summed over ranks (hf_dp.clipping.sharding)
+        sharding.prepare_micro_batch(model)
+    # ghost_two_pass: its pass 1 (the norms) runs here; under FSDP on every rank for every micro-batch, the empty
+    # one's placeholder included (its loss is then multiplied by 0), so that the ranks' all-gathers stay in step
+    if (not empty or fsdp) and not dp.contract.probe:
+        losses = dp.engine.before_backward(losses, dp.optimizer, **unit_kw(dp))
+    total = losses.sum() * 0.0 if empty else losses.sum()
+    if total.requires_grad:
+        step = dp.step
+
+        def capture(grad: torch.Tensor) -> None:  # the factor HF applied to the loss before backward
+            step.loss_scale = float(grad.detach().float().reshape(-1)[0])
+        total.register_hook(capture)
+    dp.step.rows = labels.shape[0]
+    return total / (dp.spec.expected_batch_size / max(1, world_size)), outputs
+
+
+def after_micro_batch(dp, model) -> None:
+    """After HF's backward of one micro-batch: the clipped sum (ghost) or the per-sample gradients (hooks) to the
+    privatizer, undoing the measured loss scale; an empty micro-batch's placeholder row adds nothing."""
+    if dp.step.loss_scale is None:
+        raise RuntimeError("internal error: the loss-scale hook did not fire during backward")
+    if dp.fsdp:  # the ranks' gradients were summed before each undoes its own scale
+        if not sharding.is_fsdp_model(model):
+            raise RuntimeError("--fsdp was given but Accelerate did not shard the model (fully_shard); refusing "
+                               "to train it as another parallel mode")
+        sharding.check_loss_scale_agrees(dp.step.loss_scale)
+    if dp.step.empty and not dp.fsdp:  # (FSDP: the placeholder's 0 is in the sum)
+        # an empty micro-batch's placeholder row adds nothing, not even a rule's per-sample offset (λθ, −m̂/b: else
+        # up to 2C between neighbours when the one extra example is alone in its micro-batch)
+        dp.engine.discard(dp.optimizer)
+    else:
+        dp.engine.after_backward(dp.optimizer, dp.step.loss_scale, dp.step.rows, **unit_kw(dp))
+    dp.step.loss_scale, dp.step.units = None, None
