@@ -416,11 +416,12 @@ def rule_for(args, name: str) -> Rule:
 _PLAIN_STATUS = {REFUSED: "refused", ADJUSTED: "adjusted", SAFE: "safe", OUTSIDE: "outside the guarantee"}
 
 
-def help_note(name: str) -> str | None:
-    """A ``--help`` note for a DP run, from the registry: None when the field is plainly safe; otherwise its
-    statuses, conditions and reasons, e.g. ``[DP: adjusted — set to 0 with DP: …]`` or
-    ``[DP: refused if True — …; otherwise safe]``. A field nobody classified says so."""
-    rules = FLAGS.get(name)
+def help_note(name: str, registry: dict[str, tuple[Rule, ...]] | None = None) -> str | None:
+    """A ``--help`` note for a DP run, from the registry (:data:`FLAGS`, or another of the same format such as
+    ``hf_dp.sft.config.SFT_FLAGS``): None when the field is plainly safe; otherwise its statuses, conditions and
+    reasons, e.g. ``[DP: adjusted — set to 0 with DP: …]`` or ``[DP: refused if True — …; otherwise safe]``. A field
+    nobody classified says so."""
+    rules = (FLAGS if registry is None else registry).get(name)
     if rules is None:
         return "[DP: not classified by hf_dp: refused under DP unless left at its default]"
     if all(r.status == SAFE for r in rules):

@@ -60,15 +60,16 @@ from recipes.clm_support import (  # noqa: E402
     no_progress_bar,
     sample_continuations,
     training_blocks,
+    verdict_scope,
     with_perplexity,
 )
-from recipes.common.args import RecipeError, optim_name, parse_layered  # noqa: E402
+from recipes.common.args import RecipeError, parse_layered  # noqa: E402
 from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
-from recipes.common.logs import time_left_callback  # noqa: E402
+from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.run import (check_privacy_settings, model_sources, public_size, push_folder,  # noqa: E402
-                                resume_argument, summarize)
+                                release_is_the_product, resume_argument, summarize)
 from recipes.common.run import save_release  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
@@ -359,13 +360,15 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     # --push_to_hub: train and save locally first, push the saved folder at the end (a failed push loses nothing)
     push = bool(training_args.push_to_hub)
     training_args.push_to_hub = False
-    trainer = DPTrainer(
-        model=model, args=training_args, train_dataset=train_blocks, eval_dataset=eval_blocks,
-        processing_class=tokenizer, data_collator=collator,
-    )
+    # the start-of-run block (logged as the trainer is built) gives the planner's causal-LM verdict once, and only for
+    # a pretrained model: a model from --model_type starts from random weights, which the verdict was not calibrated on
+    with verdict_scope(model_args):
+        trainer = DPTrainer(
+            model=model, args=training_args, train_dataset=train_blocks, eval_dataset=eval_blocks,
+            processing_class=tokenizer, data_collator=collator,
+        )
+    release_is_the_product(trainer)  # the card and privacy.json in <output_dir>/release only
     trainer.add_callback(time_left_callback())  # one overall estimate: the planned steps, the time left
-    if training_args.dp_enabled and training_args.do_train:
-        _print_verdict(trainer, training_args)
     # the card fields (no local paths; a Hub dataset only if one was used)
     trainer.base_model_id = base_model_id(model_args.model_name_or_path) if model_args.model_name_or_path else None
     trainer.task_name = TASK
@@ -375,6 +378,8 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
                                                      declared=training_args.public_dataset_size is not None)
     report: dict[str, Any] = {}
     if training_args.do_train:
+        if user_unit and (line := unit_loss_line(training_args, "block", "blocks")):
+            print(line, flush=True)  # the logged training loss is per user, eval_loss per token: why they differ
         train_result = trainer.train(resume_from_checkpoint=resume)
         trainer.log_metrics("train", train_result.metrics)
         report = trainer.privacy_report()
@@ -399,7 +404,8 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
                 eval_results=eval_metrics or None, data_description=trainer.data_description,
                 model_name=os.path.basename(os.path.normpath(training_args.output_dir)), eval_overlap=overlap,
                 random_init=not model_args.model_name_or_path,
-                model_description=card_fields(trainer)["model_description"] if not trainer.base_model_id else None,
+                model_description=None if trainer.base_model_id else card_fields(
+                    trainer.model, trainer.args, trainer.train_dataset)["model_description"],
             )
     pushed = None
     if push and out is not None and trainer.is_world_process_zero():
@@ -421,20 +427,6 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
                         extra_rows=extra)
     summary.update(samples=samples, block_size=block_size, num_units=shown_units, unit_column=unit_column)
     return summary
-
-
-def _print_verdict(trainer, training_args) -> None:
-    """The planner's causal-LM verdict, before training (hf_dp.plan.lm_verdict): a run expected to end worse than no
-    fine-tuning is DPTrainer's warning already (with what would fix it); any other verdict is printed here."""
-    from hf_dp.plan.lm_verdict import lm_verdict
-
-    spec = trainer.privacy_spec
-    d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)  # as the trainer's start-of-run block
-    worse, line = lm_verdict(sigma=spec.noise_multiplier, batch_size=spec.expected_batch_size, params=d,
-                             steps=spec.planned_steps, learning_rate=training_args.learning_rate,
-                             optim=optim_name(training_args.optim), who="this run")
-    if not worse:
-        print(line.strip(), flush=True)
 
 
 def main(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> int:

@@ -18,6 +18,7 @@ metrics are :mod:`recipes.glue_support`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -40,7 +41,8 @@ from recipes.common.model import resolve_model_path  # noqa: E402,F401  (tests a
 from recipes.common.early import check_model_loadable, check_resume_settings, resume_checkpoint  # noqa: E402
 from recipes.common.run import apply_plan, check_privacy_settings, model_sources, push_folder, resume_argument, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
-from recipes.common.run import save_release, write_predictions  # noqa: E402
+from recipes.common.run import release_is_the_product, save_release, write_predictions  # noqa: E402
+from recipes.common.rows import check_unit_values  # noqa: E402
 from hf_dp.run.data import no_progress_bar  # noqa: E402
 from recipes.common.tune import HOLDOUT, TuneArguments, carve_holdout, check_tune, check_tune_score, run_tune  # noqa: E402
 from recipes.glue_support import (  # noqa: E402
@@ -166,6 +168,8 @@ def format_help(parser, peek) -> str:
         parser, peek, data_arguments=DataTrainingArguments, model_arguments=ModelArguments,
         data_title="data (as run_glue, plus --data_dir)", model_title="model (as run_glue)",
         notes=effective_notes(OPTIMIZER_DEFAULTS, _planned_lr(), "runs/<task>-<optim>-eps<ε>"),
+        extra_groups=[("private hyperparameter selection (--tune; recipes/common/tune.py: --epsilon is the total of "
+                       "the whole selection)", [f.name for f in dataclasses.fields(TuneArguments)], None)],
         usage=f"{cmd} [--config FILE.yaml] [flags]   |   {cmd} args.json|args.yaml   |   {cmd} --help-all",
         description=("DP fine-tuning on QNLI: recipes/glue.py with --task_name qnli preset. " if script == "qnli.py"
                      else "") + "Differentially private GLUE fine-tuning (run_glue's flags plus hf_dp's). Defaults are "
@@ -212,9 +216,11 @@ def _data_description(data_args: DataTrainingArguments, n_train: Optional[int]) 
     return f"`{name}` ({data_args.dataset_config_name or (task.name if task else '')}){rows}"
 
 
-def _units(raw, unit: Optional[str], n_rows: int) -> int:
+def _units(raw, unit: Optional[str], n_rows: int, path: Optional[str] = None) -> int:
     """N for the planner and the checks: the rows, or under ``--privacy_unit_column`` the distinct units of the first
-    ``n_rows`` training rows (what the accountant counts; the number of rows is private there)."""
+    ``n_rows`` training rows (what the accountant counts; the number of rows is private there). Every row must name
+    its unit: the first that does not is named by its line in ``path`` (the training file), before any model is
+    loaded."""
     if unit is None or "train" not in raw:
         return n_rows
     train = raw["train"]
@@ -222,7 +228,16 @@ def _units(raw, unit: Optional[str], n_rows: int) -> int:
         raise RecipeError(f"--privacy_unit_column {unit}: the training data has no column '{unit}' "
                           f"(it has {', '.join(train.column_names)})")
     values = train[unit] if n_rows >= len(train) else train.select(range(n_rows))[unit]
+    check_unit_values(values, unit, path, RecipeError)
     return len(set(values))
+
+
+def _train_path(data_args: DataTrainingArguments) -> Optional[str]:
+    """The training file the rows were read from (for error messages naming a row by its line), or None."""
+    if data_args.data_dir and data_args.task_name:
+        task = get_task(data_args.task_name)
+        return os.path.join(data_args.data_dir, task.folder, "train.tsv") if task is not None else None
+    return data_args.train_file
 
 
 def run(model_args, data_args, training_args) -> dict[str, Any]:
@@ -265,7 +280,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     n_train = len(raw["train"]) if "train" in raw else 0
     if data_args.max_train_samples is not None:
         n_train = min(n_train, data_args.max_train_samples)
-    n_train = _units(raw, unit, n_train)
+    n_train = _units(raw, unit, n_train, _train_path(data_args))
     check_privacy_settings(training_args, n_train)  # before the model, tokenization and any caching
     # --tune: GLUE's own dev set (local GLUE layout or the Hub's nyu-mll/glue) is public data, declared so for scoring
     glue_dev = bool(data_args.task_name) and not data_args.validation_file and not data_args.dataset_name
@@ -274,7 +289,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     check_tune_score(data_args, is_regression=info.is_regression)
     carved = carve_holdout(raw, data_args, training_args, data_args.max_train_samples)  # --tune_score private
     if carved is not None:
-        n_train = _units(raw, unit, carved)
+        n_train = _units(raw, unit, carved)  # (the rows left after the hold-out: no longer the file's lines)
         check_privacy_settings(training_args, n_train)
     model, tokenizer, model_path = load_model_and_tokenizer(model_args, data_args, info)
     planned = _apply_plan(training_args, model, n_train)
@@ -307,6 +322,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
             eval_dataset=tokenized["validation"] if training_args.do_eval else None,
             processing_class=tokenizer, data_collator=collator, compute_metrics=compute_metrics,
         )
+    release_is_the_product(trainer)  # the card and privacy.json in <output_dir>/release only
     trainer.add_callback(time_left_callback())  # one overall estimate: the planned steps, the time left
     # the card fields, for checkpoint cards and the final card alike (no local paths; a Hub dataset only if one was used)
     trainer.base_model_id = base_model_id(model_args.model_name_or_path)
@@ -352,7 +368,8 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
             out, report, base_model=trainer.base_model_id, task_name=data_args.task_name,
             dataset_name=trainer.dataset_name, eval_results=eval_metrics or None,
             data_description=trainer.data_description, baseline=baseline,
-            model_description=None if trainer.base_model_id else card_fields(trainer)["model_description"],
+            model_description=None if trainer.base_model_id else card_fields(
+                trainer.model, trainer.args, trainer.train_dataset)["model_description"],
         )
     pushed = None
     if push and out is not None and trainer.is_world_process_zero():

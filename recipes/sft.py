@@ -11,18 +11,32 @@ Flags: TRL's sft script's (``--dataset_name``, ``--dataset_config``, ``--dataset
 TRL's ``SFTConfig`` (``--max_length``, ``--assistant_only_loss``, ``--completion_only_loss``, ...), run_clm's
 ``--model_type`` / ``--config_overrides`` / ``--tokenizer_name`` (a tiny model from a config, offline) and
 ``--train_file`` / ``--validation_file`` (json/jsonl/csv with a ``messages`` column, or ``prompt`` / ``completion``
-columns), plus hf_dp's DP flags (``--epsilon``, ``--per_sample_max_grad_norm``, ``--privacy_unit_column``, ...).
+columns), plus hf_dp's DP flags (``--epsilon``, ``--per_sample_max_grad_norm``, ``--privacy_unit_column``, ...), and
+``--config FILE.yaml`` as the other recipes. ``--help`` shows the DP flags first, each TRL flag marked with what it does
+under DP (``hf_dp.sft.config.SFT_FLAGS``: ``--packing`` refused, ...), and the recipe's defaults for the command line.
 
-What the recipe decides (recipes/README.md, "Supervised fine-tuning"):
+What the recipe decides (recipes/README.md, "Supervised fine-tuning"; docs/sft.md):
 
+* **The DP defaults: clm.py's, reused.** LoRA adapters (``--trainable lora``), dp_adamw at lr 5e-4, a constant schedule
+  without warm-up, C = 0.1, 2 epochs, ε = 3, δ = 1e-5, and — with ``--epsilon`` and no batch flag — a logical batch of
+  about N/16 units (16 per device × the accumulation that makes it: q ≈ 1/16, ≈ 32 steps; printed at start). These are
+  ``recipes/clm.py``'s defaults for LoRA on a causal LM, chosen on a public tune split of *plain text*
+  (benchmarks/RESULTS.md §10b); no tuning on conversations was done: they are the same model kind's tuned values, not
+  SFT's (HF's own defaults — lr 5e-5, a linear decay, B = 8 — are what the README warns against under DP).
 * **The loss.** Conversations (``messages``) are scored on the assistant's tokens only: ``--assistant_only_loss`` is
   on unless given (``DPSFTConfig``'s default, per data kind); prompt-completion rows on the completion only (TRL's
   ``completion_only_loss``). Each conversation's loss is the mean over its scored tokens (hf_dp.sft).
 * **The chat template.** A tokenizer without one (``--tokenizer_name minilm``) gets :data:`DEFAULT_CHAT_TEMPLATE`
-  (``role: text`` lines, the assistant's text inside ``{% generation %}``); ``--chat_template_path`` sets another.
-* **The unit.** ``--privacy_unit_column user_id``: all conversations of one user are one unit (N = users).
-* **After training**: eval_loss on the validation data (not private), printed; the output folder holds the model
-  (LoRA merged), the tokenizer (with its chat template), ``privacy.json`` and the model card.
+  (``role: text`` lines, the assistant's text inside ``{% generation %}``), said in one line; ``--chat_template_path``
+  sets another.
+* **The unit.** ``--privacy_unit_column user_id``: all conversations of one user are one unit (N = users). The
+  training loss is then logged per user (the sum over the user's conversations): one line at the start says so.
+* **Before any model is loaded**, one ``error:`` line each for what cannot run (a missing unit column or unit, a TRL
+  flag DP refuses, ``--assistant_only_loss`` on data that is not conversational, a chat template without
+  ``{% generation %}`` markers), as glue.py and clm.py.
+* **After training**: eval_loss on the validation data (not private), printed; ``<output_dir>/release`` holds the model
+  (LoRA merged), the tokenizer (with its chat template), ``privacy.json`` and the model card, nothing else;
+  ``--push_to_hub`` uploads that folder, and a failed push is one line with the command that pushes it later.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,11 +55,20 @@ _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from recipes.clm_support import ClmModelArguments, build_model, load_config_and_tokenizer, load_raw_datasets  # noqa: E402
-from recipes.common.args import RecipeError  # noqa: E402
+from recipes.clm import LM_STEPS_PER_EPOCH, lm_batch_plan  # noqa: E402
+from recipes.clm import OPTIMIZER_DEFAULTS as CLM_OPTIMIZER_DEFAULTS  # noqa: E402
+from recipes.clm import PROTOCOL_DEFAULTS as CLM_PROTOCOL_DEFAULTS  # noqa: E402
+from recipes.clm_support import (ClmModelArguments, build_model, load_config_and_tokenizer,  # noqa: E402
+                                 load_raw_datasets, verdict_scope)
+from recipes.common.args import RecipeError, parse_layered  # noqa: E402
+from recipes.common.help import effective_notes  # noqa: E402
+from recipes.common.help import format_help as _format_help  # noqa: E402
+from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
+from recipes.common.rows import check_unit_values  # noqa: E402
+from recipes.common.run import (check_privacy_settings, model_sources, push_folder, release_is_the_product,  # noqa: E402
+                                resume_argument, save_release, summarize)
 from recipes.common.run import main as run_main  # noqa: E402
-from recipes.common.run import save_release  # noqa: E402
 from hf_dp.run.data import no_progress_bar  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
 
@@ -58,6 +82,13 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
+
+# Recipe defaults: recipes/clm.py's for LoRA on a causal LM (chosen there on a public tune split of plain text,
+# benchmarks/RESULTS.md §10b; not tuned on conversations): LoRA, dp_adamw at lr 5e-4, constant schedule, C = 0.1,
+# 2 epochs, ε = 3, δ = 1e-5, and without a batch flag a logical batch of ≈ N/16 units (clm.lm_batch_plan)
+PROTOCOL_DEFAULTS: dict[str, Any] = dict(CLM_PROTOCOL_DEFAULTS)
+#: per optimizer (when --learning_rate / --weight_decay are not given): clm.py's
+OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {k: dict(v) for k, v in CLM_OPTIMIZER_DEFAULTS.items()}
 
 
 @dataclass
@@ -83,31 +114,89 @@ class SftModelArguments:
     config_name: Optional[str] = field(default=None, metadata={"help": "Config name or path, if not the model's"})
     tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Tokenizer name or path; minilm = offline"})
     model_revision: str = field(default="main", metadata={"help": "Model version (branch, tag or commit)"})
-    use_peft: bool = field(default=False, metadata={"help": "LoRA adapters (= --trainable lora; rank --lora_r)"})
+    use_peft: bool = field(default=False, metadata={"help": "LoRA adapters (= --trainable lora, the recipe's default; "
+                                                            "rank --lora_r)"})
 
 
-def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None):
+# ----------------------------------------------------------------------------------------------- arguments
+
+
+def make_parser():
     from transformers import HfArgumentParser
 
     try:
         from hf_dp.sft import DPSFTConfig
     except ImportError as exc:
         raise RecipeError(str(exc)) from None  # the sft extra (TRL) is not installed: one line
+    return HfArgumentParser((SftScriptArguments, SftModelArguments, DPSFTConfig))
 
+
+def _run_name(peek) -> str:
+    if peek.model_type:
+        return f"sft-{peek.model_type}"
+    name = peek.model_name_or_path or peek.config_name or "model"
+    return f"sft-{os.path.basename(os.path.normpath(name))}"
+
+
+def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None):
+    """Parse ``argv``: recipe defaults < ``defaults`` < YAML ``--config`` < command line (recipes.common.args). The
+    frozen-prefix cache is never on by default (LoRA; a unit column, which the cache does not keep)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((SftScriptArguments, SftModelArguments, DPSFTConfig))
     try:
-        data_args, model_args, args = parser.parse_args_into_dataclasses(args=argv)
+        data_args, model_args, args = parse_layered(
+            argv, defaults, parser=make_parser(), protocol_defaults=PROTOCOL_DEFAULTS,
+            optimizer_defaults=OPTIMIZER_DEFAULTS, run_name=_run_name, format_help=format_help,
+            cache_frozen_by_default=False,
+        )
     except SystemExit as exc:  # argparse's own usage errors were printed already
         if exc.code:
             raise RecipeError("the command line could not be parsed (see the usage line above)") from None
         raise
     if model_args.use_peft:
-        if "--trainable" in argv and args.trainable != "lora":
+        if "trainable" in args._hf_dp_explicit and args.trainable != "lora":
             raise RecipeError(f"--use_peft trains LoRA adapters; it cannot be combined with --trainable {args.trainable}")
         args.trainable = "lora"
-    given = {a.split("=")[0] for a in argv if a.startswith("--")}
-    return data_args, model_args, args, given
+    return data_args, model_args, args
+
+
+def format_help(parser, peek) -> str:
+    """``--help``: hf_dp's DP flags, the data and model flags, TRL's SFTConfig flags each marked with what it does under
+    DP (hf_dp.sft.config.SFT_FLAGS), then the essential training flags with the recipe's defaults for this command
+    line; the other TrainingArguments flags with --help-all."""
+    from hf_dp.sft.config import SFT_FLAGS, sft_fields
+
+    notes = effective_notes(OPTIMIZER_DEFAULTS, {}, "runs/sft-<model>-<optim>-eps<ε>")
+    notes["learning_rate"] = ("(recipe default depends on --optim — " + ", ".join(
+        f"{k} {v['learning_rate']:g}" for k, v in OPTIMIZER_DEFAULTS.items()) + "; shown for this command line. "
+        "clm.py's values for LoRA on a causal LM, chosen on plain text, not tuned on conversations)")
+    notes["per_device_train_batch_size"] = (
+        f"(recipe default: 16 per device; with --epsilon and neither this nor --gradient_accumulation_steps given, the "
+        f"accumulation that makes the logical batch ≈ N/{LM_STEPS_PER_EPOCH} units, q ≈ 1/{LM_STEPS_PER_EPOCH}, printed "
+        "at start: clm.py's setting)")
+    notes["num_train_epochs"] = f"(recipe default: 2, ≈ {2 * LM_STEPS_PER_EPOCH} steps at the default batch)"
+    notes["cache_frozen_features"] = "(recipe default: off — LoRA trains inside every block)"
+    notes["privacy_unit_column"] = ("(recipe default: each training row — a conversation — is one unit; with a unit "
+                                    "column the logged training loss is per unit, the sum over its conversations)")
+    notes["chat_template_path"] = ("(recipe default: the tokenizer's chat template; a tokenizer without one gets the "
+                                   "recipe's 'role: text' template with the assistant's text in {% generation %})")
+    if getattr(peek, "assistant_only_loss", None) is None:
+        # what --help shows (it exits before parsing): the recipe decides from the data, not TRL's False
+        parser.set_defaults(assistant_only_loss="per data kind: true on 'messages' data")
+    trl_title = ("TRL SFTConfig (as TRL's sft script; [DP: ...] = what the flag does under DP, from "
+                 "hf_dp/sft/config.py and docs/sft.md; unmarked = safe)")
+    return _format_help(
+        parser, peek, data_arguments=SftScriptArguments, model_arguments=SftModelArguments,
+        data_title="data (as TRL's sft script, plus --train_file / --validation_file)",
+        model_title="model (as TRL's sft script, plus run_clm's --model_type / --config_overrides)", notes=notes,
+        extra_groups=[(trl_title, sft_fields(), SFT_FLAGS)],
+        usage="python recipes/sft.py [--config FILE.yaml] [flags]   |   python recipes/sft.py args.json|args.yaml   |   "
+              "python recipes/sft.py --help-all",
+        description="Differentially private supervised fine-tuning with TRL (TRL's sft flags plus hf_dp's). Defaults "
+                    "are the recipe's effective values for this command line; see recipes/README.md and docs/sft.md.",
+    )
+
+
+# ----------------------------------------------------------------------------------------------- data
 
 
 def _check_columns(ds, args, what: str) -> str:
@@ -141,22 +230,52 @@ def _load_data(data_args: SftScriptArguments, args):
         if args.privacy_unit_column in dev.column_names:
             dev = dev.remove_columns(args.privacy_unit_column)
     col = args.privacy_unit_column
-    if col is not None and not args.disable_dp and col not in train.column_names:
-        raise DataLoadingError(f"--privacy_unit_column {col}: the training data has no column '{col}' (it has "
-                               f"{sorted(train.column_names)})")
+    if col is not None and args.dp_enabled:
+        if col not in train.column_names:
+            raise DataLoadingError(f"--privacy_unit_column {col}: the training data has no column '{col}' (it has "
+                                   f"{sorted(train.column_names)})")
+        # every row names its unit; the first that does not is named by its line in the file (hf_dp's own check comes
+        # later and counts the prepared rows from 0)
+        check_unit_values(train[col], col, data_args.train_file, DataLoadingError)
     return train, dev, kind
 
 
-def run(data_args: SftScriptArguments, model_args: SftModelArguments, args, given: set) -> dict[str, Any]:
+def _units(train, args) -> int:
+    """N for the planner and the checks: the distinct units under --privacy_unit_column, else the rows (before TRL's
+    preparation, which drops a conversation left with no scored token: DPTrainer counts the prepared set)."""
+    col = args.privacy_unit_column if args.dp_enabled else None
+    return len(set(train[col])) if col else len(train)
+
+
+def _template_line(tokenizer, args) -> str:
+    scored = ("the assistant's text and its end token inside {% generation %}, the tokens that are scored"
+              if args.assistant_only_loss else "the assistant's text marked with {% generation %}")
+    return (f"chat template: the tokenizer has none, and conversations need one to become text: using the recipe's "
+            f"default (recipes/sft.py DEFAULT_CHAT_TEMPLATE): one 'role: text' line per message, each ended by "
+            f"{tokenizer.eos_token!r}, {scored}; the release ships it (chat_template.jinja). --chat_template_path "
+            "FILE.jinja sets another")
+
+
+# ----------------------------------------------------------------------------------------------- run
+
+
+def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> dict[str, Any]:
+    """Load data and model, train with DP, evaluate, save, push; return the summary dict."""
+    import transformers
+
     from hf_dp.sft import DPSFTTrainer
     from hf_dp.sft.config import resolve_loss_scope
 
-    start = time.time()
+    start = time.perf_counter()
+    transformers.set_seed(args.seed)
     # before any model is loaded; under a unit column without 🤗 Datasets' bars (they print the number of
     # conversations, private under user-level DP)
-    with no_progress_bar() if args.dp_enabled and (args.privacy_unit_column or args.public_dataset_size is not None) \
-            else contextlib.nullcontext():
+    quiet = args.dp_enabled and (args.privacy_unit_column or args.public_dataset_size is not None)
+    with no_progress_bar() if quiet else contextlib.nullcontext():
         train, dev, kind = _load_data(data_args, args)
+    resume = resume_argument(args, model_sources(model_args))
+    n_units = _units(train, args)
+    check_privacy_settings(args, n_units)  # δ < 1/N, B ≤ N, σ calibratable: before the model and TRL's preparation
     clm_args = ClmModelArguments(model_name_or_path=model_args.model_name_or_path, model_type=model_args.model_type,
                                  config_overrides=model_args.config_overrides, config_name=model_args.config_name,
                                  tokenizer_name=model_args.tokenizer_name, model_revision=model_args.model_revision,
@@ -165,36 +284,58 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args, give
     if tokenizer.eos_token is None:  # a BERT-style tokenizer (minilm): its [SEP] ends each message
         tokenizer.eos_token = tokenizer.sep_token
         config.eos_token_id = tokenizer.eos_token_id
-    if getattr(tokenizer, "chat_template", None) is None and args.chat_template_path is None and kind != "text":
+    from trl.data_utils import is_conversational
+
+    default_template = (getattr(tokenizer, "chat_template", None) is None and args.chat_template_path is None
+                        and is_conversational(train[0]))
+    if default_template:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     # --assistant_only_loss unless given: on for messages (the assistant's tokens only), off for prompt-completion rows
-    # (completion_only_loss scores the completion); a template that cannot mark the assistant's tokens: one error line
+    # (completion_only_loss scores the completion); the flag on data that is not conversational, or a template that
+    # cannot mark the assistant's tokens: one error line (hf_dp.sft.config.resolve_loss_scope), before the model
     resolve_loss_scope(args, train[0], tokenizer)
+    if default_template:
+        print(_template_line(tokenizer, args), flush=True)
     model = build_model(clm_args, config, tokenizer, path)
-    trainer = DPSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=dev, processing_class=tokenizer)
+    planned = lm_batch_plan(args, n_units)  # ≈ N/16 units when no batch flag is given (clm.py's setting)
+    if planned:
+        print(planned + "; clm.py's setting for LoRA on a causal LM, reused for SFT (not tuned on conversations)",
+              flush=True)
+        check_privacy_settings(args, n_units)
+
+    # --push_to_hub: train and save locally first, push the release folder at the end (a failed push loses nothing)
+    push = bool(args.push_to_hub)
+    args.push_to_hub = False
+    # the start-of-run block (logged as the trainer is built): the causal-LM verdict only for a pretrained model
+    with verdict_scope(model_args):
+        trainer = DPSFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=dev, processing_class=tokenizer)
+    release_is_the_product(trainer)  # the card and privacy.json in <output_dir>/release only
+    trainer.add_callback(time_left_callback())  # one overall estimate: the planned steps, the time left
     trainer.base_model_id = base_model_id(model_args.model_name_or_path) if model_args.model_name_or_path else None
-    trainer.train()
+    line = unit_loss_line(args, "conversation" if kind == "messages" else "row",
+                          "conversations" if kind == "messages" else "rows")
+    if line:
+        print(line, flush=True)  # the logged training loss is per user, eval_loss per token: why they differ
+    trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate() if dev is not None else {}
     eval_loss = metrics.get("eval_loss")
     if eval_loss is not None:
         print(f"eval_loss = {eval_loss:.4f} (perplexity {math.exp(min(eval_loss, 50)):.2f}) on {len(dev)} held-out "
               "conversations", flush=True)
     out = save_release(trainer, args)  # <output_dir>/release: the release only (LoRA merged), checkpoints beside it
+    pushed = push_folder(out, args) if push and trainer.is_world_process_zero() else None
     report = trainer.privacy_report()
     unit = report.get("privacy_unit") or {}
-    return {
-        "task": f"supervised fine-tuning ({kind}; {unit.get('description', 'non-private')})" if args.dp_enabled
-        else f"supervised fine-tuning ({kind}; non-private baseline)",
-        "optimizer": str(args.optim), "epsilon": report.get("epsilon"), "target_epsilon": report.get("target_epsilon"),
-        "delta": report.get("delta"), "noise_multiplier": report.get("noise_multiplier"),
-        "max_grad_norm": report.get("max_grad_norm"), "sample_rate": report.get("sample_rate"),
-        "steps": report.get("steps"), "metric_name": "eval_loss", "metric": eval_loss,
-        "wall_time": time.time() - start, "output_dir": out, "report": report,
-    }
+    task = (f"supervised fine-tuning ({kind}; {unit.get('description', 'non-private')})" if args.dp_enabled
+            else f"supervised fine-tuning ({kind}; non-private baseline)")
+    summary = summarize(task, args, report, "loss", metrics, None, start, out, pushed)
+    summary["metric_name"] = "eval_loss"
+    return summary
 
 
 def main(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> int:
-    """Entry point; returns the process exit code (0 ok, 2 for usage/data/model errors, shown without traceback)."""
+    """Entry point; returns the process exit code (0 ok, 2 for usage/data/model errors, shown without traceback, 3 when
+    the model was saved but the Hub push failed)."""
     return run_main(parse_args, run, argv, defaults, user_errors=(DataLoadingError,))
 
 

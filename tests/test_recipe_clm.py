@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import random
@@ -388,40 +389,68 @@ def test_a_llama_config_trains_with_user_units(clm, tok_dir, tmp_path, capsys):
     assert json.loads((out / "release" / "config.json").read_text())["model_type"] == "llama"
 
 
-def test_the_causal_lm_verdict_is_printed_before_training(clm, tok_dir, tmp_path, capsys, caplog, monkeypatch):
-    """Issue 39 item 3: the recipe prints the planner's causal-LM verdict when the trainer is built, before train():
-    a tiny LoRA (d = 1,024) at B = 4 with σ = 1 (R_step = 8) and lr 0.1 walks each coordinate W = 0.14 by noise alone
-    in 2 steps, above the calibration's thresholds; at σ = 0.1 and lr 1e-3, W = 0.00088 is below them."""
+def _saved_gpt2(clm, tok_dir, folder) -> str:
+    """The tiny GPT-2 of :data:`GPT2` saved as a folder: a model loaded with --model_name_or_path, as a pretrained one."""
+    from recipes.clm_support import ClmModelArguments, build_model, load_config_and_tokenizer
+
+    fresh = ClmModelArguments(model_type="gpt2", config_overrides="n_layer=2,n_embd=16,n_head=2", tokenizer_name=tok_dir)
+    config, tokenizer, path = load_config_and_tokenizer(fresh)
+    build_model(fresh, config, tokenizer, path).save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_the_causal_lm_verdict_is_printed_once_before_training_and_only_for_a_pretrained_model(
+        clm, tok_dir, tmp_path, capsys, caplog, monkeypatch):
+    """Issue 39 item 3: the planner's causal-LM verdict is given when the trainer is built, before train(): a tiny LoRA
+    (d = 1,024) at B = 4 with σ = 1 (R_step = 8) and lr 0.1 walks each coordinate W = 0.14 by noise alone in 2 steps,
+    above the calibration's thresholds; at σ = 0.1 and lr 1e-3, W = 0.00088 is below them. Issue 53: it was printed
+    twice (the trainer's plan block, then the recipe again), and for models from --model_type too, whose random weights
+    the calibration (fine-tuning a pretrained model) does not cover: now once, in the block, and for a random-init
+    model one line saying there is no verdict."""
     from hf_dp import DPTrainer
 
+    caplog.set_level(logging.INFO, logger="hf_dp.trainer")
     said = {}
     train = DPTrainer.train
 
     def spy(self, *a, **kw):
-        said["before_train"] = "\n".join(r.getMessage() for r in caplog.records)
+        said["before_train"] = "\n".join(r.getMessage() for r in caplog.records) + capsys.readouterr().out
         return train(self, *a, **kw)
 
     monkeypatch.setattr(DPTrainer, "train", spy)
     files = _user_files(tmp_path)
-    code, stdout, err = _run(clm, capsys, _tiny(tok_dir, *files, tmp_path / "verdict", "--learning_rate", "0.1"))
-    assert code == 0, err[-4000:]
-    before = said["before_train"]
-    assert "hf_dp plan (causal LM): R_step = √d·σ/B = 8 (d = 1,024, σ = 1, B = 4), noise walk W" in before, before[-3000:]
+    pretrained = ["--model_name_or_path", _saved_gpt2(clm, tok_dir, tmp_path / "gpt2")]
+
+    def run(out, *extra):
+        caplog.clear()
+        argv = _tiny(tok_dir, *files, tmp_path / out, *extra)
+        code, stdout, err = _run(clm, capsys, pretrained + argv[len(GPT2):])
+        assert code == 0, err[-4000:]
+        return said["before_train"]
+
+    before = run("verdict", "--learning_rate", "0.1")
+    assert before.count("hf_dp plan (causal LM): R_step") == 1, before[-3000:]
+    assert "hf_dp plan (causal LM): R_step = √d·σ/B = 8 (d = 1,024, σ = 1, B = 4), noise walk W" in before
     assert "is expected to make the model worse than no fine-tuning" in before
     assert "constant predictor" not in before  # the classifiers' expectation is not a causal LM's
 
-    # σ = 0.1: R_step = 0.8, below the threshold: the recipe prints that verdict itself (its INFO block may be hidden)
-    def spy_out(self, *a, **kw):
-        said["stdout"] = capsys.readouterr().out
-        return train(self, *a, **kw)
+    # σ = 0.1: R_step = 0.8, below the threshold: that verdict, once, as a line of the plan block
+    before = run("verdict2", "--noise_multiplier", "0.1", "--learning_rate", "1e-3")
+    lines = [x.strip() for x in before.splitlines() if "hf_dp plan (causal LM)" in x]
+    assert len(lines) == 1, before[-3000:]
+    assert lines[0].startswith("hf_dp plan (causal LM): R_step = √d·σ/B = 0.8 (d = 1,024, σ = 0.1, B = 4), noise walk W")
+    assert "(lr = 0.001, T = 2) < 0.0035: this run is not expected to make the model worse than no fine-tuning" in lines[0]
 
-    monkeypatch.setattr(DPTrainer, "train", spy_out)
-    code, stdout, err = _run(clm, capsys, _tiny(tok_dir, *files, tmp_path / "verdict2", "--noise_multiplier", "0.1",
-                                                "--learning_rate", "1e-3"))
+    # --model_type: random weights, no verdict (one line says why)
+    caplog.clear()
+    code, stdout, err = _run(clm, capsys, _tiny(tok_dir, *files, tmp_path / "random", "--learning_rate", "0.1"))
     assert code == 0, err[-4000:]
-    line = next((x for x in said["stdout"].splitlines() if x.startswith("hf_dp plan (causal LM)")), said["stdout"])
-    assert line.startswith("hf_dp plan (causal LM): R_step = √d·σ/B = 0.8 (d = 1,024, σ = 0.1, B = 4), noise walk W")
-    assert "(lr = 0.001, T = 2) < 0.0035: this run is not expected to make the model worse than no fine-tuning" in line
+    before = said["before_train"]
+    lines = [x.strip() for x in before.splitlines() if "hf_dp plan (causal LM)" in x]
+    assert lines == ["hf_dp plan (causal LM): no verdict: the model starts from random weights (--model_type gpt2), "
+                     "and the verdict is calibrated on fine-tuning a pretrained causal LM (benchmarks/RESULTS.md §10)"], before
+    assert "worse than no fine-tuning" not in before
 
 
 @pytest.mark.parametrize("kind,units", [("input", True), ("input", False), ("gradient", True)])
@@ -437,9 +466,9 @@ def test_audit_canaries_on_a_causal_lm_print_the_audit_line_and_keep_the_draw_in
     seen = {}
     attach = hooks.attach
 
-    def spy(trainer, *a, **kw):
-        out = attach(trainer, *a, **kw)
-        seen["bits"] = trainer.dp.audit.canaries.included
+    def spy(*a, **kw):
+        out = attach(*a, **kw)
+        seen["bits"] = out[1].canaries.included
         return out
 
     monkeypatch.setattr(hooks, "attach", spy)

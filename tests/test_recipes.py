@@ -707,7 +707,11 @@ def test_help_groups_first_effective_defaults_and_dp_marks(glue, capsys):
 
     text = _help(glue, capsys, "--task_name", "qnli", "--help-all")  # --help-all: HF's other flags too (issue 31)
     heads = [ln for ln in text.splitlines() if ln and not ln.startswith(" ") and ln.endswith(":")]
-    assert [h.split(" ")[0] for h in heads[:5]] == ["hf_dp:", "data", "model", "recipe:", "training"]
+    # issue 53: the --tune* flags in a group of their own, not under data
+    assert [h.split(" ")[0] for h in heads[:6]] == ["hf_dp:", "data", "model", "private", "recipe:", "training"]
+    data_group = text.split("\ndata (", 1)[1].split("\nmodel (", 1)[0]
+    tune_group = text.split("\nprivate hyperparameter selection", 1)[1].split("\nrecipe:", 1)[0]
+    assert "--tune" not in data_group and "\n  --tune " in tune_group and "\n  --tune_score " in tune_group
     pos = {f: text.index(f"\n  {f} ") for f in ("--epsilon", "--task_name", "--model_name_or_path", "--config",
                                                   "--learning_rate", "--max_grad_norm")}
     assert list(pos) == sorted(pos, key=pos.get)
@@ -723,6 +727,11 @@ def test_help_groups_first_effective_defaults_and_dp_marks(glue, capsys):
     assert "(default: True)" in entry("--cache_frozen_features")
     assert help_note("max_grad_norm").startswith("[DP: adjusted") and "[DP: adjusted" in entry("--max_grad_norm")
     assert "[DP: refused if True" in entry("--fp16")
+    # issue 53: --push_to_hub says what the recipe does (the release folder, pushed after training; a failed push is
+    # one line with the command that pushes it later), not transformers' text
+    assert "upload the release folder <output_dir>/release" in entry("--push_to_hub")
+    assert "exit code 3" in entry("--push_to_hub") and "Whether or not to push" not in entry("--push_to_hub")
+    assert "(default: constant)" in entry("--lr_scheduler_type")  # the recipe's schedule, shown
     sgd = {e.split()[0]: " ".join(e.split()) for e in re.split(r"\n  (?=--)", _help(glue, capsys, "--task_name", "sst2",
                                                                                   "--optim", "dp_sgd", "--epsilon", "1"))[1:]}
     assert "(default: 40.0)" in sgd["--learning_rate"] and "(default: runs/sst2-dp_sgd-eps1)" in sgd["--output_dir"]

@@ -40,6 +40,8 @@ This module imports nothing of hf_dp.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 #: the update rules' families. Adam-type rules normalise each coordinate; the bias-corrected dp_adambc / dp_adamw_bc
@@ -81,6 +83,34 @@ LM_CALIBRATION = {
 LM_TIE = 0.005
 #: what the messages cite
 SOURCE = "benchmarks/RESULTS.md §10"
+
+
+#: set by :func:`not_calibrated_for`: why the calibration does not cover the model being trained (None: it does)
+_NOT_CALIBRATED: contextvars.ContextVar[str | None] = contextvars.ContextVar("hf_dp_lm_not_calibrated", default=None)
+
+
+@contextlib.contextmanager
+def not_calibrated_for(reason: str):
+    """Within this block the start-of-run block (:func:`hf_dp.plan.run_block`) gives no causal-LM verdict, only
+    :func:`no_verdict_line` — for a model the calibration does not cover, e.g. one initialised at random (the runs
+    behind the thresholds fine-tuned a *pretrained* model: "worse than no fine-tuning" means nothing for random weights).
+    ``reason``: what the model is, in words (e.g. "the model starts from random weights (--model_type)")."""
+    token = _NOT_CALIBRATED.set(reason)
+    try:
+        yield
+    finally:
+        _NOT_CALIBRATED.reset(token)
+
+
+def not_calibrated_reason() -> str | None:
+    """The reason given to the enclosing :func:`not_calibrated_for`, or None."""
+    return _NOT_CALIBRATED.get()
+
+
+def no_verdict_line(reason: str) -> str:
+    """The one line that replaces the verdict for a model the calibration does not cover."""
+    return (f"hf_dp plan (causal LM): no verdict: {reason}, and the verdict is calibrated on fine-tuning a pretrained "
+            f"causal LM ({SOURCE})")
 
 
 def family(optim: str | None) -> str | None:

@@ -20,7 +20,7 @@ from hf_dp.plan.calibration import (
     fmt_e,
     noisy_message,
 )
-from hf_dp.plan.lm_verdict import expected_worse, lm_verdict
+from hf_dp.plan.lm_verdict import expected_worse, lm_verdict, no_verdict_line, not_calibrated_reason
 from hf_dp.privacy.accounting import ACCOUNTANTS, calibrate_noise_multiplier, check_delta, check_epsilon, compute_epsilon
 from hf_dp.privacy.sampler import PoissonBatchSampler
 
@@ -424,7 +424,8 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
     process (e.g. by a recipe's :func:`recommend`) for the same (N, ε, δ, accountant). ``sigma_note`` replaces the
     "(σ given)" after the ε of a run whose σ was given (e.g. "per trial (rdp; …)" under a private selection).
     ``causal_lm``: the causal-LM verdict for ``optim`` at ``learning_rate`` (:mod:`hf_dp.plan.lm_verdict`): with the
-    warning when the run is expected to end worse than no fine-tuning, else as a line of the block.
+    warning when the run is expected to end worse than no fine-tuning, else as a line of the block; inside
+    :func:`hf_dp.plan.lm_verdict.not_calibrated_for` (a model the calibration does not cover) one line saying so instead.
     """
     spe = PoissonBatchSampler.steps_for_epoch(batch_size / n)
     own = PlanRow(batch_size=int(round(batch_size)), epochs=steps / spe, steps=int(steps), sample_rate=batch_size / n,
@@ -446,7 +447,10 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
             + (f" --learning_rate {learning_rate:g}" if causal_lm and learning_rate else ""))
     warnings = ([constant_message(own)] if calibrated and own.constant_expected else []) + ([noisy_message(own)] if own.noisy else [])
     verdict = []  # a causal LM: the verdict line (a warning when it expects the run to end worse than no fine-tuning)
-    if causal_lm and params:
+    uncovered = not_calibrated_reason() if causal_lm and params else None
+    if uncovered:
+        verdict.append("  " + no_verdict_line(uncovered))
+    elif causal_lm and params:
         same = [r for r in rows if abs(r.epochs - own.epochs) < 1e-9]
         worse, line = lm_verdict(sigma=own.sigma, batch_size=batch_size, params=int(params), steps=int(steps),
                                  learning_rate=learning_rate, optim=optim, who="this run",

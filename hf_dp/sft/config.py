@@ -131,8 +131,9 @@ class DPSFTConfig(DPTrainingArguments, SFTConfig):
     # data kind" (resolve_loss_scope): the assistant's tokens on 'messages' data, TRL's own choice elsewhere
     assistant_only_loss: bool | None = field(
         default=None,
+        # (argparse %-formats help texts: {%% … %%} shows as {% … %} in --help)
         metadata={"help": "Score only the assistant's tokens of each conversation (TRL's assistant_only_loss; needs a "
-                          "chat template with {% generation %} markers, or one TRL can patch). Default: true on "
+                          "chat template with {%% generation %%} markers, or one TRL can patch). Default: true on "
                           "conversational ('messages') data, false on other data (prompt-completion rows are scored on "
                           "the completion by completion_only_loss, plain text on every token); false scores every token"},
     )
@@ -143,14 +144,25 @@ class DPSFTConfig(DPTrainingArguments, SFTConfig):
         super().__post_init__()
 
 
+def _template_file(path: str) -> str:
+    """The text of a ``--chat_template_path`` .jinja/.j2 file (TRL reads it the same way), or a one-sentence error."""
+    import os
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--chat_template_path {path}: no such file (give a .jinja or .j2 file holding the chat template)")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def resolve_loss_scope(args, sample, processing_class=None, formatting_func=None) -> None:
     """``assistant_only_loss=None`` (the default) becomes True when the training data is conversational with a
     ``messages`` column (``sample``: its first row) and no ``formatting_func`` turns it into text, else False (TRL's
     ``completion_only_loss`` then scores a prompt-completion row's completion, and plain text is scored whole); where it
     came from is kept on ``args`` for the record (:data:`ASSISTANT_ONLY_DEFAULT`, "given"). A resolved default is
-    resolved again for other data. With the assistant's tokens only on 'messages' data and no ``chat_template_path``,
-    a chat template without ``{% generation %}`` markers that TRL cannot patch is refused in one sentence here (TRL
-    would raise deep inside its set-up)."""
+    resolved again for other data. What TRL would refuse deep inside its set-up, with a traceback, is refused here in
+    one sentence, before any model work: ``assistant_only_loss=True`` given for data that is not conversational; and,
+    with the assistant's tokens only on conversational data, a chat template — the tokenizer's, or a
+    ``--chat_template_path`` .jinja/.j2 file — without ``{% generation %}`` markers that TRL cannot patch (or none)."""
     if getattr(args, "_hf_dp_assistant_only_default", False):
         args.assistant_only_loss = None  # the same config given again, with other data
     messages = (formatting_func is None and hasattr(sample, "keys") and "messages" in sample
@@ -162,10 +174,27 @@ def resolve_loss_scope(args, sample, processing_class=None, formatting_func=None
     else:
         args._hf_dp_assistant_only_default = False
         args._hf_dp_assistant_only_source = "given"
-    if not (args.assistant_only_loss and messages) or args.chat_template_path is not None or processing_class is None:
+    if args.assistant_only_loss and formatting_func is None and hasattr(sample, "keys"):
+        from trl.data_utils import is_conversational
+
+        if not is_conversational(sample):
+            kind = ("prompt-completion rows" if "prompt" in sample and "completion" in sample else
+                    f"plain text ('{args.dataset_text_field}')" if args.dataset_text_field in sample else "this data")
+            raise ValueError(
+                f"--assistant_only_loss true scores the assistant's turns of conversations, but the training data is not "
+                f"conversational ({kind}, not a 'messages' list of role/content turns): drop the flag — prompt-completion "
+                "rows are scored on the completion only by default (--completion_only_loss), plain text on every token")
+    chat_file = args.chat_template_path
+    if not (args.assistant_only_loss and messages) or processing_class is None:
         return
+    if chat_file is not None and not str(chat_file).endswith((".jinja", ".j2")):
+        return  # a model or tokenizer name: refused under DP (SFT_FLAGS); TRL's own error otherwise
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    template = getattr(processing_class, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+    if chat_file is not None:
+        template, where = _template_file(chat_file), f"the chat template of --chat_template_path {chat_file}"
+    else:
+        template = getattr(processing_class, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+        where = "the tokenizer's chat template"
     problem = None
     if not template:
         problem = "the tokenizer has no chat template"
@@ -173,17 +202,24 @@ def resolve_loss_scope(args, sample, processing_class=None, formatting_func=None
         from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
         if not has_generation_markers(template):
+            holder = processing_class if hasattr(processing_class, "chat_template") else tokenizer
+            before = getattr(holder, "chat_template", None)
             try:
+                holder.chat_template = template  # as TRL will set it, to see whether it can patch it
                 get_training_chat_template(processing_class)
             except ValueError:
-                problem = "the tokenizer's chat template has no {% generation %} markers and TRL cannot patch it"
+                problem = f"{where} has no {{% generation %}} markers and TRL cannot patch it"
+            finally:
+                holder.chat_template = before
     if problem:
         default = " by default" if args._hf_dp_assistant_only_default else ""
+        fix = ("give a template that marks them (--chat_template_path file.jinja, or tokenizer.chat_template)"
+               if chat_file is None else "add {% generation %} … {% endgeneration %} around the assistant's text in "
+               f"{chat_file}")
         raise ValueError(
             f"on conversational ('messages') data DPSFTTrainer scores only the assistant's tokens{default} "
             f"(assistant_only_loss), which needs a chat template that marks them with {{% generation %}}, but {problem}: "
-            "give such a template (--chat_template_path file.jinja, or tokenizer.chat_template), or pass "
-            "assistant_only_loss=False to score every token of the conversation, the user's included")
+            f"{fix}, or pass assistant_only_loss=False to score every token of the conversation, the user's included")
 
 
 def scored_tokens(args, completion_only_loss: bool) -> str:

@@ -29,7 +29,7 @@ import contextlib
 from trl import SFTTrainer
 
 from hf_dp.hub import write_privacy_artifacts
-from hf_dp.hub.describe import card_fields
+from hf_dp.hub.describe import CARD_SETTINGS, card_fields
 from hf_dp.run.data import check_eval_is_not_train, no_progress_bar
 from hf_dp.sft.config import DPSFTConfig, enforce_sft, resolve_loss_scope, scored_tokens
 from hf_dp.trainer import DPTrainer
@@ -37,6 +37,19 @@ from hf_dp.trainer import DPTrainer
 #: the SFTConfig settings privacy.json and the card record (public choices of the run)
 RECORDED_SETTINGS = ("max_length", "truncation_mode", "completion_only_loss", "assistant_only_loss", "packing",
                      "padding_free", "loss_type", "dataset_text_field", "chat_template_path", "eos_token")
+
+
+@contextlib.contextmanager
+def _no_cpu_pin_memory_warning():
+    """HF's evaluation loader pins memory by default (``dataloader_pin_memory=True``); on a machine without an
+    accelerator torch then warns at every evaluation that nothing is pinned — a no-op the user cannot act on. That one
+    warning is filtered here (the training loader pins only where there is an accelerator: hf_dp.run.data)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found",
+                                category=UserWarning)
+        yield
 
 
 def _first_row(dataset):
@@ -108,7 +121,8 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
                                                              self._formatting_func, name)
             eval_dataset = ({k: prepare(v, k) for k, v in eval_dataset.items()} if isinstance(eval_dataset, dict)
                             else prepare(eval_dataset, metric_key_prefix))
-        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        with _no_cpu_pin_memory_warning():
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def hyperparameter_search(self, *args, **kwargs):
         if self.args.dp_enabled:
@@ -152,7 +166,8 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
         from hf_dp.hub import report as hub_report
 
         eval_results = eval_results if eval_results is not None else hub_report.latest_eval_metrics(self.state.log_history)
-        fields = card_fields(self)
+        fields = card_fields(self.model, self.args, self.train_dataset, getattr(self.objective, "name", None),
+                             **{k: getattr(self, k, None) for k in CARD_SETTINGS})
         s = self.sft_settings()
         fields["task_description"] = (
             f"supervised fine-tuning on conversations with TRL's SFTTrainer (trl {s['trl_version']}): "

@@ -12,7 +12,7 @@ from .data import (DOCUMENT_COLUMN, add_document_ids, check_text_column, check_u
                    drop_empty_texts, evaluation_blocks, load_raw_datasets, no_progress_bar, training_blocks)
 from .metrics import perplexity, with_perplexity
 from .model import (DEFAULT_BLOCK_SIZE, ClmModelArguments, build_model, check_causal_lm, choose_block_size,
-                    load_config_and_tokenizer)
+                    load_config_and_tokenizer, verdict_scope)
 from .sampling import prompt_ids, sample_continuations
 
 __all__ = [
@@ -20,6 +20,6 @@ __all__ = [
     "drop_empty_texts", "evaluation_blocks", "load_raw_datasets", "no_progress_bar", "training_blocks",
     "perplexity", "with_perplexity",
     "DEFAULT_BLOCK_SIZE", "ClmModelArguments", "build_model", "check_causal_lm", "choose_block_size",
-    "load_config_and_tokenizer",
+    "load_config_and_tokenizer", "verdict_scope",
     "prompt_ids", "sample_continuations",
 ]

@@ -212,3 +212,18 @@ def choose_block_size(requested: Optional[int], config, tokenizer) -> int:
         return limit
     return requested
 
+
+
+def verdict_scope(model_args):
+    """Around the trainer's construction (where its start-of-run block is logged): a model from a fresh config
+    (``--model_type`` / ``--config_name`` without ``--model_name_or_path``) starts from random weights, which the
+    planner's causal-LM verdict was not calibrated on (it measured fine-tuning of a pretrained model against no
+    fine-tuning), so the block says so in one line instead of giving the verdict (hf_dp.plan.lm_verdict)."""
+    import contextlib
+
+    from hf_dp.plan.lm_verdict import not_calibrated_for
+
+    if getattr(model_args, "model_name_or_path", None):
+        return contextlib.nullcontext()
+    what = f"--model_type {model_args.model_type}" if getattr(model_args, "model_type", None) else "--config_name"
+    return not_calibrated_for(f"the model starts from random weights ({what})")

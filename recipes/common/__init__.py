@@ -1,9 +1,12 @@
-"""The task-independent half of a recipe, shared by every recipe (``recipes/glue.py`` today):
+"""The task-independent half of a recipe, shared by every recipe (``recipes/glue.py``, ``clm.py``, ``sft.py``):
 
 * :mod:`~recipes.common.args`: layered defaults (protocol < preset < ``--config`` YAML/JSON < command line), args
   files, the flags the user set, :class:`~recipes.common.args.RecipeError`;
-* :mod:`~recipes.common.help`: ``--help`` grouped (DP, data, model, recipe, training, other HF flags) with the
-  effective defaults and each HF flag's meaning under DP;
+* :mod:`~recipes.common.help`: ``--help`` grouped (DP, data, model, a recipe's own groups such as ``--tune*`` or TRL's
+  ``SFTConfig`` flags, recipe, training, other HF flags) with the effective defaults and each flag's meaning under DP;
+* :mod:`~recipes.common.logs`: the log lines of a run — the planned steps and the time left, the per-unit training
+  loss explained, quiet model-load reports;
+* :mod:`~recipes.common.rows`: a training row named by its line in the user's file (errors), the unit-column check;
 * :mod:`~recipes.common.model`: ``ModelArguments``, the offline ``minilm`` preset, ``from_pretrained`` with one
   error line;
 * :mod:`~recipes.common.run`: the privacy checks before any expensive work, the planner's batch, resume, the

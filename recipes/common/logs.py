@@ -1,11 +1,15 @@
-"""Log lines of a recipe run that read like errors but are not: transformers' model-load report when the only missing
-weights are the new classification head (one plain line instead of an ANSI table), and torch's ``pin_memory`` warning
-on a machine without an accelerator (the recipes pin memory only where there is one: :func:`pin_memory_default`)."""
+"""Log lines of a recipe run. Those that read like errors but are not: transformers' model-load report when the only
+missing weights are the new classification head (one plain line instead of an ANSI table), and torch's ``pin_memory``
+warning on a machine without an accelerator (the recipes pin memory only where there is one: :func:`pin_memory_default`).
+Those a run adds: the planned steps and the training time left (:func:`time_left_callback`), and why a unit-level
+training loss is far above ``eval_loss`` (:func:`unit_loss_line`)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import re
+from typing import Optional
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _ROW = re.compile(r"^(\S+)\s*\|\s*(\w+)\s*\|", re.M)
@@ -62,34 +66,83 @@ def _minutes(seconds: float) -> str:
 
 def time_left_callback():
     """One overall estimate of the training's time, in plain lines a log file keeps (the progress bar's own estimate is
-    redrawn in place, or every 20 s when the output is not a terminal): at the start, the planned steps; at each
-    logging step, the steps done and the training time left at the pace so far (the evaluation comes after). Rank 0
-    only. Step times are not released beyond what the bar and the summary's wall time already show."""
+    redrawn in place, or every 20 s when the output is not a terminal): at the start, the planned steps; then the steps
+    done and the training time left at the pace so far (the evaluation comes after) — at each logging step, or, when no
+    logging step falls before the end (a run shorter than one logging interval, or logging not by steps), once after
+    the first step. The start line says which. Rank 0 only. Step times are not released beyond what the bar and the
+    summary's wall time already show."""
     import time
 
     from transformers import TrainerCallback
+
+    def logging_every(args, state) -> int:
+        """The logging interval in steps (HF turns a fraction of the run into steps in ``state.logging_steps``); 0
+        when the run does not log by steps."""
+        if str(getattr(args.logging_strategy, "value", args.logging_strategy)) != "steps":
+            return 0
+        every = getattr(state, "logging_steps", None) or args.logging_steps
+        if 0 < every < 1:
+            every = math.ceil(state.max_steps * every)
+        return int(every)
 
     class TrainingTimeLeft(TrainerCallback):
         def __init__(self):
             self.start = None
             self.first_step = 0
+            self.once = False  # no logging step before the end: one estimate after the first step instead
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.start, self.first_step = time.perf_counter(), state.global_step
-            if state.is_world_process_zero and state.max_steps:
-                done = f" ({state.global_step:,} done)" if state.global_step else ""
-                print(f"training: {state.max_steps:,} steps planned{done}; the time left is printed at each logging "
-                      f"step (every {args.logging_steps:g} steps)", flush=True)
-
-        def on_log(self, args, state, control, **kwargs):
+        def _say(self, state) -> None:
             steps = state.global_step - self.first_step
-            if self.start is None or not state.is_world_process_zero or steps <= 0 or not state.max_steps:
-                return
-            if state.global_step >= state.max_steps:
-                return
             elapsed = time.perf_counter() - self.start
             left = elapsed / steps * (state.max_steps - state.global_step)
             print(f"training: step {state.global_step:,}/{state.max_steps:,} after {_minutes(elapsed)}; about "
                   f"{_minutes(left)} of training left at this pace (evaluation after)", flush=True)
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start, self.first_step = time.perf_counter(), state.global_step
+            if state.is_world_process_zero and state.max_steps:
+                done = f" ({state.global_step:,} done)" if state.global_step else ""
+                left = state.max_steps - state.global_step
+                every = logging_every(args, state)
+                first_log = (state.global_step // every + 1) * every if every else None
+                if left <= 1:
+                    when = "one step to go: no time left to estimate"
+                elif first_log is not None and first_log < state.max_steps:
+                    when = f"the time left is printed at each logging step (every {every:,} steps)"
+                else:
+                    self.once = True
+                    when = ("the time left is printed once, after the first step (" + (
+                        f"no logging step before the end: every {every:,} steps" if every else "logging is not by steps")
+                        + ")")
+                print(f"training: {state.max_steps:,} steps planned{done}; {when}", flush=True)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if (self.once and self.start is not None and state.is_world_process_zero and state.max_steps
+                    and state.global_step == self.first_step + 1 and state.global_step < state.max_steps):
+                self._say(state)
+
+        def on_log(self, args, state, control, **kwargs):
+            steps = state.global_step - self.first_step
+            if self.once or self.start is None or not state.is_world_process_zero or steps <= 0 or not state.max_steps:
+                return
+            if state.global_step >= state.max_steps:
+                return
+            self._say(state)
+
     return TrainingTimeLeft()
+
+
+def unit_loss_line(training_args, row: str, rows: str) -> Optional[str]:
+    """Under ``--privacy_unit_column`` the training loss DPTrainer logs is per *unit*: each drawn unit's loss is the sum
+    of its rows' losses (what is clipped and trained on), and the logged ``loss`` is their sum over the step divided by
+    the expected logical batch B (in units) — about (rows per unit) × the per-row loss, far above ``eval_loss`` (a mean
+    per token of held-out rows). One line saying so, printed when training starts (None without a unit column or
+    DP). ``row`` / ``rows``: what a row is, e.g. "conversation" / "conversations". The number of rows per unit is
+    private: the line gives no figure for it."""
+    column = getattr(training_args, "privacy_unit_column", None)
+    if not training_args.dp_enabled or column is None:
+        return None
+    return (f"training loss: with --privacy_unit_column {column} the logged 'loss' is per unit, not per {row}: each "
+            f"drawn unit's loss is the sum of its {rows}' losses (each {row}'s mean over its scored tokens; that sum is "
+            f"what is clipped to C and trained on), averaged over the step's expected B units — so it is about "
+            f"({rows} per unit) × the per-{row} loss, while eval_loss is a mean per token of held-out {rows}")

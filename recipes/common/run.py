@@ -277,6 +277,17 @@ def release_dir(training_args) -> str:
     return os.path.join(training_args.output_dir, RELEASE_SUBDIR)
 
 
+def release_is_the_product(trainer) -> None:
+    """The release folder (:func:`release_dir`) is what a recipe run makes; its card and privacy.json are written there
+    (and each checkpoint keeps its own). TRL's ``SFTTrainer`` also writes a model card into ``--output_dir`` itself at
+    every checkpoint (its ``_save_checkpoint`` calls ``create_model_card``, which DPTrainer turns into hf_dp's card and
+    privacy.json for ``output_dir``, written before any evaluation: "eval {}"), a second card beside ``release/`` that
+    says less than the release's. A recipe's trainer writes no card at the top of ``--output_dir``: this turns its
+    ``create_model_card`` (HF's push of ``output_dir`` is its only other caller, and the recipes push the release folder
+    instead) into a no-op on this instance."""
+    trainer.create_model_card = lambda *args, **kwargs: None
+
+
 def save_release(trainer, training_args) -> str:
     """``trainer.save_model`` into :func:`release_dir` (the model, LoRA merged; tokenizer; card; privacy.json), without
     the pickled ``training_args.bin`` HF's save adds (the run's flags are not part of a release; checkpoints keep it).
@@ -300,7 +311,9 @@ def push_folder(folder: str, training_args) -> dict:
     offline mode, no token…): the folder stays on disk and the command pushes it later."""
     import shlex
 
-    repo = training_args.hub_model_id or os.path.basename(os.path.normpath(folder))
+    # default: the run's name (the --output_dir folder's), not "release"
+    repo = training_args.hub_model_id or os.path.basename(os.path.normpath(getattr(training_args, "output_dir", None)
+                                                                              or folder))
     ignore = list(RELEASE_IGNORE)
     command = (f"python -c \"from huggingface_hub import HfApi; api = HfApi(); api.create_repo({repo!r}, exist_ok=True, "
                f"private={bool(training_args.hub_private_repo)}); api.upload_folder(repo_id={repo!r}, folder_path="
@@ -352,6 +365,22 @@ def _fmt(x, spec=".4g") -> str:
     return str(x)
 
 
+#: how the best constant predictor reaches its value of each compared metric (recipes.glue_support.constant_baseline)
+_CONSTANT_HOW = {"accuracy": "always the most frequent class", "f1": "always the positive class",
+                 "matthews_correlation": "any constant prediction"}
+
+
+def _constant_row(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """Right under the headline metric: the best constant predictor's value of the same metric on the same evaluation
+    labels (e.g. F1 0.818 over always predicting the positive class's 0.812), when the baseline computed it."""
+    name = s.get("metric_name")
+    compared = ((s.get("baseline") or {}).get("compared") or {}).get(name)
+    if not compared or s.get("metric") is None:
+        return []
+    return [(f"{name} of a constant predictor", f"{_fmt(compared['constant'])} ({_CONSTANT_HOW.get(name, 'a constant')}, "
+                                                "on the same evaluation labels)")]
+
+
 def summary_block(s: dict[str, Any]) -> str:
     rows = [
         ("task", s.get("task")),
@@ -364,6 +393,7 @@ def summary_block(s: dict[str, Any]) -> str:
         ("sampling rate q", _fmt(s.get("sample_rate"))),
         ("steps", _fmt(s.get("steps"))),
         (s.get("metric_name", "metric"), _fmt(s.get("metric"))),
+        *_constant_row(s),
         *[(k, _fmt(v)) for k, v in s.get("extra_rows", ())],
         *([("constant baseline", s["baseline"]["sentence"])] if s.get("baseline") else []),
         ("wall time", f"{s.get('wall_time', 0.0):.1f} s"),

@@ -166,10 +166,12 @@ def constant_baseline(labels, metrics: dict[str, Any], *, label_names: list[str]
     the same rows (optional: the predicted-class spread). Returns None for regression (:func:`regression_baseline`),
     for an evaluation set without labels, or when no comparable metric was computed. Otherwise a dict with
     ``majority_rate`` (the share of the most frequent class: the accuracy of always predicting it), ``majority_label``,
-    per compared metric the model's value and the constant predictor's (accuracy: the majority rate; Matthews
-    correlation: 0), ``predicted_shares`` (each class's share of the predictions, when given); ``at_or_below`` is True
+    per compared metric the model's value and the constant predictor's (accuracy: the majority rate; F1 of the
+    positive class: 2p/(1 + p) at a share p of positives, always predicting it; Matthews correlation: 0),
+    ``predicted_shares`` (each class's share of the predictions, when given); ``at_or_below`` is True
     when the model counts as the constant predictor on any compared metric — by the planner's calibration rule, an
-    accuracy less than :data:`BARELY_POINTS` points above the majority rate, or a Matthews correlation ≤ 0;
+    accuracy less than :data:`BARELY_POINTS` points above the majority rate, an F1 or a Matthews correlation at or
+    below the constant predictor's;
     ``sentence`` says so in plain words (for the summary and the card).
 
     Only the evaluation labels are used — never the training data's label counts, which are private.
@@ -185,7 +187,11 @@ def constant_baseline(labels, metrics: dict[str, Any], *, label_names: list[str]
     top = int(values[int(np.argmax(counts))])
     rate = float(counts.max() / arr.size)
     compared: dict[str, dict[str, float]] = {}
-    for name, constant in (("accuracy", rate), ("matthews_correlation", 0.0)):
+    # F1 of the positive class (MRPC, QQP: label 1): the best constant predicts it always, F1 = 2p/(1 + p) at a share p
+    # of positives (MRPC dev: 0.812), never 0 — a model's F1 means little without it
+    positive = float((arr == 1).mean())
+    best_f1 = 2 * positive / (1 + positive) if positive > 0 else 0.0
+    for name, constant in (("accuracy", rate), ("f1", best_f1), ("matthews_correlation", 0.0)):
         value = metrics.get(prefix + name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             compared[name] = {"model": float(value), "constant": constant}
@@ -198,7 +204,8 @@ def constant_baseline(labels, metrics: dict[str, Any], *, label_names: list[str]
     baseline = {
         "majority_label": label(top), "majority_rate": rate, "eval_examples": int(arr.size), "compared": compared,
         "rule": f"accuracy less than {BARELY_POINTS:g} points above the majority rate (the planner's calibration), "
-                "or Matthews correlation <= 0, counts as the constant predictor",
+                "F1 at or below always predicting the positive class, or Matthews correlation <= 0, counts as the "
+                "constant predictor",
         "at_or_below": any(_constant_like(n, c) for n, c in compared.items()),
     }
     if predictions is not None:
@@ -223,8 +230,13 @@ def _baseline_sentence(baseline: dict[str, Any]) -> str:
     """One plain sentence for summaries and cards (``constant_baseline(...)["sentence"]``)."""
     parts = []
     for name, c in baseline["compared"].items():
-        what = (f"always predicting the most frequent class ('{baseline['majority_label']}', {c['constant']:.4f} of the "
-                f"evaluation set)" if name == "accuracy" else "a constant prediction (0)")
+        if name == "accuracy":
+            what = (f"always predicting the most frequent class ('{baseline['majority_label']}', {c['constant']:.4f} of "
+                    "the evaluation set)")
+        elif name == "f1":
+            what = f"always predicting the positive class (F1 {c['constant']:.4f})"
+        else:
+            what = "a constant prediction (0)"
         if c["model"] <= c["constant"] + 1e-12:
             rel = "at or below"
         elif _constant_like(name, c):
