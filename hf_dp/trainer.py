@@ -40,7 +40,7 @@ from hf_dp.arguments import DPTrainingArguments, check_no_full_eval_cast
 from hf_dp.clipping import sharding
 from hf_dp.run import checkpointing, contract, lineage, release, setup, spent, step
 from hf_dp.run.hf_api import HF_PRIVATE_API_CHECKED_WITH, HF_PRIVATE_CALLS, HF_PRIVATE_OVERRIDES  # noqa: F401 (re-exported)
-from hf_dp.run.hf_api import library_bars_off
+from hf_dp.run.hf_api import library_bars_off, no_cpu_pin_memory_warning
 from hf_dp.run.checkpoint_hooks import CheckpointOverrides
 from hf_dp.run.ledger_hooks import LedgerOverrides
 from hf_dp.audit import canaries
@@ -172,14 +172,14 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
         self._check_not_train(eval_dataset if eval_dataset is not None else self.eval_dataset)
         if self._prefix_cache and eval_dataset is not None and not isinstance(eval_dataset, (str, dict)):
             eval_dataset = self.prefix_cache.cache(eval_dataset, metric_key_prefix)
-        with self._suffix_ctx():
+        with self._suffix_ctx(), no_cpu_pin_memory_warning():
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
         self._check_not_train(test_dataset)
         if self._prefix_cache:
             test_dataset = self.prefix_cache.cache(test_dataset, metric_key_prefix)
-        with self._suffix_ctx():
+        with self._suffix_ctx(), no_cpu_pin_memory_warning():
             return super().predict(test_dataset, ignore_keys, metric_key_prefix)
 
     # ------------------------------------------------------------------------------------------------
@@ -392,6 +392,8 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
             self._record_spent()
             self._write_privacy_files(output_dir)
             checkpointing.apply_umask(output_dir, ("*.safetensors", "*.bin"))  # HF writes the weights 0600
+            if not is_checkpoint:
+                release.drop_training_args(output_dir)  # a release holds no pickled arguments
 
     def _write_privacy_files(self, output_dir: str, eval_results: dict | None = None) -> None:
         eval_results = eval_results if eval_results is not None else report.latest_eval_metrics(self.state.log_history)

@@ -210,7 +210,7 @@ def test_max_rows_per_unit_caps_the_rows_of_a_drawn_unit(tmp_path, tok):
 
 @pytest.mark.parametrize("column,match", [
     ("author", r"^--privacy_unit_column author: the training set has no column 'author' \(it has \["),
-    ("user_id", r"^--privacy_unit_column user_id: training row 3 has no unit"),
+    ("user_id", r"^--privacy_unit_column user_id: training row 3 \(counting from 0\) has no unit"),
 ])
 def test_a_missing_or_empty_unit_column_is_refused_in_one_sentence(tmp_path, tok, column, match):
     data = lm_data(tok, users=lambda i: None if i == 3 else f"u{i}")
@@ -310,7 +310,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path, 
     ids = list(data["input_ids"])
     ids[11] = ids[11][:2] + [len(tok) + 3] + ids[11][2:]
     bad = data.remove_columns("input_ids").add_column("input_ids", ids)
-    with pytest.raises(ValueError, match=rf"^training row 11 has token id {len(tok) + 3}, outside the model's vocabulary"):
+    with pytest.raises(ValueError, match=rf"^training row 11 \(counting from 0\) has token id {len(tok) + 3}, outside the model's vocabulary"):
         make(tmp_path, tok, gpt2(tok), bad, clipping="hooks")
 
 
@@ -475,7 +475,7 @@ def test_a_collator_that_sets_dptrainers_own_keys_is_refused(tmp_path, tok):
 
 def test_a_unit_value_that_is_not_a_single_value_is_refused(tmp_path, tok):
     data = lm_data(tok, users=lambda i: ["alice"] if i % 2 else ["alice", "bob"])
-    with pytest.raises(ValueError, match=r"^--privacy_unit_column user_id: training row 0 has the unit \['alice', 'bob'\], not a single value"):
+    with pytest.raises(ValueError, match=r"^--privacy_unit_column user_id: training row 0 \(counting from 0\) has the unit \['alice', 'bob'\], not a single value"):
         make(tmp_path, tok, gpt2(tok), data, clipping="hooks", privacy_unit_column="user_id")
 
 

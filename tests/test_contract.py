@@ -282,14 +282,14 @@ def _with_labels(data, labels):
 def test_non_finite_regression_labels_are_refused_before_training(tmp_path, tok, data, bad):
     labels = [float(i % 3) for i in range(len(data))]
     labels[17] = bad
-    with pytest.raises(ValueError, match=r"^the training labels \(column 'labels'\) contain NaN or infinite values \(first at row 17\)"):
+    with pytest.raises(ValueError, match=r"^the training labels \(column 'labels'\) contain NaN or infinite values \(first at row 17, counting from 0\)"):
         _trainer(tmp_path, tok, _with_labels(data, labels), model=make_model(num_labels=1))
 
 
 def test_out_of_range_class_labels_are_refused_before_training(tmp_path, tok, data):
     labels = [i % 2 for i in range(len(data))]
     labels[40] = 5
-    with pytest.raises(ValueError, match=r"^the training labels \(column 'labels'\) contain 5 \(first at row 40\), outside the model's classes 0\.\.1"):
+    with pytest.raises(ValueError, match=r"^the training labels \(column 'labels'\) contain 5 \(first at row 40, counting from 0\), outside the model's classes 0\.\.1"):
         _trainer(tmp_path, tok, _with_labels(data, labels))
     labels[40] = -100  # the ignore index is fine
     _trainer(tmp_path, tok, _with_labels(data, labels))

@@ -387,6 +387,12 @@ def test_a_llama_config_trains_with_user_units(clm, tok_dir, tmp_path, capsys):
     s = _summary(stdout)
     _check_release(out / "release", "user_id", 12, s, "w3", 2, 5)
     assert json.loads((out / "release" / "config.json").read_text())["model_type"] == "llama"
+    # issue 53: the release generates with the plain pattern (a BERT tokenizer made token_type_ids, which llama refuses)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rel_tok, model = AutoTokenizer.from_pretrained(out / "release"), AutoModelForCausalLM.from_pretrained(out / "release")
+    generated = model.generate(**rel_tok("w1 w2", return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] > 2
 
 
 def _saved_gpt2(clm, tok_dir, folder) -> str:

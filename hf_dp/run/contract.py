@@ -200,7 +200,7 @@ def check_labels(dataset, config, objective=None) -> None:
         if bad.any():
             row = int(bad.reshape(t.shape[0], -1).any(-1).nonzero()[0, 0]) if t.dim() else 0
             raise ValueError(
-                f"the training labels (column '{col}') contain NaN or infinite values (first at row {row}): such an "
+                f"the training labels (column '{col}') contain NaN or infinite values (first at row {row}, counting from 0): such an "
                 "example's loss and gradient are not finite; remove or fix those rows before DP training"
             )
     integer = not t.is_floating_point()
@@ -215,7 +215,7 @@ def check_labels(dataset, config, objective=None) -> None:
         if bad.any():
             row = int(bad.nonzero()[0, 0])
             raise ValueError(
-                f"the training labels (column '{col}') contain {int(flat[row])} (first at row {row}), outside the "
+                f"the training labels (column '{col}') contain {int(flat[row])} (first at row {row}, counting from 0), outside the "
                 f"model's classes 0..{num_labels - 1}: the step that draws that example would fail; fix the labels or "
                 "the model's num_labels before DP training"
             )
@@ -233,7 +233,7 @@ def check_token_ids(dataset, config) -> None:
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
             bad = int(t.max()) if int(t.max()) >= vocab else int(t.min())
             raise ValueError(
-                f"training row {row} has token id {bad}, outside the model's vocabulary 0..{vocab - 1}: the tokenizer "
+                f"training row {row} (counting from 0) has token id {bad}, outside the model's vocabulary 0..{vocab - 1}: the tokenizer "
                 "and the model do not match (set the model's vocab_size to the tokenizer's length)"
             )
 
@@ -286,7 +286,7 @@ def check_every_row(dataset, collate, config, objective=None) -> str:
             continue
         if labels.is_floating_point() and not bool(torch.isfinite(labels).all()):
             raise ValueError(
-                f"the data collator makes a NaN or infinite label for training row {i}: such an example's loss and "
+                f"the data collator makes a NaN or infinite label for training row {i} (counting from 0): such an example's loss and "
                 "gradient are not finite; fix the collator or the data before DP training"
             )
         if not labels.is_floating_point() and num_labels and (token_labels or _problem_type(config, True) == "single_label_classification"):
@@ -294,7 +294,7 @@ def check_every_row(dataset, collate, config, objective=None) -> str:
             bad = ((flat < 0) | (flat >= num_labels)) & (flat != IGNORE_INDEX)
             if bool(bad.any()):
                 raise ValueError(
-                    f"the data collator makes label {int(flat[bad][0])} for training row {i}, outside the model's "
+                    f"the data collator makes label {int(flat[bad][0])} for training row {i} (counting from 0), outside the model's "
                     f"{classes} 0..{num_labels - 1}; fix the collator or the model's config before DP training"
                 )
         _check_ids(batch, config, i)
@@ -310,7 +310,7 @@ def _check_ids(batch, config, i: int) -> None:
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
         raise ValueError(
-            f"the data collator makes token id {bad} for training row {i}, outside the model's vocabulary "
+            f"the data collator makes token id {bad} for training row {i} (counting from 0), outside the model's vocabulary "
             f"0..{vocab - 1}: the tokenizer and the model do not match"
         )
 

@@ -272,16 +272,16 @@ def unit_rows(dataset, column: str) -> list[list[int]]:
             row = dataset[i]
             if not hasattr(row, "keys") or column not in row:
                 have = sorted(row.keys()) if hasattr(row, "keys") else type(row).__name__
-                raise ValueError(f"--privacy_unit_column {column}: training row {i} has no '{column}' (it has {have})")
+                raise ValueError(f"--privacy_unit_column {column}: training row {i} (counting from 0) has no '{column}' (it has {have})")
             values.append(row[column])
     for i, v in enumerate(values):
         if v is None or (isinstance(v, float) and v != v) or (isinstance(v, str) and not v.strip()):
             raise ValueError(
-                f"--privacy_unit_column {column}: training row {i} has no unit ({v!r}); every row must name its unit"
+                f"--privacy_unit_column {column}: training row {i} (counting from 0) has no unit ({v!r}); every row must name its unit"
             )
         if isinstance(v, (list, tuple, dict, set)) or (torch.is_tensor(v) and v.numel() != 1):
             raise ValueError(
-                f"--privacy_unit_column {column}: training row {i} has the unit {v!r}, not a single value (a string or "
+                f"--privacy_unit_column {column}: training row {i} (counting from 0) has the unit {v!r}, not a single value (a string or "
                 "a number); one value must name one unit"
             )
     from hf_dp.privacy.sampler import PoissonBatchSampler

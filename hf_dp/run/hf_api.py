@@ -54,3 +54,17 @@ def library_bars_off():
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def no_cpu_pin_memory_warning():
+    """HF's evaluation loader pins memory by default (``dataloader_pin_memory=True``); on a machine without an
+    accelerator torch then warns at every evaluation that nothing is pinned — a no-op the user cannot act on. That one
+    warning is filtered in ``DPTrainer.evaluate`` / ``predict`` (the training loader pins only where there is an
+    accelerator: :mod:`hf_dp.run.data`)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found",
+                                category=UserWarning)
+        yield

@@ -45,5 +45,15 @@ def save_model_folder(args, model, fsdp: bool, trainable_info, processing_class,
         write(output_dir)
         if processing_class is not None:
             processing_class.save_pretrained(output_dir)
-        torch.save(args, os.path.join(output_dir, "training_args.bin"))
+        if is_checkpoint:  # a release carries no pickled arguments (drop_training_args)
+            torch.save(args, os.path.join(output_dir, "training_args.bin"))
     return True
+
+
+def drop_training_args(output_dir: str) -> None:
+    """A release (``save_model`` outside a checkpoint) holds the model, its tokenizer, the card and privacy.json: HF's
+    save adds the pickled ``training_args.bin`` (loading it unpickles arbitrary objects; the run's settings are in
+    privacy.json and the card), which is removed; checkpoints keep it."""
+    path = os.path.join(output_dir, "training_args.bin")
+    if os.path.isfile(path):
+        os.remove(path)

@@ -39,19 +39,6 @@ RECORDED_SETTINGS = ("max_length", "truncation_mode", "completion_only_loss", "a
                      "padding_free", "loss_type", "dataset_text_field", "chat_template_path", "eos_token")
 
 
-@contextlib.contextmanager
-def _no_cpu_pin_memory_warning():
-    """HF's evaluation loader pins memory by default (``dataloader_pin_memory=True``); on a machine without an
-    accelerator torch then warns at every evaluation that nothing is pinned — a no-op the user cannot act on. That one
-    warning is filtered here (the training loader pins only where there is an accelerator: hf_dp.run.data)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found",
-                                category=UserWarning)
-        yield
-
-
 def _first_row(dataset):
     """The first training row (TRL reads the data kind from it), or None."""
     if dataset is None:
@@ -121,8 +108,7 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
                                                              self._formatting_func, name)
             eval_dataset = ({k: prepare(v, k) for k, v in eval_dataset.items()} if isinstance(eval_dataset, dict)
                             else prepare(eval_dataset, metric_key_prefix))
-        with _no_cpu_pin_memory_warning():
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)  # (no pin_memory warning: DPTrainer's)
 
     def hyperparameter_search(self, *args, **kwargs):
         if self.args.dp_enabled:
@@ -130,20 +116,47 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
                              "rebuilt from TRL's prepared data); run private selection with DPTrainer")
         return super().hyperparameter_search(*args, **kwargs)
 
+    def data_kind(self) -> str:
+        """What the training rows are, as TRL reads them (their first row): ``messages`` (conversations),
+        ``prompt_completion`` or ``text``."""
+        row = _first_row(self._raw_train_dataset)
+        keys = set(row.keys()) if hasattr(row, "keys") else set()
+        if "messages" in keys:
+            return "messages"
+        if {"prompt", "completion"} <= keys:
+            return "prompt_completion"
+        return "text"
+
     def sft_settings(self) -> dict:
-        """The SFTConfig settings of this run (public), as privacy.json and the card record them."""
+        """The SFTConfig settings of this run (public), as privacy.json and the card record them: the effective values
+        (``assistant_only_loss`` and ``completion_only_loss`` as resolved for this data, and where each came from)."""
         import trl
 
         out = {"trainer": "DPSFTTrainer (TRL SFTTrainer)", "trl_version": trl.__version__}
         out.update({k: getattr(self.args, k, None) for k in RECORDED_SETTINGS})
-        out["completion_only_loss_in_effect"] = bool(self.completion_only_loss)
-        out["scored_tokens"] = scored_tokens(self.args, bool(self.completion_only_loss))
+        completion_only = bool(self.completion_only_loss)
+        # None (TRL's default) means "on for prompt-completion rows": the record says what was in effect
+        out["completion_only_loss"] = completion_only
+        out["completion_only_loss_source"] = (
+            "given" if getattr(self.args, "completion_only_loss", None) is not None else
+            "TRL's default: on for prompt-completion rows" if completion_only else
+            "TRL's default: off for data without 'prompt'/'completion' columns")
+        out["data_kind"] = kind = self.data_kind()
+        out["scored_tokens"] = scored = scored_tokens(self.args, completion_only)
         out["assistant_only_loss_source"] = getattr(self.args, "_hf_dp_assistant_only_source", "given")
         out["chat_template"] = "set" if getattr(self.processing_class, "chat_template", None) else None
-        out["per_example_loss"] = (
-            "each conversation's mean negative log-likelihood over its scored (completion / assistant) tokens; prompt "
-            "and padding tokens are never scored" if out["scored_tokens"] != "every token" else
-            "each row's mean negative log-likelihood over all its tokens (prompt tokens included); padding is never scored")
+        row = "conversation" if kind == "messages" else "row"
+        if scored == "the assistant's tokens only":
+            out["per_example_loss"] = (f"each {row}'s mean negative log-likelihood over its assistant tokens; the other "
+                                       "turns' tokens (user, system) and padding are never scored")
+        elif scored == "the completion's tokens only":
+            out["per_example_loss"] = (f"each {row}'s mean negative log-likelihood over its completion tokens; the "
+                                       "prompt's tokens and padding are never scored")
+        else:
+            others = {"messages": "every turn's tokens, the user's included", "prompt_completion":
+                      "the prompt's tokens included"}.get(kind, "all its text")
+            out["per_example_loss"] = (f"each {row}'s mean negative log-likelihood over all its tokens ({others}); "
+                                       "padding is never scored")
         return out
 
     def privacy_report(self) -> dict:
@@ -166,13 +179,23 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
         from hf_dp.hub import report as hub_report
 
         eval_results = eval_results if eval_results is not None else hub_report.latest_eval_metrics(self.state.log_history)
-        fields = card_fields(self.model, self.args, self.train_dataset, getattr(self.objective, "name", None),
+        # the user's data as given (its name, its columns), not TRL's tokenized set (input_ids, labels)
+        fields = card_fields(self.model, self.args, self._raw_train_dataset, getattr(self.objective, "name", None),
                              **{k: getattr(self, k, None) for k in CARD_SETTINGS})
         s = self.sft_settings()
+        what = {"messages": "conversations", "prompt_completion": "prompt-completion rows"}.get(s["data_kind"], "plain text")
+        source = (s["completion_only_loss_source"] if s["scored_tokens"] == "the completion's tokens only"
+                  else s["assistant_only_loss_source"])
         fields["task_description"] = (
-            f"supervised fine-tuning on conversations with TRL's SFTTrainer (trl {s['trl_version']}): "
+            f"supervised fine-tuning on {what} with TRL's SFTTrainer (trl {s['trl_version']}): "
             f"completion_only_loss={s['completion_only_loss']}, assistant_only_loss={s['assistant_only_loss']}, "
             f"max_length={s['max_length']}, packing={s['packing']}, padding_free={s['padding_free']}, "
-            f"loss_type={s['loss_type']}; scored tokens: {s['scored_tokens']} ({s['assistant_only_loss_source']}); "
+            f"loss_type={s['loss_type']}; scored tokens: {s['scored_tokens']} ({source}); "
             f"{s['per_example_loss']}")
-        write_privacy_artifacts(output_dir, self.privacy_report(), eval_results=eval_results, **fields)
+        # TRL's evaluation loss: the evaluation rows' token losses summed over their scored tokens (the tokens training
+        # scores) and divided by the batch's count of them
+        fields["loss_description"] = (
+            f"loss (TRL's evaluation loss: mean cross-entropy per scored token — {s['scored_tokens']} — of the "
+            "evaluation rows; perplexity = exp(loss))")
+        write_privacy_artifacts(output_dir, self.privacy_report(), eval_results=eval_results,
+                                log_history=self.state.log_history, **fields)  # with the training-curves PNG

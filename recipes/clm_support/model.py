@@ -145,6 +145,11 @@ def load_config_and_tokenizer(model_args: ClmModelArguments):
                       use_fast=a.use_fast_tokenizer, **common)
     ensure_pad_token(tokenizer)
     tokenizer.padding_side = "right"
+    # a causal LM reads no segment ids: the training rows have none (clm_support.data), and a release whose tokenizer
+    # made them (a BERT tokenizer: token_type_ids) would not run model.generate(**tok(text, return_tensors="pt")) on a
+    # model without that input (llama), or would add a type embedding training never saw (gpt2)
+    tokenizer.model_input_names = [n for n in tokenizer.model_input_names if n != "token_type_ids"]
+    tokenizer.init_kwargs["model_input_names"] = list(tokenizer.model_input_names)  # saved with the release's tokenizer
     if path is None:
         overridden = _overridden(a.config_overrides)
         if "vocab_size" not in overridden:
