@@ -41,7 +41,8 @@ from recipes.common.model import resolve_model_path  # noqa: E402,F401  (tests a
 from recipes.common.early import check_model_loadable, check_resume_settings, resume_checkpoint  # noqa: E402
 from recipes.common.run import apply_plan, check_privacy_settings, model_sources, push_folder, resume_argument, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
-from recipes.common.run import release_is_the_product, save_release, write_predictions  # noqa: E402
+from recipes.common.run import planner_expectation, release_is_the_product, save_release, write_predictions  # noqa: E402
+from recipes.common.run import eval_rows_in_training  # noqa: E402
 from recipes.common.rows import check_unit_values  # noqa: E402
 from hf_dp.run.data import no_progress_bar  # noqa: E402
 from recipes.common.tune import HOLDOUT, TuneArguments, carve_holdout, check_tune, check_tune_score, run_tune  # noqa: E402
@@ -56,6 +57,7 @@ from recipes.glue_support import (  # noqa: E402
     main_metric_name,
     preprocess,
     regression_baseline,
+    sentence_keys,
 )
 
 logger = logging.getLogger("hf_dp.recipes.glue")
@@ -232,6 +234,19 @@ def _units(raw, unit: Optional[str], n_rows: int, path: Optional[str] = None) ->
     return len(set(values))
 
 
+def _eval_overlap(raw, data_args: DataTrainingArguments) -> bool:
+    """Whether a validation row's text (its sentence columns) is also a training row's (the first
+    ``--max_train_samples`` rows trained on, the first ``--max_eval_samples`` evaluated)."""
+    if "train" not in raw or "validation" not in raw:
+        return False
+    train, dev = raw["train"], raw["validation"]
+    if data_args.max_train_samples is not None:
+        train = train.select(range(min(len(train), data_args.max_train_samples)))
+    if data_args.max_eval_samples is not None:
+        dev = dev.select(range(min(len(dev), data_args.max_eval_samples)))
+    return eval_rows_in_training(train, dev, [k for k in sentence_keys(raw, data_args.task_name) if k])
+
+
 def _train_path(data_args: DataTrainingArguments) -> Optional[str]:
     """The training file the rows were read from (for error messages naming a row by its line), or None."""
     if data_args.data_dir and data_args.task_name:
@@ -332,6 +347,8 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
     if training_args.do_train:
         trainer.data_description = _data_description(
             data_args, None if training_args.privacy_unit_column or declared else len(tokenized["train"]))
+    # the card does not call an evaluation held-out when its rows repeat training rows (the same file, say)
+    trainer.eval_overlap = training_args.do_train and training_args.do_eval and _eval_overlap(raw, data_args)
     report: dict[str, Any] = {}
     if training_args.do_train and tune_space is not None:  # the best of K private runs (recipes/common/tune.py)
         best = run_tune(trainer, data_args, tune_space, metric=main_metric_name(data_args.task_name, info.is_regression),
@@ -367,15 +384,17 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         write_privacy_artifacts(
             out, report, base_model=trainer.base_model_id, task_name=data_args.task_name,
             dataset_name=trainer.dataset_name, eval_results=eval_metrics or None,
-            data_description=trainer.data_description, baseline=baseline,
+            data_description=trainer.data_description, baseline=baseline, eval_overlap=trainer.eval_overlap,
             model_description=None if trainer.base_model_id else card_fields(
                 trainer.model, trainer.args, trainer.train_dataset)["model_description"],
+            log_history=trainer.state.log_history,  # the training-curves PNG (hf_dp.hub.plots): ε and eval metrics
         )
     pushed = None
     if push and out is not None and trainer.is_world_process_zero():
         pushed = push_folder(out, training_args)
     return summarize(data_args.task_name or "custom", training_args, report,
-                     main_metric_name(data_args.task_name, info.is_regression), eval_metrics, baseline, start, out, pushed)
+                     main_metric_name(data_args.task_name, info.is_regression), eval_metrics, baseline, start, out, pushed,
+                     expectation=planner_expectation(trainer))
 
 
 def _predict(trainer, test_ds, info, data_args, training_args) -> None:

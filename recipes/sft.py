@@ -66,9 +66,11 @@ from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.rows import check_unit_values  # noqa: E402
-from recipes.common.run import (check_privacy_settings, model_sources, push_folder, release_is_the_product,  # noqa: E402
-                                resume_argument, save_release, summarize)
+from recipes.common.run import (check_privacy_settings, data_description, eval_rows_in_training,  # noqa: E402
+                                model_sources, push_folder, release_is_the_product, resume_argument, save_release,
+                                summarize)
 from recipes.common.run import main as run_main  # noqa: E402
+from recipes.common.run import planner_expectation  # noqa: E402
 from hf_dp.run.data import no_progress_bar  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
 
@@ -199,6 +201,11 @@ def format_help(parser, peek) -> str:
 # ----------------------------------------------------------------------------------------------- data
 
 
+#: what the training rows are, per data kind (:func:`_check_columns`), as the card says it
+DATA_KINDS = {"messages": "conversations ('messages': role/content turns)",
+              "prompt_completion": "prompt-completion rows", "text": "plain text (column `{field}`)"}
+
+
 def _check_columns(ds, args, what: str) -> str:
     cols = set(ds.column_names)
     if "messages" in cols:
@@ -312,6 +319,14 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
     release_is_the_product(trainer)  # the card and privacy.json in <output_dir>/release only
     trainer.add_callback(time_left_callback())  # one overall estimate: the planned steps, the time left
     trainer.base_model_id = base_model_id(model_args.model_name_or_path) if model_args.model_name_or_path else None
+    # the card: where the data came from and the user's own columns (not TRL's tokenized ones); an evaluation that
+    # repeats training rows is not called held-out
+    trainer.dataset_name = None if data_args.train_file else data_args.dataset_name
+    trainer.data_description = data_description(
+        train.column_names, DATA_KINDS[kind].format(field=args.dataset_text_field), train_file=data_args.train_file,
+        dataset_name=data_args.dataset_name, dataset_config=data_args.dataset_config, split=data_args.dataset_train_split)
+    trainer.eval_overlap = dev is not None and eval_rows_in_training(
+        train, dev, ("messages", "prompt", "completion", args.dataset_text_field))
     line = unit_loss_line(args, "conversation" if kind == "messages" else "row",
                           "conversations" if kind == "messages" else "rows")
     if line:
@@ -328,7 +343,8 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
     unit = report.get("privacy_unit") or {}
     task = (f"supervised fine-tuning ({kind}; {unit.get('description', 'non-private')})" if args.dp_enabled
             else f"supervised fine-tuning ({kind}; non-private baseline)")
-    summary = summarize(task, args, report, "loss", metrics, None, start, out, pushed)
+    summary = summarize(task, args, report, "loss", metrics, None, start, out, pushed,
+                        expectation=planner_expectation(trainer))
     summary["metric_name"] = "eval_loss"
     return summary
 

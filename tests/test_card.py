@@ -49,7 +49,8 @@ def test_front_matter_parses_and_numbers_equal_report():
         assert type(dp[key]) is type(REPORT[key]), key
     (entry,) = meta["model-index"]
     (result,) = entry["results"]
-    assert result["dataset"] == {"name": "GLUE QNLI", "type": "nyu-mll/glue", "config": "qnli", "split": "validation"}
+    # the dataset's own lower-case config name (issue 53: the model-index upper-cased GLUE task names)
+    assert result["dataset"] == {"name": "glue qnli", "type": "nyu-mll/glue", "config": "qnli", "split": "validation"}
     metrics = {m["type"]: m["value"] for m in result["metrics"]}
     assert metrics == {"accuracy": 0.7926}  # loss / runtime are not results
 

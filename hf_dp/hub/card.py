@@ -21,6 +21,17 @@ TEMPLATE_NAME = "model_card.md.j2"
 
 # eval keys that are bookkeeping, not results
 _NOT_RESULTS = {"epoch", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_samples"}
+#: eval keys never published (neither in the card nor in privacy.json): TRL's ``num_tokens`` is the count of *training*
+#: tokens seen so far (its ``_total_train_tokens``, logged with every evaluation too) — a count of the private data —,
+#: and 0 under DP, whose loss is hf_dp's (TRL's counter never runs): a false number either way
+_NOT_PUBLISHED = {"eval_num_tokens", "num_tokens"}
+#: TRL's evaluation diagnostics: in the card's evaluation table with what they measure, not model-index results
+_DIAGNOSTICS = {
+    "entropy": "entropy (TRL's diagnostic: mean entropy of the predicted next-token distribution over the scored "
+               "evaluation tokens)",
+    "mean_token_accuracy": "mean_token_accuracy (TRL's diagnostic: share of the scored evaluation tokens predicted "
+                           "exactly, greedy)",
+}
 _METRIC_TITLES = {
     "accuracy": "Accuracy", "f1": "F1", "matthews_correlation": "Matthews Correlation", "pearson": "Pearson",
     "spearmanr": "Spearman Correlation", "mse": "MSE", "combined_score": "Combined Score", "loss": "Loss",
@@ -60,6 +71,32 @@ _EVAL_LOSS_LABEL = ("loss (cross-entropy of the predicted probabilities: it meas
                     "fair accuracy means over-confident probabilities; use the label, not the probability)")
 #: a causal LM's eval loss is the mean cross-entropy of its next-token predictions (perplexity = exp(loss))
 _LM_EVAL_LOSS_LABEL = "loss (mean cross-entropy per predicted token of the evaluation text; perplexity = exp(loss))"
+#: the eval loss by the loss the head computes (:func:`infer_loss_kind`; hf_dp.models.loss.sequence_classification_loss)
+_LOSS_LABELS = {
+    "cross_entropy": _EVAL_LOSS_LABEL,
+    "mse": "loss (mean squared error of the predicted score against the label: the regression head's loss)",
+    "binary_cross_entropy": ("loss (binary cross-entropy of each label's predicted probability, summed over the labels: "
+                             "the multi-label head's loss)"),
+    "causal_lm": _LM_EVAL_LOSS_LABEL,
+}
+#: metrics only a regression is evaluated with (GLUE's STS-B, glue.py's regression without a task name)
+_REGRESSION_METRICS = {"pearson", "spearmanr", "mse"}
+_CLASSIFICATION_METRICS = {"accuracy", "f1", "matthews_correlation"}
+
+
+def infer_loss_kind(report: dict, eval_results: dict | None = None, baseline: dict | None = None,
+                    task_name: str | None = None) -> str:
+    """Which loss the eval ``loss`` is (a key of :data:`_LOSS_LABELS`) when the caller did not say
+    (:func:`hf_dp.hub.describe.card_fields` reads it from the model's config): a causal LM's token cross-entropy; a
+    regression's MSE when the run was evaluated as one (GLUE's ``stsb``, a regression baseline, regression metrics
+    only); else a classifier's cross-entropy."""
+    if report.get("objective") == "causal_lm":
+        return "causal_lm"
+    names = {name.removesuffix("_mm") for name, _ in _metric_items(eval_results)}
+    if ((task_name or "").lower().replace("-", "") == "stsb" or (baseline or {}).get("constant_mse") is not None
+            or (names & _REGRESSION_METRICS and not names & _CLASSIFICATION_METRICS)):
+        return "mse"
+    return "cross_entropy"
 
 
 def _num(x: Any) -> str:
@@ -98,7 +135,7 @@ def _metric_items(eval_results: dict | None) -> list[tuple[str, Any]]:
     """``[(metric, value)]`` for numeric eval results, without the ``eval_`` prefix or bookkeeping keys."""
     items = []
     for key, value in (eval_results or {}).items():
-        if key in _NOT_RESULTS or not key.startswith("eval_") or not isinstance(value, (int, float)) or isinstance(value, bool):
+        if key in _NOT_RESULTS or key in _NOT_PUBLISHED or not key.startswith("eval_") or not isinstance(value, (int, float)) or isinstance(value, bool):
             continue  # only eval_* keys are results: epsilon (added to every log) is the guarantee, not a metric
         items.append((key[len("eval_"):] if key.startswith("eval_") else key, value))
     return items
@@ -108,8 +145,8 @@ def _dataset_fields(task_name: str | None, dataset_name: str | None, local_data:
     """(hub dataset id for the card metadata, config, human description). ``local_data``: the data did not come from
     the Hub, so no Hub dataset is named (not even GLUE's for a GLUE task)."""
     task = task_name.lower().replace("-", "") if task_name else None
-    if local_data and dataset_name is None:
-        return None, None, (f"GLUE {task.upper()} from local files" if task in _GLUE_TASKS else "local files")
+    if local_data and dataset_name is None:  # the user's own files in a GLUE task's format: not GLUE's data
+        return None, None, (f"local files in the format of GLUE's `{task}`" if task in _GLUE_TASKS else "local files")
     if dataset_name is None and task in _GLUE_TASKS:
         dataset_name = "nyu-mll/glue"
     config = task if task in _GLUE_TASKS and dataset_name in ("nyu-mll/glue", "glue") else None
@@ -156,13 +193,19 @@ def build_front_matter(
                       "noise_multiplier", "max_grad_norm", "expected_batch_size", "steps", "epochs")
             if k in report
         }
+    # results: a classifier's metrics (its loss is a training objective, not a result); a language model's eval loss
+    # (and its perplexity when computed) — never TRL's diagnostics or counters (num_tokens counts training tokens)
     metrics = [
         {"type": name, "value": value, "name": _METRIC_TITLES.get(name, name)}
         for name, value in _metric_items(eval_results)
-        if name != "loss"
+        if (name in ("loss", "perplexity") if lm else name != "loss") and name not in _DIAGNOSTICS
     ]
     if metrics:
-        dataset: dict[str, Any] = {"name": f"GLUE {ds_config.upper()}" if ds_config else (ds_id or (local_name if local_data else "unknown"))}
+        task = task_name.lower().replace("-", "") if task_name else None
+        # the dataset's own (lower-case) config name, as the Hub spells it: glue qnli, not GLUE QNLI
+        name = (f"glue {ds_config}" if ds_config else ds_id if ds_id else
+                (f"{task} (local files)" if task in _GLUE_TASKS else "local files") if local_data else "unknown")
+        dataset: dict[str, Any] = {"name": name}
         if ds_id:
             dataset["type"] = ds_id
         if ds_config:
@@ -216,6 +259,8 @@ def render_model_card(
     model_description: str | None = None,
     random_init: bool = False,
     eval_overlap: bool = False,
+    loss_kind: str | None = None,
+    loss_description: str | None = None,
 ) -> str:
     """Render the README.md model card for a privacy report produced by ``DPTrainer.privacy_report()``.
 
@@ -225,7 +270,10 @@ def render_model_card(
     given (e.g. the labels, :func:`hf_dp.hub.describe.card_fields`). ``model_description``: what the model is when
     no Hub ``base_model`` names it (its class and config); ``random_init``: it was built from a config, so no parameter
     was pre-trained; ``eval_overlap``: some evaluation rows also occur in the training data (the metrics are not
-    held-out ones)."""
+    held-out ones). ``loss_kind``: the loss the eval ``loss`` is (``cross_entropy``, ``mse``, ``binary_cross_entropy``,
+    ``causal_lm``: :func:`hf_dp.hub.describe.card_fields` reads it from the model's config; else
+    :func:`infer_loss_kind`); ``loss_description``: the eval loss's label, when the trainer says what it is (DPSFTTrainer: the
+    scored tokens)."""
     import jinja2
 
     dp = _is_dp(report)
@@ -245,8 +293,9 @@ def render_model_card(
     opt = report.get("optimizer") or {}
     hps = (opt.get("hyperparameters") or {}) if isinstance(opt, dict) else {}
     optimizer_rows = [(k, ", ".join(_num(x) for x in v) if isinstance(v, (list, tuple)) else _num(v)) for k, v in hps.items()]
-    loss_label = _LM_EVAL_LOSS_LABEL if report.get("objective") == "causal_lm" else _EVAL_LOSS_LABEL
-    eval_rows = [(loss_label if k == "loss" else k, _num(v)) for k, v in _metric_items(eval_results)]
+    kind = loss_kind if loss_kind in _LOSS_LABELS else infer_loss_kind(report, eval_results, baseline, task_name)
+    loss_label = loss_description or _LOSS_LABELS[kind]
+    eval_rows = [(loss_label if k == "loss" else _DIAGNOSTICS.get(k, k), _num(v)) for k, v in _metric_items(eval_results)]
     task_line = task_name or task_description or "not recorded"
     if task_name and task_description:
         task_line += f" ({task_description})"
@@ -270,7 +319,19 @@ def render_model_card(
         optimizer_rows=optimizer_rows, trainable=report.get("trainable") or {}, dp=dp, num=_num, pct=_pct,
         selection=_selection(report), baseline=baseline, task_description=task_description, task_line=task_line,
         base_line=base_line, random_init=random_init, eval_overlap=eval_overlap,
+        merged=merged_lora(report.get("trainable") or {}),
+        lora_whole=any(".modules_to_save." in n for n in (report.get("trainable") or {}).get("names") or []),
     )
+
+
+def merged_lora(trainable: dict) -> list[str] | None:
+    """For a LoRA run (``trainable['mode'] == 'lora'``): the names of the release's weights the adapter was merged into
+    (:func:`hf_dp.hub.report.merged_weight_names` of the trained adapter tensors), else ``None``."""
+    if not isinstance(trainable, dict) or trainable.get("mode") != "lora":
+        return None
+    from hf_dp.hub.report import merged_weight_names
+
+    return merged_weight_names(trainable.get("names") or [])
 
 
 def parse_front_matter(card: str) -> dict:
@@ -281,16 +342,21 @@ def parse_front_matter(card: str) -> dict:
     return yaml.safe_load(card[4:end])
 
 
-def write_privacy_artifacts(output_dir: str | os.PathLike, report: dict, **card_kwargs) -> dict[str, str]:
+def write_privacy_artifacts(output_dir: str | os.PathLike, report: dict, *, log_history: list | None = None,
+                            **card_kwargs) -> dict[str, str]:
     """Write ``privacy.json`` (the report, plus eval results under ``"eval"``) and ``README.md`` (the card).
 
     ``card_kwargs`` are passed to :func:`render_model_card` (base_model, task_name, dataset_name, eval_results,
-    license, model_name, baseline; the baseline comparison is also stored under ``"eval_baseline"``). Returns the paths written.
+    license, model_name, baseline; the baseline comparison is also stored under ``"eval_baseline"``). ``log_history``
+    (``trainer.state.log_history``): also the training-curves PNG the card shows (:mod:`hf_dp.hub.plots`: ε and the
+    eval metrics against steps, never the training loss). Returns the paths written.
     """
     os.makedirs(output_dir, exist_ok=True)
     payload = dict(report)
     eval_results = card_kwargs.get("eval_results")
     if eval_results is not None:
+        eval_results = {k: v for k, v in eval_results.items() if k not in _NOT_PUBLISHED}
+        card_kwargs = {**card_kwargs, "eval_results": eval_results}
         payload["eval"] = dict(eval_results)
     if card_kwargs.get("baseline"):
         payload["eval_baseline"] = dict(card_kwargs["baseline"])
@@ -299,6 +365,16 @@ def write_privacy_artifacts(output_dir: str | os.PathLike, report: dict, **card_
         json.dump(payload, f, indent=2, sort_keys=False)
         f.write("\n")
     card_path = os.path.join(output_dir, "README.md")
+    card, plot = render_model_card(report, **card_kwargs), None
+    if log_history is not None:
+        from hf_dp.hub import plots
+
+        # never a count of the private data (TRL's num_tokens) in the picture either
+        log_history = [{k: v for k, v in e.items() if k not in _NOT_PUBLISHED} if isinstance(e, dict) else e
+                       for e in log_history]
+        plot = plots.write_training_plot(log_history, output_dir)
+        card = plots.add_to_card(card, plot, dp=_is_dp(report))
     with open(card_path, "w", encoding="utf-8") as f:
-        f.write(render_model_card(report, **card_kwargs))
-    return {"privacy.json": privacy_path, "README.md": card_path}
+        f.write(card)
+    return {"privacy.json": privacy_path, "README.md": card_path,
+            **({plot.name: os.path.join(output_dir, plot.name)} if plot else {})}

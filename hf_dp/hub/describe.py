@@ -12,11 +12,15 @@ import os
 import re
 from typing import Any
 
-#: what may be set on a trainer to override what :func:`card_fields` finds (README.md, "Model cards")
-CARD_SETTINGS = ("base_model_id", "task_name", "dataset_name", "data_description", "model_name")
+#: what may be set on a trainer to override what :func:`card_fields` finds (README.md, "Model cards");
+#: ``eval_overlap``: a recipe found evaluation rows that also occur in the training data (the card then does not call
+#: the evaluation held-out)
+CARD_SETTINGS = ("base_model_id", "task_name", "dataset_name", "data_description", "model_name", "eval_overlap")
 
 #: builders of local files: their "dataset name" is a file format, not a dataset anyone can look up
 _FILE_BUILDERS = {"csv", "json", "parquet", "text", "arrow", "pandas", "generator", "imagefolder", "audiofolder"}
+#: those that read files from disk (``load_dataset("json", data_files=...)``): the card says "local json files"
+_LOCAL_FILE_BUILDERS = _FILE_BUILDERS - {"pandas", "generator"}
 
 
 def hub_id_or_none(name: str | None) -> str | None:
@@ -71,7 +75,8 @@ def card_fields(model, args, train_dataset, objective: str | None = None, **sett
             description += f", {n:,} training examples"
         if description is None and train_dataset is not None:  # no Hub info: the columns (public structure)
             columns = getattr(train_dataset, "column_names", None)
-            description = "a dataset given in Python" + (
+            builder = getattr(getattr(train_dataset, "info", None), "builder_name", None)
+            description = (f"local {builder} files" if builder in _LOCAL_FILE_BUILDERS else "a dataset given in Python") + (
                 f" (columns {', '.join(f'`{c}`' for c in columns)})" if columns else "")
     labels = labels_of(config) if config is not None else None
     task_description = None
@@ -93,7 +98,25 @@ def card_fields(model, args, train_dataset, objective: str | None = None, **sett
             model_description += ", loaded from a local checkpoint"
     return {"base_model": base, "task_name": task, "dataset_name": dataset_name, "data_description": description,
             "model_name": title, "task_description": task_description, "model_description": model_description,
-            "random_init": config is not None and not name_or_path and not settings.get("base_model_id")}
+            "random_init": config is not None and not name_or_path and not settings.get("base_model_id"),
+            "loss_kind": loss_kind_of(config, objective), "eval_overlap": bool(settings.get("eval_overlap"))}
+
+
+def loss_kind_of(config: Any, objective: str | None) -> str | None:
+    """The loss the model's eval ``loss`` is, as :func:`hf_dp.hub.card.render_model_card` names it: ``causal_lm``; for
+    a sequence classifier the problem type its loss uses (hf_dp.models.loss.sequence_classification_loss: ``mse``
+    for a regression — problem_type ``regression``, or one output —, ``binary_cross_entropy`` for multi-label,
+    else ``cross_entropy``); ``None`` when not known (the card infers it from the evaluation)."""
+    if objective == "causal_lm":
+        return "causal_lm"
+    if objective != "sequence_classification" or config is None:
+        return None
+    problem = getattr(config, "problem_type", None)
+    if problem == "regression" or (problem is None and getattr(config, "num_labels", 2) == 1):
+        return "mse"
+    if problem == "multi_label_classification":
+        return "binary_cross_entropy"
+    return "cross_entropy"
 
 
 def unwrap(model: Any) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,15 +130,40 @@ def ledger_report(ledger) -> dict:
     return record
 
 
+def merged_weight_names(adapter_names) -> list[str]:
+    """The plain model's weights a LoRA adapter is merged into, from the trained PEFT tensor names:
+    ``base_model.model.X.lora_A.default.weight`` → ``X.weight`` (merged: W + (α/r)·B·A), and a trained copy of a
+    module (``X.modules_to_save.default.weight``) → ``X.weight`` (it replaces the base's); order kept, no repeats."""
+    out: dict[str, None] = {}
+    for name in adapter_names:
+        plain = name.removeprefix("base_model.model.")
+        plain = re.sub(r"\.lora_(?:A|B|embedding_A|embedding_B|magnitude_vector)\.[^.]+(\.weight)?$", ".weight", plain)
+        plain = re.sub(r"\.modules_to_save\.[^.]+\.", ".", plain)
+        out[plain] = None
+    return list(out)
+
+
+#: what a LoRA release holds (privacy.json's ``trainable.release``; the card says it too)
+LORA_RELEASE = ("merged: the released weights are the base model's with the trained LoRA adapter merged into them "
+                "(W + (lora_alpha/r)·B·A, by peft's merge_and_unload) and no adapter tensors; 'names' are the adapter "
+                "tensors that were trained, 'merged_into' the released weights they changed (a checkpoint-* folder "
+                "keeps the adapter unmerged)")
+
+
 def trainable_report(info, trainable: str | None) -> dict:
     """The parameters trained: ``info`` (:class:`hf_dp.models.freezing.TrainableInfo`), else ``trainable`` (the
-    ``--trainable`` mode)."""
-    return {
+    ``--trainable`` mode). A LoRA run also says that its release is merged and which released weights the adapter
+    changed (:func:`merged_weight_names`)."""
+    out = {
         "mode": info.mode if info else trainable,
         "trainable_params": info.num_trainable if info else None,
         "total_params": info.num_total if info else None,
         "names": list(info.trainable_names) if info else None,
     }
+    if out["mode"] == "lora":
+        out["release"] = LORA_RELEASE
+        out["merged_into"] = merged_weight_names(out["names"] or [])
+    return out
 
 
 def non_private_report(run: RunFacts, optimizer, steps: int) -> dict:

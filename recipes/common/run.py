@@ -266,6 +266,36 @@ def write_predictions(trainer, dataset, output_dir: str, name: str, decode: Call
                 writer.write(f"{i}\t{p}\n")
 
 
+def data_description(columns: Iterable[str], what: str, *, train_file: Optional[str] = None,
+                     dataset_name: Optional[str] = None, dataset_config: Optional[str] = None,
+                     split: Optional[str] = None) -> str:
+    """The card's "Fine-tuning data" line: where the training data came from (the file's name — never its folder —,
+    or the Hub dataset, its config and split), what its rows are (``what``) and the columns the user's data had (public
+    structure; not the tokenized columns a trainer adds). No count of rows: the card gives N on its own line."""
+    cols = ", ".join(f"`{c}`" for c in columns)
+    if train_file:
+        source = f"local file {os.path.basename(train_file)}"
+    elif dataset_name:
+        source = f"`{dataset_name}`" + (f" (config `{dataset_config}`)" if dataset_config else "") + (
+            f", split `{split}`" if split else "")
+    else:
+        source = "training data"
+    return f"{source}: {what}" + (f" (columns {cols})" if cols else "")
+
+
+def eval_rows_in_training(train, validation, columns: Iterable[str]) -> bool:
+    """Whether any validation row's ``columns`` (the text the model reads: sentences, messages, prompt/completion) equal
+    a training row's: then the evaluation is not held out and the card says so (``eval_overlap``). Only whether — how
+    many is a count of private training rows."""
+    import json
+
+    cols = [c for c in columns if c in getattr(train, "column_names", ()) and c in getattr(validation, "column_names", ())]
+    if not cols or validation is None:
+        return False
+    seen = {json.dumps(row, sort_keys=True, default=str) for row in train.select_columns(cols)}
+    return any(json.dumps(row, sort_keys=True, default=str) in seen for row in validation.select_columns(cols))
+
+
 #: the release's own folder inside --output_dir: the model, its tokenizer, the card (README.md) and privacy.json only —
 #: checkpoints, hf_dp's run records (hf_dp_*) and training_args.bin stay beside it, so that copying or pushing the
 #: release folder ships nothing else
@@ -332,11 +362,15 @@ def push_folder(folder: str, training_args) -> dict:
 
 
 def summarize(task: str, training_args, report: dict, metric_name: str, eval_metrics: dict, baseline, start: float,
-              output_dir: Optional[str], pushed, extra_rows: Iterable[tuple[str, Any]] = ()) -> dict[str, Any]:
+              output_dir: Optional[str], pushed, extra_rows: Iterable[tuple[str, Any]] = (),
+              expectation: Any = None) -> dict[str, Any]:
     """The run's summary dict (what :func:`summary_block` prints and ``main`` returns to the caller).
-    ``extra_rows``: a recipe's own ``(name, value)`` rows, printed after the metric (one line each)."""
+    ``extra_rows``: a recipe's own ``(name, value)`` rows, printed after the metric (one line each). ``expectation``:
+    what the planner's start-of-run block said to expect (``trainer.dp.plan_expectation``, an
+    :class:`hf_dp.plan.Expectation`; see :func:`planner_expectation`), compared with the result."""
     return {
         "extra_rows": [(str(k), v) for k, v in extra_rows],
+        "expectation": expectation,
         "task": task,
         "optimizer": optim_name(training_args.optim),
         "epsilon": report.get("epsilon"),
@@ -381,6 +415,40 @@ def _constant_row(s: dict[str, Any]) -> list[tuple[str, str]]:
                                                 "on the same evaluation labels)")]
 
 
+def planner_expectation(trainer) -> Any:
+    """The expected result the trainer's start-of-run block stated (:func:`hf_dp.plan.run_expectation`), or None (a
+    non-private run, or a selection's holder, prints no block)."""
+    return getattr(getattr(trainer, "dp", None), "plan_expectation", None)
+
+
+def _expectation_row(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The planner's expectation beside the result (issue 53 item 3): "expected ≥ 3 points above the constant
+    predictor … (planner, R_run 0.27), got accuracy 0.5121, at the constant predictor (0.5054): below the
+    expectation". A classifier's result is judged by the constant-predictor comparison (the planner's own rule:
+    ``baseline["at_or_below"]``); a causal LM's perplexity is shown beside the verdict (the run does not score the
+    pretrained model)."""
+    exp = s.get("expectation")
+    if exp is None:
+        return []
+    name, value = s.get("metric_name", "metric"), s.get("metric")
+    got = f"{name} {_fmt(value)}" if value is not None else "no evaluation"
+    r_run = f", R_run {exp.r_run:.3g}" if isinstance(getattr(exp, "r_run", None), float) else ""
+    if not exp.calibrated:
+        return [("planner's expectation", f"no calibrated expectation: {exp.summary}; got {got}")]
+    base = s.get("baseline") or {}
+    expects_constant = exp.expects_constant
+    if expects_constant is not None and value is not None and "at_or_below" in base:
+        compared = (base.get("compared") or {}).get(name)
+        at = bool(base["at_or_below"])
+        got += (", at the constant predictor" if at else ", above the constant predictor") + (
+            f" ({_fmt(compared['constant'])})" if compared else "")
+        got += (": as expected" if at == expects_constant else
+                ": below the expectation" if at else ": better than expected")
+    elif expects_constant is None and value is not None:  # a causal LM: the verdict is against no fine-tuning
+        got += " (this run does not score the pretrained model: compare with the pretrained model's on the same text)"
+    return [("planner's expectation", f"expected {exp.summary} (planner{r_run}), got {got}")]
+
+
 def summary_block(s: dict[str, Any]) -> str:
     rows = [
         ("task", s.get("task")),
@@ -396,6 +464,7 @@ def summary_block(s: dict[str, Any]) -> str:
         *_constant_row(s),
         *[(k, _fmt(v)) for k, v in s.get("extra_rows", ())],
         *([("constant baseline", s["baseline"]["sentence"])] if s.get("baseline") else []),
+        *_expectation_row(s),
         ("wall time", f"{s.get('wall_time', 0.0):.1f} s"),
         ("saved to", s.get("output_dir") or "not saved"),
     ]
