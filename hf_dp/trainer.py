@@ -400,7 +400,8 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
         # base model, task, labels, data and title from what was set on the trainer, else the config and dataset
         fields = card_fields(self.model, self.args, self.train_dataset, getattr(self.objective, "name", None),
                              **{k: getattr(self, k, None) for k in CARD_SETTINGS})
-        write_privacy_artifacts(output_dir, self.privacy_report(), eval_results=eval_results, **fields)
+        write_privacy_artifacts(output_dir, self.privacy_report(), eval_results=eval_results,
+                                log_history=self.state.log_history, **fields)
 
     def create_model_card(self, *args, **kwargs):
         # hf_dp's card for non-private runs too (it says non-private, once): HF's card would replace it

@@ -70,7 +70,7 @@ from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.run import (check_privacy_settings, model_sources, public_size, push_folder,  # noqa: E402
                                 release_is_the_product, resume_argument, summarize)
-from recipes.common.run import save_release  # noqa: E402
+from recipes.common.run import planner_expectation, save_release  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
 
@@ -406,6 +406,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
                 random_init=not model_args.model_name_or_path,
                 model_description=None if trainer.base_model_id else card_fields(
                     trainer.model, trainer.args, trainer.train_dataset)["model_description"],
+                log_history=trainer.state.log_history,  # the training-curves PNG (hf_dp.hub.plots)
             )
     pushed = None
     if push and out is not None and trainer.is_world_process_zero():
@@ -424,7 +425,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
                                  f"{data_args.generation_seed} (post-processing of the released model: no privacy cost)"))
         extra += [(f"sample {i}", text) for i, text in enumerate(samples, start=1)]
     summary = summarize(TASK, training_args, report, "perplexity", eval_metrics, None, start, out, pushed,
-                        extra_rows=extra)
+                        extra_rows=extra, expectation=planner_expectation(trainer))
     summary.update(samples=samples, block_size=block_size, num_units=shown_units, unit_column=unit_column)
     return summary
 

@@ -341,4 +341,6 @@ def test_the_start_of_run_block_is_short_and_says_where_the_full_table_is(tok, t
         plan = [r for r in caplog.records if r.getMessage().startswith("hf_dp plan (public")]
         assert len(plan) == 1 and plan[0].levelno == logging.INFO  # the full table at INFO, when asked
         assert ("sigma/sqrt(BN)" in plan[0].getMessage()) is want_full
-        assert (len(plan[0].getMessage().splitlines()) == 2) is not want_full
+        # two lines, then the expected result (issue 53 item 3: a line of the block when it is not a warning)
+        message = plan[0].getMessage().splitlines()
+        assert (len(message) == 3) is not want_full and "expected result of this plan" in message[-1]

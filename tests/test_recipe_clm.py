@@ -455,7 +455,8 @@ def test_the_causal_lm_verdict_is_printed_once_before_training_and_only_for_a_pr
     before = said["before_train"]
     lines = [x.strip() for x in before.splitlines() if "hf_dp plan (causal LM)" in x]
     assert lines == ["hf_dp plan (causal LM): no verdict: the model starts from random weights (--model_type gpt2), "
-                     "and the verdict is calibrated on fine-tuning a pretrained causal LM (benchmarks/RESULTS.md §10)"], before
+                     "so no calibrated expectation for this model/task: calibrated on fine-tuning a pretrained causal "
+                     "LM (benchmarks/RESULTS.md §10)"], before
     assert "worse than no fine-tuning" not in before
 
 

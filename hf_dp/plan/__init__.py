@@ -60,7 +60,16 @@ on causal-LM runs),
 :mod:`hf_dp.plan.cli` (the command line).
 """
 
-from hf_dp.plan.calibration import CALIBRATION, CONSTANT_R_RUN, CONSTANT_R_RUN_ALL, PLANNED_LR, WARN_R_RUN, calibrated_for
+from hf_dp.plan.calibration import (
+    CALIBRATED_ON,
+    CALIBRATION,
+    CONSTANT_R_RUN,
+    CONSTANT_R_RUN_ALL,
+    PLANNED_LR,
+    WARN_R_RUN,
+    Expectation,
+    calibrated_for,
+)
 from hf_dp.plan.cli import count_trainable, flags_for, main
 from hf_dp.plan.plans import (
     CACHE_ENV,
@@ -76,11 +85,13 @@ from hf_dp.plan.plans import (
     planned_steps,
     recommend,
     run_block,
+    run_expectation,
     split_batch,
 )
 
 __all__ = [
     "DEFAULT_BATCH_SIZES", "DEFAULT_EPOCHS", "WARN_R_RUN", "CONSTANT_R_RUN", "CONSTANT_R_RUN_ALL", "MIN_STEPS", "PlanRow", "Plan", "planned_steps", "noise_multiplier",
     "plan_row", "make_plan", "recommend", "split_batch", "run_block", "main", "PLANNED_LR", "count_trainable",
-    "flags_for", "calibrated_for", "CALIBRATION", "CACHE_ENV", "format_table",
+    "flags_for", "calibrated_for", "CALIBRATION", "CACHE_ENV", "format_table", "Expectation", "run_expectation",
+    "CALIBRATED_ON",
 ]

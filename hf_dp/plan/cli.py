@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="candidates with fewer steps are not recommended (a practical floor; default %(default)s)")
     p.add_argument("--no_cache", "--no-cache", action="store_true", help=f"do not read/write the σ cache (${CACHE_ENV})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="also write the plan's figure to FILE (PNG, matplotlib): R_run against the logical batch B per "
+                   "epochs value with the calibrated thresholds and the recommended plan marked (σ/B without d)")
     return p
 
 
@@ -140,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()  # the whole command: counting d (loading the model) and calibrating σ
     args = build_parser().parse_args(argv)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    if args.plot is not None:
+        from hf_dp.plan.figure import matplotlib_missing
+
+        missing = matplotlib_missing()  # before any calibration
+        if missing:
+            print(f"error: {missing}", file=sys.stderr)
+            return 2
     try:
         params = args.params
         if args.model_name_or_path is not None:
@@ -164,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.plot is not None:
+        from hf_dp.plan.figure import write_plan_plot
+
+        say(f"hf_dp plan: figure written to {write_plan_plot(plan, args.plot, causal_lm=args.causal_lm)}")
     if args.json:
         out = plan.as_dict()
         if plan.choice is not None:
@@ -189,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     verdict = plan.lm_verdict(args.optim, args.learning_rate) if args.causal_lm else None  # its own calibration
     for w in plan.warnings(calibrated=not args.causal_lm):
         print("WARNING: " + w)
+    expectation = None if args.causal_lm else plan.expectation()  # always stated (a warning above, or here)
+    if expectation is not None and not expectation.warning:
+        print(expectation.line)
+    elif not args.causal_lm and plan.choice is None:
+        print("hf_dp plan: no expected result without d (--params, or --model_name_or_path to count it): the "
+              "calibrated expectation is read from R_run = √d·σ/(B·√T)")
     if verdict is not None:
         print(("WARNING: " if verdict[0] else "") + verdict[1])
     if plan.choice is not None:

@@ -109,8 +109,8 @@ def not_calibrated_reason() -> str | None:
 
 def no_verdict_line(reason: str) -> str:
     """The one line that replaces the verdict for a model the calibration does not cover."""
-    return (f"hf_dp plan (causal LM): no verdict: {reason}, and the verdict is calibrated on fine-tuning a pretrained "
-            f"causal LM ({SOURCE})")
+    return (f"hf_dp plan (causal LM): no verdict: {reason}, so no calibrated expectation for this model/task: "
+            f"calibrated on fine-tuning a pretrained causal LM ({SOURCE})")
 
 
 def family(optim: str | None) -> str | None:
@@ -166,7 +166,7 @@ def lm_verdict(*, sigma: float, batch_size: float, params: int, steps: int, lear
     if verdict is None:
         why = ("no learning rate given (--learning_rate)" if fam in LM_WORSE_WALK else
                f"the causal-LM calibration has no threshold for {name} (Adam-type rules only)")
-        return None, f"{head}; no causal-LM verdict: {why} ({_basis()})"
+        return None, f"{head}; no causal-LM verdict: {why}, so no calibrated expectation for this model/task: {_basis()}"
     w = walk(sigma, batch_size, params, steps, learning_rate)
     head += f", noise walk W = lr·√T·R_step/√(1 + R_step²) = {w:.3g} (lr = {learning_rate:g}, T = {steps:,})"
     c = LM_CALIBRATION

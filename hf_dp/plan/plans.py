@@ -16,6 +16,8 @@ from hf_dp.plan.calibration import (
     CONSTANT_R_RUN,
     CONSTANT_R_RUN_ALL,
     WARN_R_RUN,
+    Expectation,
+    classifier_expectation,
     constant_message,
     fmt_e,
     noisy_message,
@@ -247,6 +249,14 @@ class Plan:
             out.append(noisy_message(self.choice, "even the recommended plan"))
         return out
 
+    def expectation(self, calibrated: bool = True) -> Expectation | None:
+        """The sequence classifiers' expectation of the recommended plan (:func:`classifier_expectation`: the
+        constant predictor, what the measured runs below the threshold did, or that none is calibrated); None without
+        a choice."""
+        if self.choice is None:
+            return None
+        return classifier_expectation(self.choice, calibrated, "the recommended plan")
+
     def lm_verdict(self, optim: str | None, learning_rate: float | None) -> tuple[bool | None, str] | None:
         """The causal-LM verdict of the recommended plan (:mod:`hf_dp.plan.lm_verdict`), with the smallest batch of the
         table at the budget epochs that the calibration expects to do better; None without a choice."""
@@ -412,6 +422,55 @@ def lm_batch_fix(own: PlanRow, rows: list[PlanRow], optim: str | None, learning_
     return min(ok) if ok else None
 
 
+#: the causal-LM verdict's expected result, in a few words (for the summary)
+_LM_SUMMARY = {
+    "lm_not_worse": "not worse than no fine-tuning (a perplexity at or below the pretrained model's) where there is "
+                    "something to gain",
+    "lm_worse": "worse than no fine-tuning (a higher perplexity than the pretrained model's)",
+    "lm_worse_little_gain": "worse than no fine-tuning on text with as little to gain as SST-2 dev",
+}
+
+
+def _own_row(n: int, batch_size: float, steps: int, sigma: float, params: int | None) -> PlanRow:
+    spe = PoissonBatchSampler.steps_for_epoch(batch_size / n)
+    return PlanRow(batch_size=int(round(batch_size)), epochs=steps / spe, steps=int(steps), sample_rate=batch_size / n,
+                   sigma=float(sigma), n=int(n), params=int(params) if params else None)
+
+
+def _expectation(own: PlanRow, *, calibrated: bool, causal_lm: bool, optim: str | None, learning_rate: float | None,
+                 batch_fix: int | None = None, batch_size: float | None = None) -> Expectation:
+    """``batch_size``: the run's expected logical batch as given (``own`` holds it rounded)."""
+    if not causal_lm:
+        return classifier_expectation(own, calibrated, "this plan")
+    uncovered = not_calibrated_reason()
+    if uncovered or not own.params:
+        line = no_verdict_line(uncovered or "d, the number of trainable parameters, is not known")
+        return Expectation("none", line, "none (the causal-LM verdict is calibrated on fine-tuning a pretrained causal LM)",
+                           r_run=own.r_run if own.params else None)
+    b = own.batch_size if batch_size is None else batch_size
+    worse, line = lm_verdict(sigma=own.sigma, batch_size=b, params=own.params, steps=own.steps,
+                             learning_rate=learning_rate, optim=optim, who="this run", batch_fix=batch_fix)
+    if worse is None:
+        return Expectation("none", line, "none (no causal-LM verdict for this update rule or without a learning rate)",
+                           r_run=own.r_run)
+    kind = "lm_" + (expected_worse(own.sigma, b, own.params, own.steps, learning_rate, optim) if worse else "not_worse")
+    return Expectation(kind, line, _LM_SUMMARY[kind], r_run=own.r_run, warning=bool(worse))
+
+
+def run_expectation(*, n: int, batch_size: float, steps: int, sigma: float, params: int | None,
+                    calibrated: bool = True, causal_lm: bool = False, optim: str | None = None,
+                    learning_rate: float | None = None) -> Expectation:
+    """What :func:`run_block` states the run is expected to end at (issue 53 item 3: always a calibrated expectation,
+    or one line saying none is calibrated for this model or task and what the calibration is): the sequence
+    classifiers' (:func:`hf_dp.plan.calibration.classifier_expectation`; ``calibrated``: the model is one it covers,
+    :func:`hf_dp.plan.calibration.calibrated_for`), or with ``causal_lm`` the causal-LM verdict
+    (:mod:`hf_dp.plan.lm_verdict`, inside :func:`hf_dp.plan.lm_verdict.not_calibrated_for` none). Public quantities
+    only; no calibration."""
+    own = _own_row(n, batch_size, steps, sigma, params)
+    return _expectation(own, calibrated=calibrated, causal_lm=causal_lm, optim=optim, learning_rate=learning_rate,
+                        batch_size=batch_size)
+
+
 def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: float, accountant: str,
               max_grad_norm: float, params: int, epsilon: float | None = None, calibrated: bool = True,
               detail: bool = False, sigma_note: str = "", causal_lm: bool = False,
@@ -419,7 +478,10 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
     """The start-of-run block of a DP run and its warning (or None). Costs no calibration: σ is the run's own.
 
     Inputs are public only: N, the expected logical batch B, the planned steps T, σ, δ, the accountant, C, d (and
-    the target ε). By default two lines: the plan in one (N, B, q, T, ε, δ, σ, C, d, R_run) and where to see more;
+    the target ε). Always the expected result (:func:`run_expectation`): as the warning when it is the constant
+    predictor (or, for a causal LM, worse than no fine-tuning), else as the block's last line — calibrated, or "no
+    calibrated expectation for this model/task: calibrated on …". By default two lines before it: the plan in one
+    (N, B, q, T, ε, δ, σ, C, d, R_run) and where to see more;
     ``detail=True``: the noise figures and the table, with rows for other batch sizes already calibrated in this
     process (e.g. by a recipe's :func:`recommend`) for the same (N, ε, δ, accountant). ``sigma_note`` replaces the
     "(σ given)" after the ε of a run whose σ was given (e.g. "per trial (rdp; …)" under a private selection).
@@ -428,8 +490,7 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
     :func:`hf_dp.plan.lm_verdict.not_calibrated_for` (a model the calibration does not cover) one line saying so instead.
     """
     spe = PoissonBatchSampler.steps_for_epoch(batch_size / n)
-    own = PlanRow(batch_size=int(round(batch_size)), epochs=steps / spe, steps=int(steps), sample_rate=batch_size / n,
-                  sigma=float(sigma), n=int(n), params=int(params) if params else None)
+    own = _own_row(n, batch_size, steps, sigma, params)
     rows = [own]
     if epsilon is not None:
         for (acc, eps, dl, q, t), s in sorted(_SIGMAS.memory.items(), key=lambda kv: (kv[0][4] * kv[0][3], kv[0][3])):
@@ -445,20 +506,14 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
             + f"--delta {delta:g} --params {params} --accountant {accountant}"
             + (f" --causal_lm --optim {optim}" if causal_lm and optim else "")
             + (f" --learning_rate {learning_rate:g}" if causal_lm and learning_rate else ""))
-    warnings = ([constant_message(own)] if calibrated and own.constant_expected else []) + ([noisy_message(own)] if own.noisy else [])
-    verdict = []  # a causal LM: the verdict line (a warning when it expects the run to end worse than no fine-tuning)
-    uncovered = not_calibrated_reason() if causal_lm and params else None
-    if uncovered:
-        verdict.append("  " + no_verdict_line(uncovered))
-    elif causal_lm and params:
-        same = [r for r in rows if abs(r.epochs - own.epochs) < 1e-9]
-        worse, line = lm_verdict(sigma=own.sigma, batch_size=batch_size, params=int(params), steps=int(steps),
-                                 learning_rate=learning_rate, optim=optim, who="this run",
-                                 batch_fix=lm_batch_fix(own, same, optim, learning_rate))
-        if worse:
-            warnings.insert(0, line)
-        else:
-            verdict.append("  " + line)
+    # the expected result, always (issue 53 item 3): calibrated, or one line saying none is and what the calibration
+    # is — a warning when it is the constant predictor or worse than no fine-tuning, else a line of the block
+    same = [r for r in rows if abs(r.epochs - own.epochs) < 1e-9]
+    expectation = _expectation(own, calibrated=calibrated, causal_lm=causal_lm, optim=optim,
+                               learning_rate=learning_rate, batch_fix=lm_batch_fix(own, same, optim, learning_rate)
+                               if causal_lm and params and not not_calibrated_reason() else None, batch_size=batch_size)
+    warnings = ([expectation.line] if expectation.warning else []) + ([noisy_message(own)] if own.noisy else [])
+    verdict = [] if expectation.warning else ["  " + expectation.line]
     if not detail:
         return "\n".join([
             f"hf_dp plan (public quantities only): N = {n:,}, B = {own.batch_size}, T = {own.steps} steps "

@@ -23,7 +23,7 @@ import torch
 from hf_dp.clipping import choose_engine, make_engine
 from hf_dp.clipping.common import TokenBounds, gamma
 from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
-from hf_dp.plan import calibrated_for, run_block
+from hf_dp.plan import calibrated_for, run_block, run_expectation
 from hf_dp.privacy.accounting import PrivacyLedger
 from hf_dp.privacy.mechanism import Mechanism
 from hf_dp.privacy.planning import LARGER_THAN_DECLARED, public_size
@@ -125,13 +125,14 @@ def setup_privacy(dp, args, model, train_dataset, fingerprint_source, objective,
     dp.plan_announced = role != HOLDER
     if dp.plan_announced:
         d = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        expect = dict(n=n_public, batch_size=b, steps=planned, sigma=sigma, params=d,
+                      calibrated=calibrated_for(getattr(model, "get_base_model", lambda: model)()),
+                      causal_lm=getattr(objective, "name", None) == "causal_lm",  # the causal-LM verdict (hf_dp.plan)
+                      optim=str(getattr(args.optim, "value", args.optim)), learning_rate=args.learning_rate)
         block, warning = run_block(
-            n=n_public, batch_size=b, steps=planned, sigma=sigma, delta=args.delta, accountant=args.accountant,
-            max_grad_norm=args.per_sample_max_grad_norm, params=d, epsilon=args.epsilon, sigma_note=role or "",
-            calibrated=calibrated_for(getattr(model, "get_base_model", lambda: model)()),
-            causal_lm=getattr(objective, "name", None) == "causal_lm",  # the causal-LM verdict (hf_dp.plan)
-            optim=str(getattr(args.optim, "value", args.optim)), learning_rate=args.learning_rate,
-            detail=args.log_level == "debug" or logger.isEnabledFor(logging.DEBUG))
+            **expect, delta=args.delta, accountant=args.accountant, max_grad_norm=args.per_sample_max_grad_norm,
+            epsilon=args.epsilon, sigma_note=role or "", detail=args.log_level == "debug" or logger.isEnabledFor(logging.DEBUG))
+        dp.plan_expectation = run_expectation(**expect)  # what the block said to expect, for the recipes' summary
         logger.info(block)
         if warning:
             logger.warning(warning)

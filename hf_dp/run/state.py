@@ -110,6 +110,7 @@ class PrivacyState:
     sampling_key: bytes | None = None  # several ranks under OS entropy: rank 0's key of this train() only
     lengths_of: Any = None  # the dataset the sampler's lengths were read from (group_by_length)
     plan_announced: bool = False  # the planner's block was printed (not for a selection's holder)
+    plan_expectation: Any = None  # hf_dp.plan.Expectation: the result the block said to expect (the recipes' summary)
     units: Units = field(default_factory=Units)
     step: MicroBatch = field(default_factory=MicroBatch)
     contract: ContractState = field(default_factory=ContractState)
