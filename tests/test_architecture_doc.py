@@ -123,11 +123,18 @@ MAY_IMPORT = [
     # DP SFT with TRL (the sft extra): on top of the trainer, beside the audits; nothing below imports it
     ("hf_dp.sft.*", ANYWHERE, ["hf_dp.sft.*", "hf_dp.trainer", "hf_dp.arguments", "hf_dp.flags", "hf_dp.run.data",
                                "hf_dp.hub.*"]),
+    # DP preference tuning with TRL (DPO, reward models): beside DP SFT; it drives DPTrainer's step (hf_dp.run.step)
+    # with a per-pair objective built on the per-example losses' registry (hf_dp.models.loss)
+    ("hf_dp.dpo.*", ANYWHERE, ["hf_dp.dpo.*", "hf_dp.trainer", "hf_dp.arguments", "hf_dp.flags", "hf_dp.run.data",
+                               "hf_dp.run.step", "hf_dp.models.loss", "hf_dp.hub.*"]),
 ]
 # modules of hf_dp that only the listed importers may import
 ONLY_IMPORTED_BY = {
-    "hf_dp.trainer": ["hf_dp", "hf_dp.audit.trainer_path", "hf_dp.sft.trainer"],  # the package's lazy `hf_dp.DPTrainer`; the audit's trainer path; DPSFTTrainer
+    "hf_dp.trainer": ["hf_dp", "hf_dp.audit.trainer_path", "hf_dp.sft.trainer", "hf_dp.dpo.trainer",
+                      "hf_dp.dpo.reward"],  # the package's lazy `hf_dp.DPTrainer`; the audit's trainer path; the TRL trainers
     "hf_dp.sft.trainer": ["hf_dp.sft"],  # the sft package re-exports DPSFTTrainer; nothing else in hf_dp imports TRL's side
+    "hf_dp.dpo.trainer": ["hf_dp.dpo", "hf_dp.dpo.reward"],  # the dpo package re-exports DPDPOTrainer
+    "hf_dp.dpo.reward": ["hf_dp.dpo"],  # and DPRewardTrainer
 }
 # top-level packages of this repository that nothing in hf_dp imports
 NEVER_IMPORTED = ("recipes", "benchmarks", "tests")

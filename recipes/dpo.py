@@ -1,0 +1,309 @@
+#!/usr/bin/env python
+"""Differentially private preference tuning with hf_dp and TRL — a DP version of TRL's ``dpo`` script, with a
+``--reward_model`` mode for TRL's ``reward`` script (needs the ``sft`` extra: ``pip install -e ".[sft]"``).
+
+    python recipes/dpo.py --model_type llama --config_overrides hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2 \\
+        --tokenizer_name minilm --train_file pairs.jsonl --validation_file pairs_dev.jsonl \\
+        --privacy_unit_column user_id --epsilon 3 --output_dir runs/dpo
+
+Flags: TRL's dpo script's (``--dataset_name``, ``--dataset_config``, ``--dataset_train_split``,
+``--dataset_test_split``, ``--model_name_or_path``, ``--use_peft``), every flag of TRL's ``DPOConfig`` (``--beta``,
+``--loss_type``, ``--max_length``, ...; with ``--reward_model``: ``RewardConfig``'s), run_clm's ``--model_type`` /
+``--config_overrides`` / ``--tokenizer_name`` (a tiny model from a config, offline) and ``--train_file`` /
+``--validation_file`` (json/jsonl/csv with ``prompt`` / ``chosen`` / ``rejected`` columns, or ``chosen`` / ``rejected``
+with the prompt inside; json/jsonl may hold conversational pairs: lists of role/content messages), plus hf_dp's DP
+flags (``--epsilon``, ``--per_sample_max_grad_norm``, ``--privacy_unit_column``, ...), and ``--config FILE.yaml``.
+``--help`` shows the DP flags first and each TRL flag marked with what it does under DP (hf_dp/dpo/config.py).
+
+What the recipe decides (docs/dpo.md):
+
+* **One pair = one example**; ``--privacy_unit_column user_id``: all pairs of one user are one unit (N = users).
+* **The DP defaults: clm.py's, reused** (not tuned on preference data): LoRA (``--trainable lora``; the reference model
+  is then the base model with the adapter disabled, no second copy), dp_adamw at lr 5e-4, a constant schedule, C = 0.1,
+  2 epochs, ε = 3, δ = 1e-5, and — with ``--epsilon`` and no batch flag — a logical batch of about N/16 units.
+* **The chat template.** A tokenizer without one gets :data:`DEFAULT_CHAT_TEMPLATE` (``role: text`` lines) for
+  conversational pairs, said in one line.
+* **Before any model is loaded**, one ``error:`` line each for what cannot run (missing columns, a missing unit, a TRL
+  flag or loss type DP refuses).
+* **After training**: on the validation pairs (not private), the share of pairs whose implicit reward (DPO) or reward
+  (``--reward_model``) prefers the chosen answer, and the mean margin, printed; ``<output_dir>/release`` holds the
+  model (LoRA merged), the tokenizer, ``privacy.json`` and the card.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+from recipes.clm import LM_STEPS_PER_EPOCH, lm_batch_plan  # noqa: E402
+from recipes.clm import OPTIMIZER_DEFAULTS as CLM_OPTIMIZER_DEFAULTS  # noqa: E402
+from recipes.clm import PROTOCOL_DEFAULTS as CLM_PROTOCOL_DEFAULTS  # noqa: E402
+from recipes.clm_support import (ClmModelArguments, load_config_and_tokenizer, load_raw_datasets,  # noqa: E402
+                                 verdict_scope)
+from recipes.clm_support import build_model as build_causal_lm  # noqa: E402
+from recipes.common.args import RecipeError, parse_layered, read_config  # noqa: E402
+from recipes.common.help import effective_notes  # noqa: E402
+from recipes.common.help import format_help as _format_help  # noqa: E402
+from recipes.common.logs import time_left_callback  # noqa: E402
+from recipes.common.model import base_model_id  # noqa: E402
+from recipes.common.rows import check_unit_values  # noqa: E402
+from recipes.common.run import (check_privacy_settings, model_sources, push_folder, release_is_the_product,  # noqa: E402
+                                resume_argument, save_release, summarize)
+from recipes.common.run import main as run_main  # noqa: E402
+from hf_dp.run.data import no_progress_bar  # noqa: E402
+from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
+
+logger = logging.getLogger("hf_dp.recipes.dpo")
+
+#: the chat template a tokenizer without one gets for conversational pairs: one "role: text" line per message, each
+#: ended by the EOS token; the prompt rendered alone (with the generation prompt) is a prefix of prompt + answer
+DEFAULT_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+# clm.py's defaults for LoRA on a causal LM (chosen on plain text, benchmarks/RESULTS.md §10b; not tuned on pairs)
+PROTOCOL_DEFAULTS: dict[str, Any] = dict(CLM_PROTOCOL_DEFAULTS)
+OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {k: dict(v) for k, v in CLM_OPTIMIZER_DEFAULTS.items()}
+
+
+@dataclass
+class DpoScriptArguments:
+    """TRL's dpo script's data flags, plus local files and the reward-model mode."""
+
+    dataset_name: Optional[str] = field(default=None, metadata={"help": "A datasets name (offline: the local cache only)"})
+    dataset_config: Optional[str] = field(default=None, metadata={"help": "The dataset's configuration name"})
+    dataset_train_split: str = field(default="train", metadata={"help": "The training split"})
+    dataset_test_split: str = field(default="validation", metadata={"help": "The evaluation split (not private data)"})
+    train_file: Optional[str] = field(default=None, metadata={"help": "json/jsonl/csv: prompt/chosen/rejected pairs"})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "Held-out pairs for the preference accuracy"})
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep the first N training rows"})
+    reward_model: bool = field(default=False, metadata={"help": "Train a reward model (a sequence classifier with one "
+                                                               "output) on the pairs, as TRL's reward script, instead "
+                                                               "of DPO"})
+
+
+@dataclass
+class DpoModelArguments:
+    """TRL's model flags that DP keeps (``--use_peft``) and run_clm's."""
+
+    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "A causal LM folder (or Hub id)"})
+    model_type: Optional[str] = field(default=None, metadata={"help": "A new model of this type (llama, gpt2, ...)"})
+    config_overrides: Optional[str] = field(default=None, metadata={"help": "With --model_type, e.g. hidden_size=64"})
+    config_name: Optional[str] = field(default=None, metadata={"help": "Config name or path, if not the model's"})
+    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Tokenizer name or path; minilm = offline"})
+    model_revision: str = field(default="main", metadata={"help": "Model version (branch, tag or commit)"})
+    use_peft: bool = field(default=False, metadata={"help": "LoRA adapters (= --trainable lora, the recipe's default)"})
+
+
+# ----------------------------------------------------------------------------------------------- arguments
+
+
+def _reward_mode(argv: list[str]) -> bool:
+    """``--reward_model`` on the command line (or in the ``--config`` file): it chooses the config class."""
+    for i, a in enumerate(argv):
+        if a == "--reward_model":
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            return nxt.lower() not in ("false", "0", "no")
+        if a.startswith("--reward_model="):
+            return a.split("=", 1)[1].lower() not in ("false", "0", "no")
+        if a == "--config" and i + 1 < len(argv):
+            return bool(read_config(argv[i + 1]).get("reward_model", False))
+    return False
+
+
+def make_parser(reward: bool = False):
+    from transformers import HfArgumentParser
+
+    try:
+        from hf_dp.dpo import DPDPOConfig, DPRewardConfig
+    except ImportError as exc:
+        raise RecipeError(str(exc)) from None  # the sft extra (TRL) is not installed: one line
+    return HfArgumentParser((DpoScriptArguments, DpoModelArguments, DPRewardConfig if reward else DPDPOConfig))
+
+
+def _run_name(peek) -> str:
+    kind = "reward" if getattr(peek, "reward_model", False) else "dpo"
+    name = peek.model_type or os.path.basename(os.path.normpath(peek.model_name_or_path or peek.config_name or "model"))
+    return f"{kind}-{name}"
+
+
+def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None):
+    """Parse ``argv``: recipe defaults < ``defaults`` < YAML ``--config`` < command line (recipes.common.args)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    reward = _reward_mode(argv)
+    try:
+        data_args, model_args, args = parse_layered(
+            argv, defaults, parser=make_parser(reward), protocol_defaults=PROTOCOL_DEFAULTS,
+            optimizer_defaults=OPTIMIZER_DEFAULTS, run_name=_run_name, format_help=format_help,
+            cache_frozen_by_default=False)
+    except SystemExit as exc:  # argparse's own usage errors were printed already
+        if exc.code:
+            raise RecipeError("the command line could not be parsed (see the usage line above)") from None
+        raise
+    if model_args.use_peft:
+        if "trainable" in args._hf_dp_explicit and args.trainable != "lora":
+            raise RecipeError(f"--use_peft trains LoRA adapters; it cannot be combined with --trainable {args.trainable}")
+        args.trainable = "lora"
+    return data_args, model_args, args
+
+
+def format_help(parser, peek) -> str:
+    """``--help``: the DP flags, the data and model flags, TRL's DPOConfig (RewardConfig) flags each marked with what it
+    does under DP, then the essential training flags with the recipe's defaults for this command line."""
+    from trl import DPOConfig, RewardConfig
+
+    from hf_dp.dpo.config import DPO_FLAGS, REWARD_FLAGS, new_fields
+
+    reward = bool(getattr(peek, "reward_model", False))
+    notes = effective_notes(OPTIMIZER_DEFAULTS, {}, "runs/dpo-<model>-<optim>-eps<ε>")
+    notes["learning_rate"] = ("(recipe default depends on --optim — " + ", ".join(
+        f"{k} {v['learning_rate']:g}" for k, v in OPTIMIZER_DEFAULTS.items()) + "; clm.py's values for LoRA on a "
+        "causal LM, not tuned on preference pairs)")
+    notes["per_device_train_batch_size"] = (
+        f"(recipe default: 16 pairs per device; with --epsilon and no batch flag, the accumulation that makes the "
+        f"logical batch ≈ N/{LM_STEPS_PER_EPOCH} units, printed at start)")
+    notes["privacy_unit_column"] = "(recipe default: each pair — prompt, chosen and rejected answers — is one unit)"
+    title = f"TRL {'RewardConfig' if reward else 'DPOConfig'} ([DP: ...] = what the flag does under DP, docs/dpo.md)"
+    fields = new_fields(RewardConfig if reward else DPOConfig)
+    return _format_help(
+        parser, peek, data_arguments=DpoScriptArguments, model_arguments=DpoModelArguments,
+        data_title="data (as TRL's dpo script, plus --train_file / --validation_file / --reward_model)",
+        model_title="model (as TRL's dpo script, plus run_clm's --model_type / --config_overrides)", notes=notes,
+        extra_groups=[(title, fields, REWARD_FLAGS if reward else DPO_FLAGS)],
+        usage="python recipes/dpo.py [--reward_model] [--config FILE.yaml] [flags]   |   python recipes/dpo.py --help-all",
+        description="Differentially private preference tuning with TRL (DPO, or a reward model with --reward_model), "
+                    "one preference pair = one example; see docs/dpo.md.")
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def _check_columns(ds, what: str) -> str:
+    cols = set(ds.column_names)
+    if not {"chosen", "rejected"} <= cols:
+        raise DataLoadingError(f"the {what} data needs 'chosen' and 'rejected' columns (and 'prompt', unless the "
+                               f"prompt is inside them); it has {sorted(cols)}")
+    return "conversational" if isinstance(ds[0]["chosen"], list) else "text"
+
+
+def _load_data(data_args: DpoScriptArguments, args):
+    if data_args.train_file or data_args.validation_file:
+        raw = load_raw_datasets(data_args.train_file, data_args.validation_file)
+        train, dev = raw.get("train"), raw.get("validation")
+    else:
+        raw = load_raw_datasets(dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config)
+        train, dev = raw.get(data_args.dataset_train_split), raw.get(data_args.dataset_test_split)
+    if train is None:
+        raise DataLoadingError("no training data: pass --train_file (or --dataset_name with a train split)")
+    if data_args.max_train_samples is not None:
+        train = train.select(range(min(len(train), data_args.max_train_samples)))
+    kind = _check_columns(train, "training")
+    col = args.privacy_unit_column
+    if dev is not None:
+        _check_columns(dev, "validation")
+        if col in dev.column_names:
+            dev = dev.remove_columns(col)
+    if col is not None and args.dp_enabled:
+        if col not in train.column_names:
+            raise DataLoadingError(f"--privacy_unit_column {col}: the training data has no column '{col}' (it has "
+                                   f"{sorted(train.column_names)})")
+        check_unit_values(train[col], col, data_args.train_file, DataLoadingError)
+    return train, dev, kind
+
+
+def _build_model(reward: bool, clm_args, config, tokenizer, path):
+    if not reward:
+        return build_causal_lm(clm_args, config, tokenizer, path)
+    from transformers import AutoModelForSequenceClassification
+
+    config.num_labels = 1
+    if path is None:
+        return AutoModelForSequenceClassification.from_config(config)
+    return AutoModelForSequenceClassification.from_pretrained(path, config=config)
+
+
+# ----------------------------------------------------------------------------------------------- run
+
+
+def run(data_args: DpoScriptArguments, model_args: DpoModelArguments, args) -> dict[str, Any]:
+    """Load the pairs and the model, train with DP, evaluate, save, push; return the summary dict."""
+    import transformers
+
+    from hf_dp.dpo import DPDPOTrainer, DPRewardTrainer
+
+    start = time.perf_counter()
+    transformers.set_seed(args.seed)
+    reward = data_args.reward_model
+    quiet = args.dp_enabled and (args.privacy_unit_column or args.public_dataset_size is not None)
+    with no_progress_bar() if quiet else contextlib.nullcontext():
+        train, dev, kind = _load_data(data_args, args)
+    resume = resume_argument(args, model_sources(model_args))
+    col = args.privacy_unit_column if args.dp_enabled else None
+    n_units = len(set(train[col])) if col else len(train)
+    check_privacy_settings(args, n_units)  # δ < 1/N, B ≤ N, σ calibratable: before the model and TRL's preparation
+    clm_args = ClmModelArguments(model_name_or_path=model_args.model_name_or_path, model_type=model_args.model_type,
+                                 config_overrides=model_args.config_overrides, config_name=model_args.config_name,
+                                 tokenizer_name=model_args.tokenizer_name, model_revision=model_args.model_revision,
+                                 trust_remote_code=args.trust_remote_code)
+    config, tokenizer, path = load_config_and_tokenizer(clm_args)
+    if tokenizer.eos_token is None:  # a BERT-style tokenizer (minilm): its [SEP] ends each answer
+        tokenizer.eos_token = tokenizer.sep_token
+        config.eos_token_id = tokenizer.eos_token_id
+    if kind == "conversational" and getattr(tokenizer, "chat_template", None) is None:
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+        print("chat template: the tokenizer has none, and conversational pairs need one: using the recipe's default "
+              "(recipes/dpo.py DEFAULT_CHAT_TEMPLATE): one 'role: text' line per message", flush=True)
+    model = _build_model(reward, clm_args, config, tokenizer, path)
+    planned = lm_batch_plan(args, n_units)  # ≈ N/16 units when no batch flag is given (clm.py's setting)
+    if planned:
+        print(planned + "; clm.py's setting for LoRA on a causal LM, reused for preference pairs (not tuned on them)",
+              flush=True)
+        check_privacy_settings(args, n_units)
+    push = bool(args.push_to_hub)
+    args.push_to_hub = False
+    with verdict_scope(model_args):
+        cls = DPRewardTrainer if reward else DPDPOTrainer
+        trainer = cls(model=model, args=args, train_dataset=train, eval_dataset=dev, processing_class=tokenizer)
+    release_is_the_product(trainer)
+    trainer.add_callback(time_left_callback())
+    trainer.base_model_id = base_model_id(model_args.model_name_or_path) if model_args.model_name_or_path else None
+    # the card: the user's own columns, not TRL's tokenized ones
+    trainer.dataset_name = None if data_args.train_file else data_args.dataset_name
+    trainer.data_description = (f"{kind} preference pairs from {'local files' if data_args.train_file else 'the dataset'}"
+                                f" (columns {', '.join(f'`{c}`' for c in train.column_names)})")
+    trainer.train(resume_from_checkpoint=resume)
+    metrics = trainer.evaluate() if dev is not None else {}
+    accuracy = metrics.get("eval_accuracy" if reward else "eval_rewards/accuracies")
+    margin = metrics.get("eval_margin" if reward else "eval_rewards/margins")
+    if accuracy is not None:
+        what = "reward" if reward else "implicit reward (β·log π/π_ref)"
+        print(f"preference accuracy = {accuracy:.4f} (the share of {len(dev)} held-out pairs whose {what} prefers the "
+              f"chosen answer), mean margin {margin:.4g}", flush=True)
+    out = save_release(trainer, args)
+    pushed = push_folder(out, args) if push and trainer.is_world_process_zero() else None
+    report = trainer.privacy_report()
+    unit = report.get("privacy_unit") or {}
+    task = (f"{'reward modelling' if reward else 'DPO'} on preference pairs ({kind}; "
+            f"{unit.get('description', 'one pair = one unit') if args.dp_enabled else 'non-private baseline'})")
+    metrics = {**metrics, "eval_preference_accuracy": accuracy} if accuracy is not None else metrics
+    summary = summarize(task, args, report, "preference_accuracy", metrics, None, start, out, pushed,
+                        extra_rows=[("held-out mean margin", margin)] if margin is not None else ())
+    return summary
+
+
+def main(argv: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> int:
+    """Entry point; returns the process exit code (0 ok, 2 for usage/data/model errors, 3 when the push failed)."""
+    return run_main(parse_args, run, argv, defaults, user_errors=(DataLoadingError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""recipes/dpo.py (issue 51): DP DPO and DP reward modelling on a tiny preference jsonl, end to end, and its one-line
+errors.
+
+A tiny Llama from --model_type/--config_overrides, the tests' 60-word WordPiece tokenizer, prompt/chosen/rejected pairs
+of 8 users (and conversational pairs: lists of role/content messages). The run prints ε and the held-out preference
+accuracy, the release's privacy.json names the unit and N; what DP refuses is one `error:` line before any model.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from helpers import WORDS, make_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+LLAMA = ["--model_type", "llama", "--config_overrides",
+         "hidden_size=16,intermediate_size=32,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2"]
+
+
+def _pairs(path: Path, n: int, users: int, seed: int, conversational: bool = False) -> None:
+    r = random.Random(seed)
+    say = lambda lo, hi: " ".join(r.choice(WORDS) for _ in range(r.randint(lo, hi)))  # noqa: E731
+    with open(path, "w") as f:
+        for i in range(n):
+            if conversational:
+                row = {"prompt": [{"role": "user", "content": say(2, 5)}],
+                       "chosen": [{"role": "assistant", "content": say(1, 4)}],
+                       "rejected": [{"role": "assistant", "content": say(1, 4)}]}
+            else:
+                row = {"prompt": say(2, 5), "chosen": " " + say(1, 4), "rejected": " " + say(1, 4)}
+            f.write(json.dumps({"user_id": f"user{i % users}", **row}) + "\n")
+
+
+@pytest.fixture
+def files(tmp_path):
+    tok = make_tokenizer(tmp_path / "tok")
+    tok.save_pretrained(tmp_path / "tok")
+    _pairs(tmp_path / "pairs.jsonl", 32, 8, 0)
+    _pairs(tmp_path / "dev.jsonl", 8, 8, 1)
+    _pairs(tmp_path / "chats.jsonl", 32, 8, 2, conversational=True)
+    return tmp_path
+
+
+def _run(files, *extra, train="pairs.jsonl"):
+    from recipes import dpo
+
+    return dpo.main([*LLAMA, "--tokenizer_name", str(files / "tok"), "--train_file", str(files / train),
+                     "--validation_file", str(files / "dev.jsonl"), "--output_dir", str(files / "out"),
+                     "--per_device_train_batch_size", "2", "--max_steps", "2", "--max_length", "48",
+                     "--use_cpu", "true", "--report_to", "none", "--disable_tqdm", "true", *extra])
+
+
+def test_a_user_level_dpo_run_prints_epsilon_and_names_the_users(files, capsys):
+    assert _run(files, "--privacy_unit_column", "user_id", "--epsilon", "3") == 0
+    captured = capsys.readouterr()
+    console = captured.out + captured.err
+    assert not re.search(r"\b32/32\b|\b32 (examples|rows|pairs)\b", console), console[-3000:]  # the pair count is private
+    assert re.search(r"epsilon spent\s+: [\d.]+ \(target 3\)", captured.out)
+    assert "preference accuracy = " in captured.out and "user-level DP over preference pairs" in captured.out
+    report = json.loads((files / "out" / "release" / "privacy.json").read_text())
+    assert report["privacy_unit"]["column"] == "user_id" and report["privacy_unit"]["num_units"] == 8
+    assert report["dataset_size"] == 8 and 0 < report["epsilon"] <= 3 + 1e-6
+    assert report["dpo"]["trainer"].startswith("DPDPOTrainer") and "LoRA" in report["dpo"]["reference_model"]
+
+
+def test_conversational_pairs_and_the_reward_model_mode_run(files, capsys):
+    assert _run(files, "--privacy_unit_column", "user_id", "--epsilon", "3", "--output_dir", str(files / "chat"),
+                train="chats.jsonl") == 0
+    out = capsys.readouterr().out
+    assert "chat template: the tokenizer has none" in out
+    assert _run(files, "--reward_model", "--epsilon", "3", "--output_dir", str(files / "rm")) == 0
+    out = capsys.readouterr().out
+    assert "whose reward prefers the chosen answer" in out
+    report = json.loads((files / "rm" / "release" / "privacy.json").read_text())
+    assert report["reward_model"]["trainer"].startswith("DPRewardTrainer") and report["dataset_size"] == 32
+    assert "one pair" in report["privacy_unit"]["description"]
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--privacy_unit_column", "person"], "error: --privacy_unit_column person: the training data has no column 'person'"),
+    (["--loss_type", "aot"], "error: --loss_type aot is not supported with DP"),
+    (["--precompute_ref_log_probs", "true"], "error: --precompute_ref_log_probs is not supported with DP"),
+])
+def test_bad_input_is_one_error_line_before_any_model_is_built(files, capsys, extra, match):
+    assert _run(files, "--epsilon", "3", *extra) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+    assert not (files / "out" / "release").exists()
