@@ -2,7 +2,7 @@
 (``config._name_or_path`` when it reads as a Hub id), the task and labels (``config.finetuning_task``,
 ``config.id2label``), the fine-tuning data (a ``datasets.Dataset``'s own info: dataset name, config, split) and a
 title. A recipe (or the user) sets ``trainer.base_model_id``, ``trainer.task_name``, ``trainer.dataset_name``,
-``trainer.data_description`` or ``trainer.model_name`` to override any of them (README.md, "Model cards"):
+``trainer.data_description`` or ``trainer.model_name`` to override any of them (docs/api.md, "Model cards"):
 ``DPTrainer`` hands those (:data:`CARD_SETTINGS`) to :func:`card_fields` with the model, the arguments and the
 training set."""
 
@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any
 
-#: what may be set on a trainer to override what :func:`card_fields` finds (README.md, "Model cards");
+#: what may be set on a trainer to override what :func:`card_fields` finds (docs/api.md, "Model cards");
 #: ``eval_overlap``: a recipe found evaluation rows that also occur in the training data (the card then does not call
 #: the evaluation held-out)
 CARD_SETTINGS = ("base_model_id", "task_name", "dataset_name", "data_description", "model_name", "eval_overlap")

@@ -361,7 +361,7 @@ def build_prefix_cache(
 
     Logs one INFO line when done: rows, seconds, rows/s, the cache's size and where it lives.  The size is the
     dataset's total token count times the hidden size: for a private training set a non-private statistic in the
-    logs, like HF's logged training loss (README, "Not private").
+    logs, like HF's logged training loss (docs/guarantee.md, "Not private").
 
     Returns:
         :class:`CachedFeatures` with ``L_i = attention_mask[i].sum()`` positions per example.

@@ -28,7 +28,7 @@ every micro-batch, :func:`check_rows` (in the loader's collator), :func:`check_m
 The checks take the pieces they read (the arguments, the model, the run's privacy state ``trainer.dp``, the trainer's
 loader and loss as callables), never the trainer.
 
-What stays the user's responsibility: README, "The per-example contract".
+What stays the user's responsibility: docs/guarantee.md, "The per-example contract: what hf_dp enforces, and what stays yours".
 """
 
 from __future__ import annotations
