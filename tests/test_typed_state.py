@@ -163,3 +163,18 @@ def test_two_datasets_with_the_same_public_inputs_give_equal_mechanisms_and_priv
         written = json.load(f)
     for key, value in a.describe().items():
         assert written[key] == value, key
+
+
+def test_a_printed_state_shows_no_private_fact(tmp_path):
+    """A review of issue 50: ``repr(trainer.dp)`` (a default dataclass repr) printed every unit's rows, the actual
+    count under a declared N and the sampling key; it names the public mechanism only."""
+    rows = _data(120, 3).add_column("user", [f"u{i % 7}" for i in range(120)])
+    args = DPTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1,
+                               epsilon=3.0, delta=1e-3, privacy_unit_column="user", public_dataset_size=10,
+                               report_to=[], use_cpu=True, dp_max_length=8)
+    tr = DPTrainer(model=_model(), args=args, train_dataset=rows)
+    tr.dp.sampling_key = b"\x01" * 32
+    text = repr(tr.dp) + str(tr.dp) + repr(tr.dp.units) + repr(tr.dp.contract) + repr(tr.dp.lineage)
+    assert "Mechanism(" in repr(tr.dp)
+    for private in ("rows=", "[0, 7", "120", "sampling_key", "\\x01", "of_row", "planned_dataset"):
+        assert private not in text, private

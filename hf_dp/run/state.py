@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass
+@dataclass(repr=False)
 class Units:
     """The privacy units: under ``--privacy_unit_column`` the training rows of each unit (read once at set-up) and each
     row's unit; ``count`` is the actual number of units (rows without the column), ``--audit_canaries``' m included."""
@@ -46,7 +46,7 @@ class Units:
     count: int = 0
 
 
-@dataclass
+@dataclass(repr=False)
 class MicroBatch:
     """What one micro-batch's ``compute_loss`` leaves for ``training_step`` to hand to the engine (reset after it)."""
 
@@ -57,7 +57,7 @@ class MicroBatch:
     canary_loss: Any = None  # --audit_canaries: the input canaries' share, kept out of the logged loss
 
 
-@dataclass
+@dataclass(repr=False)
 class ContractState:
     """What every ``train()`` and every step compares with (:mod:`hf_dp.run.contract`)."""
 
@@ -68,7 +68,7 @@ class ContractState:
     several_rows: bool = False  # that collator gives several rows per example
 
 
-@dataclass
+@dataclass(repr=False)
 class LineageState:
     """The run's place in the model's history (:mod:`hf_dp.run.lineage`, :mod:`hf_dp.run.spent`)."""
 
@@ -81,7 +81,7 @@ class LineageState:
     resumed_from: str | None = None  # the checkpoint train() resumed from
 
 
-@dataclass
+@dataclass(repr=False)
 class Selection:
     """A private hyper-parameter selection (:mod:`hf_dp.tuning.search`) run from, or released by, this trainer."""
 
@@ -92,9 +92,11 @@ class Selection:
     trial: int | None = None  # this trainer is (or holds) trial number `trial` of a private selection
 
 
-@dataclass
+@dataclass(repr=False)
 class PrivacyState:
-    """The privacy state of one run (see the module docstring): ``DPTrainer.dp``."""
+    """The privacy state of one run (see the module docstring): ``DPTrainer.dp``. Its ``repr`` names the public
+    mechanism only: the parts hold private facts (each unit's rows, the actual count under a declared N, the sampling
+    key of a ``train()``) that a printed trainer or a log line must not show."""
 
     mechanism: Any = None  # hf_dp.privacy.mechanism.Mechanism
     ledger: Any = None  # hf_dp.privacy.accounting.PrivacyLedger
@@ -119,6 +121,9 @@ class PrivacyState:
     audit_record: dict | None = None  # the one-run audit's record, once audited
     selection: Selection = field(default_factory=Selection)
     saving_checkpoint: bool = False  # HF is writing a checkpoint (save_model writes no release then)
+
+    def __repr__(self) -> str:
+        return f"PrivacyState(mechanism={self.mechanism!r}, clipping={self.clipping!r}, randomness={self.randomness!r})"
 
     @property
     def spec(self):

@@ -363,6 +363,7 @@ def adopt(dp, args, params, seed, record, score_sets=()) -> None:
         setattr(args, name, value)
     args.seed = seed
     dp.selection.record = record
+    dp.selection.started = True  # the holder's search spent the budget: no second search (the winner's state came in)
     dp.mechanism = dp.mechanism.with_target_epsilon(record["target_epsilon"])
     dp.ledger.meta["hyperparameter_selection"] = {
         "total_epsilon": record["total_epsilon"], "delta": record["delta"],
