@@ -71,7 +71,8 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
         if not isinstance(args, DPTrainingArguments):
             raise TypeError("DPTrainer needs args=DPTrainingArguments(...)")
         self.trainable_info = None
-        self.dp = PrivacyState()  # the run's privacy state, filled by hf_dp.run.setup (hf_dp.run.state)
+        # the run's privacy state, filled by hf_dp.run.setup (hf_dp.run.state); private or not is fixed here
+        self.dp = PrivacyState(enabled=bool(args.dp_enabled))
         if args.dp_enabled:
             if model is None:
                 raise ValueError("DPTrainer needs a model (model_init is not supported with DP)")
@@ -256,6 +257,7 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        contract.check_private_fixed(self.dp, self.args)  # a callback may flip args.disable_dp mid-run
         if not self.args.dp_enabled:
             return super().training_step(model, inputs, num_items_in_batch)
         # every micro-batch (a few comparisons): the arguments (a callback may change them) and the optimizer HF steps
@@ -279,7 +281,7 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
         """All numbers of the guarantee, as written to ``privacy.json`` and the model card (see :mod:`hf_dp.hub.report`)."""
         run = report.RunFacts(self.args, getattr(self.objective, "name", None), self.trainable_info,
                               bool(self._prefix_cache), tuple(self.callback_handler.callbacks), self.eval_dataset)
-        if not self.args.dp_enabled:
+        if not self.dp.enabled:  # private or not as built (a train() with other args is refused)
             return report.non_private_report(run, self.optimizer, self.state.global_step)
         ledger = lineage.take_later_runs(self.dp, self.args, self.model)  # the model's later runs taken in first
         return report.privacy_report(self.dp.mechanism, ledger, run.with_state(self.dp), epsilon=self.get_epsilon())
@@ -318,6 +320,7 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
         self.__dict__.update({**winner.__dict__, **own})
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        contract.check_private_fixed(self.dp, self.args)  # DP or not, as built (hf_dp.run.contract)
         if self.dp.selection.record is not None:
             from hf_dp.tuning.search import refuse_train_after_selection
 

@@ -439,12 +439,12 @@ def test_the_data_reference_never_leaves_memory():
     from hf_dp.run.lineage import DataRef
 
     rows = [{"input_ids": [1, 2], "labels": 0}]  # a list: no weak reference, held
-    ref = DataRef(rows, 1)
+    ref = DataRef(rows)  # its actual row count, never a planned N (tests/test_ledger_honesty.py)
     assert ref.dataset() is rows and ref.fingerprint is None  # hashed only when asked
     assert ref.get_fingerprint() is not None
     assert copy.deepcopy(ref) is ref
     restored = pickle.loads(pickle.dumps(ref))  # torch.save(model) is a file: no fingerprint, no data
-    assert restored.fingerprint is None and restored.dataset() is None and restored.num_samples == 1
+    assert restored.fingerprint is None and restored.dataset() is None and restored.rows == 1
 
 
 def test_a_resume_record_leaves_the_checkpoint_folder_times_alone(tmp_path):

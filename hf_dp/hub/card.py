@@ -193,6 +193,8 @@ def build_front_matter(
                       "noise_multiplier", "max_grad_norm", "expected_batch_size", "steps", "epochs")
             if k in report
         }
+        if report.get("non_private_training"):  # also trained without DP: the guarantee does not cover that data
+            meta["differential_privacy"]["trained_without_dp_too"] = True
     # results: a classifier's metrics (its loss is a training objective, not a result); a language model's eval loss
     # (and its perplexity when computed) — never TRL's diagnostics or counters (num_tokens counts training tokens)
     metrics = [

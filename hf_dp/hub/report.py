@@ -38,6 +38,7 @@ class RunFacts:
     clipping: str | None = None  # the clipping engine's name
     bounds: Any = None  # hf_dp.clipping.common.TokenBounds: the run's public token bounds
     run_id: str | None = None
+    noise_seed: int | None = None  # --dp_seed as the run was built with it (the privacy state's, not args')
     selection: dict | None = None  # a private hyper-parameter selection's record (hf_dp.tuning.search)
     audit: dict | None = None  # the one-run audit's record (hf_dp.audit.canaries.after_train), once audited
 
@@ -46,7 +47,8 @@ class RunFacts:
         report reads besides its mechanism and ledger."""
         return dataclasses.replace(
             self, rule=getattr(dp.optimizer, "rule", None), randomness=dp.randomness, clipping=dp.clipping,
-            bounds=dp.bounds, run_id=dp.run_id, selection=dp.selection.record, audit=dp.audit_record)
+            bounds=dp.bounds, run_id=dp.run_id, noise_seed=dp.noise_seed, selection=dp.selection.record,
+            audit=dp.audit_record)
 
 
 def _schedule(args, hyper: dict) -> dict:
@@ -79,6 +81,7 @@ def privacy_report(mechanism, ledger, run: RunFacts, *, epsilon: float) -> dict:
         hyper = _schedule(args, run.rule.describe())
     described = dict(mechanism.describe())  # δ, target ε, accountant, σ, C, q, B, N and its source, the adjacency, T
     planned_steps = described.pop("planned_steps")
+    ledger_record = ledger_report(ledger)
     return {
         "hf_dp_version": __version__,
         "differential_privacy": True,
@@ -93,7 +96,7 @@ def privacy_report(mechanism, ledger, run: RunFacts, *, epsilon: float) -> dict:
         "privacy_unit": mechanism.unit_report(),
         "secure_rng": run.randomness == CSPRNG,
         "randomness": run.randomness,
-        "dp_seed": args.dp_seed if run.randomness == SEEDED else None,
+        "dp_seed": run.noise_seed if run.randomness == SEEDED else None,  # the seed the run drew with, not args' now
         "clipping": run.clipping,
         "clipping_rounding": rounding_report(run.bounds),
         "cache_frozen_features": bool(run.cache_frozen_features),
@@ -102,9 +105,25 @@ def privacy_report(mechanism, ledger, run: RunFacts, *, epsilon: float) -> dict:
         "model_selection": model_selection_report(args, run.callbacks, run.eval_dataset),
         "hyperparameter_selection": run.selection,  # hf_dp.tuning.search
         "run_id": run.run_id,
-        "ledger": ledger_report(ledger),
+        "ledger": ledger_record,
+        # trained without DP too (hf_dp.run.lineage.mark_non_private): what the guarantee does not cover, said once
+        **({"non_private_training": non_private_training()} if ledger_record.get("trained_without_dp_after") else {}),
         # --audit_canaries: the one-run audit's record (hf_dp.audit.canaries.after_train), once the run was audited
         **({"audit": dict(run.audit)} if run.audit else {}),
+    }
+
+
+def non_private_training() -> dict:
+    """``privacy.json``'s statement for a DP run's model that was also trained without DP (a ``--disable_dp`` run after
+    one of its DP runs; the ledger's ``trained_without_dp_after``): the DP guarantee does not cover that training."""
+    return {
+        "trained_without_dp": True,
+        "note": (
+            "after DP training, this model was also trained WITHOUT differential privacy (a non-private run, "
+            "--disable_dp): no privacy guarantee covers the data of that training, and the (epsilon, delta) of this "
+            "report holds for an example of the DP training data only if that example was not also used in the "
+            "non-private training"
+        ),
     }
 
 

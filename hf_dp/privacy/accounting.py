@@ -310,6 +310,8 @@ class PrivacyLedger:
             "parent": meta.get("parent"),
             "ancestry": [{"run_id": a.get("run_id"), "global_step": a.get("global_step")} for a in meta.get("ancestry") or []],
             "counted_past_parent": meta.get("counted_past_parent"),
+            # the model was also trained without DP (--disable_dp after a DP run: hf_dp.run.lineage.mark_non_private)
+            **({"trained_without_dp_after": True} if meta.get("trained_without_dp_after") else {}),
             # a model released by private selection (hf_dp.tuning.search): the total, which no (σ, q, steps) history holds
             **({"hyperparameter_selection": dict(meta["hyperparameter_selection"])}
                if meta.get("hyperparameter_selection") else {}),

@@ -15,6 +15,8 @@ assumptions where it can, and refuses a violation in one sentence before a step 
   size, N, σ or ε, C, δ, accountant, planned steps, clipping engine, update rule, trainable set, and the planned
   :class:`~hf_dp.privacy.mechanism.Mechanism`'s fields — compared at every ``train()`` and every step with what was
   planned at set-up (``trainer.args`` can be changed after the trainer is built).
+* **a private run stays private** (:func:`check_private_fixed`): ``--disable_dp`` is fixed when the trainer is built,
+  checked at every ``train()`` and every step.
 * **every rank holds the same data in the same order, and the same mechanism** (:func:`check_ranks_agree`).
 * **labels the loss can use** (:func:`check_labels`): no NaN/inf labels, class labels inside ``[0, num_labels)``
   (or the ignore index -100), checked on the label column before training.
@@ -347,6 +349,19 @@ def mechanism_snapshot(args, mechanism=None, model=None) -> dict:
     if model is not None:
         snap["trainable_parameters"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     return snap
+
+
+def check_private_fixed(dp, args) -> None:
+    """Whether the run is private is fixed when the trainer is built (``dp.enabled``: the run's
+    :class:`hf_dp.run.state.PrivacyState`): refuse a ``train()`` or a step whose ``args.disable_dp`` says otherwise (a
+    DP trainer trained without noise would report the ledger of its DP set-up for weights it did not account)."""
+    if bool(args.dp_enabled) != bool(dp.enabled):
+        built, now = ("with DP", "without DP") if dp.enabled else ("without DP (--disable_dp)", "with DP")
+        raise ValueError(
+            f"this DPTrainer was built {built} and trainer.args now asks to train {now}: whether a run is private is "
+            "fixed when the trainer is built (its mechanism, ledger and report are planned then); set disable_dp "
+            "before making the DPTrainer (make a new one for the other kind of run)"
+        )
 
 
 def check_mechanism(planned: dict, now: dict) -> None:

@@ -17,8 +17,8 @@ class LedgerOverrides:
     """``get_epsilon``, ``_record_spent``, ``floating_point_ops``, ``log`` of :class:`hf_dp.trainer.DPTrainer`."""
 
     def get_epsilon(self) -> float:
-        """ε spent so far at δ (0 before training; ``inf`` for a non-private run)."""
-        if not self.args.dp_enabled:
+        """ε spent so far at δ (0 before training; ``inf`` for a non-private run, as built: ``dp.enabled``)."""
+        if not self.dp.enabled:
             return math.inf
         selection = self.dp.selection.record
         if selection is not None:  # the model a private selection released: the selection's total (hf_dp.tuning.search)
@@ -29,7 +29,7 @@ class LedgerOverrides:
         """Write the record of steps taken (the count is what resumes rely on; ε is informative, and with
         ``compute_epsilon=False`` written only when the ledger already has it), the run's records in the checkpoints
         it resumed from, and the model's public ledger record (:func:`hf_dp.run.lineage.record_spent`)."""
-        if self.args.dp_enabled:
+        if self.dp.enabled:
             lineage.record_spent(self.dp, self.args, self.model, self._train_fingerprint, compute_epsilon)
         else:  # a DP-trained model trained further without DP: its config says so
             lineage.mark_non_private(self.model, self.state.global_step)

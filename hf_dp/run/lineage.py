@@ -25,6 +25,9 @@ plain ``PreTrainedModel``, the one the user passed):
 * a path to a release's ``privacy.json`` (or its folder): its runs start the ledger (e.g. a model whose config lost
   its record, or an earlier hf_dp's release), and the runs the model carries are counted as under ``auto``.
 
+**A ``--disable_dp`` trainer on such a model** marks it (:func:`mark_non_private`, when its ``train()`` starts): the
+mark stays with the model through every later DP run, whose release says that no DP guarantee covers that training.
+
 Forks (a checkpoint resumed more than once) are counted in :func:`hf_dp.run.spent.reconcile_resumed_ledger`;
 this module also keeps each run's record of steps taken (:func:`record_spent`) and refuses a fresh run into an
 output_dir that holds another run's checkpoints (:func:`before_train`).
@@ -49,19 +52,22 @@ MODEL_ATTR = "_hf_dp_ledger"
 CONFIG_ATTR = "hf_dp_privacy"
 PRIOR_CHOICES = ("auto", "continue", "separate")
 RECORD_FORMAT = 1
+#: the mark (ledger meta, public record, config.json) of a model trained without DP after a DP run (mark_non_private)
+NON_PRIVATE = "trained_without_dp_after"
 
 
 # ---------------------------------------------------------------------------------------------------
 # the training data of a run, in memory only
 # ---------------------------------------------------------------------------------------------------
 class DataRef:
-    """The training data of a run: its size, the dataset object (weakly where it can be) and its fingerprint once
-    computed (lazily: only when a trainer on other data asks whether the data are the same).
-    Deep copies share it; a pickle (``torch.save(model)`` is a file) keeps neither the object nor the fingerprint:
-    the data of an unpickled model cannot be compared."""
+    """The training data of a run: its actual row count (``None`` if unsized), the dataset object (weakly where it
+    can be) and its fingerprint once computed (lazily: only when a trainer on other data asks whether the data are the
+    same). Never the planned N (``--public_dataset_size``, ``--audit_canaries``' m, units): two runs on the same data
+    may plan different N. Deep copies share it; a pickle (``torch.save(model)`` is a file) keeps neither the object
+    nor the fingerprint: the data of an unpickled model cannot be compared."""
 
-    def __init__(self, dataset, num_samples: int, fingerprint: str | None = None):
-        self.num_samples = int(num_samples)
+    def __init__(self, dataset, fingerprint: str | None = None):
+        self.rows = len(dataset) if hasattr(dataset, "__len__") else None
         self.fingerprint = fingerprint
         try:
             self._ref = weakref.ref(dataset)
@@ -80,24 +86,26 @@ class DataRef:
         return self
 
     def __getstate__(self):
-        return {"num_samples": self.num_samples}
+        return {"rows": self.rows}
 
     def __setstate__(self, state):
-        self.num_samples, self.fingerprint, self._ref = state["num_samples"], None, None
+        self.rows, self.fingerprint, self._ref = state.get("rows"), None, None
 
 
 def _same_data(ref: DataRef | None, dp) -> bool | None:
-    """Is ``ref`` this run's training data (``dp.lineage.data``)? ``None``: unknown (no reference, or the data are gone)."""
+    """Is ``ref`` this run's training data (``dp.lineage.data``)? The data themselves are compared (the object, the
+    actual row count, the fingerprint), never the planned N. ``None``: unknown (no reference, or the data are gone)."""
     if ref is None:
         return None
-    if ref.num_samples != dp.spec.dataset_size:
-        return False
-    if ref.dataset() is not None and ref.dataset() is dp.lineage.data.dataset():
+    own = dp.lineage.data
+    if ref.dataset() is not None and ref.dataset() is own.dataset():
         return True
+    if ref.rows is not None and own.rows is not None and ref.rows != own.rows:
+        return False
     fingerprint = ref.get_fingerprint()
     if fingerprint is None:
         return None
-    return fingerprint == dp.lineage.data.get_fingerprint()
+    return fingerprint == own.get_fingerprint()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -297,13 +305,14 @@ def adopt_model_ledger(dp, args, model, dataset, fingerprint: str | None = None)
     start the ledger from the earlier runs ``model`` carries, as ``--prior_privacy`` says."""
     choice = str(getattr(args, "prior_privacy", None) or "auto")
     dp.lineage.refs = {}
-    dp.lineage.data = DataRef(dataset, dp.spec.dataset_size, fingerprint)
+    dp.lineage.data = DataRef(dataset, fingerprint)
     from_file = _runs_from_file(choice) if choice not in PRIOR_CHOICES else None
     carried = _carried(_plain_model(model))
     _refuse_selected(_plain_model(model), from_file_path=choice if from_file is not None else None, choice=choice)
     if carried is None and from_file is None and choice == "continue":
         logger.info("hf_dp: --prior_privacy continue: the model carries no hf_dp ledger; the ledger starts at 0")
     _take(dp, carried, from_file, choice)
+    _take_mark(dp, model)  # trained without DP after an earlier DP run: so is this run's model
 
 
 def _selection_of(model) -> dict | None:
@@ -347,7 +356,9 @@ def take_later_runs(dp, args, model):
     steps than the weights took; runs declared separate (``--prior_privacy separate``, other data) stay separate."""
     model = _plain_model(model)
     record = getattr(model, MODEL_ATTR, None)
-    if args.dp_enabled and isinstance(record, ModelLedger) and record.ledger is not dp.ledger:
+    if dp.enabled:
+        _take_mark(dp, model)
+    if dp.enabled and isinstance(record, ModelLedger) and record.ledger is not dp.ledger:
         ledger, choice = dp.ledger, str(getattr(args, "prior_privacy", None) or "auto")
         _refuse_selected(model, None, choice)
         before = ledger.steps
@@ -368,12 +379,14 @@ def before_train(dp, args, model, resume_from_checkpoint, fingerprint: str | Non
     refuse a target ε the earlier runs already spent, and attach the ledger to the model (``fingerprint``:
     :func:`refresh_config`)."""
     if not args.dp_enabled:
+        mark_non_private(model)  # a model that carries a ledger: marked before any non-private step
         return
     ledger = dp.ledger
     _sync_run_id(dp, args)
     ledger.meta["run_id"] = dp.run_id
     if resume_from_checkpoint is None:
-        _refuse_other_runs_checkpoints(dp, args)
+        own = {dp.run_id} | {a.get("run_id") for a in ledger.meta.get("ancestry") or []}
+        spent.refuse_other_runs_checkpoints(args, own)  # a fresh run never overwrites another run's checkpoints
         plain = _plain_model(model)
         record = getattr(plain, MODEL_ATTR, None)
         if isinstance(record, ModelLedger) and record.ledger is not ledger:  # another trainer trained it since
@@ -402,34 +415,6 @@ def _sync_run_id(dp, args) -> None:
         box = [dp.run_id]
         dist.broadcast_object_list(box, src=0)
         dp.run_id = box[0]
-
-
-def _refuse_other_runs_checkpoints(dp, args) -> None:
-    own = {dp.run_id} | {a.get("run_id") for a in dp.ledger.meta.get("ancestry") or []}
-    found = spent.other_runs_checkpoints(args.output_dir, own)
-    if args.world_size > 1 and _distributed():  # every rank refuses, or none (a folder only rank 0 sees)
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if found else 0], dtype=torch.long, device=args.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and not found:
-            raise ValueError(f"refusing to train: {args.output_dir} holds another run's checkpoints (seen by rank "
-                             "0); train into another output_dir, resume that run, or move its checkpoints away")
-    if not found:
-        return
-    path, marker = found[0]
-    run = marker.get("run_id")
-    rec = spent.read_spent(args.output_dir, run) if run else None
-    steps = max(int(marker.get("ledger_steps") or 0), int((rec or {}).get("steps") or 0))
-    eps = (rec or {}).get("epsilon") if rec and int(rec.get("steps") or 0) == steps else marker.get("epsilon")
-    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-    raise ValueError(
-        f"refusing to train: {args.output_dir} holds {os.path.basename(path)}{more} of another run "
-        f"(run {run or 'of an earlier hf_dp'}, {steps} noisy steps" + (f", epsilon {float(eps):.4g}" if eps is not None else "")
-        + "), whose checkpoints a new run would overwrite; train into another output_dir, resume that run "
-        "(train(resume_from_checkpoint=True)), or move its checkpoints away"
-    )
 
 
 def _check_prior_budget(dp) -> None:
@@ -481,8 +466,8 @@ def after_optimizer_load(dp, checkpoint) -> None:
 def attach(dp, model, fingerprint: str | None = None) -> None:
     """``model`` carries the run's ledger: in memory (with its training data) and in ``model.config`` (:func:`refresh_config`)."""
     model = _plain_model(model)
-    refs = dict(dp.lineage.refs)
-    record = ModelLedger(dp.ledger, dp.lineage.data, refs)
+    _take_mark(dp, model)  # before the record it replaces is gone
+    record = ModelLedger(dp.ledger, dp.lineage.data, dict(dp.lineage.refs))
     try:
         setattr(model, MODEL_ATTR, record)
     except (AttributeError, TypeError):  # pragma: no cover - a model object that takes no attribute
@@ -499,6 +484,7 @@ def refresh_config(dp, model, fingerprint: str | None = None) -> None:
         return
     if dp.lineage.data.fingerprint is None and fingerprint is not None:
         dp.lineage.data.fingerprint = fingerprint
+    _take_mark(dp, model)  # the record it overwrites may say that the model was trained without DP
     record = dp.ledger.public_record()
     record.pop("counted_past_parent", None)
     setattr(config, CONFIG_ATTR, record)
@@ -532,13 +518,26 @@ def record_spent(dp, args, model, fingerprint: str | None = None, compute_epsilo
     refresh_config(dp, model, fingerprint)
 
 
-def mark_non_private(model, global_step: int) -> None:
-    """A ``--disable_dp`` run of a model that carries a ledger: its release's ``config.json`` keeps the record of the
-    earlier DP runs, marked as followed by non-private training (the model no longer has their guarantee; none if
-    ``global_step`` is 0: the trainer did not train it)."""
+def mark_non_private(model, global_step: int = 1) -> None:
+    """A ``--disable_dp`` run trains a model that carries a ledger (marked when its ``train()`` starts,
+    :func:`before_train`, and again when it saves; none if ``global_step`` is 0): the ledger on the model (in memory,
+    the last DPTrainer's) and its ``config.json`` record say :data:`NON_PRIVATE` — a later DP run of the model keeps
+    the mark (:func:`_take_mark`), and its release says that no DP guarantee covers that training's data."""
+    model = _plain_model(model)
+    record, config = getattr(model, MODEL_ATTR, None), getattr(model, "config", None)
     if not global_step:
         return  # not trained by this trainer
-    config = getattr(_plain_model(model), "config", None)
-    record = getattr(config, CONFIG_ATTR, None)
-    if isinstance(record, dict) and not record.get("trained_without_dp_after"):
-        setattr(config, CONFIG_ATTR, dict(record, trained_without_dp_after=True))
+    if isinstance(record, ModelLedger):
+        record.ledger.meta[NON_PRIVATE] = True
+    public = getattr(config, CONFIG_ATTR, None)
+    if isinstance(public, dict) and not public.get(NON_PRIVATE):
+        setattr(config, CONFIG_ATTR, dict(public, **{NON_PRIVATE: True}))
+
+
+def _take_mark(dp, model) -> None:
+    """The run's ledger takes the mark of non-private training that ``model`` carries (in memory or in its config)."""
+    model = _plain_model(model)
+    record, public = getattr(model, MODEL_ATTR, None), getattr(getattr(model, "config", None), CONFIG_ATTR, None)
+    if ((isinstance(record, ModelLedger) and record.ledger.meta.get(NON_PRIVATE))
+            or (isinstance(public, dict) and public.get(NON_PRIVATE))):
+        dp.ledger.meta[NON_PRIVATE] = True

@@ -215,6 +215,36 @@ def other_runs_checkpoints(output_dir: str, own_runs: set[str]) -> list[tuple[st
     return found
 
 
+def refuse_other_runs_checkpoints(args, own_runs: set) -> None:
+    """A fresh run (not a resume) refuses to train into an ``output_dir`` holding checkpoints of DP runs not in
+    ``own_runs`` (this run and its ancestry), which it would overwrite (:func:`hf_dp.run.lineage.before_train`)."""
+    found = other_runs_checkpoints(args.output_dir, own_runs)
+    import torch.distributed as dist
+
+    if args.world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        import torch  # every rank refuses, or none (a folder only rank 0 sees)
+
+        flag = torch.tensor([1 if found else 0], dtype=torch.long, device=args.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not found:
+            raise ValueError(f"refusing to train: {args.output_dir} holds another run's checkpoints (seen by rank "
+                             "0); train into another output_dir, resume that run, or move its checkpoints away")
+    if not found:
+        return
+    path, marker = found[0]
+    run = marker.get("run_id")
+    rec = read_spent(args.output_dir, run) if run else None
+    steps = max(int(marker.get("ledger_steps") or 0), int((rec or {}).get("steps") or 0))
+    eps = (rec or {}).get("epsilon") if rec and int(rec.get("steps") or 0) == steps else marker.get("epsilon")
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    raise ValueError(
+        f"refusing to train: {args.output_dir} holds {os.path.basename(path)}{more} of another run "
+        f"(run {run or 'of an earlier hf_dp'}, {steps} noisy steps" + (f", epsilon {float(eps):.4g}" if eps is not None else "")
+        + "), whose checkpoints a new run would overwrite; train into another output_dir, resume that run "
+        "(train(resume_from_checkpoint=True)), or move its checkpoints away"
+    )
+
+
 def _choose_stream_tag(ledger, args, checkpoint: str, own_id: str | None, clean: bool, recorded: bool = True) -> None:
     """The seeded streams' tag of a resumed run (``ledger.meta["stream_tag"]``; :mod:`hf_dp.privacy.randomness`).
 

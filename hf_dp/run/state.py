@@ -7,6 +7,7 @@ hf_dp reads and updates its parts, never the trainer's attributes. What each par
 ================== ============================================== =================================================
 part               holds                                          written by
 ================== ============================================== =================================================
+``enabled``        a DP run (fixed at construction)               ``DPTrainer.__init__``
 ``mechanism``      the planned mechanism (immutable, public)      ``hf_dp.run.setup.setup_privacy``; a private
                                                                   selection's holder restates its target ε
 ``ledger``         the ε ledger (this model's runs)               setup; ``hf_dp.run.lineage`` continues it
@@ -98,6 +99,7 @@ class PrivacyState:
     mechanism only: the parts hold private facts (each unit's rows, the actual count under a declared N, the sampling
     key of a ``train()``) that a printed trainer or a log line must not show."""
 
+    enabled: bool = False  # a DP run (not --disable_dp), fixed when built (hf_dp.run.contract.check_private_fixed)
     mechanism: Any = None  # hf_dp.privacy.mechanism.Mechanism
     ledger: Any = None  # hf_dp.privacy.accounting.PrivacyLedger
     sampler: Any = None  # hf_dp.privacy.sampler.PoissonBatchSampler
