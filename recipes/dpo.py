@@ -24,9 +24,11 @@ What the recipe decides (docs/dpo.md):
 * **The chat template.** A tokenizer without one gets :data:`DEFAULT_CHAT_TEMPLATE` (``role: text`` lines) for
   conversational pairs, said in one line.
 * **Before any model is loaded**, one ``error:`` line each for what cannot run (missing columns, a missing unit, a TRL
-  flag or loss type DP refuses).
+  flag or loss type DP refuses, the training file as ``--validation_file`` or the training split as
+  ``--dataset_test_split``).
 * **After training**: on the validation pairs (not private), the share of pairs whose implicit reward (DPO) or reward
-  (``--reward_model``) prefers the chosen answer, and the mean margin, printed; ``<output_dir>/release`` holds the
+  (``--reward_model``) prefers the chosen answer, and the mean margin, printed; validation pairs that repeat training
+  pairs are not called held-out (one warning, the card says so, no count). ``<output_dir>/release`` holds the
   model (LoRA merged), the tokenizer, ``privacy.json`` and the card.
 """
 
@@ -57,8 +59,8 @@ from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.rows import check_unit_values  # noqa: E402
-from recipes.common.run import (check_privacy_settings, model_sources, push_folder, release_is_the_product,  # noqa: E402
-                                resume_argument, save_release, summarize)
+from recipes.common.run import (check_privacy_settings, eval_rows_in_training, model_sources,  # noqa: E402
+                                push_folder, release_is_the_product, resume_argument, save_release, summarize)
 from recipes.common.run import main as run_main  # noqa: E402
 from hf_dp.run.data import no_progress_bar  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
@@ -195,7 +197,21 @@ def _check_columns(ds, what: str) -> str:
     return "conversational" if isinstance(ds[0]["chosen"], list) else "text"
 
 
+def _refuse_training_pairs_as_validation(data_args: DpoScriptArguments) -> None:
+    """The preference accuracy is a non-private number about the validation pairs: the training file (or split)
+    itself is refused (as recipes/clm.py refuses it)."""
+    a, b = data_args.train_file, data_args.validation_file
+    if a and b and os.path.isfile(a) and os.path.isfile(b) and os.path.samefile(a, b):
+        raise RecipeError(f"--validation_file {b} is the training file: its preference accuracy would be a non-private "
+                          "statistic of the private training pairs; evaluate on public or held-out pairs")
+    if not (a or b) and data_args.dataset_test_split == data_args.dataset_train_split:
+        raise RecipeError(f"--dataset_test_split {data_args.dataset_test_split} is the training split: its preference "
+                          "accuracy would be a non-private statistic of the private training pairs; evaluate on a "
+                          "held-out split")
+
+
 def _load_data(data_args: DpoScriptArguments, args):
+    _refuse_training_pairs_as_validation(data_args)
     if data_args.train_file or data_args.validation_file:
         raw = load_raw_datasets(data_args.train_file, data_args.validation_file)
         train, dev = raw.get("train"), raw.get("validation")
@@ -280,14 +296,22 @@ def run(data_args: DpoScriptArguments, model_args: DpoModelArguments, args) -> d
     trainer.dataset_name = None if data_args.train_file else data_args.dataset_name
     trainer.data_description = (f"{kind} preference pairs from {'local files' if data_args.train_file else 'the dataset'}"
                                 f" (columns {', '.join(f'`{c}`' for c in train.column_names)})")
+    # an evaluation that repeats training pairs is not called held-out (the card says so); how many is not said
+    overlap = trainer.eval_overlap = dev is not None and eval_rows_in_training(train, dev, ("prompt", "chosen", "rejected"))
+    if overlap:
+        logger.warning("some validation pairs also occur in the training data: the preference accuracy on them is not a "
+                       "held-out metric, and not a private one (the card says so); evaluate on pairs disjoint from the "
+                       "training data")
     trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate() if dev is not None else {}
     accuracy = metrics.get("eval_accuracy" if reward else "eval_rewards/accuracies")
     margin = metrics.get("eval_margin" if reward else "eval_rewards/margins")
     if accuracy is not None:
         what = "reward" if reward else "implicit reward (β·log π/π_ref)"
-        print(f"preference accuracy = {accuracy:.4f} (the share of {len(dev)} held-out pairs whose {what} prefers the "
-              f"chosen answer), mean margin {margin:.4g}", flush=True)
+        pairs = ("validation pairs, some of them training pairs (not held out)," if overlap
+                 else f"{len(dev)} held-out pairs")
+        print(f"preference accuracy = {accuracy:.4f} (the share of {pairs} whose {what} prefers the chosen answer), "
+              f"mean margin {margin:.4g}", flush=True)
     out = save_release(trainer, args)
     pushed = push_folder(out, args) if push and trainer.is_world_process_zero() else None
     report = trainer.privacy_report()
@@ -296,7 +320,8 @@ def run(data_args: DpoScriptArguments, model_args: DpoModelArguments, args) -> d
             f"{unit.get('description', 'one pair = one unit') if args.dp_enabled else 'non-private baseline'})")
     metrics = {**metrics, "eval_preference_accuracy": accuracy} if accuracy is not None else metrics
     summary = summarize(task, args, report, "preference_accuracy", metrics, None, start, out, pushed,
-                        extra_rows=[("held-out mean margin", margin)] if margin is not None else ())
+                        extra_rows=[("validation mean margin" if overlap else "held-out mean margin", margin)]
+                        if margin is not None else ())
     return summary
 
 

@@ -11,16 +11,19 @@ prompt/chosen/rejected pairs. What is checked:
   gradient of TRL's per-pair loss, and adding/removing one pair (one user's pairs) moves it by ≤ C, replacing by ≤ 2C,
   under ghost, ghost_two_pass and hooks clipping — and likewise for the reward model;
 * a changed prompt token changes no scored label, and no scored log-probability is one of a prompt token;
-* the reference model's log-probabilities are in no file the run writes, nor in its logs;
-* each refused loss type and flag is refused in one sentence, at construction;
-* a DP DPO run (LoRA, user level) and a DP reward-model run train, evaluate and write a release whose privacy.json
-  has ε ≤ the target.
+* the reference model's log-probabilities are in no file the run writes, nor in its logs; TRL's warning that quotes a
+  prompt neither; each refused loss type and flag, a pair over the token bound, a ``ref_model`` whose DP training the
+  ledger does not count, is refused in one sentence, at construction;
+* a DP DPO run (LoRA, user level) and a DP reward-model run train, evaluate and release ε ≤ the target.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
+import io
 import json
+import logging
 import math
 import os
 import random
@@ -92,10 +95,11 @@ def config(tmp_path, cls=DPDPOConfig, **over):
     return cls(**kw)
 
 
-def make(tmp_path, tok, rows, eval_rows=None, model=None, **over):
+def make(tmp_path, tok, rows, eval_rows=None, model=None, ref_model=None, **over):
     ev = Dataset.from_list(eval_rows) if eval_rows is not None else None
     return DPDPOTrainer(model=model if model is not None else llama(tok), args=config(tmp_path, **over),
-                        train_dataset=Dataset.from_list(rows), eval_dataset=ev, processing_class=tok)
+                        train_dataset=Dataset.from_list(rows), eval_dataset=ev, processing_class=tok,
+                        ref_model=ref_model)
 
 
 # ------------------------------------------------------------------------------------------ verdicts and the tables
@@ -494,3 +498,53 @@ def test_one_reward_pair_moves_the_clipped_sum_by_at_most_c(tmp_path, tok, engin
     assert float((s_dx - s_dx2).norm()) / C <= 2.0 + 1e-6
     tr.model.train()
     assert float((s_dx - _reward_reference(tr, D + x)).norm()) / C <= 5e-3 * len(D + x)
+
+
+# ------------------------------------------------------------------------- before any step: logs, lengths, reference
+def test_trls_warning_that_quotes_a_private_prompt_is_withheld_under_dp(tmp_path, tok):
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    logging.getLogger().addHandler(handler)  # TRL's and hf_dp's loggers propagate to it
+    try:  # "w17 w5" + "3 w8": the prompt's last token merges with the answer's first characters (TRL quotes "w5")
+        secret = [{"prompt": f"w17 w{d}", "chosen": "3 w8", "rejected": "4 w9", "user_id": f"s{d}"} for d in (5, 6)]
+        make(tmp_path, tok, secret + pairs(22, users=6), trainable="lora", lora_r=2, privacy_unit_column="user_id",
+             dataset_num_proc=2)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    log = buf.getvalue()
+    assert "left out of the training sequence" not in log and "w5 [SEP]" not in log and "w6 [SEP]" not in log, log
+    assert "TRL's message is withheld because it quotes private text" in log
+
+
+def test_a_pair_longer_than_the_runs_token_bound_is_refused_before_any_step(tmp_path, tok):
+    rows = pairs(24, users=6)
+    rows[7] = {"prompt": " ".join(["w3"] * 20), "chosen": " " + " ".join(["w4"] * 30), "rejected": " w5", "user_id": "u1"}
+    with pytest.raises(ValueError, match="longer than the run's public token bound of 24 tokens"):
+        make(tmp_path, tok, rows, trainable="lora", lora_r=2, dp_max_length=24)
+    assert make(tmp_path, tok, rows, trainable="lora", lora_r=2, max_length=24).dp.bounds.max_length == 24  # cut
+    with pytest.raises(ValueError, match="longer than the run's public token bound of 24 tokens"):
+        DPRewardTrainer(model=llama(tok, cls=LlamaForSequenceClassification, num_labels=1), processing_class=tok,
+                        args=config(tmp_path, cls=DPRewardConfig, trainable="all", dp_max_length=24),
+                        train_dataset=Dataset.from_list(rows))
+
+
+def test_a_reference_model_whose_dp_training_the_ledger_does_not_count_is_refused(tmp_path, tok):
+    from hf_dp.dpo import checks
+    from hf_dp.run import lineage
+
+    assert (checks.MODEL_ATTR, checks.CONFIG_ATTR, checks.NON_PRIVATE) == (
+        lineage.MODEL_ATTR, lineage.CONFIG_ATTR, lineage.NON_PRIVATE)
+    rows = pairs(24, users=6)
+    first = make(tmp_path, tok, rows, trainable="all", max_steps=2)
+    first.train()  # a model DP-trained on these pairs
+    trained = first.model
+    with pytest.raises(ValueError, match=r"ref_model= was trained with DP \(run \w+: 2 noisy steps\)"):
+        make(tmp_path, tok, rows, trainable="all", ref_model=copy.deepcopy(trained))
+    marked = llama(tok)
+    marked.config.hf_dp_privacy = {"runs": [], lineage.NON_PRIVATE: True}  # trained without DP after a DP run
+    with pytest.raises(ValueError, match="ref_model= was trained without DP after a DP run"):
+        make(tmp_path, tok, rows, trainable="all", ref_model=marked)
+    # counted when the policy starts from that model; declared separate: said in privacy.json
+    make(tmp_path, tok, rows, model=copy.deepcopy(trained), trainable="all", ref_model=copy.deepcopy(trained))
+    tr = make(tmp_path, tok, rows, trainable="all", ref_model=copy.deepcopy(trained), prior_privacy="separate")
+    assert "--prior_privacy separate" in tr.privacy_report()["dpo"]["reference_model"]

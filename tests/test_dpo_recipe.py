@@ -97,3 +97,23 @@ def test_bad_input_is_one_error_line_before_any_model_is_built(files, capsys, ex
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
     assert not (files / "out" / "release").exists()
+
+
+def test_the_training_pairs_are_never_called_held_out(files, capsys):
+    from recipes import dpo
+
+    assert _run(files, "--epsilon", "3", "--validation_file", str(files / "pairs.jsonl")) == 2  # the training file
+    err = capsys.readouterr().err
+    assert "error: --validation_file" in err and "is the training file" in err and "Traceback" not in err
+    assert not (files / "out" / "release").exists()
+    with pytest.raises(dpo.RecipeError, match="is the training split"):
+        dpo._refuse_training_pairs_as_validation(dpo.DpoScriptArguments(dataset_name="d", dataset_test_split="train"))
+    rows = (files / "pairs.jsonl").read_text().splitlines()  # some validation pairs are training pairs
+    (files / "mixed.jsonl").write_text("\n".join(rows[:3] + (files / "dev.jsonl").read_text().splitlines()) + "\n")
+    assert _run(files, "--privacy_unit_column", "user_id", "--epsilon", "3", "--validation_file",
+                str(files / "mixed.jsonl")) == 0
+    captured = capsys.readouterr()
+    assert "preference accuracy = " in captured.out and "held-out" not in captured.out
+    assert not re.search(r"\b11\b", captured.out)  # no count of the validation pairs (some are training pairs)
+    card = (files / "out" / "release" / "README.md").read_text()
+    assert "Not a held-out evaluation" in card and "not part of the private training set" not in card

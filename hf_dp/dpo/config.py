@@ -71,6 +71,9 @@ _MODEL = {"model_init_kwargs": (Rule(SAFE, "how a model given by name is loaded"
 #: what each field DPOConfig adds to TrainingArguments does under DP (checked complete by tests/test_dpo.py)
 DPO_FLAGS: dict[str, tuple[Rule, ...]] = {
     **_MODEL,
+    "dataset_num_proc": (Rule(ADJUSTED, "not used under DP: the pairs are prepared in the trainer's process, where TRL's "
+                                        "messages that quote a prompt are withheld (a worker process would log them); "
+                                        "the processes that tokenize the data without DP"),),
     "router_aux_loss_coef": (
         Rule(REFUSED, "--router_aux_loss_coef is not supported with DP: a Mixture-of-Experts load-balancing loss is a "
                       "statistic of the whole batch's tokens, not a sum of per-pair losses, so it cannot be clipped per "

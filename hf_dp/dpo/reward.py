@@ -16,6 +16,7 @@ import dataclasses
 
 from trl import RewardTrainer
 
+from hf_dp.dpo.checks import check_pair_lengths, reward_row_length
 from hf_dp.dpo.config import DPRewardConfig, enforce_reward
 from hf_dp.dpo.pairs import RewardPairCollator, reward_pair_losses, row_losses, trl_layout
 from hf_dp.dpo.trainer import refuse_under_dp, unit_text, with_lengths
@@ -83,6 +84,10 @@ class DPRewardTrainer(DPTrainer, RewardTrainer):
         self.train_dataset = with_lengths(self.train_dataset, self.args, longest)  # group_by_length
         self._fingerprint_source = self.train_dataset
         super()._setup_privacy()
+        bound = self.dp.bounds.max_length  # before any step: every pair within the run's public token bound
+        check_pair_lengths(self.train_dataset, bound, reward_row_length,
+                           f"set --max_length {bound} or less (TRL then drops the longer pairs before N is counted), "
+                           "or raise --dp_max_length")
 
     def _check_not_train(self, dataset) -> None:
         super()._check_not_train(dataset)

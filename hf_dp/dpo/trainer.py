@@ -14,7 +14,8 @@ nothing divides by the batch. TRL's own training loss (the batch mean) is kept f
 
 **The reference model is public**: with ``--trainable lora`` the model itself with the adapter disabled (the starting
 model: LoRA's B starts at 0; TRL's "ref" adapter copy is removed, no second copy), otherwise a frozen copy of the
-starting model made before training (or the ``ref_model`` given, which must not depend on the private data). Its
+starting model made before training (or the ``ref_model`` given, which must not depend on the private data: one that
+carries a DP training record this run's ledger does not count is refused, :mod:`hf_dp.dpo.checks`). Its
 log-probabilities of a private pair live in memory inside the step that draws the pair: TRL's
 ``precompute_ref_log_probs``, which writes them to a 🤗 Datasets cache file, is refused (:data:`hf_dp.dpo.config.DPO_FLAGS`).
 
@@ -32,6 +33,7 @@ import dataclasses
 import torch
 from trl import DPOTrainer
 
+from hf_dp.dpo.checks import check_pair_lengths, check_reference_ledger, dpo_row_length, quiet_preparation
 from hf_dp.dpo.config import DPDPOConfig, enforce_dpo, loss_types_of
 from hf_dp.dpo.pairs import (PairLoss, PairRowsCollator, completion_logps, log_sum_sq_probs, pair_losses,
                              per_token_logps, row_losses, trl_layout, wpo_weights)
@@ -129,6 +131,7 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
 
             model = AutoModelForCausalLM.from_pretrained(model, **dict(args.model_init_kwargs or {}))
         self._reference = "given (ref_model=)" if ref_model is not None else None
+        self._given_ref = ref_model is not None  # its DP training is checked against the ledger (hf_dp.dpo.checks)
         if ref_model is None and args.trainable != "lora" and model is not None:
             # the starting model, frozen: public (it never sees the private pairs); a --disable_dp baseline gets the
             # same reference (TRL would reload the model by its name, which a model built from a config has not)
@@ -160,6 +163,19 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
         self.train_dataset = with_lengths(self.train_dataset, self.args, longest)  # group_by_length
         self._fingerprint_source = self.train_dataset
         super()._setup_privacy()
+        # before any step: every pair within the run's public token bound, and a given reference's DP training counted
+        bound = self.dp.bounds.max_length
+        check_pair_lengths(self.train_dataset, bound, dpo_row_length(self.args.max_length),
+                           f"set --max_length {bound} or less (TRL's collator then cuts every sequence to it), or raise "
+                           "--dp_max_length")
+        note = check_reference_ledger(self.dp.ledger, self.args, self.ref_model if self._given_ref else None)
+        if note:
+            self._reference = f"given (ref_model=): {note}"
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        # under DP, TRL's preparation messages that quote the pairs' text are withheld (hf_dp.dpo.checks)
+        with quiet_preparation(args, dataset_name):
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
     def _check_not_train(self, dataset) -> None:
         super()._check_not_train(dataset)
