@@ -387,6 +387,16 @@ FLAGS: dict[str, tuple[Rule, ...]] = {
 }
 
 
+#: TRL's ``--chat_template_path`` (SFTConfig, DPOConfig, RewardConfig): the rules of hf_dp.sft.config.SFT_FLAGS and
+#: hf_dp.dpo.config's registries
+CHAT_TEMPLATE_PATH_RULES: tuple[Rule, ...] = (
+    Rule(REFUSED, "--chat_template_path naming a model or tokenizer is not supported with DP: TRL would then add "
+                  "tokens and resize the embeddings after hf_dp has frozen the model (--trainable); give a .jinja "
+                  "file or set the tokenizer's chat_template", "not a .jinja/.j2 file",
+         lambda a: a.chat_template_path is not None and not str(a.chat_template_path).endswith((".jinja", ".j2"))),
+    Rule(SAFE, "a .jinja/.j2 file (public): how each conversation is rendered"))
+
+
 # --------------------------------------------------------------------------------------------------
 # enforcement
 # --------------------------------------------------------------------------------------------------
@@ -456,3 +466,30 @@ def enforce(args) -> None:
             raise ValueError(rule.reason)
         if rule.status == ADJUSTED and rule.adjust is not None:
             rule.adjust(args)
+
+
+def config_fields(config_cls) -> list[str]:
+    """The fields a TRL config class (``SFTConfig``, ``DPOConfig``, ...) adds to ``TrainingArguments``."""
+    hf = {f.name for f in hf_fields()}
+    return [f.name for f in dataclasses.fields(config_cls) if f.name not in hf]
+
+
+def enforce_config(args, registry: dict[str, tuple[Rule, ...]], config_cls, label: str, source: str) -> None:
+    """Raise the first refusal of a TRL config's ``registry`` (raw values); a field of a newer TRL that is not
+    classified is refused when it differs from its default: ``--NAME is <label> field of trl X that hf_dp has not
+    classified for privacy (<source>) ...`` (``label``: ``"an SFTConfig"``, ``"a DPOConfig"``)."""
+    defaults = {f.name: f for f in dataclasses.fields(config_cls)}
+    for name in config_fields(config_cls):
+        rules = registry.get(name)
+        if rules is None:
+            f = defaults[name]
+            default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
+            if default is not dataclasses.MISSING and getattr(args, name, default) != default:
+                import trl
+
+                raise ValueError(f"--{name} is {label} field of trl {trl.__version__} that hf_dp has not classified "
+                                 f"for privacy ({source}), so it is not allowed with DP until it is")
+            continue
+        rule = next(r for r in rules if r.applies is None or r.applies(args))
+        if rule.status == REFUSED:
+            raise ValueError(rule.reason)

@@ -34,7 +34,6 @@ What the recipe decides (docs/dpo.md):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -50,19 +49,18 @@ if str(_REPO) not in sys.path:
 from recipes.clm import LM_STEPS_PER_EPOCH, lm_batch_plan  # noqa: E402
 from recipes.clm import OPTIMIZER_DEFAULTS as CLM_OPTIMIZER_DEFAULTS  # noqa: E402
 from recipes.clm import PROTOCOL_DEFAULTS as CLM_PROTOCOL_DEFAULTS  # noqa: E402
-from recipes.clm_support import (ClmModelArguments, load_config_and_tokenizer, load_raw_datasets,  # noqa: E402
-                                 verdict_scope)
+from recipes.clm_support import verdict_scope  # noqa: E402
+from recipes.clm_support.trl import (TrlModelArguments, TrlScriptArguments, count_trl_units,  # noqa: E402
+                                     load_trl_config_and_tokenizer, load_trl_data, parse_trl_args, trl_parser)
 from recipes.clm_support import build_model as build_causal_lm  # noqa: E402
-from recipes.common.args import RecipeError, parse_layered, read_config  # noqa: E402
+from recipes.common.args import RecipeError, read_config  # noqa: E402
 from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
-from recipes.common.rows import check_unit_values  # noqa: E402
 from recipes.common.run import (check_privacy_settings, eval_rows_in_training, model_sources,  # noqa: E402
                                 push_folder, release_is_the_product, resume_argument, save_release, summarize)
 from recipes.common.run import main as run_main  # noqa: E402
-from hf_dp.run.data import no_progress_bar  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
 
 logger = logging.getLogger("hf_dp.recipes.dpo")
@@ -78,31 +76,20 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {k: dict(v) for k, v in CLM_OP
 
 
 @dataclass
-class DpoScriptArguments:
+class DpoScriptArguments(TrlScriptArguments):
     """TRL's dpo script's data flags, plus local files and the reward-model mode."""
 
-    dataset_name: Optional[str] = field(default=None, metadata={"help": "A datasets name (offline: the local cache only)"})
-    dataset_config: Optional[str] = field(default=None, metadata={"help": "The dataset's configuration name"})
-    dataset_train_split: str = field(default="train", metadata={"help": "The training split"})
-    dataset_test_split: str = field(default="validation", metadata={"help": "The evaluation split (not private data)"})
     train_file: Optional[str] = field(default=None, metadata={"help": "json/jsonl/csv: prompt/chosen/rejected pairs"})
     validation_file: Optional[str] = field(default=None, metadata={"help": "Held-out pairs for the preference accuracy"})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep the first N training rows"})
     reward_model: bool = field(default=False, metadata={"help": "Train a reward model (a sequence classifier with one "
                                                                "output) on the pairs, as TRL's reward script, instead "
                                                                "of DPO"})
 
 
 @dataclass
-class DpoModelArguments:
+class DpoModelArguments(TrlModelArguments):
     """TRL's model flags that DP keeps (``--use_peft``) and run_clm's."""
 
-    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "A causal LM folder (or Hub id)"})
-    model_type: Optional[str] = field(default=None, metadata={"help": "A new model of this type (llama, gpt2, ...)"})
-    config_overrides: Optional[str] = field(default=None, metadata={"help": "With --model_type, e.g. hidden_size=64"})
-    config_name: Optional[str] = field(default=None, metadata={"help": "Config name or path, if not the model's"})
-    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Tokenizer name or path; minilm = offline"})
-    model_revision: str = field(default="main", metadata={"help": "Model version (branch, tag or commit)"})
     use_peft: bool = field(default=False, metadata={"help": "LoRA adapters (= --trainable lora, the recipe's default)"})
 
 
@@ -122,14 +109,16 @@ def _reward_mode(argv: list[str]) -> bool:
     return False
 
 
-def make_parser(reward: bool = False):
-    from transformers import HfArgumentParser
-
-    try:
+def _config_class(reward: bool):
+    def load():
         from hf_dp.dpo import DPDPOConfig, DPRewardConfig
-    except ImportError as exc:
-        raise RecipeError(str(exc)) from None  # the sft extra (TRL) is not installed: one line
-    return HfArgumentParser((DpoScriptArguments, DpoModelArguments, DPRewardConfig if reward else DPDPOConfig))
+
+        return DPRewardConfig if reward else DPDPOConfig
+    return load
+
+
+def make_parser(reward: bool = False):
+    return trl_parser(DpoScriptArguments, DpoModelArguments, _config_class(reward))
 
 
 def _run_name(peek) -> str:
@@ -142,20 +131,8 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
     """Parse ``argv``: recipe defaults < ``defaults`` < YAML ``--config`` < command line (recipes.common.args)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     reward = _reward_mode(argv)
-    try:
-        data_args, model_args, args = parse_layered(
-            argv, defaults, parser=make_parser(reward), protocol_defaults=PROTOCOL_DEFAULTS,
-            optimizer_defaults=OPTIMIZER_DEFAULTS, run_name=_run_name, format_help=format_help,
-            cache_frozen_by_default=False)
-    except SystemExit as exc:  # argparse's own usage errors were printed already
-        if exc.code:
-            raise RecipeError("the command line could not be parsed (see the usage line above)") from None
-        raise
-    if model_args.use_peft:
-        if "trainable" in args._hf_dp_explicit and args.trainable != "lora":
-            raise RecipeError(f"--use_peft trains LoRA adapters; it cannot be combined with --trainable {args.trainable}")
-        args.trainable = "lora"
-    return data_args, model_args, args
+    return parse_trl_args(argv, defaults, parser=make_parser(reward), protocol_defaults=PROTOCOL_DEFAULTS,
+                          optimizer_defaults=OPTIMIZER_DEFAULTS, run_name=_run_name, format_help=format_help)
 
 
 def format_help(parser, peek) -> str:
@@ -212,28 +189,7 @@ def _refuse_training_pairs_as_validation(data_args: DpoScriptArguments) -> None:
 
 def _load_data(data_args: DpoScriptArguments, args):
     _refuse_training_pairs_as_validation(data_args)
-    if data_args.train_file or data_args.validation_file:
-        raw = load_raw_datasets(data_args.train_file, data_args.validation_file)
-        train, dev = raw.get("train"), raw.get("validation")
-    else:
-        raw = load_raw_datasets(dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config)
-        train, dev = raw.get(data_args.dataset_train_split), raw.get(data_args.dataset_test_split)
-    if train is None:
-        raise DataLoadingError("no training data: pass --train_file (or --dataset_name with a train split)")
-    if data_args.max_train_samples is not None:
-        train = train.select(range(min(len(train), data_args.max_train_samples)))
-    kind = _check_columns(train, "training")
-    col = args.privacy_unit_column
-    if dev is not None:
-        _check_columns(dev, "validation")
-        if col in dev.column_names:
-            dev = dev.remove_columns(col)
-    if col is not None and args.dp_enabled:
-        if col not in train.column_names:
-            raise DataLoadingError(f"--privacy_unit_column {col}: the training data has no column '{col}' (it has "
-                                   f"{sorted(train.column_names)})")
-        check_unit_values(train[col], col, data_args.train_file, DataLoadingError)
-    return train, dev, kind
+    return load_trl_data(data_args, args, _check_columns)
 
 
 def _build_model(reward: bool, clm_args, config, tokenizer, path):
@@ -259,21 +215,11 @@ def run(data_args: DpoScriptArguments, model_args: DpoModelArguments, args) -> d
     start = time.perf_counter()
     transformers.set_seed(args.seed)
     reward = data_args.reward_model
-    quiet = args.dp_enabled and (args.privacy_unit_column or args.public_dataset_size is not None)
-    with no_progress_bar() if quiet else contextlib.nullcontext():
-        train, dev, kind = _load_data(data_args, args)
+    train, dev, kind = _load_data(data_args, args)
     resume = resume_argument(args, model_sources(model_args))
-    col = args.privacy_unit_column if args.dp_enabled else None
-    n_units = len(set(train[col])) if col else len(train)
+    n_units = count_trl_units(train, args)
     check_privacy_settings(args, n_units)  # δ < 1/N, B ≤ N, σ calibratable: before the model and TRL's preparation
-    clm_args = ClmModelArguments(model_name_or_path=model_args.model_name_or_path, model_type=model_args.model_type,
-                                 config_overrides=model_args.config_overrides, config_name=model_args.config_name,
-                                 tokenizer_name=model_args.tokenizer_name, model_revision=model_args.model_revision,
-                                 trust_remote_code=args.trust_remote_code)
-    config, tokenizer, path = load_config_and_tokenizer(clm_args)
-    if tokenizer.eos_token is None:  # a BERT-style tokenizer (minilm): its [SEP] ends each answer
-        tokenizer.eos_token = tokenizer.sep_token
-        config.eos_token_id = tokenizer.eos_token_id
+    clm_args, config, tokenizer, path = load_trl_config_and_tokenizer(model_args, args)
     if kind == "conversational" and getattr(tokenizer, "chat_template", None) is None:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
         print("chat template: the tokenizer has none, and conversational pairs need one: using the recipe's default "

@@ -41,7 +41,6 @@ What the recipe decides (recipes/README.md, "Supervised fine-tuning"; docs/sft.m
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -58,20 +57,18 @@ if str(_REPO) not in sys.path:
 from recipes.clm import LM_STEPS_PER_EPOCH, lm_batch_plan  # noqa: E402
 from recipes.clm import OPTIMIZER_DEFAULTS as CLM_OPTIMIZER_DEFAULTS  # noqa: E402
 from recipes.clm import PROTOCOL_DEFAULTS as CLM_PROTOCOL_DEFAULTS  # noqa: E402
-from recipes.clm_support import (ClmModelArguments, build_model, load_config_and_tokenizer,  # noqa: E402
-                                 load_raw_datasets, verdict_scope)
-from recipes.common.args import RecipeError, parse_layered  # noqa: E402
+from recipes.clm_support import build_model, verdict_scope  # noqa: E402
+from recipes.clm_support.trl import (TrlModelArguments, TrlScriptArguments, count_trl_units,  # noqa: E402
+                                     load_trl_config_and_tokenizer, load_trl_data, parse_trl_args, trl_parser)
 from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
-from recipes.common.rows import check_unit_values  # noqa: E402
 from recipes.common.run import (check_privacy_settings, data_description, eval_rows_in_training,  # noqa: E402
                                 model_sources, push_folder, release_is_the_product, resume_argument, save_release,
                                 summarize)
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.common.run import planner_expectation  # noqa: E402
-from hf_dp.run.data import no_progress_bar  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
 
 logger = logging.getLogger("hf_dp.recipes.sft")
@@ -94,28 +91,17 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {k: dict(v) for k, v in CLM_OP
 
 
 @dataclass
-class SftScriptArguments:
+class SftScriptArguments(TrlScriptArguments):
     """TRL's sft script's data flags, plus local files."""
 
-    dataset_name: Optional[str] = field(default=None, metadata={"help": "A datasets name (offline: the local cache only)"})
-    dataset_config: Optional[str] = field(default=None, metadata={"help": "The dataset's configuration name"})
-    dataset_train_split: str = field(default="train", metadata={"help": "The training split"})
-    dataset_test_split: str = field(default="validation", metadata={"help": "The evaluation split (not private data)"})
     train_file: Optional[str] = field(default=None, metadata={"help": "json/jsonl/csv: 'messages' or 'prompt'/'completion'"})
     validation_file: Optional[str] = field(default=None, metadata={"help": "Held-out conversations for eval_loss"})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep the first N training rows"})
 
 
 @dataclass
-class SftModelArguments:
+class SftModelArguments(TrlModelArguments):
     """TRL's model flags that DP keeps (``--use_peft``; the rank is DPSFTConfig's ``--lora_r``) and run_clm's."""
 
-    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "A causal LM folder (or Hub id)"})
-    model_type: Optional[str] = field(default=None, metadata={"help": "A new model of this type (llama, gpt2, ...)"})
-    config_overrides: Optional[str] = field(default=None, metadata={"help": "With --model_type, e.g. hidden_size=64"})
-    config_name: Optional[str] = field(default=None, metadata={"help": "Config name or path, if not the model's"})
-    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Tokenizer name or path; minilm = offline"})
-    model_revision: str = field(default="main", metadata={"help": "Model version (branch, tag or commit)"})
     use_peft: bool = field(default=False, metadata={"help": "LoRA adapters (= --trainable lora, the recipe's default; "
                                                             "rank --lora_r)"})
 
@@ -123,14 +109,14 @@ class SftModelArguments:
 # ----------------------------------------------------------------------------------------------- arguments
 
 
-def make_parser():
-    from transformers import HfArgumentParser
+def _sft_config():
+    from hf_dp.sft import DPSFTConfig
 
-    try:
-        from hf_dp.sft import DPSFTConfig
-    except ImportError as exc:
-        raise RecipeError(str(exc)) from None  # the sft extra (TRL) is not installed: one line
-    return HfArgumentParser((SftScriptArguments, SftModelArguments, DPSFTConfig))
+    return DPSFTConfig
+
+
+def make_parser():
+    return trl_parser(SftScriptArguments, SftModelArguments, _sft_config)
 
 
 def _run_name(peek) -> str:
@@ -144,21 +130,8 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
     """Parse ``argv``: recipe defaults < ``defaults`` < YAML ``--config`` < command line (recipes.common.args). The
     frozen-prefix cache is never on by default (LoRA; a unit column, which the cache does not keep)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        data_args, model_args, args = parse_layered(
-            argv, defaults, parser=make_parser(), protocol_defaults=PROTOCOL_DEFAULTS,
-            optimizer_defaults=OPTIMIZER_DEFAULTS, run_name=_run_name, format_help=format_help,
-            cache_frozen_by_default=False,
-        )
-    except SystemExit as exc:  # argparse's own usage errors were printed already
-        if exc.code:
-            raise RecipeError("the command line could not be parsed (see the usage line above)") from None
-        raise
-    if model_args.use_peft:
-        if "trainable" in args._hf_dp_explicit and args.trainable != "lora":
-            raise RecipeError(f"--use_peft trains LoRA adapters; it cannot be combined with --trainable {args.trainable}")
-        args.trainable = "lora"
-    return data_args, model_args, args
+    return parse_trl_args(argv, defaults, parser=make_parser(), protocol_defaults=PROTOCOL_DEFAULTS,
+                          optimizer_defaults=OPTIMIZER_DEFAULTS, run_name=_run_name, format_help=format_help)
 
 
 def format_help(parser, peek) -> str:
@@ -220,40 +193,6 @@ def _check_columns(ds, args, what: str) -> str:
     return kind
 
 
-def _load_data(data_args: SftScriptArguments, args):
-    if data_args.train_file or data_args.validation_file:
-        raw = load_raw_datasets(data_args.train_file, data_args.validation_file)
-        train, dev = raw.get("train"), raw.get("validation")
-    else:
-        raw = load_raw_datasets(dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config)
-        train, dev = raw.get(data_args.dataset_train_split), raw.get(data_args.dataset_test_split)
-    if train is None:
-        raise DataLoadingError("no training data: pass --train_file (or --dataset_name with a train split)")
-    if data_args.max_train_samples is not None:
-        train = train.select(range(min(len(train), data_args.max_train_samples)))
-    kind = _check_columns(train, args, "training")
-    if dev is not None:
-        _check_columns(dev, args, "validation")
-        if args.privacy_unit_column in dev.column_names:
-            dev = dev.remove_columns(args.privacy_unit_column)
-    col = args.privacy_unit_column
-    if col is not None and args.dp_enabled:
-        if col not in train.column_names:
-            raise DataLoadingError(f"--privacy_unit_column {col}: the training data has no column '{col}' (it has "
-                                   f"{sorted(train.column_names)})")
-        # every row names its unit; the first that does not is named by its line in the file (hf_dp's own check comes
-        # later and counts the prepared rows from 0)
-        check_unit_values(train[col], col, data_args.train_file, DataLoadingError)
-    return train, dev, kind
-
-
-def _units(train, args) -> int:
-    """N for the planner and the checks: the distinct units under --privacy_unit_column, else the rows (before TRL's
-    preparation, which drops a conversation left with no scored token: DPTrainer counts the prepared set)."""
-    col = args.privacy_unit_column if args.dp_enabled else None
-    return len(set(train[col])) if col else len(train)
-
-
 def _template_line(tokenizer, args) -> str:
     scored = ("the assistant's text and its end token inside {% generation %}, the tokens that are scored"
               if args.assistant_only_loss else "the assistant's text marked with {% generation %}")
@@ -275,22 +214,14 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
 
     start = time.perf_counter()
     transformers.set_seed(args.seed)
-    # before any model is loaded; under a unit column without 🤗 Datasets' bars (they print the number of
-    # conversations, private under user-level DP)
-    quiet = args.dp_enabled and (args.privacy_unit_column or args.public_dataset_size is not None)
-    with no_progress_bar() if quiet else contextlib.nullcontext():
-        train, dev, kind = _load_data(data_args, args)
+    # before any model is loaded (without 🤗 Datasets' bars under a unit column: they print the number of conversations)
+    train, dev, kind = load_trl_data(data_args, args, lambda ds, what: _check_columns(ds, args, what))
     resume = resume_argument(args, model_sources(model_args))
-    n_units = _units(train, args)
+    # N: the units, else the rows (before TRL's preparation, which drops a conversation left with no scored token:
+    # DPTrainer counts the prepared set)
+    n_units = count_trl_units(train, args)
     check_privacy_settings(args, n_units)  # δ < 1/N, B ≤ N, σ calibratable: before the model and TRL's preparation
-    clm_args = ClmModelArguments(model_name_or_path=model_args.model_name_or_path, model_type=model_args.model_type,
-                                 config_overrides=model_args.config_overrides, config_name=model_args.config_name,
-                                 tokenizer_name=model_args.tokenizer_name, model_revision=model_args.model_revision,
-                                 trust_remote_code=args.trust_remote_code)
-    config, tokenizer, path = load_config_and_tokenizer(clm_args)
-    if tokenizer.eos_token is None:  # a BERT-style tokenizer (minilm): its [SEP] ends each message
-        tokenizer.eos_token = tokenizer.sep_token
-        config.eos_token_id = tokenizer.eos_token_id
+    clm_args, config, tokenizer, path = load_trl_config_and_tokenizer(model_args, args)
     from trl.data_utils import is_conversational
 
     default_template = (getattr(tokenizer, "chat_template", None) is None and args.chat_template_path is None

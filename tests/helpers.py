@@ -24,6 +24,9 @@ from hf_dp import DPTrainingArguments
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 VOCAB_SIZE = 60
 WORDS = [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIAL))]  # 55 words
+#: the recipes' flags for a tiny Llama from a config (recipes/sft.py, recipes/dpo.py tests; offline, seconds on CPU)
+TINY_LLAMA_ARGS = ["--model_type", "llama", "--config_overrides",
+                   "hidden_size=16,intermediate_size=32,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2"]
 
 
 def tiny_config(**overrides) -> BertConfig:

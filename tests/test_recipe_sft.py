@@ -21,11 +21,10 @@ pytest.importorskip("trl")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from helpers import WORDS, make_tokenizer  # noqa: E402
+from helpers import TINY_LLAMA_ARGS, WORDS, make_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-LLAMA = ["--model_type", "llama", "--config_overrides",
-         "hidden_size=16,intermediate_size=32,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2"]
+LLAMA = TINY_LLAMA_ARGS
 
 
 def _chats(path: Path, n: int, users: int, seed: int) -> None:

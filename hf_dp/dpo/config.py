@@ -14,7 +14,6 @@ False (TRL turns it on; refused under DP), ``bf16`` False, ``learning_rate`` 5e-
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -24,7 +23,8 @@ except ImportError as exc:  # the sft extra is not installed
     raise ImportError('hf_dp.dpo needs TRL: pip install -e ".[sft]" (or pip install "trl>=1.16,<2")') from exc
 
 from hf_dp.arguments import DPTrainingArguments
-from hf_dp.flags import ADJUSTED, REFUSED, SAFE, STATUS_TEXT, Rule
+from hf_dp.flags import (ADJUSTED, CHAT_TEMPLATE_PATH_RULES, REFUSED, SAFE, STATUS_TEXT, Rule, config_fields,
+                         enforce_config)
 
 _PAIR = "per pair: a function of the pair's own log-ratios"
 _SORTS = ("sorts the batch's {what} and matches the k-th smallest with the k-th smallest, so each pair's loss depends "
@@ -120,12 +120,7 @@ DPO_FLAGS: dict[str, tuple[Rule, ...]] = {
 #: what each field RewardConfig adds to TrainingArguments does under DP (checked complete by tests/test_dpo.py)
 REWARD_FLAGS: dict[str, tuple[Rule, ...]] = {
     **_MODEL,
-    "chat_template_path": (
-        Rule(REFUSED, "--chat_template_path naming a model or tokenizer is not supported with DP: TRL would then add "
-                      "tokens and resize the embeddings after hf_dp has frozen the model (--trainable); give a .jinja "
-                      "file or set the tokenizer's chat_template", "not a .jinja/.j2 file",
-             lambda a: a.chat_template_path is not None and not str(a.chat_template_path).endswith((".jinja", ".j2"))),
-        Rule(SAFE, "a .jinja/.j2 file (public): how each conversation is rendered")),
+    "chat_template_path": CHAT_TEMPLATE_PATH_RULES,
     "disable_dropout": (Rule(SAFE, "dropout off (TRL's default)"),),
     "eos_token": (Rule(SAFE, "the end-of-sequence token"),),
     "max_length": (Rule(SAFE, "a pair with an answer longer than max_length is dropped by TRL before N is counted"),),
@@ -137,10 +132,7 @@ REWARD_FLAGS: dict[str, tuple[Rule, ...]] = {
 
 def new_fields(config_cls) -> list[str]:
     """The fields a TRL config class adds to ``TrainingArguments``."""
-    from transformers import TrainingArguments
-
-    hf = {f.name for f in dataclasses.fields(TrainingArguments)}
-    return [f.name for f in dataclasses.fields(config_cls) if f.name not in hf]
+    return config_fields(config_cls)
 
 
 def loss_types_of(args) -> list[str]:
@@ -160,19 +152,7 @@ def enforce(args, registry: dict, config_cls, what: str) -> None:
                                  f"{trl.__version__}; hf_dp/dpo/config.py LOSS_TYPES), so it is not allowed with DP")
             if rule.status == REFUSED:
                 raise ValueError(rule.reason)
-    defaults = {f.name: f for f in dataclasses.fields(config_cls)}
-    for name in new_fields(config_cls):
-        rules = registry.get(name)
-        if rules is None:
-            f = defaults[name]
-            default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
-            if default is not dataclasses.MISSING and getattr(args, name, default) != default:
-                raise ValueError(f"--{name} is a {what} field of trl {trl.__version__} that hf_dp has not classified "
-                                 "for privacy (hf_dp/dpo/config.py), so it is not allowed with DP until it is")
-            continue
-        rule = next(r for r in rules if r.applies is None or r.applies(args))
-        if rule.status == REFUSED:
-            raise ValueError(rule.reason)
+    enforce_config(args, registry, config_cls, f"a {what}", "hf_dp/dpo/config.py")
 
 
 def enforce_dpo(args) -> None:

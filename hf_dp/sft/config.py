@@ -16,7 +16,6 @@ TRL's False scores a conversation's prompt tokens too; here the default is None,
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass, field
 
@@ -26,7 +25,8 @@ except ImportError as exc:  # the sft extra is not installed
     raise ImportError('hf_dp.sft needs TRL: pip install -e ".[sft]" (or pip install "trl>=1.16,<2")') from exc
 
 from hf_dp.arguments import DPTrainingArguments
-from hf_dp.flags import ADJUSTED, REFUSED, SAFE, STATUS_TEXT, Rule
+from hf_dp.flags import (ADJUSTED, CHAT_TEMPLATE_PATH_RULES, REFUSED, SAFE, STATUS_TEXT, Rule, config_fields,
+                         enforce_config)
 
 _CROSS = ("a sequence's loss would depend on several conversations (of several users), so clipping the sequence bounds "
           "no single conversation's or user's influence and the reported epsilon would be false")
@@ -41,12 +41,7 @@ SFT_FLAGS: dict[str, tuple[Rule, ...]] = {
                       "clipped per conversation", "≠ 0", lambda a: bool(a.router_aux_loss_coef)),
         Rule(ADJUSTED, "None/0: under DP the training loss is the per-conversation language-modelling loss only (no "
                        "auxiliary loss is added)")),
-    "chat_template_path": (
-        Rule(REFUSED, "--chat_template_path naming a model or tokenizer is not supported with DP: TRL would then add "
-                      "tokens and resize the embeddings after hf_dp has frozen the model (--trainable); give a .jinja "
-                      "file or set the tokenizer's chat_template", "not a .jinja/.j2 file",
-             lambda a: a.chat_template_path is not None and not str(a.chat_template_path).endswith((".jinja", ".j2"))),
-        Rule(SAFE, "a .jinja/.j2 file (public): how each conversation is rendered")),
+    "chat_template_path": CHAT_TEMPLATE_PATH_RULES,
     "dataset_text_field": (Rule(SAFE, "which column holds plain text"),),
     "dataset_kwargs": (Rule(SAFE, "skip_prepare_dataset: the rows are used as given; the run-time contract checks "
                                   "(one row per conversation, each loss its own) still hold"),),
@@ -92,30 +87,13 @@ SFT_FLAGS: dict[str, tuple[Rule, ...]] = {
 
 def sft_fields() -> list[str]:
     """The fields ``SFTConfig`` adds to ``TrainingArguments``."""
-    from transformers import TrainingArguments
-
-    hf = {f.name for f in dataclasses.fields(TrainingArguments)}
-    return [f.name for f in dataclasses.fields(SFTConfig) if f.name not in hf]
+    return config_fields(SFTConfig)
 
 
 def enforce_sft(args) -> None:
     """Raise the first refusal of :data:`SFT_FLAGS` (raw values); a field of a newer TRL that is not classified is
     refused when it differs from its default."""
-    defaults = {f.name: f for f in dataclasses.fields(SFTConfig)}
-    for name in sft_fields():
-        rules = SFT_FLAGS.get(name)
-        if rules is None:
-            f = defaults[name]
-            default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
-            if default is not dataclasses.MISSING and getattr(args, name, default) != default:
-                import trl
-
-                raise ValueError(f"--{name} is an SFTConfig field of trl {trl.__version__} that hf_dp has not classified "
-                                 "for privacy (hf_dp/sft/config.py), so it is not allowed with DP until it is")
-            continue
-        rule = next(r for r in rules if r.applies is None or r.applies(args))
-        if rule.status == REFUSED:
-            raise ValueError(rule.reason)
+    enforce_config(args, SFT_FLAGS, SFTConfig, "an SFTConfig", "hf_dp/sft/config.py")
 
 
 #: what ``assistant_only_loss=None`` (DPSFTConfig's default) becomes on each kind of data: :func:`resolve_loss_scope`

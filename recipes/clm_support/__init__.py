@@ -6,6 +6,8 @@
   block size;
 * :mod:`~recipes.clm_support.metrics`: perplexity = exp(eval_loss);
 * :mod:`~recipes.clm_support.sampling`: sampled continuations of a public prompt (post-processing of the model).
+* :mod:`~recipes.clm_support.trl`: what the TRL recipes (``sft.py``, ``dpo.py``) share: TRL's script flags, the
+  layered parse with ``--use_peft``, the data loading with the unit-column checks, the config and tokenizer.
 """
 
 from .data import (DOCUMENT_COLUMN, add_document_ids, check_text_column, check_unit_column, count_units,
