@@ -69,8 +69,9 @@ from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.run import (check_privacy_settings, model_sources, public_size, push_folder,  # noqa: E402
-                                release_is_the_product, resume_argument, summarize)
-from recipes.common.run import planner_expectation, save_release  # noqa: E402
+                                release_is_the_product, resume_argument)
+from recipes.common.run import save_release  # noqa: E402
+from recipes.common.summary import planner_expectation, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
 

@@ -59,7 +59,8 @@ from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.run import (check_privacy_settings, eval_rows_in_training, model_sources,  # noqa: E402
-                                push_folder, release_is_the_product, resume_argument, save_release, summarize)
+                                push_folder, release_is_the_product, resume_argument, save_release)
+from recipes.common.summary import summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
 

@@ -39,9 +39,10 @@ from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import MINILM_PACKAGE, ModelArguments, base_model_id, load_pretrained  # noqa: E402,F401
 from recipes.common.model import resolve_model_path  # noqa: E402,F401  (tests and users: the preset's folder)
 from recipes.common.early import check_model_loadable, check_resume_settings, resume_checkpoint  # noqa: E402
-from recipes.common.run import apply_plan, check_privacy_settings, model_sources, push_folder, resume_argument, summarize  # noqa: E402
+from recipes.common.run import apply_plan, check_privacy_settings, model_sources, push_folder, resume_argument  # noqa: E402
+from recipes.common.summary import planner_expectation, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
-from recipes.common.run import planner_expectation, release_is_the_product, save_release, write_predictions  # noqa: E402
+from recipes.common.run import release_is_the_product, save_release, write_predictions  # noqa: E402
 from recipes.common.run import eval_rows_in_training  # noqa: E402
 from recipes.common.rows import check_unit_values  # noqa: E402
 from hf_dp.run.data import no_progress_bar  # noqa: E402

@@ -65,10 +65,9 @@ from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.run import (check_privacy_settings, data_description, eval_rows_in_training,  # noqa: E402
-                                model_sources, push_folder, release_is_the_product, resume_argument, save_release,
-                                summarize)
+                                model_sources, push_folder, release_is_the_product, resume_argument, save_release)
 from recipes.common.run import main as run_main  # noqa: E402
-from recipes.common.run import planner_expectation  # noqa: E402
+from recipes.common.summary import planner_expectation, summarize  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
 
 logger = logging.getLogger("hf_dp.recipes.sft")

@@ -233,7 +233,7 @@ def test_row_positions_are_lines_of_the_file(tmp_path):
 
 def test_a_pair_tasks_summary_shows_the_constant_predictors_f1_beside_the_models():
     """Was: "f1 : 0.818" with no word that always predicting the positive class gives 0.812 on MRPC dev."""
-    from recipes.common.run import summary_block
+    from recipes.common.summary import summary_block
     from recipes.glue_support import constant_baseline
 
     labels = [1] * 279 + [0] * 129  # MRPC dev: 68.4 % positive

@@ -302,7 +302,7 @@ def test_an_audit_without_power_says_so_on_the_card_and_the_console():
     little power to say anything), but only privacy.json's numbers showed it; the card line and the recipes' summary
     row (both the record's ``summary``) now say so. Enough power (1,000 canaries at ε = 1): no such sentence."""
     from hf_dp.hub import render_model_card
-    from recipes.common.run import summary_block
+    from recipes.common.summary import summary_block
 
     b = audit_scores(np.arange(200.0), np.arange(200) >= 100, 1e-5)
     rec = {**record(b, "black-box"), "epsilon": 3.0, "ceiling": ceiling(200, 1e-5)}

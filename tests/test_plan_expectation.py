@@ -163,7 +163,7 @@ def test_the_trainer_keeps_the_expectation_its_block_stated(tmp_path, caplog, si
 
 
 def _summary_module():
-    from recipes.common import run
+    from recipes.common import summary as run
 
     return run
 
