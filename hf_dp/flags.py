@@ -28,11 +28,13 @@ they do), and ``tests/test_flags.py`` fails until they are classified here.
 
 The table ``docs/privacy_flags.md`` is generated from :data:`FLAGS` by :mod:`hf_dp.flags_table`
 (``python -m hf_dp.flags_table --markdown > docs/privacy_flags.md``; a test checks that the committed file is its
-output).
+output). The TRL trainers (:mod:`hf_dp.sft`, :mod:`hf_dp.dpo`) share :func:`enforce_config` for their configs' flags
+and :func:`quiet_length_warning` around TRL's data preparation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any, Callable, NamedTuple
@@ -493,3 +495,45 @@ def enforce_config(args, registry: dict[str, tuple[Rule, ...]], config_cls, labe
         rule = next(r for r in rules if r.applies is None or r.applies(args))
         if rule.status == REFUSED:
             raise ValueError(rule.reason)
+
+
+# --------------------------------------------------------------------------------------------------
+# TRL's data preparation under DP (hf_dp.sft, hf_dp.dpo)
+# --------------------------------------------------------------------------------------------------
+#: transformers' warning (tokenization_utils_base) when a text tokenizes to more tokens than the tokenizer's
+#: ``model_max_length``: TRL tokenizes each text whole and cuts it to ``max_length`` afterwards
+LENGTH_WARNING = "Token indices sequence length is longer than the specified maximum sequence length for this model"
+
+
+class _DropLengthWarning:
+    """A ``logging`` filter that drops :data:`LENGTH_WARNING` and lets every other record through."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return LENGTH_WARNING not in str(record.msg)
+
+
+def length_warning_handled(args, dataset_name: str) -> bool:
+    """Whether hf_dp (or TRL under it) already handles the length of every sequence of the set TRL prepares: a DP run
+    whose sequences TRL cuts to ``max_length`` (or drops), or its training set, whose rows over the run's public token
+    bound are refused before any step."""
+    return bool(getattr(args, "dp_enabled", False)) and (args.max_length is not None or dataset_name == "train")
+
+
+@contextlib.contextmanager
+def quiet_length_warning(active: bool = True):
+    """Within this block, transformers' :data:`LENGTH_WARNING` ("... (N > M). Running this sequence through the model
+    will result in indexing errors") is not logged: around TRL's ``_prepare_dataset`` where
+    :func:`length_warning_handled` — the sequence it measured is cut or refused before the model sees it, so the
+    warning is false there. Every other message of that logger still goes through."""
+    if not active:
+        yield
+        return
+    import logging
+
+    log, drop = logging.getLogger("transformers.tokenization_utils_base"), _DropLengthWarning()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)

@@ -8,11 +8,16 @@
 * :func:`dp_args` — ``DPTrainingArguments`` with quiet, fast, CPU-only defaults.
 * :class:`StepCounter` — a callback that counts optimizer steps; :class:`StopAt` — one that stops after a step.
 * :func:`spy_draws_and_noise` — record every Poisson draw and every noise vector of the runs of a test.
+* :func:`tiny_llama`, :func:`preference_pairs` — a tiny random Llama (2 layers, width 16) from a config and synthetic
+  prompt/chosen/rejected pairs of a few users, for the preference-tuning tests (hf_dp.dpo).
+* :func:`transformers_warnings` — the warnings transformers' loggers emit inside a block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import random
 
@@ -27,6 +32,51 @@ WORDS = [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIAL))]  # 55 words
 #: the recipes' flags for a tiny Llama from a config (recipes/sft.py, recipes/dpo.py tests; offline, seconds on CPU)
 TINY_LLAMA_ARGS = ["--model_type", "llama", "--config_overrides",
                    "hidden_size=16,intermediate_size=32,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2"]
+
+
+def tiny_llama(tok, seed: int = 0, cls=None, **overrides):
+    """A tiny random Llama (``LlamaForCausalLM``, or ``cls``) over ``tok``'s vocabulary, from a config (no weights
+    loaded: it starts at random)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=96,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **overrides)
+    return (cls or LlamaForCausalLM)(cfg)
+
+
+def random_words(r: random.Random, lo: int, hi: int) -> str:
+    return " ".join(r.choice(WORDS) for _ in range(r.randint(lo, hi)))
+
+
+def preference_pairs(n: int = 40, users: int = 8, seed: int = 0) -> list[dict]:
+    """``n`` prompt/chosen/rejected pairs of random words, pair i from user ``u{i % users}``."""
+    r = random.Random(seed)
+    return [{"prompt": random_words(r, 2, 5), "chosen": " " + random_words(r, 1, 4),
+             "rejected": " " + random_words(r, 1, 4), "user_id": f"u{i % users}"} for i in range(n)]
+
+
+@contextlib.contextmanager
+def transformers_warnings():
+    """A list that gets every message transformers' loggers emit at warning level or above inside the block (their
+    own verbosity set to warning meanwhile)."""
+    from transformers.utils import logging as hf_logging
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    root, handler, level = logging.getLogger("transformers"), Keep(logging.WARNING), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    root.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        root.removeHandler(handler)
+        hf_logging.set_verbosity(level)
 
 
 def tiny_config(**overrides) -> BertConfig:

@@ -12,8 +12,9 @@ prompt/chosen/rejected pairs. What is checked:
   under ghost, ghost_two_pass and hooks clipping — and likewise for the reward model;
 * a changed prompt token changes no scored label, and no scored log-probability is one of a prompt token;
 * the reference model's log-probabilities are in no file the run writes, nor in its logs; TRL's warning that quotes a
-  prompt neither; each refused loss type and flag, a pair over the token bound, a ``ref_model`` whose DP training the
-  ledger does not count, is refused in one sentence, at construction;
+  prompt neither; a pair over the token bound and a ``ref_model`` whose DP training the ledger does not count are
+  refused at construction, and what is accepted beside them (every other refusal of hf_dp.dpo, each with its row of
+  docs/misuse.md: tests/test_dpo_refusals.py);
 * a DP DPO run (LoRA, user level) and a DP reward-model run train, evaluate and release ε ≤ the target.
 """
 
@@ -37,12 +38,15 @@ import torch
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification  # noqa: E402
+from transformers import LlamaForSequenceClassification  # noqa: E402
 from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
 from trl.trainer.dpo_trainer import DataCollatorForPreference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import WORDS, make_tokenizer  # noqa: E402
+from helpers import make_tokenizer, transformers_warnings  # noqa: E402
+from helpers import preference_pairs as pairs  # noqa: E402
+from helpers import random_words as words  # noqa: E402
+from helpers import tiny_llama as llama  # noqa: E402
 
 from hf_dp.dpo import (DPO_FLAGS, LOSS_TYPES, REWARD_FLAGS, DPDPOConfig, DPDPOTrainer, DPRewardConfig,  # noqa: E402
                        DPRewardTrainer)
@@ -67,24 +71,6 @@ def tok(tmp_path_factory):
     t = make_tokenizer(tmp_path_factory.mktemp("tok"))
     t.eos_token = "[SEP]"
     return t
-
-
-def llama(tok, seed=0, cls=LlamaForCausalLM, **kw):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=96,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **kw)
-    return cls(cfg)
-
-
-def words(r, lo, hi):
-    return " ".join(r.choice(WORDS) for _ in range(r.randint(lo, hi)))
-
-
-def pairs(n=40, users=8, seed=0):
-    r = random.Random(seed)
-    return [{"prompt": words(r, 2, 5), "chosen": " " + words(r, 1, 4), "rejected": " " + words(r, 1, 4),
-             "user_id": f"u{i % users}"} for i in range(n)]
 
 
 def config(tmp_path, cls=DPDPOConfig, **over):
@@ -332,67 +318,6 @@ def test_the_reference_models_log_probs_reach_no_file_and_no_log(tmp_path, tok):
     assert "ref" not in logged and not any(repr(v) in logged for v in seen)
 
 
-# ------------------------------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("over,match", [
-    ({"loss_type": ["aot"]}, "--loss_type aot is not supported with DP: it sorts the batch's"),
-    ({"loss_type": ["aot_unpaired"]}, "--loss_type aot_unpaired is not supported with DP: it sorts the batch's"),
-    ({"loss_type": ["sigmoid", "aot"]}, "--loss_type aot is not supported with DP"),
-    ({"loss_type": "aot"}, "--loss_type aot is not supported with DP"),
-    ({"loss_type": ["sigmoid_plus"]}, "--loss_type sigmoid_plus is not a DPO loss type hf_dp has classified"),
-    ({"padding_free": True}, "--padding_free is not supported with DP"),
-    ({"precompute_ref_log_probs": True}, "--precompute_ref_log_probs is not supported with DP"),
-    ({"activation_offloading": True}, "--activation_offloading is not supported with DP"),
-    ({"router_aux_loss_coef": 0.01}, "--router_aux_loss_coef is not supported with DP"),
-    ({"gradient_checkpointing": True}, "gradient_checkpointing"),
-])
-def test_what_couples_pairs_is_refused_in_one_sentence_at_construction(tmp_path, over, match):
-    with pytest.raises(ValueError, match=match) as e:
-        config(tmp_path, **over)
-    assert "\n" not in str(e.value)
-    if "sigmoid_plus" not in str(over):
-        config(tmp_path, disable_dp=True, optim="adamw_torch", epsilon=None, **over)  # a non-private baseline takes them
-
-
-@pytest.mark.parametrize("over,match", [
-    ({"chat_template_path": "some/model"}, "--chat_template_path naming a model or tokenizer is not supported"),
-    ({"activation_offloading": True}, "--activation_offloading is not supported with DP"),
-])
-def test_reward_flags_dp_cannot_honour_are_refused(tmp_path, over, match):
-    with pytest.raises(ValueError, match=match) as e:
-        config(tmp_path, cls=DPRewardConfig, **over)
-    assert "\n" not in str(e.value)
-
-
-def test_trainer_arguments_dp_cannot_honour_are_refused(tmp_path, tok):
-    from peft import LoraConfig
-
-    rows = Dataset.from_list(pairs(8))
-    args = config(tmp_path)
-    for kw, match in (({"peft_config": LoraConfig(r=4)}, "peft_config is not supported by DPDPOTrainer under DP"),
-                      ({"data_collator": lambda b: b}, "data_collator is not supported by DPDPOTrainer under DP"),
-                      ({"eval_dataset": rows}, "overlaps")):
-        with pytest.raises(ValueError, match=match):
-            DPDPOTrainer(model=llama(tok), args=args, train_dataset=rows, processing_class=tok, **kw)
-    for over, match in (({"audit_canaries": 100}, "--audit_canaries is not supported by DPDPOTrainer"),
-                        ({"cache_frozen_features": True, "trainable": "last_block"},
-                         "--cache_frozen_features is not supported by DPDPOTrainer")):
-        with pytest.raises(ValueError, match=match):
-            DPDPOTrainer(model=llama(tok), args=config(tmp_path, **over), train_dataset=rows, processing_class=tok)
-    with pytest.raises(ValueError, match="vision preference data is not supported"):
-        DPDPOTrainer(model=llama(tok), args=args, processing_class=tok,
-                     train_dataset=Dataset.from_list([{**p, "image": None} for p in pairs(8)]))
-    changed = config(tmp_path)
-    changed.loss_type = ["aot"]  # set after the config was made: refused by the trainer all the same
-    with pytest.raises(ValueError, match="--loss_type aot is not supported with DP"):
-        DPDPOTrainer(model=llama(tok), args=changed, train_dataset=rows, processing_class=tok)
-    with pytest.raises(TypeError, match="DPDPOConfig"):
-        DPDPOTrainer(model=llama(tok), args=DPOConfig(output_dir=str(tmp_path), use_cpu=True), train_dataset=rows,
-                     processing_class=tok)
-    with pytest.raises(ValueError, match="num_labels=1"):
-        DPRewardTrainer(model=llama(tok, cls=LlamaForSequenceClassification, num_labels=2),
-                        args=config(tmp_path, cls=DPRewardConfig), train_dataset=rows, processing_class=tok)
-
-
 # --------------------------------------------------------------------------------------------------- end to end
 def test_a_user_level_dp_dpo_run_trains_evaluates_and_releases_with_epsilon_below_target(tmp_path, tok):
     tr = make(tmp_path, tok, pairs(40, users=10), pairs(8, seed=5), trainable="lora", lora_r=2,
@@ -548,3 +473,30 @@ def test_a_reference_model_whose_dp_training_the_ledger_does_not_count_is_refuse
     make(tmp_path, tok, rows, model=copy.deepcopy(trained), trainable="all", ref_model=copy.deepcopy(trained))
     tr = make(tmp_path, tok, rows, trainable="all", ref_model=copy.deepcopy(trained), prior_privacy="separate")
     assert "--prior_privacy separate" in tr.privacy_report()["dpo"]["reference_model"]
+
+
+def test_the_tokenizers_longer_than_maximum_warning_is_not_logged_where_the_length_is_cut_or_refused(tmp_path):
+    """transformers warns once per tokenizer that a text has more tokens than its model_max_length ("... will result in
+    indexing errors") when TRL tokenizes a pair whole; under DP every sequence is cut to max_length (or its pair refused
+    over the run's token bound) before the model sees it, so that warning is not logged — the baseline still logs it."""
+    from hf_dp.flags import LENGTH_WARNING
+
+    def short_tok(name):
+        t = make_tokenizer(tmp_path / name)
+        t.eos_token, t.model_max_length = "[SEP]", 8  # every pair is longer
+        return t
+
+    rows, held_out = pairs(16, users=4), pairs(4, seed=3)
+    for name, build in (
+            ("dpo", lambda t: make(tmp_path, t, rows, held_out, trainable="lora", lora_r=2)),
+            ("reward", lambda t: DPRewardTrainer(
+                model=llama(t, cls=LlamaForSequenceClassification, num_labels=1), processing_class=t,
+                args=config(tmp_path, cls=DPRewardConfig, trainable="all"), train_dataset=Dataset.from_list(rows),
+                eval_dataset=Dataset.from_list(held_out))),
+            ("baseline", lambda t: make(tmp_path, t, rows, trainable="lora", lora_r=2, disable_dp=True,
+                                        optim="adamw_torch", epsilon=None))):
+        with transformers_warnings() as logged:
+            build(short_tok(name))
+        said = [m for m in logged if LENGTH_WARNING in m]
+        assert len(said) == (1 if name == "baseline" else 0), (name, logged)
+    assert not logging.getLogger("transformers.tokenization_utils_base").filters  # the filter is gone afterwards

@@ -159,6 +159,53 @@ def test_the_trainer_keeps_the_expectation_its_block_stated(tmp_path, caplog, si
     assert off.dp.plan_expectation is None  # no block, nothing to compare
 
 
+def test_the_api_states_no_calibrated_expectation_for_a_causal_lm_trained_from_scratch(tmp_path, caplog, single_thread):
+    """Issue 53: the causal-LM verdict is calibrated on fine-tuning a pretrained causal LM; DPTrainer gave it for a model
+    built from a config too (the recipes already said instead, for --model_type, that there is none). Now the API says
+    so in one line for a model trained from scratch; a model loaded with from_pretrained (or a deep copy of one, which
+    loses transformers' marks on the loaded weights but keeps its config's name) still gets the verdict."""
+    import copy
+
+    import torch
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling, GPT2Config, GPT2LMHeadModel
+
+    from hf_dp.plan.lm_verdict import FROM_SCRATCH, trained_from_scratch
+
+    tok = make_tokenizer(tmp_path / "tok")
+    g = torch.Generator().manual_seed(0)
+    rows = [[tok.cls_token_id] + torch.randint(5, len(tok), (int(torch.randint(3, 12, (1,), generator=g)),),
+                                               generator=g).tolist() for _ in range(32)]
+    data = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
+    config = GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=16, n_layer=2, n_head=2, pad_token_id=tok.pad_token_id)
+
+    def plan_lines(model, name):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_dp"):
+            trainer = DPTrainer(model=model, args=dp_args(tmp_path / name, learning_rate=0.1, max_steps=4, trainable="all",
+                                                          per_device_train_batch_size=8),
+                                train_dataset=data, data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+        said = [x.strip() for r in caplog.records for x in r.getMessage().splitlines() if "hf_dp plan (causal LM)" in x]
+        return said, trainer.dp.plan_expectation
+
+    scratch = GPT2LMHeadModel(config)
+    assert trained_from_scratch(scratch)
+    said, expectation = plan_lines(scratch, "scratch")
+    assert said == [f"hf_dp plan (causal LM): no verdict: {FROM_SCRATCH}, so no calibrated expectation for this "
+                    "model/task: calibrated on fine-tuning a pretrained causal LM (benchmarks/RESULTS.md §10)"], said
+    assert expectation.kind == "none" and "trained from scratch" in expectation.line
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "saved")
+    pretrained = GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    for name, model in (("pretrained", pretrained), ("copy", copy.deepcopy(pretrained))):
+        assert not trained_from_scratch(model)
+        said, expectation = plan_lines(model, name)
+        assert len(said) == 1 and said[0].startswith("hf_dp plan (causal LM): R_step = √d·σ/B"), (name, said)
+        assert expectation.kind.startswith("lm_")
+    with not_calibrated_for("the model starts from random weights (--model_type gpt2)"):  # a recipe's reason stays
+        said, _ = plan_lines(GPT2LMHeadModel(config), "recipe")
+    assert said and "(--model_type gpt2)" in said[0]
+
+
 # ------------------------------------------------------------------------------------------ the recipes' summary
 
 

@@ -26,7 +26,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import WORDS, make_tokenizer  # noqa: E402
+from helpers import WORDS, make_tokenizer, transformers_warnings  # noqa: E402
 
 from hf_dp.models.loss import IGNORE_INDEX  # noqa: E402
 from hf_dp.sft import SFT_FLAGS, DPSFTConfig, DPSFTTrainer  # noqa: E402
@@ -271,6 +271,23 @@ def test_lora_via_trainable_trains_only_the_adapter(tmp_path, tok):
     assert trainable and all("lora_" in n for n in trainable)
     tr.train()
     assert tr.privacy_report()["trainable"]
+
+
+def test_the_tokenizers_longer_than_maximum_warning_is_not_logged_where_the_length_is_cut(tmp_path):
+    """TRL tokenizes each conversation whole and then cuts it to max_length; transformers warns once per tokenizer that
+    a text is longer than its model_max_length ("... will result in indexing errors"). Under DP that warning is not
+    logged (the conversations are cut, or refused over the run's token bound); the baseline still logs it."""
+    from hf_dp.flags import LENGTH_WARNING
+
+    for dp in (True, False):
+        t = make_tokenizer(tmp_path / f"tok{dp}")
+        # every two-turn conversation is longer (12 tokens or more; TRL's 7-token probe of the template is not)
+        t.chat_template, t.eos_token, t.model_max_length = TEMPLATE, "[SEP]", 10
+        over = {} if dp else {"disable_dp": True, "optim": "adamw_torch", "epsilon": None}
+        held_out = [{"messages": c["messages"]} for c in conversations(4, seed=3, turns=2)]
+        with transformers_warnings() as logged:
+            make(tmp_path, t, conversations(n=16, users=4, turns=2), held_out, **over)
+        assert len([m for m in logged if LENGTH_WARNING in m]) == (0 if dp else 1), (dp, logged)
 
 
 # --------------------------------------------------------------------------------------------------- the flag table

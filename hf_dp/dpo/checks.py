@@ -4,7 +4,9 @@
   prefix of prompt + answer, and its message quotes the decoded end of that prompt — private text, one line per
   distinct fragment. Under DP its messages are withheld while a set of pairs is prepared (a filter on TRL's
   ``dpo_trainer`` logger; the preparation runs in this process: ``dataset_num_proc`` is not used then, so that no
-  worker process logs outside the filter), and hf_dp logs one line that quotes nothing and counts nothing.
+  worker process logs outside the filter), and hf_dp logs one line that quotes nothing and counts nothing; transformers'
+  warning that a tokenized text is longer than the tokenizer's ``model_max_length`` is dropped too, where each
+  sequence is cut to ``max_length`` or refused over the run's token bound (:func:`hf_dp.flags.quiet_length_warning`).
 * :func:`check_pair_lengths`: every pair's rows, as the pair collator will make them, within the run's public token
   bound (``dp.bounds.max_length``: ``--dp_max_length``, else ``max_length``), refused in one sentence at construction
   — not at the step that happens to draw a longer pair.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+
+from hf_dp.flags import length_warning_handled, quiet_length_warning
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +64,8 @@ def quiet_preparation(args, dataset_name: str):
     log.addFilter(withhold)
     args.dataset_num_proc = None  # worker processes would log outside this process's filter
     try:
-        yield
+        with quiet_length_warning(length_warning_handled(args, dataset_name)):  # cut or refused: hf_dp.flags
+            yield
     finally:
         args.dataset_num_proc = num_proc
         log.removeFilter(withhold)

@@ -139,9 +139,14 @@ def loss_types_of(args) -> list[str]:
     return [args.loss_type] if isinstance(args.loss_type, str) else list(args.loss_type or [])
 
 
+#: TRL's f-DPO divergences (trl 1.16 DPOTrainer._compute_loss); hf_dp.dpo.pairs.PairLoss.scores computes each
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+
+
 def enforce(args, registry: dict, config_cls, what: str) -> None:
     """Raise the first refusal of ``registry`` (raw values); a field of a newer TRL that is not classified is refused
-    when it differs from its default. For DPO, each loss type first (:data:`LOSS_TYPES`)."""
+    when it differs from its default. For DPO, each loss type first (:data:`LOSS_TYPES`), and an f-divergence TRL does
+    not compute (which would otherwise stop the run at its first step)."""
     import trl
 
     if config_cls is DPOConfig:
@@ -152,6 +157,10 @@ def enforce(args, registry: dict, config_cls, what: str) -> None:
                                  f"{trl.__version__}; hf_dp/dpo/config.py LOSS_TYPES), so it is not allowed with DP")
             if rule.status == REFUSED:
                 raise ValueError(rule.reason)
+        kind = str(getattr(args.f_divergence_type, "value", args.f_divergence_type))
+        if kind not in F_DIVERGENCES:
+            raise ValueError(f"--f_divergence_type {kind} is not one of TRL's f-divergences ({', '.join(F_DIVERGENCES)}), "
+                             "so the first step would stop the run: choose one of them")
     enforce_config(args, registry, config_cls, f"a {what}", "hf_dp/dpo/config.py")
 
 

@@ -20,6 +20,7 @@ from hf_dp.dpo.checks import check_pair_lengths, reward_row_length
 from hf_dp.dpo.config import DPRewardConfig, enforce_reward
 from hf_dp.dpo.pairs import RewardPairCollator, reward_pair_losses, row_losses, trl_layout
 from hf_dp.dpo.trainer import refuse_under_dp, unit_text, with_lengths
+from hf_dp.flags import length_warning_handled, quiet_length_warning
 from hf_dp.hub import write_privacy_artifacts
 from hf_dp.hub.describe import CARD_SETTINGS, card_fields
 from hf_dp.models.loss import OBJECTIVES
@@ -88,6 +89,12 @@ class DPRewardTrainer(DPTrainer, RewardTrainer):
         check_pair_lengths(self.train_dataset, bound, reward_row_length,
                            f"set --max_length {bound} or less (TRL then drops the longer pairs before N is counted), "
                            "or raise --dp_max_length")
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        # under DP each pair is dropped beyond max_length or refused over the token bound: no "longer than the
+        # tokenizer's maximum" warning (hf_dp.flags.quiet_length_warning)
+        with quiet_length_warning(length_warning_handled(args, dataset_name)):
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
     def _check_not_train(self, dataset) -> None:
         super()._check_not_train(dataset)

@@ -71,6 +71,7 @@ from hf_dp.plan.calibration import (
     calibrated_for,
 )
 from hf_dp.plan.cli import count_trainable, flags_for, main
+from hf_dp.plan.lm_verdict import calibration_scope, trained_from_scratch
 from hf_dp.plan.plans import (
     CACHE_ENV,
     DEFAULT_BATCH_SIZES,
@@ -93,5 +94,5 @@ __all__ = [
     "DEFAULT_BATCH_SIZES", "DEFAULT_EPOCHS", "WARN_R_RUN", "CONSTANT_R_RUN", "CONSTANT_R_RUN_ALL", "MIN_STEPS", "PlanRow", "Plan", "planned_steps", "noise_multiplier",
     "plan_row", "make_plan", "recommend", "split_batch", "run_block", "main", "PLANNED_LR", "count_trainable",
     "flags_for", "calibrated_for", "CALIBRATION", "CACHE_ENV", "format_table", "Expectation", "run_expectation",
-    "CALIBRATED_ON",
+    "CALIBRATED_ON", "calibration_scope", "trained_from_scratch",
 ]

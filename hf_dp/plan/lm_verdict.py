@@ -107,6 +107,35 @@ def not_calibrated_reason() -> str | None:
     return _NOT_CALIBRATED.get()
 
 
+#: why the calibration does not cover a model built from a config (the runs behind it fine-tuned a pretrained model)
+FROM_SCRATCH = "the model is trained from scratch (built from its config: no pretrained weights were loaded)"
+
+
+def trained_from_scratch(model) -> bool:
+    """Whether ``model`` (or a PEFT model's base) was built from a config rather than loaded with ``from_pretrained``:
+    its config names no checkpoint (``name_or_path``) and none of its parameters carries the mark transformers puts on
+    the weights ``from_pretrained`` loaded (``_is_hf_initialized``). A model whose weights were loaded otherwise (a
+    state dict into a model built from a config) counts as from scratch; a deep copy of a pretrained model (which
+    loses the marks) keeps its config's name and does not."""
+    get_base = getattr(model, "get_base_model", None)
+    model = get_base() if callable(get_base) else model
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None):
+        return False
+    params = getattr(model, "parameters", None)
+    return callable(params) and not any(getattr(p, "_is_hf_initialized", False) for p in params())
+
+
+def calibration_scope(model):
+    """Around a run's start-of-run block (:func:`hf_dp.plan.run_block`, :func:`hf_dp.plan.run_expectation`): for a
+    model trained from scratch (:func:`trained_from_scratch`), :func:`not_calibrated_for` (:data:`FROM_SCRATCH`) —
+    one line saying there is no calibrated expectation instead of the causal-LM verdict, as the recipes say for
+    ``--model_type``; nothing when an enclosing block already gave its reason, or for any other model."""
+    if not_calibrated_reason() is None and trained_from_scratch(model):
+        return not_calibrated_for(FROM_SCRATCH)
+    return contextlib.nullcontext()
+
+
 def no_verdict_line(reason: str) -> str:
     """The one line that replaces the verdict for a model the calibration does not cover."""
     return (f"hf_dp plan (causal LM): no verdict: {reason}, so no calibrated expectation for this model/task: "

@@ -28,6 +28,7 @@ import contextlib
 
 from trl import SFTTrainer
 
+from hf_dp.flags import length_warning_handled, quiet_length_warning
 from hf_dp.hub import write_privacy_artifacts
 from hf_dp.hub.describe import CARD_SETTINGS, card_fields
 from hf_dp.run.data import check_eval_is_not_train, no_progress_bar
@@ -94,6 +95,12 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
         # (token ids, labels -100 on prompt tokens, the unit column kept), not the raw conversations
         self._fingerprint_source = self.train_dataset
         super()._setup_privacy()
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        # under DP each conversation is cut to max_length (or, in the training set, refused over the run's token
+        # bound): no "longer than the tokenizer's maximum" warning (hf_dp.flags.quiet_length_warning)
+        with quiet_length_warning(length_warning_handled(args, dataset_name)):
+            return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
 
     def _check_not_train(self, dataset) -> None:
         super()._check_not_train(dataset)
