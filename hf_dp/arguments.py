@@ -12,7 +12,9 @@ Every HF flag keeps its meaning. Added flags (all parsed by ``HfArgumentParser``
   ``--secure_rng``; ``--dp_seed``; ``--disable_dp``; ``--privacy_unit_column`` / ``--max_rows_per_unit`` (the unit of
 privacy: a column whose rows form one unit — user-level DP —, default one row); ``--public_dataset_size`` (N declared
 public: the mechanism is planned from it, not from the actual count); ``--clipping`` (``auto`` | ``ghost`` | ``ghost_two_pass`` |
-  ``hooks``: the per-example clipping engine); ``--cache_frozen_features`` (train the suffix from a cache of the frozen prefix).
+  ``hooks``: the per-example clipping engine); ``--cache_frozen_features`` (train the suffix from a cache of the frozen prefix);
+  ``--noise_mechanism`` (``independent`` | ``banded_sqrt``) / ``--noise_bands`` (correlated noise with cyclic Poisson
+  sampling, :mod:`hf_dp.privacy.banded`).
 
 ``--trainable`` applies to ``--disable_dp`` baselines too, so that they train the same parameters.
 
@@ -43,7 +45,7 @@ from transformers import TrainingArguments
 from hf_dp import flags
 from hf_dp.models import check_trainable
 from hf_dp.optim.registry import is_dp_optimizer, optimizer_names
-from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon
+from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon, check_noise_mechanism
 
 #: the largest --epsilon accepted: beyond it the guarantee (a factor e^epsilon) bounds nothing, and σ calibration slows
 MAX_EPSILON = 50.0
@@ -214,6 +216,19 @@ class DPTrainingArguments(TrainingArguments):
                           "A public constant, never read from the training rows (canaries that depended on the private "
                           "data would break the guarantee); set it to the padded length of fixed-length data."},
     )
+    noise_mechanism: str = field(
+        default="independent",
+        metadata={
+            "help": "independent (DP-SGD's noise, fresh every step) or banded_sqrt (correlated noise that partly "
+            "cancels across --noise_bands steps, with cyclic Poisson sampling; docs/guarantee.md).",
+            "choices": ["independent", "banded_sqrt"],
+        },
+    )
+    noise_bands: int = field(
+        default=1,
+        metadata={"help": "b, the bands of --noise_mechanism banded_sqrt (a whole number >= 1; b*q must be <= 1; 1 is "
+                          "DP-SGD exactly). Needs --dataloader_num_workers 0; not with --audit_canaries."},
+    )
     prior_privacy: str = field(
         default="auto",
         metadata={
@@ -318,3 +333,13 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"--audit_canary_length must be a whole number >= 1, got {L!r}")
         if self.bc_gamma is not None and not self.bc_gamma > 0:
             raise ValueError(f"--bc_gamma must be > 0, got {self.bc_gamma}")
+        mechanism, bands = check_noise_mechanism(self.noise_mechanism, self.noise_bands)
+        if mechanism != "independent" and bands > 1:  # cyclic Poisson sampling: each batch drawn at its own step
+            if self.dataloader_num_workers:
+                raise ValueError(f"--noise_bands {bands} with --dataloader_num_workers {self.dataloader_num_workers}: "
+                                 "worker processes draw batches ahead of the steps, and cyclic Poisson sampling must "
+                                 "draw each step's batch from that step's partition; use --dataloader_num_workers 0")
+            if m is not None:
+                raise ValueError(f"--audit_canaries with --noise_bands {bands}: the one-run audit is not supported with "
+                                 "correlated noise yet (its bound assumes independent noise and Poisson sampling); drop "
+                                 "one of the two flags")

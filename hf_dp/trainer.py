@@ -51,7 +51,8 @@ from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
 from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, CachedFeatures, CachedFeaturesCollator
 from hf_dp.run.state import PrivacyState
 from hf_dp.models.loss import OBJECTIVES, objective_for
-from hf_dp.run.data import EMPTY_KEY as _EMPTY_KEY, UNITS_KEY as _UNITS_KEY, PoissonDataLoader as _PoissonDataLoader
+from hf_dp.run.data import EMPTY_KEY as _EMPTY_KEY, PHASE_KEY as _PHASE_KEY, UNITS_KEY as _UNITS_KEY
+from hf_dp.run.data import PoissonDataLoader as _PoissonDataLoader
 from hf_dp.run.data import check_eval_is_not_train as _check_eval_is_not_train, refuse_sharding as _refuse_sharding
 from hf_dp.run.data import group_by_length, poisson_loader, split_to_bounds
 
@@ -243,6 +244,7 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
         if not self.args.dp_enabled or not model.training:
             inputs.pop(_EMPTY_KEY, None)
             inputs.pop(_UNITS_KEY, None)
+            inputs.pop(_PHASE_KEY, None)
             canaries.pop_rows(self.dp.audit, inputs)
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         rows = canaries.pop_rows(self.dp.audit, inputs)  # --audit_kind gradient: each row's canary id (-1: a real row)

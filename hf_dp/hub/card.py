@@ -190,9 +190,11 @@ def build_front_matter(
             k: report[k]
             for k in ("epsilon", "delta", "target_epsilon", "accountant", "unit_of_privacy", "neighbouring_relation",
                       "dataset_size", "dataset_size_source", "privacy_unit", "sampling", "sample_rate",
-                      "noise_multiplier", "max_grad_norm", "expected_batch_size", "steps", "epochs")
+                      "noise_multiplier", "noise_mechanism", "max_grad_norm", "expected_batch_size", "steps", "epochs")
             if k in report
         }
+        if isinstance(report.get("correlated_noise"), dict):  # banded noise: b and the accounting it rests on
+            meta["differential_privacy"]["noise_bands"] = report["correlated_noise"].get("bands")
         if report.get("non_private_training"):  # also trained without DP: the guarantee does not cover that data
             meta["differential_privacy"]["trained_without_dp_too"] = True
     # results: a classifier's metrics (its loss is a training objective, not a result); a language model's eval loss

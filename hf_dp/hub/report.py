@@ -91,7 +91,8 @@ def privacy_report(mechanism, ledger, run: RunFacts, *, epsilon: float) -> dict:
         "steps": ledger.steps,
         "planned_steps": planned_steps,
         "epochs": ledger_epochs(ledger),
-        "sampling": "poisson",
+        # banded noise (privacy.json's correlated_noise): each unit only at the steps of its partition, at rate b·q
+        "sampling": "cyclic_poisson" if described.get("correlated_noise") else "poisson",
         "unit_of_privacy": mechanism.unit_of_privacy,
         "privacy_unit": mechanism.unit_report(),
         "secure_rng": run.randomness == CSPRNG,
@@ -128,7 +129,11 @@ def non_private_training() -> dict:
 
 
 def ledger_epochs(ledger) -> float:
-    """Passes over the data the ledger counts: Σ q·steps over its history (earlier runs' included)."""
+    """Passes over the data the ledger counts: Σ q·steps over its history (earlier runs' included); with a banded run
+    in it (whose history holds its DP-SGD equivalent rounds), Σ q·steps over its runs."""
+    runs = ledger.runs() if hasattr(ledger, "runs") else []
+    if any(r.get("noise_bands", 1) != 1 for r in runs):
+        return float(sum(float(r["sample_rate"]) * int(r["steps"]) for r in runs if r.get("sample_rate") is not None))
     return float(sum(float(q) * int(n) for _, q, n in ledger.accountant.history))
 
 

@@ -195,7 +195,9 @@ class DPUpdateRule(torch.optim.Optimizer):
         self._noise_source = lambda: privatizer.noise_std_of_mean
 
     def noise_std_of_mean(self) -> float:
-        """σ·C/B: the standard deviation of the noise in each coordinate of g̃ (one source of truth)."""
+        """σ·C/B: the standard deviation of the noise in each coordinate of g̃ (one source of truth); with the
+        privatizer's correlated noise (``--noise_mechanism banded_sqrt``) the std of the step just noised,
+        σ·C·s·√V_n/B (:attr:`hf_dp.privacy.privatizer.PrivateOptimizer.noise_std_of_mean`)."""
         if self._noise_source is None:
             raise RuntimeError(
                 f"{type(self).__name__} needs the noise scale σC/B: build it with hf_dp.optim.make_optimizer "

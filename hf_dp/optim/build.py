@@ -24,6 +24,8 @@ def make_optimizer(
     secure_mode: bool = False,
     ledger=None,
     max_epsilon: float | None = None,
+    noise_mechanism: str = "independent",
+    noise_bands: int = 1,
     **hyperparameters,
 ):
     """Build DP optimizer ``name``: its update rule wrapped in the privatizer.
@@ -31,7 +33,7 @@ def make_optimizer(
     ``params``: parameters or parameter groups (dicts with ``params`` and per-group options such as
     ``weight_decay``). ``hyperparameters`` go to the update rule (lr, betas, eps, weight_decay, momentum,
     gamma, h1, h2, …); σ, C and B go to the privatizer, which hands the rule the noise scale it needs.
-    ``noise_seed``, ``secure_mode``, ``ledger`` and ``max_epsilon``: see
+    ``noise_seed``, ``secure_mode``, ``ledger``, ``max_epsilon``, ``noise_mechanism`` and ``noise_bands``: see
     :class:`~hf_dp.privacy.privatizer.PrivateOptimizer`.
     """
     from hf_dp.privacy.privatizer import PrivateOptimizer  # privacy imports optim.base: not at module level
@@ -46,6 +48,8 @@ def make_optimizer(
         secure_mode=secure_mode,
         ledger=ledger,
         max_epsilon=max_epsilon,
+        noise_mechanism=noise_mechanism,
+        noise_bands=noise_bands,
     )
 
 

@@ -41,7 +41,8 @@ class _BiasCorrected(_AdamFamily):
 class DPAdamBC(_BiasCorrected):
     r"""DP-AdamBC (seed 003, Algorithm 1 and eq. 4).
 
-    m_t, v_t, m̂_t, v̂_t as in Adam on g̃_t;  Φ = (σC/B)²;
+    m_t, v_t, m̂_t, v̂_t as in Adam on g̃_t;  Φ = (σC/B)² (the privatizer's noise variance per coordinate of
+    g̃_t: with banded correlated noise, (σC·s/B)²·V_n of the step, hf_dp.privacy.banded);
     θ_t = θ_{t−1} − η m̂_t / √max(v̂_t − Φ, γ').
 
     σ, C and B are read from the privatizer that generated the noise (B is the expected *logical*

@@ -11,7 +11,7 @@ class DPAdamWBC(_BiasCorrected):
     moments as in DP-AdamW;  θ_t = θ_{t−1} − η_t ( m̂_t/√max(v̂_t − (σC/B)², γ) + λθ_{t−1} ).
 
     γ = ``gamma`` (default 1e-8, the paper's QNLI value). σ, C, B come from the privatizer
-    (B = expected logical batch). ``eps`` is unused. ``last_clamp_rate`` records the fraction of
+    (B = expected logical batch; with banded correlated noise (σC/B)² is the step's (σC·s/B)²·V_n). ``eps`` is unused. ``last_clamp_rate`` records the fraction of
     coordinates where v̂_t − Φ < γ (the §F.3 diagnostic).
 
     ``variant="adam_corr"`` (``--optim_args variant=adam_corr``): the authors' public code (``adam_corr.py``) instead

@@ -155,7 +155,7 @@ class DPMacAdam(_AdamFamily):
         tensor's ``sum()`` is a pairwise (cascade) reduction, accumulated in at least float32, and the
         per-tensor sums are added in float64: median error ~5e-8, a handful of coordinates (where ŝ
         nearly cancels) up to ~2% (``tests/test_optimizers.py::test_dp_macadam_float32_bound_tracks_float64``)."""
-        var = self.noise_std_of_mean() ** 2  # (σ/B)² in clip space
+        var = self.noise_std_of_mean() ** 2  # (σ/B)² in clip space (this step's, under banded correlated noise)
         refreshed, partial = [], []
         for g in self.param_groups:
             b1 = g["betas"][0]

@@ -106,7 +106,8 @@ class AdamDenominator(Transform):
     * ``"eps_outside"``: D = √v̂_t + ε (Kingma & Ba; ``torch.optim.Adam``; seed 003 §2),
     * ``"eps_inside"``:  D = √(v̂_t + ε) (seed 000, Alg. 1 line 10: ``m̂/√(v̂+ε0)``),
     * ``"bias_corrected"``: D = √max(v̂_t − Φ, γ'), Φ = (σC/B)² (seed 003 eq. 4 / Alg. 1; seed 000 Alg. 2),
-      where σC/B comes from the privatizer. The fraction of coordinates clamped to γ'
+      where σC/B comes from the privatizer (the noise std of the step; with banded correlated noise σC·s·√V_n/B,
+      :mod:`hf_dp.privacy.banded`). The fraction of coordinates clamped to γ'
       (v̂_t − Φ < γ') is stored in ``ctx.extras["clamped"]``/``["numel"]`` (seed 000 §F.3).
 
     ε is the group's ``eps``; γ' is the group's ``gamma``. ``eps_outside=True`` (``bias_corrected`` only): D =

@@ -86,6 +86,8 @@ def flags_for(plan: Plan, optim: str = "dp_adamw", world_size: int = 1) -> list[
              "--num_train_epochs", f"{plan.budget_epochs:g}"]
     if plan.accountant != "prv":
         flags += ["--accountant", plan.accountant]
+    if plan.bands > 1:
+        flags += ["--noise_mechanism", "banded_sqrt", "--noise_bands", str(plan.bands)]
     if optim in PLANNED_LR:
         flags += ["--learning_rate", f"{PLANNED_LR[optim]:g}"]
     return flags
@@ -129,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optim", default="dp_adamw", help="the optimizer the printed flags and learning rate are for "
                    "(default %(default)s; learning rates: " + ", ".join(f"{k} {v:g}" for k, v in PLANNED_LR.items()) + ")")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
+    p.add_argument("--noise_bands", "--noise-bands", type=int, default=1,
+                   help="b of --noise_mechanism banded_sqrt (correlated noise, cyclic Poisson sampling): σ is calibrated "
+                   "on its DP-SGD equivalent, rate b·q for ceil(T/b) rounds (default %(default)s: independent noise)")
     p.add_argument("--min_steps", "--min-steps", type=int, default=MIN_STEPS,
                    help="candidates with fewer steps are not recommended (a practical floor; default %(default)s)")
     p.add_argument("--no_cache", "--no-cache", action="store_true", help=f"do not read/write the σ cache (${CACHE_ENV})")
@@ -159,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             params = count_trainable(args.model_name_or_path, args.trainable, args.num_labels)
             say(f"hf_dp plan: d = {params:,} trainable parameters")
             args.causal_lm = args.causal_lm or is_causal_lm(args.model_name_or_path)
+        if args.noise_bands < 1:
+            raise ValueError(f"--noise_bands must be a whole number >= 1, got {args.noise_bands}")
         batch_sizes = [int(b) for b in _floats(args.batch)]
         n_epochs = len(set(_floats(args.epochs)) | ({args.budget_epochs} if args.budget_epochs else set()))
         say(f"hf_dp plan: calibrating σ for up to {len(batch_sizes) * n_epochs} (B, epochs) pairs (a few seconds each "
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(args.n, args.epsilon, args.delta, batch_sizes=batch_sizes,
                          epochs=_floats(args.epochs), budget_epochs=args.budget_epochs, params=params,
                          accountant=args.accountant, disk_cache=not args.no_cache, min_steps=args.min_steps,
-                         progress=progress)
+                         progress=progress, bands=args.noise_bands)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -190,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"hf_dp plan: N = {plan.n:,}, ε = {plan.epsilon:g}, δ = {plan.delta:g}, accountant {plan.accountant}"
           + (f", d = {plan.params:,} trainable parameters" if plan.params else "")
+          + (f", banded_sqrt noise with b = {plan.bands} (σ of its DP-SGD equivalent: rate b·q, ceil(T/b) rounds; the "
+             "figures, and the expected result's calibration, are those of independent noise at σ)" if plan.bands > 1 else "")
           + " (public quantities only; σ from calibrate_noise_multiplier)")
     print("σ/B: noise std per coordinate of the averaged gradient, in units of C; σ/sqrt(BN): the same accumulated "
           "over one epoch relative to the epoch's best-case signal" + (

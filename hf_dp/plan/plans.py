@@ -23,7 +23,8 @@ from hf_dp.plan.calibration import (
     noisy_message,
 )
 from hf_dp.plan.lm_verdict import expected_worse, lm_verdict, no_verdict_line, not_calibrated_reason
-from hf_dp.privacy.accounting import ACCOUNTANTS, calibrate_noise_multiplier, check_delta, check_epsilon, compute_epsilon
+from hf_dp.privacy.accounting import (ACCOUNTANTS, calibrate_noise_multiplier, check_delta, check_epsilon, compute_epsilon,
+                                      dp_sgd_equivalent)
 from hf_dp.privacy.sampler import PoissonBatchSampler
 
 DEFAULT_BATCH_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
@@ -42,7 +43,8 @@ def planned_steps(n: int, batch_size: int, epochs: float) -> int:
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One (B, E) candidate: σ from the accountant and the noise figures (units of C; see the module docstring)."""
+    """One (B, E) candidate: σ from the accountant and the noise figures (units of C; see the module docstring). With
+    ``bands`` = b > 1 (banded_sqrt) σ is its DP-SGD equivalent's and the figures those of independent noise at σ."""
 
     batch_size: int
     epochs: float
@@ -51,6 +53,7 @@ class PlanRow:
     sigma: float
     n: int
     params: int | None = None
+    bands: int = 1
 
     @property
     def noise_per_step(self) -> float:
@@ -193,14 +196,15 @@ def noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: in
 
 
 def plan_row(n: int, epsilon: float, delta: float, batch_size: int, epochs: float, *, accountant: str = "prv",
-             params: int | None = None, disk_cache: bool = True) -> PlanRow:
+             params: int | None = None, disk_cache: bool = True, bands: int = 1) -> PlanRow:
     if not 0 < batch_size <= n:
         raise ValueError(f"the logical batch B = {batch_size} must be in [1, N = {n}]")
     steps = planned_steps(n, batch_size, epochs)
     q = batch_size / n
-    sigma = noise_multiplier(epsilon, delta, q, steps, accountant, disk_cache)
+    rate, rounds = dp_sgd_equivalent(q, steps, bands)  # σ of b-banded noise: its DP-SGD equivalent's
+    sigma = noise_multiplier(epsilon, delta, rate, rounds, accountant, disk_cache)
     return PlanRow(batch_size=int(batch_size), epochs=float(epochs), steps=steps, sample_rate=q, sigma=sigma, n=int(n),
-                   params=int(params) if params else None)
+                   params=int(params) if params else None, bands=int(bands))
 
 
 # ----------------------------------------------------------------------------------------------- plans
@@ -220,6 +224,7 @@ class Plan:
     choice: PlanRow | None = None
     seconds: float = 0.0
     min_steps: int = MIN_STEPS
+    bands: int = 1  # --noise_bands of --noise_mechanism banded_sqrt (1: independent noise)
 
     @property
     def batch_size(self) -> int | None:
@@ -275,13 +280,13 @@ class Plan:
         for k in (2, 4, 8, 16):
             # δ must stay below 1/N: a larger N at the same δ may need a smaller one
             row = plan_row(k * self.n, self.epsilon, min(self.delta, 0.5 / (k * self.n)), c.batch_size, c.epochs,
-                           accountant=self.accountant, params=self.params)
+                           accountant=self.accountant, params=self.params, bands=self.bands)
             if not row.constant_expected:
                 out["n"] = k * self.n
                 break
         for k in (2, 4, 8):
             row = plan_row(self.n, k * self.epsilon, self.delta, c.batch_size, c.epochs, accountant=self.accountant,
-                           params=self.params)
+                           params=self.params, bands=self.bands)
             if not row.constant_expected:
                 out["epsilon"] = k * self.epsilon
                 break
@@ -308,7 +313,7 @@ class Plan:
             "params": self.params, "budget_epochs": self.budget_epochs,
             "recommended_batch_size": self.batch_size, "rows": [r.as_dict() for r in self.rows],
             "warn_r_run": WARN_R_RUN, "constant_r_run": CONSTANT_R_RUN,
-            "constant_r_run_all": CONSTANT_R_RUN_ALL, "min_steps": self.min_steps,
+            "constant_r_run_all": CONSTANT_R_RUN_ALL, "min_steps": self.min_steps, "noise_bands": self.bands,
         }
 
 
@@ -321,9 +326,10 @@ def _candidates(n: int, batch_sizes) -> list[int]:
 
 def make_plan(n: int, epsilon: float, delta: float, *, batch_sizes=DEFAULT_BATCH_SIZES, epochs=DEFAULT_EPOCHS,
               budget_epochs: float | None = None, params: int | None = None, accountant: str = "prv",
-              disk_cache: bool = True, min_steps: int = MIN_STEPS, progress=None) -> Plan:
+              disk_cache: bool = True, min_steps: int = MIN_STEPS, progress=None, bands: int = 1) -> Plan:
     """The (B, E) table, and with ``params`` the B minimising the bound at ``budget_epochs`` (default: max(epochs)).
-    ``progress(done, total, row)``, if given, is called after each row is calibrated."""
+    ``progress(done, total, row)``, if given, is called after each row is calibrated. ``bands``: σ for
+    ``--noise_mechanism banded_sqrt --noise_bands b`` (candidates with b·B > N are left out)."""
     t0 = time.perf_counter()
     n = int(n)
     if n <= 0:
@@ -340,15 +346,16 @@ def make_plan(n: int, epsilon: float, delta: float, *, batch_sizes=DEFAULT_BATCH
     budget = float(budget_epochs) if budget_epochs is not None else max(epochs)
     if budget not in epochs:
         epochs = sorted([*epochs, budget])
-    cands = _candidates(n, batch_sizes)
+    cands = _candidates(n, [b for b in batch_sizes if int(bands) * int(b) <= n])  # cyclic Poisson: b·B ≤ N
     rows = []
     for e in epochs:
         for b in cands:
-            rows.append(plan_row(n, epsilon, delta, b, e, accountant=accountant, params=params, disk_cache=disk_cache))
+            rows.append(plan_row(n, epsilon, delta, b, e, accountant=accountant, params=params, disk_cache=disk_cache,
+                                 bands=bands))
             if progress is not None:
                 progress(len(rows), len(epochs) * len(cands), rows[-1])
     plan = Plan(n=n, epsilon=float(epsilon), delta=float(delta), accountant=accountant,
-                params=int(params) if params else None, budget_epochs=budget, rows=rows, min_steps=int(min_steps))
+                params=int(params) if params else None, budget_epochs=budget, rows=rows, min_steps=int(min_steps), bands=int(bands))
     if params:
         plan.choice = plan.best_per_epochs()[budget]
     plan.seconds = time.perf_counter() - t0
@@ -357,15 +364,16 @@ def make_plan(n: int, epsilon: float, delta: float, *, batch_sizes=DEFAULT_BATCH
 
 def recommend(n: int, epsilon: float, delta: float, params: int, *, epochs: float = 3.0,
               batch_sizes=DEFAULT_BATCH_SIZES, accountant: str = "prv", disk_cache: bool = True,
-              min_steps: int = MIN_STEPS) -> Plan:
-    """The planner's choice of logical batch B for a compute budget of ``epochs`` epochs over N examples.
+              min_steps: int = MIN_STEPS, bands: int = 1) -> Plan:
+    """The planner's choice of logical batch B for a compute budget of ``epochs`` epochs over N examples (``bands``:
+    for ``--noise_mechanism banded_sqrt --noise_bands b``).
 
     Returns a :class:`Plan` with ``.batch_size`` (B), ``.epochs``, ``.choice`` (its :class:`PlanRow`),
     ``.summary()``, ``.table()`` and ``.warnings()``. Only the table's own epochs value is evaluated
     (``len(batch_sizes)`` calibrations; σ is memoised on disk, see :data:`CACHE_ENV`).
     """
     return make_plan(n, epsilon, delta, batch_sizes=batch_sizes, epochs=(epochs,), budget_epochs=epochs,
-                     params=params, accountant=accountant, disk_cache=disk_cache, min_steps=min_steps)
+                     params=params, accountant=accountant, disk_cache=disk_cache, min_steps=min_steps, bands=bands)
 
 
 def split_batch(batch_size: int, world_size: int = 1, max_per_device: int = 64) -> tuple[int, int]:
@@ -431,10 +439,10 @@ _LM_SUMMARY = {
 }
 
 
-def _own_row(n: int, batch_size: float, steps: int, sigma: float, params: int | None) -> PlanRow:
+def _own_row(n: int, batch_size: float, steps: int, sigma: float, params: int | None, bands: int = 1) -> PlanRow:
     spe = PoissonBatchSampler.steps_for_epoch(batch_size / n)
     return PlanRow(batch_size=int(round(batch_size)), epochs=steps / spe, steps=int(steps), sample_rate=batch_size / n,
-                   sigma=float(sigma), n=int(n), params=int(params) if params else None)
+                   sigma=float(sigma), n=int(n), params=int(params) if params else None, bands=int(bands))
 
 
 def _expectation(own: PlanRow, *, calibrated: bool, causal_lm: bool, optim: str | None, learning_rate: float | None,
@@ -474,7 +482,7 @@ def run_expectation(*, n: int, batch_size: float, steps: int, sigma: float, para
 def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: float, accountant: str,
               max_grad_norm: float, params: int, epsilon: float | None = None, calibrated: bool = True,
               detail: bool = False, sigma_note: str = "", causal_lm: bool = False,
-              optim: str | None = None, learning_rate: float | None = None) -> tuple[str, str | None]:
+              optim: str | None = None, learning_rate: float | None = None, bands: int = 1) -> tuple[str, str | None]:
     """The start-of-run block of a DP run and its warning (or None). Costs no calibration: σ is the run's own.
 
     Inputs are public only: N, the expected logical batch B, the planned steps T, σ, δ, the accountant, C, d (and
@@ -488,11 +496,12 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
     ``causal_lm``: the causal-LM verdict for ``optim`` at ``learning_rate`` (:mod:`hf_dp.plan.lm_verdict`): with the
     warning when the run is expected to end worse than no fine-tuning, else as a line of the block; inside
     :func:`hf_dp.plan.lm_verdict.not_calibrated_for` (a model the calibration does not cover) one line saying so instead.
+    ``bands`` = b > 1: ``--noise_mechanism banded_sqrt`` (:class:`PlanRow`; no rows of other batch sizes).
     """
     spe = PoissonBatchSampler.steps_for_epoch(batch_size / n)
-    own = _own_row(n, batch_size, steps, sigma, params)
+    own = _own_row(n, batch_size, steps, sigma, params, bands)
     rows = [own]
-    if epsilon is not None:
+    if epsilon is not None and bands == 1:
         for (acc, eps, dl, q, t), s in sorted(_SIGMAS.memory.items(), key=lambda kv: (kv[0][4] * kv[0][3], kv[0][3])):
             b = q * n
             if (acc, eps, dl) == (accountant, float(epsilon), float(delta)) and abs(b - round(b)) < 1e-6 \
@@ -501,9 +510,13 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
                                     steps=int(t), sample_rate=q, sigma=s, n=int(n), params=own.params))
         rows.sort(key=lambda r: (r.epochs, r.batch_size))
     target = (f"target ε = {epsilon:g}" if epsilon is not None else
-              f"ε = {compute_epsilon(sigma, batch_size / n, steps, delta, accountant):.3g} {sigma_note or '(σ given)'}")
+              f"ε = {compute_epsilon(sigma, batch_size / n, steps, delta, accountant, bands):.3g} {sigma_note or '(σ given)'}")
+    if bands > 1:
+        target += (f", banded_sqrt noise with b = {bands} (σ of its DP-SGD equivalent: rate b·q, ⌈T/b⌉ rounds; R_run "
+                   "and the expectation: independent noise's)")
     more = (f"python -m hf_dp.plan --n {n} " + (f"--epsilon {epsilon:g} " if epsilon is not None else "--epsilon <target> ")
             + f"--delta {delta:g} --params {params} --accountant {accountant}"
+            + (f" --noise_bands {bands}" if bands > 1 else "")
             + (f" --causal_lm --optim {optim}" if causal_lm and optim else "")
             + (f" --learning_rate {learning_rate:g}" if causal_lm and learning_rate else ""))
     # the expected result, always (issue 53 item 3): calibrated, or one line saying none is and what the calibration

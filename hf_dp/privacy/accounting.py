@@ -9,6 +9,12 @@ The mechanism these accountants analyse is exactly what :mod:`hf_dp.privacy.samp
 :mod:`hf_dp.privacy.privatizer` do: every example is included in a step independently with
 probability ``q``; the sum of its clipped gradient (norm ≤ C) over the batch receives
 ``N(0, σ²C²)`` once. The unit of privacy is one training example (add/remove adjacency).
+
+Under ``--noise_mechanism banded_sqrt --noise_bands b`` (correlated noise with cyclic Poisson sampling,
+:mod:`hf_dp.privacy.banded`) every ε and σ goes through one function,
+:func:`hf_dp.privacy.banded.dp_sgd_equivalent`: T noisy steps are exactly as private as ⌈T/b⌉ rounds of the same
+accountant's mechanism at rate min(1, b·q) and the same σ (b = 1: q and T unchanged). The ledger keeps counting noisy
+steps; its accountant history holds each run's equivalent rounds.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
+
+from .banded import BANDED_SQRT, INDEPENDENT, check_noise_mechanism, dp_sgd_equivalent, effective_bands  # noqa: F401
 
 ACCOUNTANTS = ("prv", "rdp")
 
@@ -76,13 +84,16 @@ def make_accountant(name: str = "prv"):
 
 @functools.lru_cache(maxsize=4096)
 def compute_epsilon(
-    noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv"
+    noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv", bands: int = 1
 ) -> float:
-    """ε after ``steps`` Poisson-subsampled Gaussian steps (σ, q) at δ, by the chosen Opacus accountant."""
+    """ε after ``steps`` Poisson-subsampled Gaussian steps (σ, q) at δ, by the chosen Opacus accountant; with
+    ``bands`` = b > 1, after ``steps`` steps of the b-banded mechanism with cyclic Poisson sampling, i.e. of its DP-SGD
+    equivalent (:func:`hf_dp.privacy.banded.dp_sgd_equivalent`: rate min(1, b·q), ⌈steps/b⌉ rounds)."""
     if steps <= 0:
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
+    sample_rate, steps = dp_sgd_equivalent(sample_rate, steps, bands)
     acc = make_accountant(accountant)
     acc.history = [(float(noise_multiplier), float(sample_rate), int(steps))]
     with _quiet(accountant):
@@ -130,8 +141,10 @@ def calibrate_noise_multiplier(
     steps: int,
     accountant: str = "prv",
     epsilon_tolerance: float = 0.01,
+    bands: int = 1,
 ) -> float:
-    """Smallest σ (to a bisection tolerance) such that ε(σ, q, steps, δ) ≤ target_epsilon.
+    """Smallest σ (to a bisection tolerance) such that ε(σ, q, steps, δ) ≤ target_epsilon; with ``bands`` = b > 1, for
+    the b-banded mechanism, i.e. calibrated on its DP-SGD equivalent (:func:`hf_dp.privacy.banded.dp_sgd_equivalent`).
 
     Uses Opacus' ``get_noise_multiplier``; the result is re-checked with :func:`compute_epsilon`
     and nudged up if needed so that the planned run never exceeds the target.
@@ -142,6 +155,9 @@ def calibrate_noise_multiplier(
     check_sample_rate(sample_rate)
     if steps <= 0:
         raise ValueError(f"the number of steps must be positive, got {steps}")
+    if int(bands) != 1:  # the equivalent DP-SGD mechanism's σ (the same σ, re-checked there)
+        rate, rounds = dp_sgd_equivalent(sample_rate, steps, bands)
+        return calibrate_noise_multiplier(target_epsilon, delta, rate, rounds, accountant, epsilon_tolerance)
     try:
         with _quiet(accountant):
             sigma = float(
@@ -179,6 +195,14 @@ class PrivacySpec:
     accountant: str = "prv"
     target_epsilon: float | None = None
     planned_steps: int | None = None
+    #: ``--noise_mechanism`` (:data:`hf_dp.privacy.banded.NOISE_MECHANISMS`) and ``--noise_bands``
+    noise_mechanism: str = INDEPENDENT
+    noise_bands: int = 1
+
+    @property
+    def bands(self) -> int:
+        """The b of the sampler and the accountant (1 for independent noise)."""
+        return effective_bands(self.noise_mechanism, self.noise_bands)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -195,6 +219,11 @@ class PrivacyLedger:
     :mod:`hf_dp.run.lineage`), each a dict with its own ``history`` ``[(σ, q, steps), ...]``. The accountant's history is
     their histories followed by this run's steps, so ``steps`` and ε count them; ``own_steps`` are this run's.
     ``meta`` holds public facts about the lineage (parent checkpoint, runs accounted separately), saved with the state.
+
+    **A banded run** (``spec.bands`` = b > 1, :mod:`hf_dp.privacy.banded`): ``steps`` and ``own_steps`` still count
+    noisy steps, while the accountant's history holds the run's DP-SGD equivalent (σ, min(1, b·q), ⌈own steps/b⌉)
+    (:func:`hf_dp.privacy.banded.dp_sgd_equivalent`), and its public entry (:meth:`own_run`) names the mechanism and
+    keeps its noisy steps beside that history (:func:`run_steps`).
     """
 
     def __init__(self, spec: PrivacySpec):
@@ -203,20 +232,34 @@ class PrivacyLedger:
         self._cache: tuple[int, float] | None = None
         self.prior: list[dict] = []
         self.meta: dict = {}
+        self._own = 0  # this run's noisy steps
 
     @property
     def steps(self) -> int:
         """Every noisy step this ledger counts (earlier runs' included)."""
-        return sum(int(n) for _, _, n in self.accountant.history)
+        return self.prior_steps + self._own
 
     @property
     def prior_steps(self) -> int:
-        return sum(_steps_of(run["history"]) for run in self.prior)
+        return sum(run_steps(run) for run in self.prior)
 
     @property
     def own_steps(self) -> int:
         """The steps of this run (for a resumed run: the checkpoint's and those counted past it, too)."""
-        return self.steps - self.prior_steps
+        return self._own
+
+    def _own_history(self, own: int) -> list[tuple]:
+        """This run's entry of the accountant's history for ``own`` noisy steps: (σ, q, own), or a banded run's
+        DP-SGD equivalent (σ, min(1, b·q), ⌈own/b⌉)."""
+        if own <= 0:
+            return []
+        q, n = dp_sgd_equivalent(float(self.spec.sample_rate), int(own), self.spec.bands)
+        return [(float(self.spec.noise_multiplier), float(q), int(n))]
+
+    def _set_own(self, own: int) -> None:
+        self._own = int(own)
+        self.accountant.history = self.prior_history() + self._own_history(self._own)
+        self._cache = None
 
     def prior_history(self) -> list[tuple]:
         return [(float(s), float(q), int(n)) for run in self.prior for s, q, n in run["history"] if int(n) > 0]
@@ -224,21 +267,24 @@ class PrivacyLedger:
     def set_prior(self, runs: list[dict]) -> None:
         """Start (or re-start) the ledger from earlier runs: the accountant's history becomes theirs followed by
         this run's own steps (at this run's σ and q)."""
-        own = self.own_steps
         self.prior = [dict(run, history=[[float(s), float(q), int(n)] for s, q, n in run["history"]]) for run in runs]
-        history = self.prior_history()
-        if own > 0:
-            history.append((float(self.spec.noise_multiplier), float(self.spec.sample_rate), int(own)))
-        self.accountant.history = history
-        self._cache = None
+        self._set_own(self._own)
 
     def record_step(self) -> None:
-        self.accountant.step(noise_multiplier=self.spec.noise_multiplier, sample_rate=self.spec.sample_rate)
-        self._cache = None
+        self._own += 1
+        if self.spec.bands == 1:  # Opacus' own step (merged into the last entry of equal σ and q)
+            self.accountant.step(noise_multiplier=self.spec.noise_multiplier, sample_rate=self.spec.sample_rate)
+            self._cache = None
+        else:
+            self._set_own(self._own)
 
     def add_steps(self, count: int) -> None:
         """Record ``count`` noisy steps at once (steps an interrupted run took past the checkpoint resumed from)."""
         if count <= 0:
+            return
+        self._own += int(count)
+        if self.spec.bands != 1:
+            self._set_own(self._own)
             return
         sigma, q = float(self.spec.noise_multiplier), float(self.spec.sample_rate)
         history = self.accountant.history
@@ -249,12 +295,14 @@ class PrivacyLedger:
         self._cache = None
 
     def epsilon_after(self, steps: int) -> float:
-        """ε once the ledger counts ``steps`` noisy steps in all (earlier runs' included), this run's at its σ and q."""
+        """ε once the ledger counts ``steps`` noisy steps in all (earlier runs' included), this run's at its σ and q
+        (a banded run's: its DP-SGD equivalent)."""
+        spec = self.spec
         if not self.prior:
-            return compute_epsilon(self.spec.noise_multiplier, self.spec.sample_rate, steps, self.spec.delta, self.spec.accountant)
+            return compute_epsilon(spec.noise_multiplier, spec.sample_rate, steps, spec.delta, spec.accountant, spec.bands)
         own = max(0, int(steps) - self.prior_steps)
-        history = tuple(self.prior_history()) + ((float(self.spec.noise_multiplier), float(self.spec.sample_rate), own),)
-        return composed_epsilon(history, self.spec.delta, self.spec.accountant)
+        history = tuple(self.prior_history()) + tuple(self._own_history(own))
+        return composed_epsilon(history, spec.delta, spec.accountant)
 
     def cached_epsilon(self) -> float | None:
         """ε for the current step count if already computed (no accountant call), else None."""
@@ -278,12 +326,14 @@ class PrivacyLedger:
     def own_run(self) -> dict:
         """This run's entry: its own steps (for a resumed run, the checkpoint's and those counted past it too)."""
         spec, own = self.spec, self.own_steps
+        banded = {"noise_mechanism": spec.noise_mechanism, "noise_bands": spec.noise_bands} if spec.bands > 1 else {}
         return {
             "run_id": self.meta.get("run_id"), "steps": own,
-            "history": [[float(spec.noise_multiplier), float(spec.sample_rate), int(own)]] if own > 0 else [],
+            # a banded run's history is its DP-SGD equivalent (σ, min(1, b·q), ⌈steps/b⌉): what composes with other runs
+            "history": [list(h) for h in self._own_history(own)],
             "noise_multiplier": spec.noise_multiplier, "sample_rate": spec.sample_rate, "dataset_size": spec.dataset_size,
             "delta": spec.delta, "accountant": spec.accountant, "parent": self.meta.get("parent"),
-            "privacy_unit": self.meta.get("privacy_unit"),
+            "privacy_unit": self.meta.get("privacy_unit"), **banded,
         }
 
     def runs(self) -> list[dict]:
@@ -318,17 +368,21 @@ class PrivacyLedger:
         }
 
     def state_dict(self) -> dict:
-        state = {"spec": self.spec.as_dict(), "history": [tuple(h) for h in self.accountant.history]}
+        state = {"spec": self.spec.as_dict(), "history": [tuple(h) for h in self.accountant.history],
+                 "own_steps": self._own}
         if self.prior or self.meta:
             state["prior"] = [dict(run) for run in self.prior]
             state["meta"] = dict(self.meta)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        saved = state["spec"]
+        saved = dict(state["spec"])
+        saved.setdefault("noise_mechanism", INDEPENDENT)  # a checkpoint of an hf_dp before correlated noise
+        saved.setdefault("noise_bands", 1)
         changed = [
             k
-            for k in ("noise_multiplier", "max_grad_norm", "sample_rate", "expected_batch_size", "dataset_size", "delta", "accountant")
+            for k in ("noise_multiplier", "max_grad_norm", "sample_rate", "expected_batch_size", "dataset_size", "delta",
+                      "accountant", "noise_mechanism", "noise_bands")
             if not _same(saved.get(k), getattr(self.spec, k))
         ]
         if changed:
@@ -341,17 +395,31 @@ class PrivacyLedger:
         self.accountant.history = [tuple(h) for h in state["history"]]
         self.prior = [dict(run) for run in state.get("prior") or []]
         self.meta = dict(state.get("meta") or {})
+        own = state.get("own_steps")  # a checkpoint of an hf_dp before it: its history counts the steps themselves
+        self._own = int(own) if own is not None else _steps_of(state["history"]) - self.prior_steps
         self._cache = None
 
 
 def public_run(run: dict) -> dict:
     """A run's public entry: run id, (σ, q, steps) history, δ, accountant, N, parent checkpoint, the privacy unit
-    column (``None``: a row)."""
-    keys = ("run_id", "noise_multiplier", "sample_rate", "dataset_size", "delta", "accountant", "parent", "privacy_unit")
+    column (``None``: a row); for a banded run also its mechanism and b, its history being the DP-SGD equivalent and
+    its ``steps`` the noisy steps (:func:`run_steps`)."""
+    keys = ("run_id", "noise_multiplier", "sample_rate", "dataset_size", "delta", "accountant", "parent", "privacy_unit",
+            "noise_mechanism", "noise_bands")
     out = {k: run.get(k) for k in keys if k in run}
     out["history"] = [[float(s), float(q), int(n)] for s, q, n in run.get("history") or []]
-    out["steps"] = sum(n for _, _, n in out["history"])
+    out["steps"] = run_steps(out if "steps" not in run else dict(out, steps=run["steps"]))
     return out
+
+
+def run_steps(run: dict) -> int:
+    """The noisy steps of a run's entry: a banded run's recorded ``steps`` (its history holds ⌈steps/b⌉ equivalent
+    rounds), else the steps of its (σ, q, steps) history."""
+    if run.get("noise_mechanism", INDEPENDENT) == BANDED_SQRT and int(run.get("noise_bands") or 1) > 1:
+        if run.get("steps") is None:
+            raise ValueError(f"the record of banded run {run.get('run_id')} has no noisy step count")
+        return int(run["steps"])
+    return _steps_of(run.get("history") or [])
 
 
 def _same(a, b) -> bool:

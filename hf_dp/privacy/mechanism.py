@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from . import banded
 from .accounting import PrivacySpec
 from .planning import plan_mechanism, size_source
 
@@ -43,16 +44,19 @@ class Mechanism:
     def plan(cls, *, n: int, declared: bool, per_device_batch: int, accumulation: int, world_size: int,
              delta: float, epsilon: float | None, noise_multiplier: float | None, max_grad_norm: float,
              accountant: str, max_steps: int, num_train_epochs: float, privacy_unit: str | None = None,
-             max_rows_per_unit: int | None = None) -> "Mechanism":
+             max_rows_per_unit: int | None = None, noise_mechanism: str = banded.INDEPENDENT,
+             noise_bands: int = 1) -> "Mechanism":
         """Plan the mechanism for the public N = ``n`` (``declared``: from ``--public_dataset_size``) and the expected
         logical batch B = per_device_batch × accumulation × world_size (:func:`hf_dp.privacy.planning.plan_mechanism`:
-        q = B/N, the steps, σ calibrated for ``epsilon`` or given); refuses in one sentence what cannot be a private
-        run."""
+        q = B/N, the steps, σ calibrated for ``epsilon`` or given; with ``noise_mechanism`` ``banded_sqrt``, b =
+        ``noise_bands``, on the DP-SGD equivalent of :mod:`hf_dp.privacy.banded`); refuses in one sentence what cannot
+        be a private run."""
         world = max(1, int(world_size))
         spec, steps_per_epoch, planned_epsilon = plan_mechanism(
             n=n, per_device_batch=per_device_batch, accumulation=accumulation, world_size=world, delta=delta,
             epsilon=epsilon, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, accountant=accountant,
-            max_steps=max_steps, num_train_epochs=num_train_epochs)
+            max_steps=max_steps, num_train_epochs=num_train_epochs, noise_mechanism=noise_mechanism,
+            noise_bands=noise_bands)
         return cls(spec=spec, steps_per_epoch=int(steps_per_epoch), planned_epsilon=float(planned_epsilon),
                    dataset_size_source=size_source(n if declared else None), privacy_unit=privacy_unit,
                    max_rows_per_unit=max_rows_per_unit, accumulation=max(1, int(accumulation)), world_size=world)
@@ -67,6 +71,10 @@ class Mechanism:
     accountant = property(lambda self: self.spec.accountant)
     target_epsilon = property(lambda self: self.spec.target_epsilon)
     planned_steps = property(lambda self: self.spec.planned_steps)
+    noise_mechanism = property(lambda self: self.spec.noise_mechanism)
+    noise_bands = property(lambda self: self.spec.noise_bands)
+    #: the b of the sampler and the accountant (1 for independent noise)
+    bands = property(lambda self: self.spec.bands)
 
     @property
     def per_rank_divisor(self) -> float:
@@ -102,15 +110,20 @@ class Mechanism:
                                f"same '{col}', N = {n:,} units; each unit's summed gradient is clipped to C{cap}"}
 
     def describe(self) -> dict:
-        """The public description ``privacy.json`` and the card state (every number the guarantee rests on)."""
+        """The public description ``privacy.json`` and the card state (every number the guarantee rests on): with
+        ``banded_sqrt`` also ``correlated_noise`` (b, the coefficients, s, the sampler, the accounting:
+        :func:`hf_dp.privacy.banded.describe`)."""
         s = self.spec
-        return {
+        out = {
             "delta": s.delta, "target_epsilon": s.target_epsilon, "accountant": s.accountant,
             "noise_multiplier": s.noise_multiplier, "max_grad_norm": s.max_grad_norm, "sample_rate": s.sample_rate,
             "expected_batch_size": s.expected_batch_size, "dataset_size": s.dataset_size,
             "dataset_size_source": self.dataset_size_source, "neighbouring_relation": self.neighbouring_relation,
-            "planned_steps": s.planned_steps,
+            "planned_steps": s.planned_steps, "noise_mechanism": s.noise_mechanism,
         }
+        if s.noise_mechanism != banded.INDEPENDENT:
+            out["correlated_noise"] = banded.describe(s.noise_bands)
+        return out
 
     def with_target_epsilon(self, epsilon: float | None) -> "Mechanism":
         """The same mechanism stated against another target ε (a private selection's total: :mod:`hf_dp.tuning.search`)."""

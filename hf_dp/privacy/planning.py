@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from .accounting import PrivacySpec, calibrate_noise_multiplier, check_delta, compute_epsilon
+from .banded import INDEPENDENT, check_noise_mechanism, cyclic_rate, effective_bands
 from .sampler import PoissonBatchSampler
 
 #: where N came from, as ``privacy.json``'s ``dataset_size_source`` says
@@ -36,9 +37,12 @@ def size_source(declared: int | None) -> str:
 
 def plan_mechanism(*, n: int, per_device_batch: int, accumulation: int, world_size: int, delta: float,
                    epsilon: float | None, noise_multiplier: float | None, max_grad_norm: float, accountant: str,
-                   max_steps: int, num_train_epochs: float) -> tuple[PrivacySpec, int, float]:
+                   max_steps: int, num_train_epochs: float, noise_mechanism: str = INDEPENDENT,
+                   noise_bands: int = 1) -> tuple[PrivacySpec, int, float]:
     """(spec, steps per epoch, ε of the planned steps) for N = ``n`` examples and the expected logical batch
-    B = per_device_batch × accumulation × world_size; refuses in one sentence what cannot be a private run."""
+    B = per_device_batch × accumulation × world_size; refuses in one sentence what cannot be a private run. With
+    ``noise_mechanism`` ``banded_sqrt`` and b = ``noise_bands`` (:mod:`hf_dp.privacy.banded`) σ and ε are those of its
+    DP-SGD equivalent (rate b·q, which must be ≤ 1, for ⌈T/b⌉ rounds)."""
     b = per_device_batch * accumulation * max(1, world_size)
     if b > n:
         raise ValueError(
@@ -47,20 +51,24 @@ def plan_mechanism(*, n: int, per_device_batch: int, accumulation: int, world_si
         )
     check_delta(delta, n)
     q = b / n
+    noise_mechanism, noise_bands = check_noise_mechanism(noise_mechanism, noise_bands)
+    bands = effective_bands(noise_mechanism, noise_bands)
+    cyclic_rate(q, bands)  # b·q ≤ 1
     steps_per_epoch = PoissonBatchSampler.steps_for_epoch(q)
     planned = max_steps if max_steps > 0 else math.ceil(num_train_epochs * steps_per_epoch)
     if planned <= 0:
         raise ValueError("the run plans no training step (check --num_train_epochs / --max_steps)")
     if epsilon is not None:
-        sigma = calibrate_noise_multiplier(epsilon, delta, q, planned, accountant)
+        sigma = calibrate_noise_multiplier(epsilon, delta, q, planned, accountant, bands=bands)
     else:
         sigma = float(noise_multiplier)
     spec = PrivacySpec(
         noise_multiplier=sigma, max_grad_norm=float(max_grad_norm), sample_rate=q, expected_batch_size=float(b),
         dataset_size=n, delta=float(delta), accountant=accountant, target_epsilon=epsilon, planned_steps=planned,
+        noise_mechanism=noise_mechanism, noise_bands=noise_bands,
     )
     try:
-        planned_epsilon = compute_epsilon(sigma, q, planned, delta, accountant)
+        planned_epsilon = compute_epsilon(sigma, q, planned, delta, accountant, bands)
     except (MemoryError, OverflowError, ValueError, RuntimeError) as e:
         raise ValueError(
             f"the {accountant} accountant cannot evaluate sigma={sigma:g} with q={q:.4g} over {planned} steps "

@@ -27,6 +27,11 @@ a resume from which other steps were already computed (:func:`hf_dp.run.spent.re
 run never redraws noise already used, by its own lineage or by another resume of the same run;
 ``secure_mode=True`` draws from the OS CSPRNG (Opacus' secure-mode construction). ``state_dict`` holds no seed and no generator state: nothing on disk lets anyone
 recompute the noise.
+
+Correlated noise (``noise_mechanism="banded_sqrt"``, ``noise_bands=b``; :mod:`hf_dp.privacy.banded`): the draw above,
+at std σ·C·s, becomes step t's noise σ·C·s·w_t through :class:`~hf_dp.privacy.banded.BandedNoise` (the last b − 1 noise
+tensors in memory only, a new segment after ``load_state_dict``), and :attr:`PrivateOptimizer.noise_std_of_mean` is the
+std of the step just noised; with b = 1 the noise is the independent noise, bit for bit.
 """
 
 from __future__ import annotations
@@ -40,35 +45,9 @@ from opacus.optimizers import DPOptimizer
 from hf_dp.optim.base import DPUpdateRule, check_nonnegative, check_positive
 
 from .accounting import PrivacyLedger
+from .banded import INDEPENDENT, BandedNoise, check_noise_mechanism, effective_bands
 from .randomness import secure_gaussian_like, source_name, stream_generator
-
-
-def _is_sharded(params) -> bool:
-    """True when the summed gradients are FSDP2 shards (``DTensor`` with a ``Shard`` placement)."""
-    try:
-        from torch.distributed.tensor import DTensor, Shard
-    except ImportError:  # pragma: no cover - torch without distributed tensors
-        return False
-    ref = params[0].summed_grad if params else None
-    return isinstance(ref, DTensor) and any(isinstance(pl, Shard) for pl in ref.placements)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's local shard of a ``DTensor`` (the same storage), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _shard_offset(t) -> int:
-    """Offset of this rank's shard in the flattened full tensor (FSDP2 shards dim 0 in rank order)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    stride = 1
-    flat = 0
-    for size, off in zip(reversed(t.shape), reversed(offset)):
-        flat += off * stride
-        stride *= size
-    return int(flat)
+from .tensors import _is_sharded, _local, _shard_offset, _sq_norms64, all_reduce_grads  # noqa: F401 (_local, _shard_offset: tests)
 
 
 class PrivacyBudgetExceeded(RuntimeError):
@@ -95,6 +74,8 @@ class PrivateOptimizer(DPOptimizer):
         ledger: a :class:`PrivacyLedger` that records one step per noisy step (optional).
         max_epsilon: refuse (raise :class:`PrivacyBudgetExceeded`) to take a step after which the
             ledger's ε would exceed this.
+        noise_mechanism, noise_bands: ``independent`` (DP-SGD's noise, the default) or ``banded_sqrt`` with b bands
+            (:mod:`hf_dp.privacy.banded`).
     """
 
     def __init__(
@@ -108,12 +89,17 @@ class PrivateOptimizer(DPOptimizer):
         secure_mode: bool = False,
         ledger: PrivacyLedger | None = None,
         max_epsilon: float | None = None,
+        noise_mechanism: str = INDEPENDENT,
+        noise_bands: int = 1,
     ):
         if not isinstance(rule, DPUpdateRule):
             raise TypeError(f"rule must be an hf_dp DPUpdateRule, got {type(rule).__name__}")
         check_nonnegative("noise_multiplier (sigma)", noise_multiplier)
         check_positive("max_grad_norm (C)", max_grad_norm)
         check_positive("expected_batch_size (B)", expected_batch_size)
+        self.noise_mechanism, self.noise_bands = check_noise_mechanism(noise_mechanism, noise_bands)
+        #: the correlated noise's running state (memory only; ``None`` for independent noise)
+        self.correlation = None if noise_mechanism == INDEPENDENT else BandedNoise(effective_bands(noise_mechanism, noise_bands))
         self.user_max_grad_norm = float(max_grad_norm)
         self.randomness = source_name(noise_seed, secure_mode)
         super().__init__(
@@ -144,8 +130,19 @@ class PrivateOptimizer(DPOptimizer):
     # ----- the noise scale, one source of truth ---------------------------------------------------
     @property
     def noise_std_of_mean(self) -> float:
-        """σ·C/B (C in clip space): the noise std of each coordinate of the privatized mean."""
-        return self.noise_multiplier * self.max_grad_norm / float(self.expected_batch_size)
+        """σ·C/B (C in clip space): the noise std of each coordinate of the privatized mean; with correlated noise
+        σ·C·s·√V_n/B, the std of the step noised last (n: its position in the segment; the update rule runs after
+        that step's noise is added: :meth:`hf_dp.privacy.banded.BandedNoise.std_factor`)."""
+        std = self.noise_multiplier * self.max_grad_norm / float(self.expected_batch_size)
+        return std if self.correlation is None else std * self.correlation.std_factor()
+
+    def _noise_std(self) -> float:
+        """The std of each coordinate of the fresh draw z_t: σ·C, times s under correlated noise."""
+        std = self.noise_multiplier * self.max_grad_norm
+        return std if self.correlation is None else std * self.correlation.scale
+
+    def _correlate(self, key, noise):
+        return noise if self.correlation is None else self.correlation.correlate(key, noise)
 
     @property
     def step_index(self) -> int:
@@ -177,20 +174,21 @@ class PrivateOptimizer(DPOptimizer):
     def add_noise(self):
         """``p.grad = p.summed_grad + N(0, σ²C²)``, the noise from this optimizer's stream (see the module docstring);
         under FSDP (sharded ``summed_grad``) on this rank's shard of each tensor only (:meth:`_add_shard_noise`)."""
-        std = self.noise_multiplier * self.max_grad_norm
+        std = self._noise_std()
         if _is_sharded(self.params):
             return self._add_shard_noise(std)
         if self.secure_mode:
-            for p in self.params:
-                p.grad = (p.summed_grad + secure_gaussian_like(p.summed_grad, std)).view_as(p)
+            for index, p in enumerate(self.params):
+                p.grad = (p.summed_grad + self._correlate(index, secure_gaussian_like(p.summed_grad, std))).view_as(p)
             return
         gen = self._noise_generator(self.params[0].device)
-        for p in self.params:
+        for index, p in enumerate(self.params):
             ref = p.summed_grad
             if std == 0:
                 noise = torch.zeros_like(ref)
             else:
                 noise = torch.normal(0.0, std, size=ref.shape, device=ref.device, dtype=ref.dtype, generator=gen)
+                noise = self._correlate(index, noise)
             p.grad = (ref + noise).view_as(p)
 
     def _add_shard_noise(self, std: float) -> None:
@@ -215,6 +213,8 @@ class PrivateOptimizer(DPOptimizer):
                 gen = stream_generator(self.noise_seed, *self._stream_key("fsdp_noise", step, index, _shard_offset(ref)),
                                        device=local.device)
                 noise = torch.normal(0.0, std, size=local.shape, device=local.device, dtype=local.dtype, generator=gen)
+            if std != 0 and local.numel():
+                noise = self._correlate(index, noise)  # this rank's shard's own segment
             local.add_(noise)
             p.grad = ref
         return None
@@ -394,6 +394,10 @@ class PrivateOptimizer(DPOptimizer):
             if getattr(p, "summed_grad", None) is None:  # an empty logical batch still gets its noise
                 p.summed_grad = torch.zeros_like(p)
         sharded = _is_sharded(params)
+        step = self.ledger.own_steps if self.ledger is not None else self.steps_taken
+        if self.correlation is not None:
+            self._check_draw(step)
+            self.correlation.begin_step(step)  # a new segment unless this step follows the segment's last one
         if sharded:  # FSDP: each rank holds the summed shards of its own coordinates; their noise is drawn there
             self.add_noise()
             world = 1  # FSDP's reduce-scatter already summed the ranks' clipped sums: nothing to all-reduce
@@ -404,6 +408,8 @@ class PrivateOptimizer(DPOptimizer):
                 p.grad = p.summed_grad.view_as(p)
         for p in params:
             p.summed_grad = None
+        if self.correlation is not None:
+            self.correlation.end_step(step)
         if world > 1:
             self._all_reduce_grads(params)
         self.scale_grad()
@@ -412,40 +418,26 @@ class PrivateOptimizer(DPOptimizer):
             self.ledger.record_step()
         self.steps_taken += 1
 
+    def _check_draw(self, step: int) -> None:
+        """Under cyclic Poisson sampling the sampler's last draw must be this step's (``PoissonBatchSampler.drawn_for``).
+        A second check only: a loader that draws one batch ahead while the step is still running draws it for this
+        step's number too, so the check that counts is each micro-batch's own tag (:func:`hf_dp.run.step.check_drawn_for`)."""
+        sampler = self.sampler
+        drawn = getattr(sampler, "drawn_for", None) if getattr(sampler, "bands", 1) > 1 else None
+        if drawn is not None and drawn != step:
+            raise RuntimeError(f"the batch of step {step} was drawn for step {drawn}'s partition (a loader that draws "
+                               "ahead, e.g. with worker processes): cyclic Poisson sampling needs each batch drawn at "
+                               "its own step; use dataloader_num_workers=0")
+
     #: largest all-reduce of :meth:`_all_reduce_grads` (bytes): small tensors are packed up to this size, so the
     #: extra memory of the reduction is one bucket, not a flat copy of every gradient
     all_reduce_bucket_bytes = 32 * 2**20
 
     @staticmethod
     def _all_reduce_grads(params) -> None:
-        """Sum ``p.grad`` over all ranks, in place: tensors of at least a bucket alone, smaller ones packed."""
-        bucket: list = []
-        size = 0
-
-        def flush():
-            nonlocal bucket, size
-            if len(bucket) == 1:
-                p = bucket[0]
-                if not p.grad.is_contiguous():  # e.g. a transposed (Conv1D) clipped sum
-                    p.grad = p.grad.contiguous()
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            elif bucket:
-                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                offset = 0
-                for p in bucket:
-                    n = p.grad.numel()
-                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                    offset += n
-            bucket, size = [], 0
-
-        for p in params:
-            nbytes = p.grad.numel() * p.grad.element_size()
-            if bucket and (size + nbytes > PrivateOptimizer.all_reduce_bucket_bytes or p.grad.dtype != bucket[0].grad.dtype):
-                flush()
-            bucket.append(p)
-            size += nbytes
-        flush()
+        """Sum ``p.grad`` over all ranks, in place, in buckets of at most :attr:`all_reduce_bucket_bytes`
+        (:func:`hf_dp.privacy.tensors.all_reduce_grads`)."""
+        all_reduce_grads(params, PrivateOptimizer.all_reduce_bucket_bytes)
 
     def step(self, closure=None):
         if closure is not None:
@@ -495,6 +487,8 @@ class PrivateOptimizer(DPOptimizer):
         self.rule.load_state_dict(state_dict["rule"])
         self.discard_pending()
         self.generator = None  # a new noise stream from the next step (never the stream of a saved state)
+        if self.correlation is not None:
+            self.correlation.reset()  # a new correlation segment: nothing of the noise was saved
         self.steps_taken = int(extra.get("steps_taken", 0))
         if self.sampler is not None and extra.get("sampler") is not None:
             self.sampler.load_state_dict(extra["sampler"])
@@ -504,13 +498,3 @@ class PrivateOptimizer(DPOptimizer):
             f"PrivateOptimizer({type(self.rule).__name__}, sigma={self.noise_multiplier}, "
             f"C={self.user_max_grad_norm}, B={self.expected_batch_size})"
         )
-
-
-def _sq_norms64(g: torch.Tensor) -> torch.Tensor:
-    """‖g_i‖² per row of g [B, ...] in float64, converting a slice of the columns at a time (no float64 copy of g)."""
-    flat = g.reshape(len(g), -1)
-    out = torch.zeros(len(g), dtype=torch.float64, device=g.device)
-    step = max(1, (1 << 23) // max(1, len(g)))
-    for k in range(0, flat.shape[1], step):
-        out += flat[:, k : k + step].double().pow(2).sum(1)
-    return out

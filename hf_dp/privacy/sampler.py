@@ -41,6 +41,16 @@ steps were already computed (:func:`hf_dp.run.spent.reconcile_resumed_ledger`) o
 a ledger without resuming (:func:`hf_dp.run.lineage.before_train`). So the draws of a second
 ``train()``, of a resumed run (with or without HF's data skip), of two resumes from checkpoints of one run and of a
 new epoch are never those of an earlier step: nothing is replayed, and no seed or key is saved anywhere.
+
+**Cyclic Poisson sampling** (``bands=b`` > 1, ``partitions=``: ``--noise_mechanism banded_sqrt``,
+:mod:`hf_dp.privacy.banded`): every unit belongs to one partition 0..b−1, a fixed public function of its own identity
+(:mod:`hf_dp.privacy.cyclic`); the logical batch of the run's step t (``phase()``, read when that batch is drawn: the
+ledger's own steps, so a resume, HF's data skip and an epoch stop keep every batch on its step) takes only the units
+of partition t mod b, each with probability p = b·q (:func:`hf_dp.privacy.banded.cyclic_rate`). The uniforms are drawn
+for the whole population as above (the stream is unchanged) and a unit of another partition is left out; everything
+else (shared draw, shares, micro-batches, row caps, secure mode, lengths) is unchanged. ``drawn_for`` records the step
+the last batch was drawn for: the privatizer refuses to noise a batch drawn for another step. With b = 1 the draw is the
+plain Poisson draw, bit for bit.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from typing import Callable, Sequence
 import torch
 from torch.utils.data import Sampler
 
+from .banded import cyclic_rate
 from .randomness import csprng_uniform, source_name, stream_generator
 
 
@@ -66,6 +77,9 @@ class PoissonBatchSampler(Sampler):
     ``shared_key``: with ``world_size > 1``, no ``seed`` and not ``secure``, a callable giving the key (an int of 256
     random bits) every rank holds for the current ``train()``; iterating without one is refused (each rank would draw
     its own sample of the whole dataset, and an example could enter one step on two ranks).
+    ``bands``, ``partitions`` (``[num_samples]``, values 0..bands−1) and ``phase`` (a callable giving the run's step the
+    next logical batch is for; default: the logical batches this sampler has drawn): cyclic Poisson sampling (see the
+    module docstring).
     """
 
     def __init__(
@@ -85,6 +99,9 @@ class PoissonBatchSampler(Sampler):
         allow_empty_units: bool = False,
         stream_tag: Callable[[], str | None] | None = None,
         shared_key: Callable[[], int | None] | None = None,
+        bands: int = 1,
+        partitions: Sequence[int] | torch.Tensor | None = None,
+        phase: Callable[[], int] | None = None,
     ):
         if num_samples <= 0:
             raise ValueError("the training dataset is empty")
@@ -116,6 +133,20 @@ class PoissonBatchSampler(Sampler):
         self._shared_key = shared_key if shared_key is not None else (lambda: None)
         self.epoch = 0
         self.lengths = lengths
+        self.bands = int(bands)
+        self.draw_rate = cyclic_rate(self.sample_rate, self.bands)  # p = b·q (q for b = 1); refused above 1
+        if self.bands > 1:
+            if partitions is None:
+                raise ValueError("cyclic Poisson sampling (bands > 1) needs each unit's partition")
+            parts = torch.as_tensor(partitions, dtype=torch.long).reshape(-1)
+            if parts.numel() != self.num_samples or (parts.numel() and (int(parts.min()) < 0 or int(parts.max()) >= self.bands)):
+                raise ValueError(f"partitions must give each of the {self.num_samples} units a value in 0..{self.bands - 1}")
+            self.partitions = parts
+        else:
+            self.partitions = None
+        self._phase = phase if phase is not None else (lambda: self._drawn)
+        #: the run's step the last logical batch was drawn for (cyclic Poisson sampling; ``None`` before any)
+        self.drawn_for: int | None = None
 
     @property
     def lengths(self) -> torch.Tensor | None:
@@ -184,9 +215,15 @@ class PoissonBatchSampler(Sampler):
     def __iter__(self):
         population = torch.arange(self.num_samples) if self.shared else torch.arange(self.rank, self.num_samples, self.world_size)
         gen = self._generator()
+        part_of = None if self.partitions is None else self.partitions[population]
         for _ in range(self.steps_per_epoch):
             u = csprng_uniform(len(population)) if self._secure else torch.rand(len(population), generator=gen, dtype=torch.float64)
-            drawn = population[u < self.sample_rate]  # in index order
+            if part_of is None:
+                drawn = population[u < self.sample_rate]  # in index order
+            else:  # cyclic Poisson: the partition of the step this batch is for, each of its units at p = b·q
+                step = int(self._phase())
+                self.drawn_for = step
+                drawn = population[(u < self.draw_rate) & (part_of == step % self.bands)]
             self._drawn += 1
             # the share (several ranks) is cut from the draw in index order and only then ordered by length, so that
             # it depends on the stream, N and the units alone (a rank whose lengths differ changes only its own order)
@@ -220,13 +257,16 @@ class PoissonBatchSampler(Sampler):
     def draw_digest(self, *extra) -> str:
         """SHA-256 of everything besides the key, tag and position that decides which examples this sampler's stream
         draws and how a shared draw is dealt out (N, the rows, q, steps, micro-batches, world size, the units and
-        their row cap, the source, a SHA-256 of the seed), with ``extra``: ranks that share a draw must agree on it
-        (:func:`hf_dp.run.contract.check_ranks_share_draw`). Lengths are not in it: they only order a rank's share."""
+        their row cap, the source, a SHA-256 of the seed, cyclic Poisson's b and partitions), with ``extra``: ranks
+        that share a draw must agree on it (:func:`hf_dp.run.contract.check_ranks_share_draw`). Lengths are not in it:
+        they only order a rank's share."""
         import hashlib
 
         seed = None if self._seed is None else hashlib.sha256(str(self._seed).encode()).hexdigest()
         h = hashlib.sha256(repr((self.num_samples, self.num_rows, self.sample_rate, self.steps_per_epoch, self.micro_batches,
                                  self.world_size, self.max_rows_per_unit, self._secure, seed, extra)).encode())
+        if self.partitions is not None:  # cyclic Poisson: b and every unit's partition
+            h.update(f"bands={self.bands}|".encode() + self.partitions.numpy().tobytes())
         for rows in self.units or ():
             h.update(rows.numpy().tobytes() + b"|")
         return h.hexdigest()

@@ -331,14 +331,19 @@ def _update_hash(h, obj) -> None:
 # ---------------------------------------------------------------------------------------------------
 # the mechanism a checkpoint ran, and how its files are written
 # ---------------------------------------------------------------------------------------------------
-MECHANISM_FIELDS = ("noise_multiplier", "max_grad_norm", "sample_rate", "expected_batch_size", "dataset_size", "delta", "accountant")
+MECHANISM_FIELDS = ("noise_multiplier", "max_grad_norm", "sample_rate", "expected_batch_size", "dataset_size", "delta",
+                    "accountant", "noise_mechanism", "noise_bands")
+#: a spec written before hf_dp had correlated noise ran independent noise
+SPEC_DEFAULTS = {"noise_mechanism": "independent", "noise_bands": 1}
 
 
 def same_mechanism(a: dict | None, b: dict | None) -> bool:
-    """The two privacy specs describe the same mechanism (σ, C, q, B, N, δ, accountant; not the planned steps or target)."""
+    """The two privacy specs describe the same mechanism (σ, C, q, B, N, δ, accountant, the noise mechanism and its
+    bands; not the planned steps or target)."""
     from hf_dp.privacy.accounting import _same
 
-    return bool(a) and bool(b) and all(_same(a.get(k), b.get(k)) for k in MECHANISM_FIELDS)
+    get = lambda spec, k: spec.get(k, SPEC_DEFAULTS.get(k))  # noqa: E731
+    return bool(a) and bool(b) and all(_same(get(a, k), get(b, k)) for k in MECHANISM_FIELDS)
 
 
 def write_json_atomic(folder: str, name: str, payload: dict, indent: int | None = None, fsync: bool = False) -> None:

@@ -325,7 +325,7 @@ MECHANISM_ARGS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "epsilon", "noise_multiplier", "delta",
     "per_sample_max_grad_norm", "accountant", "max_steps", "num_train_epochs", "clipping", "trainable", "optim",
     "secure_rng", "dp_seed", "cache_frozen_features", "disable_dp", "privacy_unit_column", "max_rows_per_unit",
-    "public_dataset_size",
+    "public_dataset_size", "noise_mechanism", "noise_bands",
 )
 
 
@@ -402,9 +402,9 @@ def check_optimizer(optimizer, privatizer, mechanism) -> None:
         )
     m, p = mechanism, privatizer
     planned = {"noise_multiplier": m.noise_multiplier, "C": m.max_grad_norm, "B": m.expected_batch_size,
-               "clip norm": p.rule.clip_norm(m.max_grad_norm)}
+               "clip norm": p.rule.clip_norm(m.max_grad_norm), "noise bands": m.bands}
     now = {"noise_multiplier": p.noise_multiplier, "C": p.user_max_grad_norm, "B": p.expected_batch_size,
-           "clip norm": p.max_grad_norm}
+           "clip norm": p.max_grad_norm, "noise bands": 1 if p.correlation is None else p.correlation.bands}
     changed = [k for k in planned if not math.isclose(float(planned[k]), float(now[k]), rel_tol=1e-12, abs_tol=0.0)]
     if changed:
         detail = ", ".join(f"{k}: planned {planned[k]!r}, now {now[k]!r}" for k in changed)

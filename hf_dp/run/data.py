@@ -24,6 +24,10 @@ EMPTY_KEY = "_hf_dp_empty_batch"
 UNITS_KEY = "_hf_dp_units"
 #: the feature key :class:`UnitTagged` adds to each training row: the index of its unit in the training set
 UNIT_OF_ROW_KEY = "_hf_dp_unit"
+#: the batch key of the run's step a micro-batch was drawn for, under cyclic Poisson sampling (``--noise_bands`` > 1):
+#: set when the micro-batch is collated, right after the sampler yields it, so it travels with the batch through any
+#: loader that draws ahead; the step checks it against the step it is accumulated into (:func:`hf_dp.run.step.private_loss`)
+PHASE_KEY = "_hf_dp_drawn_for"
 
 
 @contextlib.contextmanager
@@ -116,8 +120,12 @@ class EmptySafeCollator:
     Any other row count (packing, views appended after the batch, rows that differ from the example's own) is refused
     (:func:`hf_dp.run.contract.check_rows`)."""
 
-    def __init__(self, collate_fn, dataset, units: bool = False, unit_column: str | None = None, attribute: bool = False):
+    def __init__(self, collate_fn, dataset, units: bool = False, unit_column: str | None = None, attribute: bool = False,
+                 drawn_for=None):
         self.collate_fn = collate_fn
+        #: cyclic Poisson sampling: a callable giving the step the sampler drew the batch being collated for
+        #: (``PoissonBatchSampler.drawn_for``), put in the batch as :data:`PHASE_KEY`; ``None``: no tag
+        self.drawn_for = drawn_for
         self.dataset = dataset
         self.units = bool(units)
         self.unit_column = unit_column  # dropped from the rows too (with remove_unused_columns=False it stays in them)
@@ -145,10 +153,11 @@ class EmptySafeCollator:
             features = [self.dataset[0]]
         features, units = self._split_units(features)
         batch = self.collate_fn(features)
-        if hasattr(batch, "keys") and (UNITS_KEY in batch or EMPTY_KEY in batch):
+        own = [k for k in (UNITS_KEY, EMPTY_KEY, PHASE_KEY) if hasattr(batch, "keys") and k in batch]
+        if own:
             raise ValueError(
-                f"the data collator returned the key '{UNITS_KEY if UNITS_KEY in batch else EMPTY_KEY}', which DPTrainer "
-                "sets itself (which rows form one privacy unit, an empty micro-batch); rename or drop it"
+                f"the data collator returned the key '{own[0]}', which DPTrainer sets itself (which rows form one "
+                "privacy unit, an empty micro-batch, the step a batch was drawn for); rename or drop it"
             )
         rows = _rows(batch)
         if rows is not None and (self.attribute or rows != len(features)):
@@ -163,6 +172,8 @@ class EmptySafeCollator:
             units = None if units is None else torch.zeros_like(units)
         if units is not None:
             batch[UNITS_KEY] = units
+        if self.drawn_for is not None:  # the sampler's draw of this very batch (collated in the loop that drew it)
+            batch[PHASE_KEY] = self.drawn_for()
         return batch
 
     def _attribute(self, features, batch, rows: int) -> torch.Tensor:
@@ -415,7 +426,8 @@ def poisson_loader(dp, args, base: DataLoader, train_dataset, audit_parts=None) 
         dataset,
         batch_sampler=dp.sampler,
         collate_fn=EmptySafeCollator(collate, dataset, units=units, unit_column=args.privacy_unit_column,
-                                     attribute=dp.contract.several_rows),
+                                     attribute=dp.contract.several_rows,
+                                     drawn_for=(lambda: dp.sampler.drawn_for) if dp.sampler.bands > 1 else None),
         num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
     )

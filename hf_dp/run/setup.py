@@ -23,8 +23,9 @@ import torch
 from hf_dp.clipping import choose_engine, make_engine
 from hf_dp.clipping.common import TokenBounds, gamma
 from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
-from hf_dp.plan import calibrated_for, run_block, run_expectation
+from hf_dp.plan import calibrated_for, calibration_scope, run_block, run_expectation
 from hf_dp.privacy.accounting import PrivacyLedger
+from hf_dp.privacy.cyclic import row_partitions, unit_partitions
 from hf_dp.privacy.mechanism import Mechanism
 from hf_dp.privacy.planning import LARGER_THAN_DECLARED, public_size
 from hf_dp.privacy.randomness import ENTROPY, SEEDED, shared_entropy_key, source_name
@@ -68,7 +69,8 @@ def setup_privacy(dp, args, model, train_dataset, fingerprint_source, objective,
         accumulation=args.gradient_accumulation_steps, world_size=args.world_size, delta=args.delta,
         epsilon=args.epsilon, noise_multiplier=args.noise_multiplier, max_grad_norm=args.per_sample_max_grad_norm,
         accountant=args.accountant, max_steps=args.max_steps, num_train_epochs=args.num_train_epochs,
-        privacy_unit=args.privacy_unit_column, max_rows_per_unit=args.max_rows_per_unit)
+        privacy_unit=args.privacy_unit_column, max_rows_per_unit=args.max_rows_per_unit,
+        noise_mechanism=args.noise_mechanism, noise_bands=args.noise_bands)
     dp.mechanism, world, steps_per_epoch = mechanism, mechanism.world_size, mechanism.steps_per_epoch
     spec = dp.spec
     q, b, planned, sigma = spec.sample_rate, int(spec.expected_batch_size), spec.planned_steps, spec.noise_multiplier
@@ -85,12 +87,15 @@ def setup_privacy(dp, args, model, train_dataset, fingerprint_source, objective,
             "and the model card.", args.dp_seed,
         )
     # every actual unit is drawn at q = B/N_public, for round(1/q) steps an epoch: the actual count changes only how
-    # many rows a draw finds
+    # many rows a draw finds; under cyclic Poisson sampling (banded noise) only the units of the step's partition, at
+    # b·q, the step being the ledger's own steps when the batch is drawn
     dp.sampler = PoissonBatchSampler(
         n, q, steps_per_epoch, micro_batches=args.gradient_accumulation_steps, seed=args.dp_seed,
         rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: dp.ledger.steps,
         units=dp.units.rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=dp.audit is not None,
         stream_tag=lambda: dp.ledger.meta.get("stream_tag"), shared_key=lambda: dp.sampling_key,
+        bands=mechanism.bands, partitions=cyclic_partitions(mechanism.bands, fingerprint_source, args.privacy_unit_column, dp.units),
+        phase=lambda: dp.ledger.own_steps,
     )
     dp.sampling_key = None  # several ranks, OS entropy: set by share_sampling_key at every train()
     dp.lengths_of = None
@@ -129,10 +134,12 @@ def setup_privacy(dp, args, model, train_dataset, fingerprint_source, objective,
                       calibrated=calibrated_for(getattr(model, "get_base_model", lambda: model)()),
                       causal_lm=getattr(objective, "name", None) == "causal_lm",  # the causal-LM verdict (hf_dp.plan)
                       optim=str(getattr(args.optim, "value", args.optim)), learning_rate=args.learning_rate)
-        block, warning = run_block(
-            **expect, delta=args.delta, accountant=args.accountant, max_grad_norm=args.per_sample_max_grad_norm,
-            epsilon=args.epsilon, sigma_note=role or "", detail=args.log_level == "debug" or logger.isEnabledFor(logging.DEBUG))
-        dp.plan_expectation = run_expectation(**expect)  # what the block said to expect, for the recipes' summary
+        with calibration_scope(model):  # a causal LM trained from scratch: no calibrated verdict (hf_dp.plan.lm_verdict)
+            block, warning = run_block(
+                **expect, delta=args.delta, accountant=args.accountant, max_grad_norm=args.per_sample_max_grad_norm,
+                epsilon=args.epsilon, sigma_note=role or "", detail=args.log_level == "debug" or logger.isEnabledFor(logging.DEBUG),
+                bands=mechanism.bands)
+            dp.plan_expectation = run_expectation(**expect)  # what the block said to expect, for the recipes' summary
         logger.info(block)
         if warning:
             logger.warning(warning)
@@ -187,6 +194,19 @@ def share_sampling_key(dp, args) -> None:
                              "ranks cannot share their Poisson draws; launch with torchrun (or accelerate launch)")
         dp.sampling_key = key
     contract.check_ranks_share_draw(dp.sampler, dp.ledger, dp.sampling_key)
+
+
+def cyclic_partitions(bands: int, source, column: str | None, units) -> torch.Tensor | None:
+    """Cyclic Poisson sampling's partitions (``bands`` > 1; else ``None``), once, before training, from the training
+    set as given (``source``): each unit's by a hash of its ``column`` value (the units' rows from ``units``,
+    :class:`hf_dp.run.state.Units`), each row's by a hash of its own columns (:mod:`hf_dp.privacy.cyclic`)."""
+    if bands <= 1:
+        return None
+    if column is None:
+        return row_partitions(source, bands)
+    values = list(source[column]) if getattr(source, "column_names", None) is not None else None
+    first = [int(rows[0]) for rows in units.rows]
+    return unit_partitions([values[r] if values is not None else source[r][column] for r in first], bands)
 
 
 def setup_units(units, rows: int, column: str | None, source, prefix_cache: bool = False) -> None:
@@ -285,7 +305,8 @@ def make_private_optimizer(dp, args, model, decay):
         args.optim, param_groups(model, decay, args.weight_decay),
         noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
         expected_batch_size=spec.expected_batch_size, noise_seed=dp.noise_seed,
-        secure_mode=args.secure_rng, ledger=dp.ledger, max_epsilon=spec.target_epsilon, **hyper,
+        secure_mode=args.secure_rng, ledger=dp.ledger, max_epsilon=spec.target_epsilon,
+        noise_mechanism=spec.noise_mechanism, noise_bands=spec.noise_bands, **hyper,
     )
     optimizer.sampler = dp.sampler
     # the hooks' clipped sum is formed in float32 over at most the bounds' terms: each example's share of its rounding

@@ -17,7 +17,7 @@ import torch
 from hf_dp.clipping import sharding
 from hf_dp.models.loss import per_example_loss, positions_from_mask
 from hf_dp.run import contract
-from hf_dp.run.data import EMPTY_KEY, UNITS_KEY
+from hf_dp.run.data import EMPTY_KEY, PHASE_KEY, UNITS_KEY
 
 
 def unit_kw(dp) -> dict:
@@ -25,11 +25,27 @@ def unit_kw(dp) -> dict:
     return {} if dp.step.units is None else {"units": dp.step.units}
 
 
+def check_drawn_for(dp, drawn_for) -> None:
+    """Cyclic Poisson sampling (``--noise_bands`` > 1): the micro-batch must have been drawn for the step it is
+    accumulated into (the ledger's own steps so far), i.e. from that step's partition. A loader that draws ahead of
+    the steps (worker processes, a wrapper that fetches the next batch early) would put another partition's units into
+    the step, and their participations would no longer be b steps apart: refused in one sentence."""
+    if getattr(dp.sampler, "bands", 1) <= 1 or dp.contract.probe:  # the independence probe's rows are no step's
+        return
+    step = dp.ledger.own_steps if dp.ledger is not None else None
+    if drawn_for is None or step is None or int(drawn_for) != int(step):
+        raise RuntimeError(
+            f"a micro-batch of step {step} was drawn for step {drawn_for} (a loader that draws batches ahead of the "
+            "steps, e.g. worker processes or a wrapper that prefetches): cyclic Poisson sampling (--noise_bands > 1) "
+            "needs every batch drawn at its own step; use hf_dp's training loader with dataloader_num_workers=0")
+
+
 def private_loss(dp, model, inputs: dict, objective, config, world_size: int, audit_losses=None):
     """``DPTrainer.compute_loss`` under DP, in training: ``(loss, outputs)`` with loss = Σ_i ℓ_i / (B / world size).
     ``audit_losses(losses, empty)``: ``--audit_canaries``' canary rows' losses (the trainer's hook), else none."""
     empty = bool(inputs.pop(EMPTY_KEY, False))
     units = inputs.pop(UNITS_KEY, None)
+    check_drawn_for(dp, inputs.pop(PHASE_KEY, None))
     if "labels" not in inputs:
         raise ValueError(
             "the training batch has no 'labels': DP training computes each example's loss from them (a causal LM's "

@@ -69,6 +69,9 @@ def check_search(args, dp, *, hp_space, direction, backend, score_data, model_in
     if dp.selection.started:
         raise ValueError("a private selection already ran on this trainer (and failed or was interrupted): its trials "
                          "spent privacy that a second search would not count; make a new DPTrainer")
+    if dp.spec is not None and dp.spec.bands > 1:
+        raise ValueError(f"private selection is not supported with --noise_bands {dp.spec.bands} yet (each trial's sigma "
+                         "is calibrated for DP-SGD's Poisson sampling); use --noise_mechanism independent")
     if model_init is None:
         raise ValueError("hyperparameter_search needs model_init= (a function returning a fresh model): every trial "
                          "trains a fresh model")

@@ -80,14 +80,17 @@ def check_resume_settings(training_args, value, n_train: int) -> None:
             delta=training_args.delta, epsilon=training_args.epsilon, noise_multiplier=training_args.noise_multiplier,
             max_grad_norm=training_args.per_sample_max_grad_norm, accountant=training_args.accountant,
             max_steps=training_args.max_steps, num_train_epochs=training_args.num_train_epochs,
+            noise_mechanism=getattr(training_args, "noise_mechanism", "independent"),
+            noise_bands=getattr(training_args, "noise_bands", 1),
         )
     except ValueError as exc:
         raise RecipeError(str(exc)) from None
+    saved = {**checkpointing.SPEC_DEFAULTS, **saved}  # a marker written before correlated noise: independent noise
     changed = [k for k in checkpointing.MECHANISM_FIELDS if not _same(saved.get(k), getattr(spec, k))]
     if changed:
         detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {getattr(spec, k)!r}" for k in changed)
         raise RecipeError(
             f"refusing to resume from {path}: the privacy settings differ from the checkpoint's ({detail}); resume "
-            "with the original flags (batch size, epochs or max_steps, ε or σ, C, δ, accountant, training rows) or "
-            "start a new run in another --output_dir"
+            "with the original flags (batch size, epochs or max_steps, ε or σ, C, δ, accountant, noise mechanism, "
+            "training rows) or start a new run in another --output_dir"
         )

@@ -132,6 +132,7 @@ def check_privacy_settings(training_args, n_train: int) -> None:
     import math
 
     from hf_dp.privacy.accounting import calibrate_noise_multiplier, check_delta
+    from hf_dp.privacy.banded import cyclic_rate
     from hf_dp.privacy.sampler import PoissonBatchSampler
 
     if not training_args.dp_enabled or not training_args.do_train:
@@ -148,11 +149,23 @@ def check_privacy_settings(training_args, n_train: int) -> None:
             f"= {b} is larger than the training set (N = {n_units}); Poisson sampling needs q = B/N ≤ 1"
         )
     check_delta(training_args.delta, n_train)
+    q, bands = b / n_units, _bands(training_args)
+    try:
+        cyclic_rate(q, bands)  # --noise_bands b: cyclic Poisson sampling needs b·q ≤ 1
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
     if training_args.epsilon is not None:
-        q = b / n_units
         steps = training_args.max_steps if training_args.max_steps > 0 else math.ceil(
             training_args.num_train_epochs * PoissonBatchSampler.steps_for_epoch(q))
-        calibrate_noise_multiplier(training_args.epsilon, training_args.delta, q, steps, training_args.accountant)
+        calibrate_noise_multiplier(training_args.epsilon, training_args.delta, q, steps, training_args.accountant,
+                                   bands=bands)
+
+
+def _bands(training_args) -> int:
+    """The b of ``--noise_mechanism banded_sqrt --noise_bands b`` (1 for independent noise)."""
+    if getattr(training_args, "noise_mechanism", "independent") == "independent":
+        return 1
+    return int(getattr(training_args, "noise_bands", 1) or 1)
 
 
 def compute_budget(training_args, n_train: int) -> tuple[float, str]:
@@ -204,7 +217,7 @@ def apply_plan(training_args, model, n_train: int, planned_lr: dict[str, float])
           f"N = {n_train:,}, d = {d:,} (public quantities only) ...", flush=True)
     try:
         plan = recommend(n_train, training_args.epsilon, training_args.delta, d, epochs=epochs,
-                         accountant=training_args.accountant)
+                         accountant=training_args.accountant, bands=_bands(training_args))
     except ValueError as exc:  # e.g. N smaller than every candidate batch: keep the protocol's batch
         return f"planner: no recommendation ({exc}); keeping B = {training_args.per_device_train_batch_size}"
     world = max(1, training_args.world_size)
