@@ -132,3 +132,34 @@ def test_the_privatizer_refuses_a_batch_drawn_for_another_step():
     opt.add_clipped_sum({p: torch.zeros(3)})
     with pytest.raises(RuntimeError, match="the batch of step 0 was drawn for step 1's partition"):
         opt.step()
+
+
+def test_partitions_read_the_stored_rows_not_a_format_or_a_transform():
+    """A 🤗 Dataset read through set_format (a column subset, tensors) or a random set_transform gives each row the
+    partition of its stored content: a resume or a later train() that reads it another way finds the same partitions
+    (before, a resume through set_format moved 26 of 32 units to other partitions, accepted)."""
+    import random
+
+    ds = Dataset.from_dict({"input_ids": [[i, i + 1, 7 * i % 5] for i in range(64)], "labels": [i % 2 for i in range(64)]})
+    plain = row_partitions(ds, 4)
+    formatted = ds.with_format("torch", columns=["input_ids"])
+    noisy = ds.with_transform(lambda b: {"input_ids": [[random.random()] for _ in b["input_ids"]], "labels": b["labels"]})
+    assert torch.equal(row_partitions(formatted, 4), plain) and torch.equal(row_partitions(noisy, 4), plain)
+    units = Units()
+    setup_units(units, 64, None, ds)
+    assert torch.equal(cyclic_partitions(4, formatted, None, units), plain)
+
+
+def test_a_checkpoint_of_other_partitions_is_refused():
+    """The sampler's state holds the partitions' public digest; loading it into a sampler whose partitions differ (the
+    rows' content or order changed, or b) is refused, as a different N or q is."""
+    parts = torch.tensor([i % 2 for i in range(16)])
+    a = PoissonBatchSampler(16, 0.25, 4, bands=2, partitions=parts)
+    state = a.state_dict()
+    assert state["partitions_sha256"] == a.partitions_digest() and len(state["partitions_sha256"]) == 64
+    PoissonBatchSampler(16, 0.25, 4, bands=2, partitions=parts.clone()).load_state_dict(state)  # the same: accepted
+    with pytest.raises(ValueError, match="cyclic Poisson partitions .* differ from the checkpoint's"):
+        PoissonBatchSampler(16, 0.25, 4, bands=2, partitions=parts.flip(0)).load_state_dict(state)
+    with pytest.raises(ValueError, match="cyclic Poisson partitions"):
+        PoissonBatchSampler(16, 0.25, 4).load_state_dict(state)  # independent noise resuming a banded checkpoint
+    assert "partitions_sha256" not in PoissonBatchSampler(16, 0.25, 4).state_dict()  # independent: as before

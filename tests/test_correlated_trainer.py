@@ -192,3 +192,20 @@ def test_the_collator_may_not_set_the_phase_key(data):
     bad = EmptySafeCollator(lambda rows: dict(collator(rows), **{PHASE_KEY: 3}), ds)
     with pytest.raises(ValueError, match=f"returned the key '{PHASE_KEY}'"):
         bad([ds[0]])
+
+
+def test_rows_changed_in_place_between_two_trains_are_refused(data, tmp_path):
+    """A training set that is not a 🤗 Dataset (a list of rows) re-ordered in place after a train(): the same object,
+    but the partitions computed at construction no longer belong to the rows at their positions, so units would change
+    partition inside one correlation segment. The next train() reads the rows again and refuses."""
+    import random
+
+    ds, collator = data
+    rows = [dict(ds[i]) for i in range(len(ds))]
+    args = dp_args(str(tmp_path / "inplace"), max_steps=2, per_device_train_batch_size=B, dp_seed=SEED, epsilon=None,
+                   noise_multiplier=SIGMA, noise_mechanism="banded_sqrt", noise_bands=2, save_strategy="no")
+    t = DPTrainer(model=make_model(), args=args, train_dataset=rows, data_collator=collator)
+    t.train()
+    random.Random(1).shuffle(rows)
+    with pytest.raises(ValueError, match="training set's rows changed since the DPTrainer was built"):
+        t.train()

@@ -154,8 +154,8 @@ def test_ranks_that_would_draw_differently_are_refused(monkeypatch):
     from hf_dp.run import contract
 
     sampler = PoissonBatchSampler(40, 0.25, 4, seed=3, world_size=2)
-    ledger = types.SimpleNamespace(steps=5, meta={})
-    theirs = {"digest": sampler.draw_digest(5, None, None)}
+    ledger = types.SimpleNamespace(steps=5, own_steps=5, meta={})
+    theirs = {"digest": sampler.draw_digest(5, 5, None, None)}
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
 
@@ -164,6 +164,11 @@ def test_ranks_that_would_draw_differently_are_refused(monkeypatch):
 
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
     contract.check_ranks_share_draw(sampler, ledger, None)  # the same: accepted
-    theirs["digest"] = sampler.draw_digest(6, None, None)
+    theirs["digest"] = sampler.draw_digest(6, 6, None, None)
+    with pytest.raises(ValueError, match="would draw different Poisson samples"):
+        contract.check_ranks_share_draw(sampler, ledger, None)
+    # the same total steps split otherwise between earlier runs and this one: cyclic Poisson sampling's phase is this
+    # run's own steps, so ranks that disagree on it would keep different partitions of one shared draw
+    theirs["digest"] = sampler.draw_digest(5, 3, None, None)
     with pytest.raises(ValueError, match="would draw different Poisson samples"):
         contract.check_ranks_share_draw(sampler, ledger, None)

@@ -82,7 +82,11 @@ def unit_partitions(values: Iterable, bands: int) -> torch.Tensor:
 
 def row_partitions(dataset, bands: int) -> torch.Tensor:
     """``[N]`` partitions of a training set's rows, each from the row's own columns (a dict row: every column; any
-    other row: the row itself). A 🤗 Dataset is read a slice of columns at a time."""
+    other row: the row itself). A 🤗 Dataset is read a slice of columns at a time, from its stored content: without its
+    format or transform (``with_format(None)``), so that a ``set_format`` column subset, a tensor format or a random
+    ``set_transform`` cannot give a row another partition on another read (a resume, another ``train()``)."""
+    if callable(getattr(dataset, "with_format", None)) and getattr(dataset, "column_names", None) is not None:
+        dataset = dataset.with_format(None)  # every stored column, as stored (no format, no transform)
     n = len(dataset)
     columns = getattr(dataset, "column_names", None)
     out = torch.empty(n, dtype=torch.long)
@@ -100,3 +104,12 @@ def row_partitions(dataset, bands: int) -> torch.Tensor:
         row = dataset[i]
         out[i] = partition_of(dict(row) if hasattr(row, "keys") else row, bands)
     return out
+
+
+def partitions_digest(partitions: torch.Tensor | None, bands: int) -> str | None:
+    """SHA-256 of b and every unit's partition (``None`` without cyclic sampling): a checkpoint records it, and a
+    resume or another ``train()`` whose partitions differ is refused (a unit moved to another partition could enter
+    two steps less than b apart, and the accountant's ⌈T/b⌉ rounds would undercount it)."""
+    if partitions is None:
+        return None
+    return hashlib.sha256(f"bands={int(bands)}|".encode() + partitions.to(torch.long).numpy().tobytes()).hexdigest()

@@ -282,15 +282,31 @@ class PoissonBatchSampler(Sampler):
         keep = torch.argsort(keys)[:k].sort().values
         return rows[keep].tolist()
 
+    def partitions_digest(self) -> str | None:
+        """SHA-256 of cyclic Poisson sampling's b and partitions (``None`` without them): :func:`hf_dp.privacy.cyclic.partitions_digest`."""
+        from .cyclic import partitions_digest
+
+        return partitions_digest(self.partitions, self.bands)
+
     def state_dict(self) -> dict:
-        """What a checkpoint needs to refuse a different dataset size or rate — no seed, no generator state."""
-        return {"sample_rate": self.sample_rate, "num_samples": self.num_samples}
+        """What a checkpoint needs to refuse a different dataset size or rate (and, under cyclic Poisson sampling,
+        other partitions: their public digest) — no seed, no generator state."""
+        state = {"sample_rate": self.sample_rate, "num_samples": self.num_samples}
+        if self.partitions is not None:
+            state["partitions_sha256"] = self.partitions_digest()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("num_samples") != self.num_samples or not math.isclose(state.get("sample_rate", -1), self.sample_rate):
             raise ValueError(
                 "refusing to resume: the checkpoint's sampler had "
                 f"N={state.get('num_samples')}, q={state.get('sample_rate')}, now N={self.num_samples}, q={self.sample_rate}"
+            )
+        if state.get("partitions_sha256") != self.partitions_digest():
+            raise ValueError(
+                "refusing to resume: the cyclic Poisson partitions (--noise_bands) of this training set differ from the "
+                "checkpoint's (the rows' stored content or order changed, or the bands did): a unit in another "
+                "partition could enter two steps less than b apart, which the accountant's ceil(T/b) rounds do not count"
             )
 
 

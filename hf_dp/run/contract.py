@@ -457,7 +457,7 @@ def check_ranks_share_draw(sampler, ledger, key) -> None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return
-    mine = sampler.draw_digest(int(ledger.steps), ledger.meta.get("stream_tag"),
+    mine = sampler.draw_digest(int(ledger.steps), int(ledger.own_steps), ledger.meta.get("stream_tag"),
                                None if key is None else hashlib.sha256(str(key).encode()).hexdigest())
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -483,6 +483,12 @@ def check_at_train(dp, args, model, train_dataset, collator, objective, *, loade
             "train_dataset was replaced after the DPTrainer was built: N, the fingerprint that resumes, ranks and "
             "the model's ledger compare, and the label checks describe the dataset given at construction; make a "
             "new DPTrainer for other data"
+        )
+    if dp.contract.partitions is not None and dp.contract.partitions() != dp.sampler.partitions_digest():
+        raise ValueError(
+            "the training set's rows changed since the DPTrainer was built (their content or order, read again for "
+            "the cyclic Poisson partitions of --noise_bands): a unit could now sit in another partition and enter two "
+            "steps less than b apart; make a new DPTrainer for other data"
         )
     check_flags(args)  # HF flags refused under DP, also when set on trainer.args after construction
     check_mechanism(dp.contract.planned, mechanism_snapshot(args, dp.mechanism, model))

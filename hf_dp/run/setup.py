@@ -25,7 +25,7 @@ from hf_dp.clipping.common import TokenBounds, gamma
 from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
 from hf_dp.plan import calibrated_for, calibration_scope, run_block, run_expectation
 from hf_dp.privacy.accounting import PrivacyLedger
-from hf_dp.privacy.cyclic import row_partitions, unit_partitions
+from hf_dp.privacy.cyclic import partitions_digest, row_partitions, unit_partitions
 from hf_dp.privacy.mechanism import Mechanism
 from hf_dp.privacy.planning import LARGER_THAN_DECLARED, public_size
 from hf_dp.privacy.randomness import ENTROPY, SEEDED, shared_entropy_key, source_name
@@ -97,6 +97,9 @@ def setup_privacy(dp, args, model, train_dataset, fingerprint_source, objective,
         bands=mechanism.bands, partitions=cyclic_partitions(mechanism.bands, fingerprint_source, args.privacy_unit_column, dp.units),
         phase=lambda: dp.ledger.own_steps,
     )
+    if mechanism.bands > 1:  # every train() reads the rows again: partitions that changed are refused (contract)
+        dp.contract.partitions = lambda: partitions_digest(
+            cyclic_partitions(mechanism.bands, fingerprint_source, args.privacy_unit_column, dp.units), mechanism.bands)
     dp.sampling_key = None  # several ranks, OS entropy: set by share_sampling_key at every train()
     dp.lengths_of = None
     set_sampler_lengths(dp, args, train_dataset)  # refused here, before any step, if the lengths are unknown
@@ -202,6 +205,8 @@ def cyclic_partitions(bands: int, source, column: str | None, units) -> torch.Te
     :class:`hf_dp.run.state.Units`), each row's by a hash of its own columns (:mod:`hf_dp.privacy.cyclic`)."""
     if bands <= 1:
         return None
+    if callable(getattr(source, "with_format", None)) and getattr(source, "column_names", None) is not None:
+        source = source.with_format(None)  # the stored content: no format's column subset, no transform
     if column is None:
         return row_partitions(source, bands)
     values = list(source[column]) if getattr(source, "column_names", None) is not None else None

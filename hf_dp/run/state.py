@@ -67,6 +67,7 @@ class ContractState:
     probe: bool = False  # the independence probe is running (no clipping, no records)
     rows_checked: Any = None  # the collator whose rows were checked (hf_dp.run.contract.check_every_row)
     several_rows: bool = False  # that collator gives several rows per example
+    partitions: Any = None  # cyclic Poisson sampling: recomputes the partitions' digest from the training set as given
 
 
 @dataclass(repr=False)
