@@ -99,9 +99,10 @@ MAY_IMPORT = [
     ("hf_dp.run.checkpointing", ANYWHERE, ["hf_dp", "hf_dp.privacy.accounting"]),  # hf_dp.__version__ in the marker
     ("hf_dp.run.spent", ANYWHERE, ["hf_dp.run.checkpointing"]),
     ("hf_dp.run.lineage", ANYWHERE, ["hf_dp.run.checkpointing", "hf_dp.run.spent", "hf_dp.privacy.accounting"]),
-    # the planner: public quantities through the accountant and the sampler's steps; d counted by --trainable's rule
+    # the planner: public quantities through the accountant and the sampler's steps; d counted by --trainable's rule;
+    # the banded factor's coefficients for --noise_comparison (hf_dp.plan.noise)
     ("hf_dp.plan.*", ANYWHERE, ["hf_dp.plan.*", "hf_dp.privacy.accounting", "hf_dp.privacy.sampler",
-                                "hf_dp.models.freezing"]),
+                                "hf_dp.privacy.banded", "hf_dp.models.freezing"]),
     ("hf_dp.plan.calibration", ANYWHERE, []),
     ("hf_dp.plan.lm_verdict", ANYWHERE, []),
     ("hf_dp.tuning.*", ANYWHERE, ["hf_dp.tuning.*", "hf_dp.privacy.selection", "hf_dp.privacy.randomness",
