@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise_bands", "--noise-bands", type=int, default=1,
                    help="b of --noise_mechanism banded_sqrt (correlated noise, cyclic Poisson sampling): σ is calibrated "
                    "on its DP-SGD equivalent, rate b·q for ceil(T/b) rounds (default %(default)s: independent noise)")
+    p.add_argument("--noise_comparison", "--noise-comparison", action="store_true",
+                   help="also compare independent with banded_sqrt noise at the plan's B and T: for b in "
+                   "1, 2, 3, 4, 6, 8, 12, 16 (with b·B ≤ N) the σ the accountant calibrates and the noise the trajectory "
+                   "accumulates relative to independent noise (hf_dp.plan.noise; one σ calibration per b), and which "
+                   "mechanism to use and why. It predicts noise, not accuracy")
     p.add_argument("--min_steps", "--min-steps", type=int, default=MIN_STEPS,
                    help="candidates with fewer steps are not recommended (a practical floor; default %(default)s)")
     p.add_argument("--no_cache", "--no-cache", action="store_true", help=f"do not read/write the σ cache (${CACHE_ENV})")
@@ -185,8 +190,17 @@ def main(argv: list[str] | None = None) -> int:
         from hf_dp.plan.figure import write_plan_plot
 
         say(f"hf_dp plan: figure written to {write_plan_plot(plan, args.plot, causal_lm=args.causal_lm)}")
+    comparison = None
+    if args.noise_comparison:
+        try:
+            comparison = _noise_comparison(plan, say, disk_cache=not args.no_cache)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if args.json:
         out = plan.as_dict()
+        if comparison is not None:
+            out["noise_comparison"] = comparison
         if plan.choice is not None:
             out["flags"] = flags_for(plan, args.optim)
             if args.causal_lm:
@@ -241,5 +255,38 @@ def main(argv: list[str] | None = None) -> int:
         model = shlex.quote(args.model_name_or_path) if args.model_name_or_path else "MODEL"
         recipe = "recipes/clm.py --train_file FILE" if args.causal_lm else "recipes/glue.py --task_name TASK --data_dir DIR"
         print(f"  e.g. python {recipe} --model_name_or_path {model} {shlex.join(flags)}")
+    if comparison is not None:
+        if comparison.get("rows"):
+            from hf_dp.plan.noise import format_comparison
+
+            print(f"noise at this plan (B = {comparison['batch']}, T = {comparison['steps']}), relative to independent "
+                  "noise at the same ε: the noise the trajectory accumulates (prefix sum: SGD; heavy-ball momentum "
+                  f"{comparison['momentum']:g}) and one step's own noise (hf_dp.plan.noise; noise, not accuracy)")
+            print(format_comparison(comparison["rows"]))
+        print(comparison["verdict"])
     print(f"({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _noise_comparison(plan: Plan, say, disk_cache: bool = True) -> dict:
+    """``--noise_comparison``: :func:`hf_dp.plan.noise.noise_comparison` at the recommended plan's B and T (or the
+    table's only row without d), its verdict (:func:`hf_dp.plan.noise.noise_verdict`); without either, the verdict
+    says so."""
+    from hf_dp.plan.noise import BANDS, MOMENTUM, noise_comparison, noise_verdict
+
+    row = plan.choice or (plan.rows[0] if len(plan.rows) == 1 else None)
+    if row is None:
+        return {"rows": [], "mechanism": None, "bands": None, "verdict": "noise: no comparison without a recommended "
+                "plan — give d (--params or --model_name_or_path), or one --batch and one --epochs"}
+    fits = [b for b in BANDS if b * row.sample_rate <= 1]
+    say(f"hf_dp plan: noise comparison at B = {row.batch_size}, T = {row.steps}: calibrating σ for b in "
+        f"{{{', '.join(map(str, fits))}}} (a few seconds each on a cold cache) ...")
+
+    def progress(r):
+        say(f"  b = {r['bands']}: σ = {r['sigma']:.4g}")
+
+    rows = noise_comparison(plan.n, row.batch_size, row.steps, plan.epsilon, plan.delta, plan.accountant,
+                            disk_cache=disk_cache, progress=progress)
+    mechanism, bands, line = noise_verdict(rows)
+    return {"batch": row.batch_size, "steps": row.steps, "momentum": MOMENTUM, "rows": rows, "mechanism": mechanism,
+            "bands": bands, "verdict": line}
