@@ -320,16 +320,18 @@ def test_the_constant_predictor_expectation_only_for_the_models_it_was_calibrate
 
 
 def test_the_start_of_run_block_is_short_and_says_where_the_full_table_is(tok, tmp_path, caplog, single_thread):
-    """Issue 44 §2: every DP run printed ~5 long plan lines. By default one summary line and one line of where to see
-    more; the noise figures and the table at DEBUG (``--log_level debug``) or ``detail=True``."""
+    """Issue 44 §2: every DP run printed ~5 long plan lines. By default one summary line, one line of where to see
+    more and one of the noise mechanism (issue 52 item 5); the noise figures and the table at DEBUG (``--log_level
+    debug``) or ``detail=True``."""
     kw = dict(n=1000, batch_size=32, steps=93, sigma=1.5, delta=1e-5, accountant="prv", max_grad_norm=0.1,
               params=2_000_000, epsilon=3.0)
     short, _ = run_block(**kw)
     full, _ = run_block(**kw, detail=True)
     lines = short.splitlines()
-    assert len(lines) == 2 and all(len(line) <= 200 for line in lines), short
+    assert len(lines) == 3 and all(len(line) <= 200 for line in lines), short
     assert lines[0].startswith("hf_dp plan (public") and "σ = 1.5" in lines[0] and "T = 93 steps" in lines[0]
     assert "R_run" in lines[0] and "--log_level debug" in lines[1] and "python -m hf_dp.plan --n 1000" in lines[1]
+    assert lines[2].startswith("  noise: independent") and "--noise_comparison" in lines[2]  # the mechanism in use
     assert "sigma/sqrt(BN)" in full and "R_step" in full and "R_epoch" in full
     ds = make_pair_dataset(tok, n=128, seed=0)
     for level, log_level, want_full in ((logging.INFO, "passive", False), (logging.DEBUG, "passive", True),
@@ -341,6 +343,8 @@ def test_the_start_of_run_block_is_short_and_says_where_the_full_table_is(tok, t
         plan = [r for r in caplog.records if r.getMessage().startswith("hf_dp plan (public")]
         assert len(plan) == 1 and plan[0].levelno == logging.INFO  # the full table at INFO, when asked
         assert ("sigma/sqrt(BN)" in plan[0].getMessage()) is want_full
-        # two lines, then the expected result (issue 53 item 3: a line of the block when it is not a warning)
+        # two lines and the noise mechanism's, then the expected result (issue 53 item 3: a line of the block when it
+        # is not a warning)
         message = plan[0].getMessage().splitlines()
-        assert (len(message) == 3) is not want_full and "expected result of this plan" in message[-1]
+        assert (len(message) == 4) is not want_full and "expected result of this plan" in message[-1]
+        assert message[-2].startswith("  noise: independent")

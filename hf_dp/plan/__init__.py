@@ -3,7 +3,7 @@
 ``python -m hf_dp.plan --n 8999 --epsilon 3 --delta 1e-5 --params 1923074`` prints, for candidate logical batch
 sizes B and epochs E, the noise multiplier σ that the accountant calibrates for (ε, δ, q = B/N, steps), the number
 of steps and the noise of the averaged gradient, and recommends the B that minimises the documented objective at a
-fixed compute budget. Every :class:`DPTrainer` run logs its own row at start, in two lines (the block with the noise
+fixed compute budget. Every :class:`DPTrainer` run logs its own row at start, in a few lines (the block with the noise
 figures and the table with ``--log_level debug``).
 
 Only public quantities enter: N (the dataset size, which DP-SGD's accountant uses anyway), B, E, ε, δ, the
@@ -57,7 +57,9 @@ The package: :mod:`hf_dp.plan.plans` (rows, plans, the start-of-run block), :mod
 calibration table and the verdict), :mod:`hf_dp.plan.lm_verdict` (a pretrained causal LM's verdict: is DP fine-tuning
 expected to end worse than no fine-tuning? the noise walk lr·√T·R_step/√(1 + R_step²) against thresholds measured
 on causal-LM runs),
-:mod:`hf_dp.plan.cli` (the command line).
+:mod:`hf_dp.plan.noise` (``--noise_comparison``: the noise banded_sqrt would leave in the trajectory at a plan, relative
+to independent noise, and which to use), :mod:`hf_dp.plan.noise_line` (the start-of-run block's line on the noise
+mechanism), :mod:`hf_dp.plan.cli` (the command line).
 """
 
 from hf_dp.plan.calibration import (

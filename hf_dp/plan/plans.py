@@ -23,6 +23,7 @@ from hf_dp.plan.calibration import (
     noisy_message,
 )
 from hf_dp.plan.lm_verdict import expected_worse, lm_verdict, no_verdict_line, not_calibrated_reason
+from hf_dp.plan.noise_line import run_noise_line
 from hf_dp.privacy.accounting import (ACCOUNTANTS, calibrate_noise_multiplier, check_delta, check_epsilon, compute_epsilon,
                                       dp_sgd_equivalent)
 from hf_dp.privacy.sampler import PoissonBatchSampler
@@ -488,8 +489,8 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
     Inputs are public only: N, the expected logical batch B, the planned steps T, σ, δ, the accountant, C, d (and
     the target ε). Always the expected result (:func:`run_expectation`): as the warning when it is the constant
     predictor (or, for a causal LM, worse than no fine-tuning), else as the block's last line — calibrated, or "no
-    calibrated expectation for this model/task: calibrated on …". By default two lines before it: the plan in one
-    (N, B, q, T, ε, δ, σ, C, d, R_run) and where to see more;
+    calibrated expectation for this model/task: calibrated on …". By default three lines before it: the plan in one
+    (N, B, q, T, ε, δ, σ, C, d, R_run), where to see more, the noise mechanism (:mod:`hf_dp.plan.noise_line`);
     ``detail=True``: the noise figures and the table, with rows for other batch sizes already calibrated in this
     process (e.g. by a recipe's :func:`recommend`) for the same (N, ε, δ, accountant). ``sigma_note`` replaces the
     "(σ given)" after the ε of a run whose σ was given (e.g. "per trial (rdp; …)" under a private selection).
@@ -509,8 +510,8 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
                 rows.append(PlanRow(batch_size=int(round(b)), epochs=t / PoissonBatchSampler.steps_for_epoch(q),
                                     steps=int(t), sample_rate=q, sigma=s, n=int(n), params=own.params))
         rows.sort(key=lambda r: (r.epochs, r.batch_size))
-    target = (f"target ε = {epsilon:g}" if epsilon is not None else
-              f"ε = {compute_epsilon(sigma, batch_size / n, steps, delta, accountant, bands):.3g} {sigma_note or '(σ given)'}")
+    spent = epsilon if epsilon is not None else compute_epsilon(sigma, batch_size / n, steps, delta, accountant, bands)
+    target = f"target ε = {epsilon:g}" if epsilon is not None else f"ε = {spent:.3g} {sigma_note or '(σ given)'}"
     if bands > 1:
         target += (f", banded_sqrt noise with b = {bands} (σ of its DP-SGD equivalent: rate b·q, ⌈T/b⌉ rounds; R_run "
                    "and the expectation: independent noise's)")
@@ -533,7 +534,7 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
             f"({fmt_e(round(own.epochs, 3))} epochs), {target}, δ = {delta:g}, {accountant} → σ = {own.sigma:.4g}; "
             f"C = {max_grad_norm:g}, d = {params:,} trainable; R_run = {own.r_run:.3g}",
             f"  noise figures and table: --log_level debug; other batch sizes / epochs: {more}",
-            *verdict,
+            run_noise_line(n, batch_size, steps, spent, delta, accountant, params, bands), *verdict,
         ]), ("\n".join(warnings) or None)
     lines = [
         f"hf_dp plan (public quantities only: N, B, steps, ε, δ, accountant, C, d): N = {n:,}, B = {own.batch_size}, "
@@ -544,6 +545,6 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
         f"the best-case accumulated signal: R_epoch = {own.r_epoch:.3g}, R_run = {own.r_run:.3g} (warning above {WARN_R_RUN:g})",
         format_table(rows, choice=None).replace("\n", "\n  ").join(["  ", ""]),
         f"  other batch sizes / epochs at this budget: {more}",
-        *verdict,
+        run_noise_line(n, batch_size, steps, spent, delta, accountant, params, bands), *verdict,
     ]
     return "\n".join(lines), ("\n".join(warnings) or None)

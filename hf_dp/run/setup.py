@@ -126,7 +126,7 @@ def setup_privacy(dp, args, model, train_dataset, fingerprint_source, objective,
     dp.engine = audit_engine(dp, engine) if audit_engine is not None else engine
     engine.pause(True)  # recording only inside DPTrainer.training_step (ClippingEngine.active)
     # the planner's start-of-run block (hf_dp.plan): public quantities only, no extra calibration
-    # two lines by default; the noise figures and the table when asked (--log_level debug, or hf_dp's logger at DEBUG).
+    # a few lines by default; the noise figures and the table when asked (--log_level debug, or hf_dp's logger at DEBUG).
     # Under a private selection (hf_dp.privacy.selection.plan_context) a trial names its ε per trial, and a trainer that
     # only holds the selection prints nothing: the single run its σ is planned for is never made
     role = plan_role()
