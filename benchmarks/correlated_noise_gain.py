@@ -13,7 +13,7 @@ independent noise (b = 1) at its own σ:
 * ``marginal``: each step's own noise std (σ·s·√V_n, what DP-AdamBC's Φ reads), which *grows* with b.
 
 A ratio below 1 is less noise in the trajectory at the same ε; the accuracy gain it buys is measured by training
-(benchmarks/RESULTS.md §15). The computation is :mod:`hf_dp.plan.noise` (also ``python -m hf_dp.plan ...
+(benchmarks/RESULTS.md §13). The computation is :mod:`hf_dp.plan.noise` (also ``python -m hf_dp.plan ...
 --noise_comparison``, for the plan the planner computes); this script prints it for the recipes' default settings at
 ε = 3:
 

@@ -514,3 +514,14 @@ def test_smoke_one_run_main_job(tmp_path, monkeypatch, tiny):
     record = json.loads(text[text.index('{\n "variant"'):])
     assert record["variant"] == "no_noise" and record["dataset_size"] == 32 + 100 and record["audit"]["canaries"] == 100
     assert json.loads((out / "release" / "privacy.json").read_text())["audit"] == record["audit"]
+
+
+def test_smoke_correlated_noise_gain(tmp_path):
+    """A plan of its own (N 200, B 50, T 8): one row per b with b·q ≤ 1 (b ∈ {1, 2, 3, 4}), b = 1 the reference (every
+    ratio 1), and the rows appended to --out as JSON lines."""
+    out = tmp_path / "gain.jsonl"
+    text = _main(bench("correlated_noise_gain"), ["--n", "200", "--batch", "50", "--steps", "8", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["bands"] for r in rows] == [1, 2, 3, 4] and "N=200, B=50, T=8" in text
+    assert rows[0]["prefix_ratio"] == rows[0]["momentum_ratio"] == rows[0]["marginal_ratio"] == 1.0
+    assert all(r["sigma"] > rows[0]["sigma"] for r in rows[1:])  # the weaker amplification of rate b·q costs σ

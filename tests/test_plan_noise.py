@@ -84,7 +84,7 @@ def test_the_verdict_recommends_banded_only_below_the_threshold():
     assert pn.best_bands(rows)["bands"] == 6
     mechanism, b, line = pn.noise_verdict(rows)
     assert (mechanism, b) == ("independent", 1) and line.startswith("noise: independent — the best banded_sqrt (b = 6)")
-    assert "by 7.4 %" in line and "benchmarks/RESULTS.md §15" in line
+    assert "by 7.4 %" in line and "benchmarks/RESULTS.md §13" in line
     rows = [base, _row(2, 1.4, 0.95), _row(6, 2.2, 0.86)]
     mechanism, b, line = pn.noise_verdict(rows)
     assert (mechanism, b) == ("banded_sqrt", 6) and line.startswith("noise: banded_sqrt --noise_bands 6 — it lowers")

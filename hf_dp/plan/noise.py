@@ -16,7 +16,7 @@ noise, each relative to independent noise (b = 1) at its own σ:
 A ratio below 1 is less noise in the trajectory at the same ε. These are predictions of noise, not of accuracy: what a
 lower momentum ratio buys in accuracy is measured by training. :func:`noise_verdict` recommends banded_sqrt only when
 its best momentum ratio (:func:`best_bands`) is below :data:`BANDED_MOMENTUM_THRESHOLD` (0.90), a working value pending
-the accuracy measurements in benchmarks/RESULTS.md §15. Each b costs one σ calibration (memoised as the planner's
+the accuracy measurements in benchmarks/RESULTS.md §13. Each b costs one σ calibration (memoised as the planner's
 are, :func:`hf_dp.plan.plans.noise_multiplier`; on disk with ``disk_cache``). ``benchmarks/correlated_noise_gain.py``
 prints the same table for the recipes' presets. The start-of-run block's line on the noise mechanism, which calibrates
 nothing, is :mod:`hf_dp.plan.noise_line`.
@@ -35,10 +35,10 @@ BANDS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: β of the heavy-ball momentum workload
 MOMENTUM = 0.9
 #: banded_sqrt is recommended only if its best momentum ratio is below this: a working value (a 10 % reduction of the
-#: noise the trajectory accumulates) pending the accuracy measurements in benchmarks/RESULTS.md §15
+#: noise the trajectory accumulates) pending the accuracy measurements in benchmarks/RESULTS.md §13
 BANDED_MOMENTUM_THRESHOLD = 0.90
 #: where the accuracy the noise reduction buys is measured
-ACCURACY_REFERENCE = "benchmarks/RESULTS.md §15"
+ACCURACY_REFERENCE = "benchmarks/RESULTS.md §13"
 
 
 def workload_rmse(bands: int, steps: int, beta: float = 0.0) -> float:
