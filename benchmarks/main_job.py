@@ -119,8 +119,9 @@ def report(out: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--extra_args", default="", help="appended to the README's command; for a smoke run only, e.g. "
-                    "'--max_train_samples 64 --max_eval_samples 32' (the rows measured add nothing)")
+    ap.add_argument("--extra_args", default="", help="appended to the README's command: a variant of the main job (e.g. RESULTS "
+                    "§13's '--noise_mechanism banded_sqrt --noise_bands 3 --learning_rate 0.02', into its own --out), "
+                    "or a smoke run ('--max_train_samples 64 --max_eval_samples 32')")
     add_work_option(ap, "main_job")
     a = results_cli(ap, DEFAULT_OUT, report, argv)
     if a is None:

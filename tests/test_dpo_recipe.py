@@ -113,6 +113,10 @@ def test_the_training_pairs_are_never_called_held_out(files, capsys):
                 str(files / "mixed.jsonl")) == 0
     captured = capsys.readouterr()
     assert "preference accuracy = " in captured.out and "held-out" not in captured.out
-    assert not re.search(r"\b11\b", captured.out)  # no count of the validation pairs (some are training pairs)
+    # no count of the validation pairs (some are training pairs) on any line the recipe prints about them (not HF's
+    # metrics dict nor the time line, whose timings may hold an 11 on a loaded machine: "about 11 s ... left")
+    about = [ln for ln in captured.out.splitlines()
+             if re.search(r"pair|validation|held|accuracy", ln, re.I) and not ln.startswith(("{", "training:"))]
+    assert about and not any(re.search(r"\b11\b", ln) for ln in about), about
     card = (files / "out" / "release" / "README.md").read_text()
     assert "Not a held-out evaluation" in card and "not part of the private training set" not in card
