@@ -93,3 +93,20 @@ def timed_steps(step, steps: int) -> tuple[list[float], float]:
         stop.set()
         th.join()
     return times, peak[0] - base
+
+
+def child_result(cmd: list[str], env: dict, label: str) -> dict:
+    """Run a benchmark's child process (``cmd`` with ``env``) and return the JSON of its ``RESULT {...}`` line; an
+    ``error:`` exit naming ``label`` with the end of its stderr when it printed none."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"error: {label} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def append_row(path: str | os.PathLike, row: dict) -> None:
+    """Append ``row`` to the JSON-lines file ``path`` and print it."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)

@@ -36,13 +36,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_io import REPO, add_work_option, git_commit, load_jsonl, timed_steps  # noqa: E402
+from bench_io import REPO, add_work_option, append_row, child_result, git_commit, load_jsonl, timed_steps  # noqa: E402
 
 MODES = ["nonprivate", "nonprivate_same_loss", "dp_ghost", "dp_two_pass", "dp_hooks", "opacus_ghost", "opacus_hooks"]
 CONFIGS = ["lora", "all"]
@@ -213,16 +212,10 @@ def main(argv=None) -> None:
                     cmd += ["--model", a.model]
                 # tensors ≥ 64 KiB mmapped and unmapped when freed: RSS then follows the live bytes (benchmarks/step_time.py)
                 env = dict(os.environ, HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="65536")
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if line is None:
-                    raise SystemExit(f"{trainable}/{mode} failed:\n{proc.stderr[-3000:]}")
-                row = json.loads(line[7:])
+                row = child_result(cmd, env, f"{trainable}/{mode}")
                 row.update(rep=rep, batch=a.batch, length=a.length, steps=a.steps, threads=a.threads, run=run_id,
                            model=a.model or f"{a.arch}:{a.config}", commit=git_commit())
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(json.dumps(row), flush=True)
+                append_row(a.out, row)
     report(a.out, run_id)
 
 

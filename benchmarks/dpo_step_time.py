@@ -35,13 +35,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_io import REPO, add_work_option, git_commit, load_jsonl, timed_steps  # noqa: E402
+from bench_io import REPO, add_work_option, append_row, child_result, git_commit, load_jsonl, timed_steps  # noqa: E402
 from clm_step_time import GPT2_CONFIG, _model_and_rows  # noqa: E402
 from dpo_experiment import MAX_LENGTH, PROMPT  # noqa: E402
 
@@ -154,18 +153,11 @@ def main(argv=None) -> None:
                 cmd += ["--pairs", a.pairs] if a.pairs else []
                 # tensors ≥ 64 KiB mmapped and unmapped when freed: RSS then follows the live bytes (clm_step_time.py)
                 env = dict(os.environ, HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(a.threads))
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if line is None:
-                    raise SystemExit(f"error: {trainable}/{mode} failed: {proc.stderr.strip().splitlines()[-1:]}\n"
-                                     f"{proc.stderr[-3000:]}")
-                row = json.loads(line[7:])
+                row = child_result(cmd, env, f"{trainable}/{mode}")
                 row.update(rep=rep, batch=a.batch, steps=a.steps, threads=a.threads, run=run_id, smoke=a.smoke,
                            model=a.model or f"{a.arch}:{a.config}", pairs_file=a.pairs, words=None if a.pairs else a.words,
                            commit=git_commit())
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(json.dumps(row), flush=True)
+                append_row(a.out, row)
     report(a.out, run_id)
 
 

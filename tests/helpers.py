@@ -242,3 +242,22 @@ def spy_draws_and_noise(monkeypatch) -> tuple[list, list]:
 
 def snapshot(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def dpo_tokenizer(folder):
+    """The preference tests' tokenizer (:func:`make_tokenizer` with ``[SEP]`` as its end-of-sequence token)."""
+    t = make_tokenizer(folder)
+    t.eos_token = "[SEP]"
+    return t
+
+
+def dpo_config(tmp_path, cls=None, **over):
+    """A small DP config for the preference tests (``cls``: ``hf_dp.dpo.DPDPOConfig`` by default, or the reward
+    trainer's): ε 3, 4 pairs a device batch, one epoch, a fixed ``dp_seed``, sequences of at most 64 tokens."""
+    if cls is None:
+        from hf_dp.dpo import DPDPOConfig as cls
+    kw = dict(output_dir=str(tmp_path / "out"), epsilon=3.0, per_device_train_batch_size=4, num_train_epochs=1,
+              use_cpu=True, report_to="none", learning_rate=1e-2, logging_steps=1, save_strategy="no", dp_seed=1,
+              max_length=64, disable_tqdm=True, dataloader_num_workers=0)
+    kw.update(over)
+    return cls(**kw)

@@ -43,7 +43,7 @@ from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
 from trl.trainer.dpo_trainer import DataCollatorForPreference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import make_tokenizer, transformers_warnings  # noqa: E402
+from helpers import dpo_config, dpo_tokenizer, make_tokenizer, transformers_warnings  # noqa: E402
 from helpers import preference_pairs as pairs  # noqa: E402
 from helpers import random_words as words  # noqa: E402
 from helpers import tiny_llama as llama  # noqa: E402
@@ -68,17 +68,11 @@ def _one_thread(single_thread):
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    t = make_tokenizer(tmp_path_factory.mktemp("tok"))
-    t.eos_token = "[SEP]"
-    return t
+    return dpo_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def config(tmp_path, cls=DPDPOConfig, **over):
-    kw = dict(output_dir=str(tmp_path / "out"), epsilon=3.0, per_device_train_batch_size=4, num_train_epochs=1,
-              use_cpu=True, report_to="none", learning_rate=1e-2, logging_steps=1, save_strategy="no", dp_seed=1,
-              max_length=64, disable_tqdm=True, dataloader_num_workers=0)
-    kw.update(over)
-    return cls(**kw)
+    return dpo_config(tmp_path, cls, **over)
 
 
 def make(tmp_path, tok, rows, eval_rows=None, model=None, ref_model=None, **over):

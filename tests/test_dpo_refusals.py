@@ -38,7 +38,7 @@ from transformers import LlamaForSequenceClassification  # noqa: E402
 from trl import DPOConfig, RewardConfig  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import make_tokenizer, preference_pairs, tiny_llama  # noqa: E402
+from helpers import dpo_config, dpo_tokenizer, preference_pairs, tiny_llama  # noqa: E402
 
 from hf_dp.dpo import (DPO_FLAGS, LOSS_TYPES, REWARD_FLAGS, DPDPOConfig, DPDPOTrainer, DPRewardConfig,  # noqa: E402
                        DPRewardTrainer)
@@ -57,17 +57,11 @@ def _one_thread(single_thread):
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    t = make_tokenizer(tmp_path_factory.mktemp("tok"))
-    t.eos_token = "[SEP]"
-    return t
+    return dpo_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def config(tmp_path, cls=DPDPOConfig, **over):
-    kw = dict(output_dir=str(tmp_path / "out"), epsilon=3.0, per_device_train_batch_size=4, num_train_epochs=1,
-              use_cpu=True, report_to="none", learning_rate=1e-2, save_strategy="no", dp_seed=1, max_length=64,
-              disable_tqdm=True, dataloader_num_workers=0)
-    kw.update(over)
-    return cls(**kw)
+    return dpo_config(tmp_path, cls, **over)
 
 
 class Ctx:
