@@ -255,7 +255,8 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
     whether the run ended worse (higher perplexity) than no fine-tuning. A run ``eval`` of a DP run's release on another
     split (``--pretrained <its output_dir>/release``) is that DP run scored on that split's text, beside run ``none``
     of the DP run's pretrained model on that split. Smoke runs and failed runs are left out; so is a DP run whose
-    pretrained model has no run ``none`` on the split."""
+    pretrained model has no run ``none`` on the split, and a run with correlated noise (``--noise_mechanism
+    banded_sqrt``, RESULTS §13): the verdict's noise walk is calibrated on independent noise."""
     def group(r):
         return r.get("pretrained") or "legacy", r.get("split") or "dev"
 
@@ -265,7 +266,8 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
     config = next((r["config"] for r in rows if r.get("phase") == "pretrain" and not r.get("smoke")), CONFIG)
     # a run's folder name (ft_<split>_<run>_<tag>_s<seed>) names it; the latest row of a folder counts
     dp = {os.path.basename(os.path.normpath(_flag(r["command"], "--output_dir") or "")): r for r in ok
-          if r.get("noise_multiplier") is not None}
+          if r.get("noise_multiplier") is not None
+          and (_flag(r["command"], "--noise_mechanism") or "independent") == "independent"}
     scored = [(r, group(r)) for r in dp.values()]
     for e in ok:  # a DP run's release scored on another split's text
         model = _flag(e["command"], "--model_name_or_path") or ""
