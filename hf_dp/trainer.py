@@ -8,7 +8,9 @@ Each override does HF's part through ``super()`` and the DP part through a funct
   steps, from public inputs), the ledger, the Poisson sampler and the clipping engine, in one
   :class:`~hf_dp.run.state.PrivacyState` (``self.dp``). The model itself is never wrapped: saving and evaluation are
   HF's own.
-* ``get_train_dataloader``: HF's dataset and collator drawn by the Poisson sampler (:func:`hf_dp.run.data.poisson_loader`).
+* ``get_train_dataloader``: HF's dataset and collator drawn by the Poisson sampler (:func:`hf_dp.run.data.poisson_loader`);
+  ``training_step`` trains only on micro-batches this loader tagged, each once (a subclass's override must build on
+  ``super().get_train_dataloader()``: :func:`hf_dp.run.step.check_drawn_by`).
 * ``create_optimizer``: the registered update rule wrapped in the privatizer (clip, noise once, ÷B, ledger).
 * ``compute_loss`` / ``training_step``: **the loss-scaling contract** — ``compute_loss`` returns Σ_i ℓ_i / (B / world
   size) and a hook on Σ_i ℓ_i measures the factor every later scaling applied before the backward pass; per-example
@@ -51,7 +53,7 @@ from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
 from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, CachedFeatures, CachedFeaturesCollator
 from hf_dp.run.state import PrivacyState
 from hf_dp.models.loss import OBJECTIVES, objective_for
-from hf_dp.run.data import EMPTY_KEY as _EMPTY_KEY, PHASE_KEY as _PHASE_KEY, UNITS_KEY as _UNITS_KEY
+from hf_dp.run.data import DRAWN_KEY as _DRAWN_KEY, EMPTY_KEY as _EMPTY_KEY, PHASE_KEY as _PHASE_KEY, UNITS_KEY as _UNITS_KEY
 from hf_dp.run.data import PoissonDataLoader as _PoissonDataLoader
 from hf_dp.run.data import check_eval_is_not_train as _check_eval_is_not_train, refuse_sharding as _refuse_sharding
 from hf_dp.run.data import group_by_length, poisson_loader, split_to_bounds
@@ -245,6 +247,7 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
             inputs.pop(_EMPTY_KEY, None)
             inputs.pop(_UNITS_KEY, None)
             inputs.pop(_PHASE_KEY, None)
+            inputs.pop(_DRAWN_KEY, None)
             canaries.pop_rows(self.dp.audit, inputs)
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         rows = canaries.pop_rows(self.dp.audit, inputs)  # --audit_kind gradient: each row's canary id (-1: a real row)
@@ -266,6 +269,7 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
         # (still the privatizer, with σ, C and B planned) are what the accountant was told
         contract.check_mechanism(self.dp.contract.planned, contract.mechanism_snapshot(self.args, self.dp.mechanism))
         contract.check_optimizer(self.optimizer, self.dp.optimizer, self.dp.mechanism)
+        step.check_drawn_by(self.dp, inputs)  # drawn by this trainer's Poisson loader, and not trained on before
         loss = None  # a micro-batch above the run's public token bound runs as several (hf_dp.run.data.split_to_bounds),
         parts = split_to_bounds(inputs, self.dp.bounds, fsdp=self.dp.fsdp)  # summed in float64
         with self.dp.engine.active(self.dp.optimizer), self.dp.optimizer.parts() if len(parts) > 1 else contextlib.nullcontext():
@@ -363,19 +367,24 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
 
     def num_examples(self, dataloader) -> int:
         # HF logs this and derives train_samples_per_second from it: the public N — the declared one (+ m canaries), else
-        # units (+ m) under a unit column (rows are private there), else --audit_canaries' real rows + m (not + included)
-        if isinstance(dataloader, _PoissonDataLoader) and self.args.public_dataset_size is not None:
+        # units (+ m) under a unit column (rows are private there), else --audit_canaries' real rows + m (not + included);
+        # the training loader is DPTrainer's, or a subclass's wrapper of it that shows its dataset
+        shown = getattr(dataloader, "dataset", None)
+        train = isinstance(dataloader, _PoissonDataLoader) or (
+            shown is not None and any(shown is d for d in self.dp.contract.loader_dataset or ()))
+        if train and self.args.public_dataset_size is not None:
             return int(self.dp.spec.dataset_size)
-        if isinstance(dataloader, _PoissonDataLoader) and self.args.privacy_unit_column:
+        if train and self.args.privacy_unit_column:
             return self.dp.units.count
-        if isinstance(dataloader, _PoissonDataLoader) and self.dp.audit is not None:
+        if train and self.dp.audit is not None:
             return self.dp.audit.public_rows
         return super().num_examples(dataloader)
 
     def _check_contract(self) -> None:
         """At every ``train()``, before any step: :func:`hf_dp.run.contract.check_at_train`."""
         contract.check_at_train(self.dp, self.args, self.model, self.train_dataset, self.data_collator, self.objective,
-                                loader=self.get_train_dataloader, data_info=self._train_data_info,
+                                # DPTrainer's own loader (its dataset and collator), also under a subclass's override
+                                loader=lambda: DPTrainer.get_train_dataloader(self), data_info=self._train_data_info,
                                 compute_loss=self.compute_loss, prepare_inputs=self._prepare_inputs)
 
     def _train_data_info(self) -> dict:

@@ -261,3 +261,13 @@ def dpo_config(tmp_path, cls=None, **over):
               max_length=64, disable_tqdm=True, dataloader_num_workers=0)
     kw.update(over)
     return cls(**kw)
+
+
+def drawn(trainer, batch) -> dict:
+    """``batch`` (a micro-batch made by hand, or by the training collator outside the loader) as a new draw of
+    ``trainer``'s Poisson loader: DPTrainer's step trains only on micro-batches its loader tagged, each once
+    (hf_dp.run.step.check_drawn_by). Tests of the step's arithmetic feed it batches of their own making."""
+    from hf_dp.run.data import DRAWN_KEY
+
+    trainer.dp.sampler.yielded += 1  # counted as the sampler's draw, so that the loader's later draws come after it
+    return {**dict(batch), DRAWN_KEY: (trainer.dp.contract.loader_token, trainer.dp.sampler.yielded)}

@@ -27,7 +27,7 @@ from hf_dp.models.loss import per_example_loss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from helpers import dp_args, make_tokenizer  # noqa: E402
+from helpers import dp_args, drawn, make_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -127,7 +127,7 @@ def _clipped_sum(tr, rows, units):
     batch = collator(tok_of(tr))([{"input_ids": r} for r in rows])
     batch["_hf_dp_units"] = torch.tensor([ids[u] for u in units])
     tr.model.train()
-    tr.training_step(tr.model, dict(batch))
+    tr.training_step(tr.model, drawn(tr, batch))
     out = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params])
     opt.discard_pending()
     return out
@@ -282,7 +282,7 @@ def test_a_collator_that_cuts_examples_into_blocks_is_served_with_each_example_c
 
     def clipped(b):
         opt.discard_pending()
-        tr.training_step(tr.model, dict(b))
+        tr.training_step(tr.model, drawn(tr, b))
         out = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params])
         opt.discard_pending()
         return out
@@ -382,7 +382,7 @@ def test_a_padding_target_is_not_scored(tmp_path, tok, engine):
 
     def clipped(feats):
         opt.discard_pending()
-        tr.training_step(tr.model, dict(CopyLabels(tok)([{"input_ids": f} for f in feats])))
+        tr.training_step(tr.model, drawn(tr, CopyLabels(tok)([{"input_ids": f} for f in feats])))
         out = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params])
         opt.discard_pending()
         return out
@@ -451,11 +451,11 @@ def test_an_example_whose_rows_happen_to_number_the_examples_is_still_clipped_on
     opt = tr.create_optimizer()
     tr.model.train()
     opt.discard_pending()
-    tr.training_step(tr.model, dict(batch))
+    tr.training_step(tr.model, drawn(tr, batch))
     contribution = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params]).norm()
     assert float(contribution) <= c * (1 + 1e-4)  # 1.396 C before: A's two blocks were clipped as two examples
     opt.discard_pending()
-    tr.training_step(tr.model, dict(loader.collate_fn([loader.dataset[i] for i in (1, 2)])))  # B makes no row: fine
+    tr.training_step(tr.model, drawn(tr, loader.collate_fn([loader.dataset[i] for i in (1, 2)])))  # B makes no row: fine
     opt.discard_pending()
 
 

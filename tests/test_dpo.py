@@ -43,7 +43,7 @@ from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer  # noqa: E402
 from trl.trainer.dpo_trainer import DataCollatorForPreference  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import dpo_config, dpo_tokenizer, make_tokenizer, transformers_warnings  # noqa: E402
+from helpers import dpo_config, dpo_tokenizer, drawn, make_tokenizer, transformers_warnings  # noqa: E402
 from helpers import preference_pairs as pairs  # noqa: E402
 from helpers import random_words as words  # noqa: E402
 from helpers import tiny_llama as llama  # noqa: E402
@@ -176,7 +176,7 @@ def clipped_sum(tr, features) -> torch.Tensor:
     opt = tr.create_optimizer()
     opt.discard_pending()
     tr.model.train()
-    tr.training_step(tr.model, tr.get_train_dataloader().collate_fn(features))
+    tr.training_step(tr.model, drawn(tr, tr.get_train_dataloader().collate_fn(features)))
     out = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params])
     opt.discard_pending()
     return out

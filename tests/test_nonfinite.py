@@ -24,7 +24,7 @@ from hf_dp.clipping.ghost import GhostClipper, clip_factors
 from hf_dp.clipping.hooks import attach_grad_sampler
 from hf_dp.models.loss import per_example_loss
 from hf_dp.optim import make_optimizer
-from tests.helpers import dp_args, make_model, make_pair_dataset, make_tokenizer
+from tests.helpers import dp_args, drawn, make_model, make_pair_dataset, make_tokenizer
 
 
 #: the public token bounds of these small batches (tight: the rounding allowance of the exact comparisons stays tiny)
@@ -311,7 +311,7 @@ def test_trainer_step_with_a_bad_label_adds_what_the_other_rows_add(tmp_path, to
         collator.bad = bad
         for p in opt.params:
             p.summed_grad = None
-        trainer.training_step(trainer.model, collator(rows))
+        trainer.training_step(trainer.model, drawn(trainer, collator(rows)))
         return {n: p.summed_grad.detach().double().clone() for n, p in zip(range(len(opt.params)), opt.params)}
 
     rows = [dict(ds[i]) for i in range(4)]

@@ -27,7 +27,7 @@ from datasets import Dataset
 
 from hf_dp import DPTrainer
 from hf_dp.run.data import UNITS_KEY
-from tests.helpers import dp_args
+from tests.helpers import dp_args, drawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 
@@ -99,7 +99,7 @@ def clipped_sum(tr, inputs) -> torch.Tensor:
     """The clipped sum DPTrainer's step hands the privatizer for one micro-batch (before any noise), float64."""
     opt = tr.create_optimizer()
     opt.discard_pending()
-    tr.training_step(tr.model, dict(inputs))
+    tr.training_step(tr.model, drawn(tr, inputs))
     out = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params])
     opt.discard_pending()
     return out

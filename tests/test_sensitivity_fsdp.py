@@ -78,7 +78,7 @@ def run_case(out: str, rank: int, arch: str, engine: str) -> None:
 
     from hf_dp import DPTrainer
     from hf_dp.privacy.privatizer import PrivateOptimizer
-    from helpers import dp_args
+    from helpers import dp_args, drawn
 
     start = time.perf_counter()
     if not getattr(PrivateOptimizer, "_sensitivity_no_noise", False):  # the step trains the noiseless model
@@ -114,7 +114,7 @@ def run_case(out: str, rank: int, arch: str, engine: str) -> None:
     def clipped_sum(inputs) -> torch.Tensor:
         """S: the sum over both ranks that the privatizer would add noise to, float64 (a collective: both ranks)."""
         opt.discard_pending()
-        tr.training_step(model, dict(inputs))
+        tr.training_step(model, drawn(tr, inputs))
         s = torch.cat([(p.summed_grad.full_tensor() if isinstance(p.summed_grad, DTensor) else p.summed_grad)
                        .reshape(-1).double() for p in opt.params])
         opt.discard_pending()

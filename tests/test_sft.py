@@ -26,7 +26,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import WORDS, make_tokenizer, transformers_warnings  # noqa: E402
+from helpers import WORDS, drawn, make_tokenizer, transformers_warnings  # noqa: E402
 
 from hf_dp.models.loss import IGNORE_INDEX  # noqa: E402
 from hf_dp.sft import SFT_FLAGS, DPSFTConfig, DPSFTTrainer  # noqa: E402
@@ -186,7 +186,7 @@ def _clipped_sum(tr, rows, users):
     batch = tr.data_collator([{k: r[k] for k in ("input_ids", "labels")} for r in rows])
     batch["_hf_dp_units"] = torch.tensor([ids[u] for u in users])
     tr.model.train()
-    tr.training_step(tr.model, dict(batch))
+    tr.training_step(tr.model, drawn(tr, batch))
     out = torch.cat([p.summed_grad.reshape(-1).double() for p in opt.params])
     opt.discard_pending()
     return out

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_dp import DPTrainer
-from tests.helpers import dp_args, make_collator, make_model, make_pair_dataset, make_tokenizer
+from tests.helpers import dp_args, drawn, make_collator, make_model, make_pair_dataset, make_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 
@@ -184,7 +184,7 @@ def test_empty_micro_batch_contributes_nothing(tmp_path, clipping):
     def summed_after(batch):
         for p in opt.params:
             p.summed_grad = None
-        trainer.training_step(trainer.model, dict(batch))
+        trainer.training_step(trainer.model, drawn(trainer, batch))
         return [p.summed_grad for p in opt.params]
 
     full = collator([ds[i] for i in range(4)])

@@ -370,11 +370,22 @@ def _two_rows_trainer():
     one-row-per-example check bypassed (a class, built on first use)."""
     from hf_dp import DPTrainer
 
+    from hf_dp.run.data import DRAWN_KEY
+
     class TwoRowsTrainer(DPTrainer):
         def get_train_dataloader(self):
             loader = super().get_train_dataloader()
             checked = loader.collate_fn  # hf_dp's collator: checks the rows, then calls HF's (.collate_fn)
-            loader.collate_fn = lambda features: checked.collate_fn(list(features) * 2) if features else checked(features)
+
+            def twice(features):
+                if not features:
+                    return checked(features)
+                tag = checked(features).get(DRAWN_KEY)  # the draw's own tag, kept: the step takes the batch as drawn
+                out = checked.collate_fn(list(features) * 2)
+                out[DRAWN_KEY] = tag
+                return out
+
+            loader.collate_fn = twice
             return loader
 
     return TwoRowsTrainer

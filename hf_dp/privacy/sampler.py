@@ -147,6 +147,11 @@ class PoissonBatchSampler(Sampler):
         self._phase = phase if phase is not None else (lambda: self._drawn)
         #: the run's step the last logical batch was drawn for (cyclic Poisson sampling; ``None`` before any)
         self.drawn_for: int | None = None
+        #: micro-batches yielded so far by this sampler (every epoch): the training loader's tag of each micro-batch
+        #: (hf_dp.run.data.DRAWN_KEY), so that a batch not drawn here, or drawn here and trained on twice, is refused
+        self.yielded = 0
+        #: the number of the micro-batch just yielded, until the training collator takes it (:meth:`take_draw`)
+        self.pending: int | None = None
 
     @property
     def lengths(self) -> torch.Tensor | None:
@@ -235,6 +240,8 @@ class PoissonBatchSampler(Sampler):
                 # split into `micro_batches` contiguous chunks of near-equal size (some may be empty)
                 bounds = [math.floor(i * len(drawn) / self.micro_batches) for i in range(self.micro_batches + 1)]
                 for a, b in zip(bounds[:-1], bounds[1:]):
+                    self.yielded += 1
+                    self.pending = self.yielded
                     yield drawn[a:b].tolist()
                 continue
             rows = [self._rows_of(int(j), gen) for j in drawn]  # every drawn unit's, in index order: the stream is shared
@@ -252,7 +259,16 @@ class PoissonBatchSampler(Sampler):
             for i in range(1, len(cuts)):
                 cuts[i] = max(cuts[i], cuts[i - 1])
             for a, b in zip(cuts[:-1], cuts[1:]):
+                self.yielded += 1
+                self.pending = self.yielded
                 yield [r for unit_rows in rows[a:b] for r in unit_rows]
+
+    def take_draw(self) -> int | None:
+        """The number of the micro-batch this sampler just yielded (1, 2, ...), once: the training collator takes it
+        for the batch it collates right after the yield (a loader without workers); ``None`` if no micro-batch was
+        yielded since the last take (the collator run over batches another sampler drew)."""
+        pending, self.pending = self.pending, None
+        return pending
 
     def draw_digest(self, *extra) -> str:
         """SHA-256 of everything besides the key, tag and position that decides which examples this sampler's stream

@@ -28,6 +28,14 @@ UNIT_OF_ROW_KEY = "_hf_dp_unit"
 #: set when the micro-batch is collated, right after the sampler yields it, so it travels with the batch through any
 #: loader that draws ahead; the step checks it against the step it is accumulated into (:func:`hf_dp.run.step.private_loss`)
 PHASE_KEY = "_hf_dp_drawn_for"
+#: the batch key DPTrainer's training loader puts in every micro-batch it collates: ``(token, draw)``, the trainer's
+#: random ``dp.contract.loader_token`` and the Poisson sampler's number of the micro-batch it just yielded (1, 2, ...;
+#: 0 if it yielded none since the last one collated; ``None`` with loader workers, whose copy of the sampler counts
+#: nothing). ``DPTrainer.training_step`` refuses a micro-batch without this trainer's token (a loader that does not
+#: draw with the Poisson sampler: a ``get_train_dataloader`` override that builds its own, or batches made by hand),
+#: with draw 0 (the collator run over another sampler's batches) or whose draw does not increase (the same micro-batch
+#: trained on twice): :func:`hf_dp.run.step.check_drawn_by`
+DRAWN_KEY = "_hf_dp_drawn"
 
 
 @contextlib.contextmanager
@@ -121,8 +129,11 @@ class EmptySafeCollator:
     (:func:`hf_dp.run.contract.check_rows`)."""
 
     def __init__(self, collate_fn, dataset, units: bool = False, unit_column: str | None = None, attribute: bool = False,
-                 drawn_for=None):
+                 drawn_for=None, token: int | None = None, sampler=None):
         self.collate_fn = collate_fn
+        #: the trainer's loader token and (no loader workers) its Poisson sampler: each batch's :data:`DRAWN_KEY`
+        self.token = token
+        self.sampler = sampler
         #: cyclic Poisson sampling: a callable giving the step the sampler drew the batch being collated for
         #: (``PoissonBatchSampler.drawn_for``), put in the batch as :data:`PHASE_KEY`; ``None``: no tag
         self.drawn_for = drawn_for
@@ -153,7 +164,7 @@ class EmptySafeCollator:
             features = [self.dataset[0]]
         features, units = self._split_units(features)
         batch = self.collate_fn(features)
-        own = [k for k in (UNITS_KEY, EMPTY_KEY, PHASE_KEY) if hasattr(batch, "keys") and k in batch]
+        own = [k for k in (UNITS_KEY, EMPTY_KEY, PHASE_KEY, DRAWN_KEY) if hasattr(batch, "keys") and k in batch]
         if own:
             raise ValueError(
                 f"the data collator returned the key '{own[0]}', which DPTrainer sets itself (which rows form one "
@@ -174,6 +185,8 @@ class EmptySafeCollator:
             batch[UNITS_KEY] = units
         if self.drawn_for is not None:  # the sampler's draw of this very batch (collated in the loop that drew it)
             batch[PHASE_KEY] = self.drawn_for()
+        if self.token is not None:  # the sampler's number of the micro-batch it just yielded (0: none was)
+            batch[DRAWN_KEY] = (self.token, None if self.sampler is None else int(self.sampler.take_draw() or 0))
         return batch
 
     def _attribute(self, features, batch, rows: int) -> torch.Tensor:
@@ -422,12 +435,17 @@ def poisson_loader(dp, args, base: DataLoader, train_dataset, audit_parts=None) 
     collate = base.collate_fn
     if audit_parts is not None:  # --audit_kind gradient: the canaries' tags
         dataset, collate = audit_parts(dp, dataset, collate)
+    # the training loader's datasets (HF's, and with unit or canary tags): DPTrainer.num_examples logs public counts only
+    dp.contract.loader_dataset = (base.dataset, dataset)
     return PoissonDataLoader(
         dataset,
         batch_sampler=dp.sampler,
         collate_fn=EmptySafeCollator(collate, dataset, units=units, unit_column=args.privacy_unit_column,
                                      attribute=dp.contract.several_rows,
-                                     drawn_for=(lambda: dp.sampler.drawn_for) if dp.sampler.bands > 1 else None),
+                                     drawn_for=(lambda: dp.sampler.drawn_for) if dp.sampler.bands > 1 else None,
+                                     token=dp.contract.loader_token,
+                                     # loader workers collate with a copy of the sampler, which counts nothing
+                                     sampler=dp.sampler if args.dataloader_num_workers == 0 else None),
         num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
     )

@@ -33,6 +33,7 @@ lives only for one ``train()``.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,11 @@ class ContractState:
     rows_checked: Any = None  # the collator whose rows were checked (hf_dp.run.contract.check_every_row)
     several_rows: bool = False  # that collator gives several rows per example
     partitions: Any = None  # cyclic Poisson sampling: recomputes the partitions' digest from the training set as given
+    #: a random number of this trainer that its training loader's collator puts in every micro-batch it makes
+    #: (hf_dp.run.data.DRAWN_KEY): a micro-batch without it did not come from DPTrainer's Poisson loader
+    loader_token: int = field(default_factory=lambda: secrets.randbits(62))
+    last_draw: int | None = None  # the sampler's number of the last micro-batch trained on (strictly increasing)
+    loader_dataset: tuple | None = None  # the training loader's datasets (HF's; with unit tags): DPTrainer.num_examples
 
 
 @dataclass(repr=False)

@@ -17,12 +17,42 @@ import torch
 from hf_dp.clipping import sharding
 from hf_dp.models.loss import per_example_loss, positions_from_mask
 from hf_dp.run import contract
-from hf_dp.run.data import EMPTY_KEY, PHASE_KEY, UNITS_KEY
+from hf_dp.run.data import DRAWN_KEY, EMPTY_KEY, PHASE_KEY, UNITS_KEY
 
 
 def unit_kw(dp) -> dict:
     """``units=`` for the engine under ``--privacy_unit_column`` (rows -> 0..U-1); nothing when each row is a unit."""
     return {} if dp.step.units is None else {"units": dp.step.units}
+
+
+def check_drawn_by(dp, inputs) -> None:
+    """Every micro-batch trained on under DP must come from this trainer's Poisson loader
+    (:func:`hf_dp.run.data.poisson_loader`), which tags it with :data:`~hf_dp.run.data.DRAWN_KEY` (popped here): the
+    accountant assumes each unit joined the step by its own Poisson draw at rate q, which a loader of one's own (a
+    ``get_train_dataloader`` override that does not call ``super()``, shuffled fixed-size batches, batches made by
+    hand) does not do, and that no draw is trained on twice. Refused in one sentence each."""
+    tag = inputs.pop(DRAWN_KEY, None) if hasattr(inputs, "pop") else None
+    token, draws = tag if isinstance(tag, tuple) and len(tag) == 2 else (None, None)
+    if token != dp.contract.loader_token:
+        raise RuntimeError(
+            "a training micro-batch did not come from DPTrainer's training loader (Poisson sampling): the accountant "
+            "assumes each example (or unit) joins each step by its own draw at rate q, which a loader of one's own "
+            "does not do; a get_train_dataloader override must build on super().get_train_dataloader() (wrap its "
+            "batches, keep its sampler and collator), or train with --disable_dp")
+    if draws is None:  # loader workers: their copy of the sampler counts nothing
+        return
+    if draws <= 0:
+        raise RuntimeError(
+            "a training micro-batch was collated by DPTrainer's training collator but not drawn by its Poisson sampler "
+            "(a sampler or batch sampler of one's own): the accountant assumes each example (or unit) joins each step "
+            "by its own draw at rate q; a get_train_dataloader override must build on super().get_train_dataloader() "
+            "(wrap its batches, keep its sampler and collator)")
+    if dp.contract.last_draw is not None and draws <= dp.contract.last_draw:
+        raise RuntimeError(
+            "a training micro-batch was trained on before (the same draw of DPTrainer's Poisson sampler twice): each "
+            "draw may reach the model once; a get_train_dataloader override must pass super().get_train_dataloader()'s "
+            "batches through once each")
+    dp.contract.last_draw = draws
 
 
 def check_drawn_for(dp, drawn_for) -> None:
@@ -45,6 +75,7 @@ def private_loss(dp, model, inputs: dict, objective, config, world_size: int, au
     ``audit_losses(losses, empty)``: ``--audit_canaries``' canary rows' losses (the trainer's hook), else none."""
     empty = bool(inputs.pop(EMPTY_KEY, False))
     units = inputs.pop(UNITS_KEY, None)
+    inputs.pop(DRAWN_KEY, None)  # checked by DPTrainer.training_step before the micro-batch was split (check_drawn_by)
     check_drawn_for(dp, inputs.pop(PHASE_KEY, None))
     if "labels" not in inputs:
         raise ValueError(
