@@ -396,3 +396,62 @@ def format_table(results: list[OneRunResult]) -> str:
             f"{'-' if r.gdp is None else 'VIOLATION' if r.eps_gdp > r.eps_claimed else 'ok':<9}"
         )
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line (python -m hf_dp.audit --one_run)
+# ------------------------------------------------------------------------------------------------
+def one_run_config(a) -> list:
+    """The :class:`hf_dp.audit.one_run.OneRunConfig` of each (optimizer, variant) of a parsed ``--one_run`` command."""
+    from hf_dp.audit.stats import parse_hyper
+
+    black = a.canary_kind == "black-box"
+    optim = a.optim or ("dp_adamw" if black else "dp_sgd")  # gradient canaries: any rule without a per-sample map
+    out = []
+    for name in optim.split(","):
+        for v in a.variant.split(","):
+            out.append(OneRunConfig(
+                kind=a.canary_kind, canaries=a.canaries, variant=v, optim=name, noise_multiplier=a.noise_multiplier,
+                max_grad_norm=(0.01 if black else 1.0) if a.max_grad_norm is None else a.max_grad_norm,
+                sample_rate=a.sample_rate, steps=a.steps, delta=a.delta, alpha=a.alpha, accountant=a.accountant,
+                hyper=parse_hyper(a.hyper), real_rows=1000 if a.background is None else a.background, seed=a.seed,
+            ))
+    return out
+
+
+def main_one_run(a) -> int:
+    """``python -m hf_dp.audit --one_run`` (:func:`hf_dp.audit.many_runs.main` hands it the parsed arguments): every
+    configuration checked first (one ``error:`` line, exit status 2), then one run each, a table line per run."""
+    import sys
+
+    from hf_dp.audit.stats import POWER_MARGIN
+
+    results = []
+    configs = one_run_config(a)
+    try:
+        for cfg in configs:  # every configuration checked before the first run
+            cfg.check()
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    for i, cfg in enumerate(configs, 1):  # each run takes seconds to minutes: say which one is running
+        print(f"one-run audit {i}/{len(configs)}: {cfg.optim} {cfg.variant}, {cfg.canaries} {cfg.kind} canaries"
+              + (f", {cfg.steps} steps ..." if cfg.kind != "white-box" else " ..."), file=sys.stderr, flush=True)
+        cfg.progress = cfg.kind != "white-box"
+        r = one_run_audit(cfg)
+        results.append(r)
+        if r.low_power:
+            print(f"warning: the claimed epsilon {r.eps_claimed:.3f} is above or within {POWER_MARGIN:g} of the ceiling "
+                  f"{r.ceiling:.3f} that {cfg.canaries} canaries can certify at delta={cfg.delta:g}; this audit (almost) "
+                  "cannot report a violation. Lower the claim (raise --noise_multiplier) or use more --canaries.",
+                  file=sys.stderr, flush=True)
+        table = format_table(results)
+        print(table.splitlines()[-1] if len(results) > 1 else table, flush=True)
+    conf = 100 * (1 - a.alpha)
+    print(
+        f"\neps_lower: {conf:g}% one-run lower bound on epsilon at delta={a.delta:g} (Steinke, Nasr, Jagielski 2023) from "
+        f"{a.canaries} {a.canary_kind} canaries, each included with probability 1/2, guessed from the final model "
+        f"(five guess sets, Bonferroni); eps_claim: {a.accountant.upper()} accountant for the run's sigma, q and steps; "
+        "ceiling: the bound if every guess is right. A lower bound that can expose a bug, never a proof of privacy."
+    )
+    return 1 if any(r.violation and r.config.variant == "real" for r in results) else 0
