@@ -132,8 +132,91 @@ def test_cli_banded_rows_and_refusals(capsys):
         (["--noise_bands", "2", "--sample_rate", "0.5", "--steps", "2", "--variant", "banded_overstated"], "--steps >"),
         (["--noise_bands", "0"], "whole number >= 1"),
         (["--path", "trainer", "--noise_bands", "2", "--sample_rate", "0.5"], "mechanism path only"),
-        (["--one_run", "--noise_bands", "2", "--sample_rate", "0.5"], "one-run audit of banded noise"),
+        (["--one_run", "--canary_kind", "white-box", "--noise_bands", "2", "--sample_rate", "0.5"], "white-box runs"),
+        (["--one_run", "--noise_bands", "3", "--sample_rate", "0.5", "--canaries", "200"], "b*q = 1.5 > 1"),
     ]:
         assert main(argv) == 2, argv
         out, err = capsys.readouterr()
         assert out == "" and err.startswith("error: ") and err.count("\n") == 1 and says in err, (argv, err)
+
+
+# ------------------------------------------------------------------------------------------------
+# the one-run audit on banded noise (--audit_canaries with --noise_bands > 1)
+# ------------------------------------------------------------------------------------------------
+def test_canary_partitions_are_a_function_of_the_canary_not_of_its_bit():
+    """Each canary unit's partition is a hash of its own public content, so two draws of the same canaries with other
+    inclusion bits give the same partitions (and digest); real rows keep theirs; N = real + m."""
+    from datasets import Dataset
+
+    from hf_dp.audit.canaries import TrainerCanaries, extend_units
+    from hf_dp.audit.canary_kinds import SequenceCanaries
+    from hf_dp.privacy.cyclic import partitions_digest, row_partitions, unit_partitions
+    from hf_dp.run.setup import cyclic_partitions
+    from hf_dp.run.state import Units
+
+    real = Dataset.from_dict({"input_ids": [[5 + i, 6, 7] for i in range(40)], "label": [i % 2 for i in range(40)]})
+    out = []
+    for bits_seed in (1, 2):
+        canaries = SequenceCanaries.draw(30, 2, vocab_size=100, length=3, seed=7, bits_seed=bits_seed)
+        state = TrainerCanaries(canaries, len(real), real)
+
+        class _Dp:  # the run's privacy state, as far as extend_units reads it
+            audit, units = state, Units()
+
+        extend_units(_Dp, len(real) + state.included_rows)
+        parts = cyclic_partitions(3, real, None, _Dp.units, state)
+        assert len(parts) == len(real) + 30 == _Dp.units.count
+        assert parts[:40].tolist() == row_partitions(real, 3).tolist()
+        assert parts[40:].tolist() == unit_partitions(state.identities(), 3).tolist()
+        out.append((canaries.included.copy(), parts, partitions_digest(parts, 3)))
+    assert not np.array_equal(out[0][0], out[1][0])  # other bits ...
+    assert out[0][1].tolist() == out[1][1].tolist() and out[0][2] == out[1][2]  # ... the same partitions
+    assert len(set(out[0][1][40:].tolist())) == 3  # the canaries spread over the partitions
+
+
+def test_one_run_audit_runs_on_banded_noise(capsys):
+    """DPTrainer --audit_canaries with --noise_bands 2 (gradient canaries, b·q = 1): the claim is the banded
+    accountant's, the real run is ok and the noiseless one a VIOLATION."""
+    from hf_dp.privacy.accounting import compute_epsilon
+
+    code = main(["--one_run", "--canary_kind", "gradient", "--variant", "real,no_noise", "--noise_bands", "2",
+                 "--canaries", "200", "--background", "200", "--steps", "20", "--sample_rate", "0.5",
+                 "--noise_multiplier", "8"])
+    out = capsys.readouterr().out
+    rows = {r[2]: r for r in (ln.split() for ln in out.splitlines()) if len(r) > 12 and r[1] == "gradient"}
+    assert code == 0 and set(rows) == {"real", "no_noise"}, out
+    claim = compute_epsilon(8.0, 1.0, 10, DELTA)  # N = 400, B = 200: rate 2·0.5, 10 rounds
+    for r in rows.values():
+        assert r[5] == "20/b2" and float(r[10]) == pytest.approx(claim, abs=1e-3), r
+    assert rows["real"][12] == "ok" and rows["no_noise"][12] == "VIOLATION", out
+
+
+def test_banded_likelihood_ratio_is_the_whitened_test():
+    """The gradient canaries' score under b-banded noise, computed online (hf_dp.audit.canary_kinds), equals the dense
+    computation: r = M·x/s, a_u = ⟨r, M~e_u⟩ at the canary's partition steps, Σ log(1 − p + p·e^((a_u − n_u/2)/σ²)) —
+    after every step (the end of the run cutting the last columns); b = 1 is the per-step likelihood ratio summed."""
+    from hf_dp.audit.canary_kinds import BandedLikelihoodRatio, step_log_likelihood_ratio
+
+    rng = np.random.default_rng(3)
+    m, T, q, sigma = 40, 11, 0.2, 1.5
+    for b in (1, 2, 3):
+        c = _bsr(b)
+        parts = rng.integers(0, b, size=m)
+        x = rng.normal(0.3, 2.0, size=(T, m))
+        online = BandedLikelihoodRatio(parts, c, q, sigma)
+        for t in range(T):
+            online.update(x[t])
+            n_steps = t + 1
+            M = sum(np.diag(np.full(n_steps - k, ck), -k) for k, ck in enumerate(c[:n_steps]))
+            s = float(np.sqrt((c**2).sum()))
+            R = M @ x[:n_steps] / s
+            p = min(1.0, b * q)
+            dense = np.zeros(m)
+            for u in range(n_steps):
+                col = M[:, u] / s
+                a, n = col @ R, float(col @ col)
+                lr = np.log(1 - p + p * np.exp((a - n / 2) / sigma**2)) if p < 1 else (a - n / 2) / sigma**2
+                dense += np.where(parts == u % b, lr, 0.0)
+            np.testing.assert_allclose(online.scores(), dense, rtol=1e-10, atol=1e-10)
+        if b == 1:
+            np.testing.assert_allclose(online.scores(), step_log_likelihood_ratio(x, q, sigma).sum(0), rtol=1e-12)

@@ -45,6 +45,15 @@ step's privatized gradient, which this audit does not record. And for the broken
 *more* powerful than the claimed mechanism's likelihood ratio when T/b is large (the over-stated cancellation shows in
 the sum: at b = 2, T = 64 its SNR is 13.4/σ against 12.0/σ for the banded whitening, √32/σ = 5.66/σ claimed).
 
+The one-run audit (``--audit_canaries`` with ``--noise_bands``; ``python -m hf_dp.audit --one_run --noise_bands B``).
+Its assumptions hold for banded noise: each canary is included independently with probability ½ before training, and
+then trained as any unit — each canary unit, included or not, gets its cyclic Poisson partition from a hash of its own
+public content (:meth:`hf_dp.audit.canaries.TrainerCanaries.identities`, :func:`hf_dp.run.setup.cyclic_partitions`),
+never from its bit, and is drawn at its partition's steps at rate b·q; the bound needs the mechanism to be (ε, δ)-DP
+for adding or removing any one unit, which the accounting gives for any fixed public assignment. Gradient canaries are
+scored by the likelihood ratio of the whitened privatized gradients at their partition's steps
+(:class:`hf_dp.audit.canary_kinds.BandedLikelihoodRatio`), the claimed mechanism's Neyman–Pearson test.
+
 The broken variant (``variant="banded_overstated"``): the cancellation over-stated. The privatizer gets the full square
 root factorization — ``BandedNoise(T)``: the coefficients c_0 … c_{T−1} over the run, its own column norm s_T — while
 the sampler keeps the b partitions and the accountant is told b bands. A realistic wiring bug (the noise's band count

@@ -431,10 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "rows (default 1000), white-box: zero-gradient rows besides the canaries' (default 1000)")
     p.add_argument("--micro_batches", type=int, default=1, help="micro-batches per logical step (mechanism path)")
     p.add_argument("--noise_bands", type=int, default=1,
-                   help="mechanism path: b > 1 audits the banded square root noise (--noise_mechanism banded_sqrt "
+                   help="b > 1 audits the banded square root noise (--noise_mechanism banded_sqrt "
                         "--noise_bands b) with cyclic Poisson sampling, every canary in partition 0, against the "
                         "accountant's epsilon for it (hf_dp.audit.banded); b*q must be <= 1. The variant "
-                        "banded_overstated overstates the noise's cancellation (full square root, accounted as b bands)")
+                        "banded_overstated overstates the noise's cancellation (full square root, accounted as b bands); "
+                        "--one_run: DPTrainer's --audit_canaries with --noise_bands b (black-box and gradient canaries)")
     p.add_argument("--batch_trials", type=int, default=None,
                    help="trials per run (1 = no batching; default 256, trainer 8192)")
     p.add_argument("--hyper", action="append", default=[], help="update-rule hyper-parameter key=value")
@@ -454,11 +455,6 @@ def main(argv=None) -> int:
 
     a = build_parser().parse_args(argv)
     if a.one_run:
-        if a.noise_bands != 1:
-            print(f"error: --one_run with --noise_bands {a.noise_bands}: the one-run audit of banded noise is not "
-                  "supported (DPTrainer refuses --audit_canaries with --noise_bands > 1); drop one of the two flags",
-                  file=sys.stderr)
-            return 2
         from hf_dp.audit.one_run import main_one_run
 
         return main_one_run(a)
