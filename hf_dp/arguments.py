@@ -227,7 +227,7 @@ class DPTrainingArguments(TrainingArguments):
     noise_bands: int = field(
         default=1,
         metadata={"help": "b, the bands of --noise_mechanism banded_sqrt (a whole number >= 1; b*q must be <= 1; 1 is "
-                          "DP-SGD exactly). Needs --dataloader_num_workers 0; not with --audit_canaries."},
+                          "DP-SGD exactly). Needs --dataloader_num_workers 0."},
     )
     prior_privacy: str = field(
         default="auto",
@@ -339,7 +339,3 @@ class DPTrainingArguments(TrainingArguments):
                 raise ValueError(f"--noise_bands {bands} with --dataloader_num_workers {self.dataloader_num_workers}: "
                                  "worker processes draw batches ahead of the steps, and cyclic Poisson sampling must "
                                  "draw each step's batch from that step's partition; use --dataloader_num_workers 0")
-            if m is not None:
-                raise ValueError(f"--audit_canaries with --noise_bands {bands}: the one-run audit is not supported with "
-                                 "correlated noise yet (its bound assumes independent noise and Poisson sampling); drop "
-                                 "one of the two flags")

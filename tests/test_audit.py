@@ -244,7 +244,7 @@ def _claim_of(argv):
 
     a = build_parser().parse_args(argv)
     steps = a.steps * (a.train_calls if a.path == "trainer" else 1)
-    return compute_epsilon(a.noise_multiplier, a.sample_rate, steps, a.delta, a.accountant), a
+    return compute_epsilon(a.noise_multiplier, a.sample_rate, steps, a.delta, a.accountant, bands=a.noise_bands), a
 
 
 OLD_README = "--optim dp_adamw --noise_multiplier 1.0 --sample_rate 0.5 --steps 5 --trials 4000".split()

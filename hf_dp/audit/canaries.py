@@ -25,7 +25,9 @@ z_y − log Σ_{j≠y} e^{z_j} (included canaries were trained on and tend to sc
 go to ``trainer.dp.audit_record`` (``privacy.json``'s ``audit``, the card's line next to ε); the bits are then dropped.
 
 Accounting. Every canary is a privacy unit whether or not the draw included it: an excluded canary is a unit with no
-row, drawn by the Poisson sampler like any unit and contributing nothing. So **N = real units + m** and
+row, drawn by the Poisson sampler like any unit and contributing nothing (under ``--noise_bands`` b > 1 each canary unit
+has a cyclic Poisson partition, a hash of its public content, included or not: :meth:`TrainerCanaries.identities`; it
+is drawn at its partition's steps at rate b·q, as any unit). So **N = real units + m** and
 **q = B/(N_real + m)** do not depend on the draw (the released N, q and ε reveal nothing about which or how many
 canaries were included), and (ε, δ) is the guarantee of the mechanism for add/remove of any one unit — a canary, the
 auditor's null hypothesis, or a real unit, each sampled at that q: canaries are extra units and the real examples'
@@ -57,6 +59,11 @@ steps of its log-likelihood ratio log(1 − q + q·exp((x_kt − ½)/σ²)) (q, 
 :func:`~hf_dp.audit.canary_kinds.step_log_likelihood_ratio`): the Neyman–Pearson test of each canary, where the
 projection of the summed gradients ⟨Σ_t g̃_t, u_k⟩ dilutes the ≈ q·T steps that drew a canary in the noise of all T.
 Linear in the canary's clipped contributions for every update rule (the model's total change is not, under Adam).
+Under ``--noise_bands`` b > 1 the steps' noises are correlated (σ·C·s·w_t, w = M⁻¹z) and a canary joins only the steps
+of its partition, at rate b·q: the score is then the same Neyman–Pearson statistic for that mechanism, on the whitened
+projections (:class:`~hf_dp.audit.canary_kinds.BandedLikelihoodRatio`: r = M·x/s has independent noise, and the
+canary's partition steps have disjoint columns), from the privatizer's coefficients and the sampler's partitions —
+public, never a bit.
 Only m running sums are kept (the scores and, for checks, the summed projections), in memory; they and the
 directions are dropped with the bits.
 
@@ -72,8 +79,8 @@ import warnings
 
 import numpy as np
 
-from hf_dp.audit.canary_kinds import (GradientDirections, SequenceCanaries, _special_tokens, label_margins,
-                                      step_log_likelihood_ratio)
+from hf_dp.audit.canary_kinds import (BandedLikelihoodRatio, GradientDirections, SequenceCanaries, _special_tokens,
+                                      label_margins, step_log_likelihood_ratio)
 from hf_dp.audit.fdp import gdp_audit_scores, gdp_record
 from hf_dp.audit.lm_canaries import TokenCanaries, lm_canary_scores, per_sequence_loss
 from hf_dp.audit.one_run_bound import OneRunBound, audit_scores, ceiling, describe, record, utility_cost
@@ -136,6 +143,7 @@ class TrainerCanaries:
         self.pending: list[int] = []
         self.score_sum: np.ndarray | None = None
         self.projection_sum: np.ndarray | None = None
+        self.banded: BandedLikelihoodRatio | None = None  # --noise_bands b > 1: the whitened score's running state
         self._projector = None  # (indices, signs / √support) of all m directions on the parameters' device
         self.raw_norm: float | None = None
         self.gdp = None  # the Gaussian-DP estimate (hf_dp.audit.fdp.GdpEstimate) once audited
@@ -148,6 +156,14 @@ class TrainerCanaries:
     def public_rows(self) -> int:
         """What HF may report as the number of training examples: real rows + m (not + the included ones)."""
         return self.real_rows + self.m
+
+    def identities(self) -> list:
+        """Each canary unit's identity for cyclic Poisson sampling's partitions (``--noise_bands`` > 1,
+        :func:`hf_dp.run.setup.cyclic_partitions` hashes it): its index and its public content (tokens, label), drawn
+        from the public stream before the inclusion bits — never the bit, so an excluded canary has the partition it
+        would have had included, and the partitions (and their digest in a checkpoint) reveal nothing of the draw."""
+        c = self.canaries
+        return [{"audit_canary": i, "input_ids": list(c.input_ids[i]), "label": int(c.labels[i])} for i in range(self.m)]
 
 
 def _shared_key(key: int, args) -> int:
@@ -313,15 +329,23 @@ def _prepare(state: TrainerCanaries, optimizer) -> None:
     state._projector = (torch.as_tensor(idx, device=device),
                         torch.as_tensor(signs, dtype=torch.float64, device=device) / float(np.sqrt(idx.shape[1])))
     state.score_sum, state.projection_sum = np.zeros(state.m), np.zeros(state.m)
+    spec = getattr(getattr(optimizer, "ledger", None), "spec", None)
+    q = spec.sample_rate if spec is not None else getattr(getattr(optimizer, "sampler", None), "sample_rate", 0.0)
+    sigma = spec.noise_multiplier if spec is not None else optimizer.noise_multiplier
+    correlation, partitions = getattr(optimizer, "correlation", None), getattr(optimizer.sampler, "partitions", None)
+    if correlation is not None and correlation.bands > 1:  # banded noise: the whitened likelihood ratio
+        if partitions is None or state.real_units is None:
+            raise ValueError("--audit_kind gradient with --noise_bands needs the canaries' cyclic Poisson partitions")
+        state.banded = BandedLikelihoodRatio(partitions[state.real_units:].numpy(), correlation.coefficients, q, sigma)
     previous = optimizer.step_hook
 
     def score_privatized(opt):
         if state.score_sum is not None:
             x = step_projections(state, opt)
-            spec = getattr(getattr(opt, "ledger", None), "spec", None)
-            q = spec.sample_rate if spec is not None else getattr(getattr(opt, "sampler", None), "sample_rate", 0.0)
-            sigma = spec.noise_multiplier if spec is not None else opt.noise_multiplier
-            state.score_sum += step_log_likelihood_ratio(x, q, sigma)
+            if state.banded is not None:
+                state.banded.update(x)
+            else:
+                state.score_sum += step_log_likelihood_ratio(x, q, sigma)
             state.projection_sum += x
         if previous:
             previous(opt)
@@ -387,7 +411,7 @@ def gradient_scores(state: TrainerCanaries) -> np.ndarray:
     """Σ_t log-likelihood ratio of x_kt for every canary (0 for all if no step was taken)."""
     if state.score_sum is None:
         return np.zeros(state.m)
-    return state.score_sum.copy()
+    return state.banded.scores() if state.banded is not None else state.score_sum.copy()
 
 
 def before_train(state, resume_from_checkpoint) -> None:
@@ -436,6 +460,7 @@ def _drop(state: TrainerCanaries) -> None:
     if state.row_canary is not None:
         state.row_canary.fill(-1)  # a loader built before may still hold this array: its tags say nothing now
     state.row_canary = state.directions = state.key = state._projector = state.score_sum = state.projection_sum = None
+    state.banded = None
     state.pending = []
 
 

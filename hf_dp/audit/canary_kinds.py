@@ -6,7 +6,8 @@
 * :class:`GradientDirections` — ``--audit_kind gradient`` (white-box): one random unit direction u_k over the
   trainable parameters per canary, from a full-entropy keyed stream; the canary's per-example gradient is s·u_k
   (s ≥ C, chosen by the auditor), clipped and noised with the batch; the score is a likelihood ratio of the
-  projections ⟨g̃_t, u_k⟩ of every step's privatized (noisy) gradient g̃_t (:func:`step_log_likelihood_ratio`).
+  projections ⟨g̃_t, u_k⟩ of every step's privatized (noisy) gradient g̃_t (:func:`step_log_likelihood_ratio`; under
+  banded noise, of their whitened sequence: :class:`BandedLikelihoodRatio`).
 
 Both hold their secret (the inclusion bits) in memory only: pickling is refused and :meth:`forget` drops them. This
 module imports nothing of hf_dp.
@@ -296,3 +297,66 @@ def step_log_likelihood_ratio(x, sample_rate: float, noise_multiplier: float) ->
     if not (0.0 < q <= 1.0) or s <= 0.0:
         return x.copy()
     return np.logaddexp(math.log1p(-q) if q < 1.0 else -np.inf, math.log(q) + (x - 0.5) / (s * s))
+
+
+class BandedLikelihoodRatio:
+    """The gradient canaries' score under b-banded noise (``--noise_bands`` b > 1: the privatizer's noise is σ·C·s·w_t,
+    w = M⁻¹z, :mod:`hf_dp.privacy.banded`), fed each step's projections x_t = B·⟨g̃_t, u_k⟩/C of every canary in turn.
+
+    x = p + σ·s·M⁻¹ζ (p_t ∈ {0, 1}: canary k drawn at step t, ζ i.i.d. N(0, 1)), so the whitened sequence
+    r = M·x/s = M~·p + σ·ζ (M~ = M/s) has independent noise. Canary k can only join the steps u of its partition
+    (u ≡ ``partitions[k]`` mod b), each with probability p = min(1, b·q); their columns of M~ (support u … u + b − 1) are
+    disjoint, so the projections a_u = ⟨r, M~e_u⟩ are independent, a_u ~ N(n_u·p_u, σ²·n_u), n_u = ‖M~e_u‖² (1 for a
+    complete column, less for one cut by the end of the run). The log-likelihood ratio of "included" against "not" is
+    Σ_u log(1 − p + p·exp((a_u − n_u/2)/σ²)) over the canary's steps: the exact Neyman–Pearson statistic of the whole
+    sequence, the DP-SGD-equivalent test (with b = 1 it is :func:`step_log_likelihood_ratio` summed). Every input is
+    public (the privatized gradients, the canaries' partitions, q, σ, the coefficients), never an inclusion bit, so the
+    score keeps the one-run bound valid. One segment: the steps fed are the privatizer's steps 0, 1, … of one segment.
+    Holds the last b projections and whitened values per canary (memory only)."""
+
+    def __init__(self, partitions, coefficients, sample_rate: float, noise_multiplier: float):
+        self.partitions = np.asarray(partitions, dtype=np.int64).reshape(-1)
+        self.c = np.asarray(coefficients, dtype=np.float64)
+        self.b = len(self.c)
+        self.s = float(np.sqrt((self.c**2).sum()))
+        self.rate = min(1.0, self.b * float(sample_rate))
+        self.sigma = float(noise_multiplier)
+        self.steps = 0
+        self._x: list[np.ndarray] = []  # x_{t-1}, x_{t-2}, …: the last b − 1, most recent first
+        self._r: list[np.ndarray] = []  # r of the last (at most) b steps, oldest first
+        self._score = np.zeros(len(self.partitions))
+
+    def _term(self, a: np.ndarray, n: float) -> np.ndarray:
+        if self.sigma <= 0.0:  # a run without nominal noise: the projection itself
+            return a
+        return step_log_likelihood_ratio(a - (n - 1.0) / 2.0, self.rate, self.sigma)  # log(1 − p + p·e^((a − n/2)/σ²))
+
+    def _column(self, u: int, length: int) -> tuple[np.ndarray, float]:
+        """(a_u, n_u) from the whitened values of steps u … u + length − 1 (held in ``_r``)."""
+        first = self.steps - len(self._r)
+        w = self.c[:length] / self.s
+        a = sum(wj * self._r[u + j - first] for j, wj in enumerate(w))
+        return a, float((w**2).sum())
+
+    def update(self, x) -> None:
+        """Step ``steps``'s projections (one per canary)."""
+        x = np.asarray(x, dtype=np.float64)
+        r = (self.c[0] * x + sum(c * xp for c, xp in zip(self.c[1:], self._x))) / self.s
+        self._x = [x, *self._x[: self.b - 2]]
+        self._r = [*self._r[-(self.b - 1):], r] if self.b > 1 else [r]
+        self.steps += 1
+        u = self.steps - self.b  # the step whose column is now complete
+        if u >= 0:
+            a, n = self._column(u, self.b)
+            mine = self.partitions == u % self.b
+            self._score[mine] += self._term(a[mine], n)
+
+    def scores(self) -> np.ndarray:
+        """The score of every canary over the steps fed so far: the complete columns', plus the columns the end of the
+        run cut (steps T − b + 1 … T − 1, n_u < 1); the state is unchanged."""
+        out = self._score.copy()
+        for u in range(max(0, self.steps - self.b + 1), self.steps):
+            a, n = self._column(u, self.steps - u)
+            mine = self.partitions == u % self.b
+            out[mine] += self._term(a[mine], n)
+        return out

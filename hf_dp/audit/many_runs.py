@@ -84,6 +84,16 @@ Broken variants (``variant=``), to check the audit has power: ``no_noise`` (σ =
 privatizer), ``low_noise`` (σ/10 in the privatizer) and ``no_clip`` (the privatizer's clipping
 skipped; noise still σC) — all *claiming* the ε of the nominal σ and C.
 
+Correlated noise (``noise_bands`` = b > 1, ``--noise_bands B``; :mod:`hf_dp.audit.banded`): the privatizer's real
+banded square root noise (``noise_mechanism="banded_sqrt"``) with the real cyclic Poisson sampler, every canary in
+partition 0 (the worst position the accounting allows), against the accountant's ε for b bands (DP-SGD at rate
+min(1, b·q) over ⌈T/b⌉ rounds); b·q must be ≤ 1. The batched trials stay exact (the banded noise is i.i.d. across
+coordinates) and the statistic stays the final iterate (valid by post-processing; at b·q = 1 and T ≥ 8b its
+signal-to-noise ratio is ≥ 0.92 (b = 2), ≥ 0.85 (b = 4) of the likelihood-ratio test's — why, and what it misses: that
+module). Its broken variant
+``banded_overstated`` over-states the cancellation: the full square root over the run, accounted as b bands. b = 1 is
+the audit above, bit for bit.
+
 The same audit through :class:`~hf_dp.trainer.DPTrainer` itself — HF's dataloader and collator, ghost
 clipping, OS-entropy seeds, checkpoint + resume, several ``train()`` calls, and the broken variants
 ``no_noise``, ``replay_train`` and ``replay_resume`` (batches re-drawn) — is ``--path trainer``
@@ -120,6 +130,10 @@ Usage
         --trials 100000 --delta 1e-5
     python -m hf_dp.audit --optim dp_sgd_l2,dp_macadam --variant real,no_clip --noise_multiplier 2.0 \
         --trials 1000 --delta 1e-5
+    # correlated noise: the 2-banded square root with cyclic Poisson sampling (claim 3.05, ceiling 9.07), and the
+    # cancellation over-stated (VIOLATION); ~15 s per variant at one thread (hf_dp.audit.banded)
+    python -m hf_dp.audit --variant real,banded_overstated --noise_bands 2 --sample_rate 0.5 --steps 128 \
+        --noise_multiplier 11 --trials 20000
     # through DPTrainer itself (hf_dp.audit.trainer_path): second train() call, checkpoint + resume
     python -m hf_dp.audit --path trainer --variant real,no_noise,replay_train --train_calls 2 \
         --noise_multiplier 0.5 --sample_rate 0.25 --steps 1 --delta 0.05 --trials 100000
@@ -163,10 +177,11 @@ from hf_dp.audit.stats import (  # noqa: F401  (the statistics are part of this 
     epsilon_lower_bound,
     format_table,
     low_power,
+    parse_hyper,
     power_warning,
 )
 
-VARIANTS = ("real", "no_noise", "low_noise", "no_clip")
+VARIANTS = ("real", "no_noise", "low_noise", "no_clip", "banded_overstated")
 #: update rules that act coordinate-wise with public scalars: K trials can share one run
 BATCHABLE = ("dp_sgd", "dp_adam", "dp_adamw", "dp_adambc", "dp_adamw_bc")
 
@@ -200,6 +215,22 @@ class AuditConfig:
     alpha: float = 0.05
     seed: int = 0
     dtype: torch.dtype = torch.float64
+    noise_bands: int = 1  # b: the banded square root with cyclic Poisson sampling when > 1 (hf_dp.audit.banded)
+    noise_mechanism: str | None = None  # None: banded_sqrt when noise_bands > 1, else independent
+
+    def check(self) -> None:
+        """Every setting that would fail a trial, before the first: one sentence each (``ValueError``, ``error:``)."""
+        from hf_dp.audit import banded
+
+        if self.variant not in VARIANTS:
+            raise ValueError(f"error: --variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(f"error: --sample_rate must be in (0, 1], got {self.sample_rate}")
+        if not (isinstance(self.steps, int) and self.steps >= 1):
+            raise ValueError(f"error: --steps must be a whole number >= 1, got {self.steps!r}")
+        if not self.canary_scale > 1:
+            raise ValueError("error: --canary_scale must be > 1 (the canary's gradient must leave the clip ball)")
+        banded.check(self)
 
 
 def _disable_clipping(opt) -> None:
@@ -230,6 +261,7 @@ def _one_run(cfg: AuditConfig, model, canaries: np.ndarray, run_seed: int) -> np
 
     Coordinate k belongs to trial k; it has a canary row iff ``canaries[k]``. Returns ⟨θ_0 − θ_T, e_k⟩.
     """
+    from hf_dp.audit.banded import audit_partitions, privatizer_noise, sampler_bands
     from hf_dp.optim import make_optimizer
     from hf_dp.privacy.sampler import PoissonBatchSampler
 
@@ -249,6 +281,8 @@ def _one_run(cfg: AuditConfig, model, canaries: np.ndarray, run_seed: int) -> np
         max_grad_norm=cfg.max_grad_norm,
         expected_batch_size=cfg.expected_batch_size,
         noise_seed=_mix("noise", run_seed),
+        noise_mechanism=privatizer_noise(cfg)[0],
+        noise_bands=privatizer_noise(cfg)[1],
         **hyper,
     )
     if cfg.variant == "no_clip":
@@ -256,7 +290,11 @@ def _one_run(cfg: AuditConfig, model, canaries: np.ndarray, run_seed: int) -> np
     if n_rows == 0:
         raise ValueError("the dataset D must not be empty (background >= 1) when a run has no canary")
     m = cfg.micro_batches
-    sampler = PoissonBatchSampler(n_rows, cfg.sample_rate, cfg.steps, micro_batches=m, seed=_mix("sampler", run_seed))
+    b = sampler_bands(cfg)  # cyclic Poisson sampling, every canary in partition 0 (hf_dp.audit.banded)
+    sampler = PoissonBatchSampler(n_rows, cfg.sample_rate, cfg.steps, micro_batches=m, seed=_mix("sampler", run_seed),
+                                  bands=b, partitions=audit_partitions(cfg.background, len(idx), b))
+    if b > 1:
+        opt.sampler = sampler  # the privatizer checks that each step's batch was drawn for its partition
     for i, batch in enumerate(sampler):  # `m` physical micro-batches per logical step, as in the trainer
         if batch:
             # summed per-example losses θ·x_i, scaled by 1/m as HF's gradient accumulation does;
@@ -275,10 +313,7 @@ def run_trials(cfg: AuditConfig) -> tuple[np.ndarray, np.ndarray]:
 
     from hf_dp.clipping import attach_grad_sampler
 
-    if cfg.variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {cfg.variant!r}")
-    if cfg.canary_scale <= 1:
-        raise ValueError("canary_scale must be > 1 (the canary's gradient must leave the clip ball)")
+    cfg.check()
     batchable = cfg.optim in BATCHABLE
     K = cfg.batch_trials or (256 if batchable else 1)
     if K > 1 and not batchable:
@@ -314,14 +349,17 @@ def run_trials(cfg: AuditConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 def claimed_epsilon(cfg: AuditConfig) -> float:
-    """The accountant's ε for the *nominal* σ (``cfg.noise_multiplier``), q, steps, δ."""
+    """The accountant's ε for the *nominal* σ (``cfg.noise_multiplier``), q, steps, δ — and b bands with cyclic Poisson
+    sampling when ``cfg.noise_bands`` > 1 (:mod:`hf_dp.audit.banded`; ``banded_overstated`` claims the same)."""
     import warnings
 
+    from hf_dp.audit.banded import sampler_bands
     from hf_dp.privacy.accounting import compute_epsilon
 
     with warnings.catch_warnings():  # Opacus' PRV warns about log(0) when q = 1
         warnings.simplefilter("ignore", RuntimeWarning)
-        return compute_epsilon(cfg.noise_multiplier, cfg.sample_rate, cfg.steps, cfg.delta, cfg.accountant)
+        return compute_epsilon(cfg.noise_multiplier, cfg.sample_rate, cfg.steps, cfg.delta, cfg.accountant,
+                               bands=sampler_bands(cfg))
 
 
 def audit(cfg: AuditConfig | None = None, **kwargs) -> AuditResult:
@@ -333,23 +371,12 @@ def audit(cfg: AuditConfig | None = None, **kwargs) -> AuditResult:
     return AuditResult(cfg, bound.eps_lower, claimed_epsilon(cfg), bound, s0, s1, time.perf_counter() - t0)
 
 
-def _parse_hyper(items: list[str]) -> dict:
-    out = {}
-    for it in items or []:
-        k, _, v = it.partition("=")
-        if not _:
-            raise SystemExit(f"--hyper expects key=value, got {it!r}")
-        try:
-            out[k] = tuple(float(x) for x in v.split(",")) if "," in v else float(v)
-        except ValueError:
-            raise SystemExit(f"--hyper {k}: not a number: {v!r}") from None
-    return out
-
-
 RECOMMENDED = """recommended (the claim is well below the ceiling; the broken variants come out VIOLATION, see
 benchmarks/audit.md):
   python -m hf_dp.audit --optim dp_adamw --variant real,no_noise,low_noise,no_clip \\
       --noise_multiplier 2.0 --sample_rate 0.5 --steps 5 --trials 4000
+  python -m hf_dp.audit --variant real,banded_overstated --noise_bands 2 --sample_rate 0.5 --steps 128 \\
+      --noise_multiplier 11 --trials 20000
   python -m hf_dp.audit --one_run --variant real,no_noise,no_clip --canaries 200 --background 200 --steps 150 \\
       --noise_multiplier 10 --sample_rate 0.25
   python -m hf_dp.audit --one_run --canary_kind gradient --variant real,no_noise,noise_div10,clip_x10,replay_step \\
@@ -387,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optim", default=None,
                    help="optimizer name, comma list, or 'all' (default dp_sgd; --one_run black-box: dp_adamw)")
     p.add_argument("--variant", default="real",
-                   help=f"comma list; mechanism: {', '.join(VARIANTS)}; trainer: real, no_noise, no_clip, replay_train, "
+                   help=f"comma list; mechanism: {', '.join(VARIANTS)} (banded_overstated: see --noise_bands); trainer: real, no_noise, no_clip, replay_train, "
                         "replay_resume, two_rows, accumulation_changed; --one_run: real, no_noise, no_clip, two_rows, "
                         "accumulation_changed, noise_div10, clip_x10, replay_step")
     p.add_argument("--noise_multiplier", type=float, default=1.0, help="claimed sigma")
@@ -403,6 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zero-gradient rows (default 1; trainer: at least 4); --one_run black-box: the synthetic task's "
                         "rows (default 1000), white-box: zero-gradient rows besides the canaries' (default 1000)")
     p.add_argument("--micro_batches", type=int, default=1, help="micro-batches per logical step (mechanism path)")
+    p.add_argument("--noise_bands", type=int, default=1,
+                   help="b > 1 audits the banded square root noise (--noise_mechanism banded_sqrt "
+                        "--noise_bands b) with cyclic Poisson sampling, every canary in partition 0, against the "
+                        "accountant's epsilon for it (hf_dp.audit.banded); b*q must be <= 1. The variant "
+                        "banded_overstated overstates the noise's cancellation (full square root, accounted as b bands); "
+                        "--one_run: DPTrainer's --audit_canaries with --noise_bands b (black-box and gradient canaries)")
     p.add_argument("--batch_trials", type=int, default=None,
                    help="trials per run (1 = no batching; default 256, trainer 8192)")
     p.add_argument("--hyper", action="append", default=[], help="update-rule hyper-parameter key=value")
@@ -422,101 +455,66 @@ def main(argv=None) -> int:
 
     a = build_parser().parse_args(argv)
     if a.one_run:
-        return _main_one_run(a)
+        from hf_dp.audit.one_run import main_one_run
+
+        return main_one_run(a)
     optim = a.optim or "dp_sgd"
     a.max_grad_norm = 1.0 if a.max_grad_norm is None else a.max_grad_norm
     names = list(optimizer_names()) if optim == "all" else optim.split(",")
     variants = a.variant.split(",")
-    hyper = _parse_hyper(a.hyper)
-    results = []
+    hyper = parse_hyper(a.hyper)
+    configs = []
     for name in names:
         for v in variants:
             if a.path == "trainer":
-                from hf_dp.audit.trainer_path import TrainerAuditConfig, trainer_audit
+                from hf_dp.audit.trainer_path import TrainerAuditConfig
 
-                cfg = TrainerAuditConfig(
+                configs.append(TrainerAuditConfig(
                     optim=name, noise_multiplier=a.noise_multiplier, max_grad_norm=a.max_grad_norm,
                     sample_rate=a.sample_rate, steps=a.steps, train_calls=a.train_calls, resume_at=a.resume_at,
                     trials=a.trials, delta=a.delta, variant=v, batch_trials=a.batch_trials or 8192,
                     background=a.background or 4, hyper=hyper, accountant=a.accountant, alpha=a.alpha,
-                )
-                cfg.check()
-                result = trainer_audit(cfg)
+                ))
             else:
-                cfg = AuditConfig(
+                configs.append(AuditConfig(
                     optim=name, noise_multiplier=a.noise_multiplier, max_grad_norm=a.max_grad_norm,
                     sample_rate=a.sample_rate, steps=a.steps, trials=a.trials, delta=a.delta, variant=v,
                     canary_scale=a.canary_scale, background=a.background or 1, micro_batches=a.micro_batches,
                     hyper=hyper, batch_trials=a.batch_trials if (a.batch_trials is None or name in BATCHABLE) else 1,
-                    accountant=a.accountant, alpha=a.alpha, seed=a.seed,
-                )
-                result = audit(cfg)
-            results.append(result)
-            if result.low_power:
-                print(power_warning(result.eps_claimed, cfg.trials, cfg.delta, cfg.alpha), file=sys.stderr, flush=True)
-            print(format_table(results[-1:]).splitlines()[-1] if len(results) > 1 else format_table(results), flush=True)
+                    accountant=a.accountant, alpha=a.alpha, seed=a.seed, noise_bands=a.noise_bands,
+                ))
+    try:  # every configuration checked before the first trial: bad input is one line, not a traceback
+        if a.path == "trainer" and a.noise_bands != 1:
+            raise ValueError(f"--noise_bands {a.noise_bands} runs on the mechanism path only (the trainer path audits "
+                             "independent noise); drop --path trainer")
+        for cfg in configs:
+            cfg.check()
+    except ValueError as e:
+        msg = str(e)
+        print(msg if msg.startswith("error:") else f"error: {msg}", file=sys.stderr)
+        return 2
+    results = []
+    for cfg in configs:
+        if a.path == "trainer":
+            from hf_dp.audit.trainer_path import trainer_audit
+
+            result = trainer_audit(cfg)
+        else:
+            result = audit(cfg)
+        results.append(result)
+        if result.low_power:
+            print(power_warning(result.eps_claimed, cfg.trials, cfg.delta, cfg.alpha), file=sys.stderr, flush=True)
+        print(format_table(results[-1:]).splitlines()[-1] if len(results) > 1 else format_table(results), flush=True)
     conf = 100 * (1 - a.alpha)
     what = "the trainer's sigma, q and ledger steps" if a.path == "trainer" else "the nominal sigma, q, steps"
+    if a.noise_bands > 1:
+        what += (f" of the {a.noise_bands}-banded square root with cyclic Poisson sampling (DP-SGD at rate "
+                 f"min(1, {a.noise_bands}*q) over ceil(T/{a.noise_bands}) rounds)")
     print(
         f"\neps_lower: {conf:g}% Clopper-Pearson lower bound on epsilon at delta={a.delta:g} from the final model "
         f"(test chosen on 20% of the trials, counted on the rest); eps_claim: {a.accountant.upper()} "
         f"accountant for {what}; ceiling: the largest eps_lower {a.trials} trials can certify; power LOW: the claim is "
         f"above or within {POWER_MARGIN:g} of the ceiling."
-    )
-    return 1 if any(r.violation and r.config.variant == "real" for r in results) else 0
-
-
-def one_run_config(a) -> list:
-    """The :class:`hf_dp.audit.one_run.OneRunConfig` of each (optimizer, variant) of a parsed ``--one_run`` command."""
-    from hf_dp.audit.one_run import OneRunConfig
-
-    black = a.canary_kind == "black-box"
-    optim = a.optim or ("dp_adamw" if black else "dp_sgd")  # gradient canaries: any rule without a per-sample map
-    out = []
-    for name in optim.split(","):
-        for v in a.variant.split(","):
-            out.append(OneRunConfig(
-                kind=a.canary_kind, canaries=a.canaries, variant=v, optim=name, noise_multiplier=a.noise_multiplier,
-                max_grad_norm=(0.01 if black else 1.0) if a.max_grad_norm is None else a.max_grad_norm,
-                sample_rate=a.sample_rate, steps=a.steps, delta=a.delta, alpha=a.alpha, accountant=a.accountant,
-                hyper=_parse_hyper(a.hyper), real_rows=1000 if a.background is None else a.background, seed=a.seed,
-            ))
-    return out
-
-
-def _main_one_run(a) -> int:
-    import sys
-
-    from hf_dp.audit.one_run import format_table as one_run_table
-    from hf_dp.audit.one_run import one_run_audit
-
-    results = []
-    configs = one_run_config(a)
-    try:
-        for cfg in configs:  # every configuration checked before the first run
-            cfg.check()
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-    for i, cfg in enumerate(configs, 1):  # each run takes seconds to minutes: say which one is running
-        print(f"one-run audit {i}/{len(configs)}: {cfg.optim} {cfg.variant}, {cfg.canaries} {cfg.kind} canaries"
-              + (f", {cfg.steps} steps ..." if cfg.kind != "white-box" else " ..."), file=sys.stderr, flush=True)
-        cfg.progress = cfg.kind != "white-box"
-        r = one_run_audit(cfg)
-        results.append(r)
-        if r.low_power:
-            print(f"warning: the claimed epsilon {r.eps_claimed:.3f} is above or within {POWER_MARGIN:g} of the ceiling "
-                  f"{r.ceiling:.3f} that {cfg.canaries} canaries can certify at delta={cfg.delta:g}; this audit (almost) "
-                  "cannot report a violation. Lower the claim (raise --noise_multiplier) or use more --canaries.",
-                  file=sys.stderr, flush=True)
-        table = one_run_table(results)
-        print(table.splitlines()[-1] if len(results) > 1 else table, flush=True)
-    conf = 100 * (1 - a.alpha)
-    print(
-        f"\neps_lower: {conf:g}% one-run lower bound on epsilon at delta={a.delta:g} (Steinke, Nasr, Jagielski 2023) from "
-        f"{a.canaries} {a.canary_kind} canaries, each included with probability 1/2, guessed from the final model "
-        f"(five guess sets, Bonferroni); eps_claim: {a.accountant.upper()} accountant for the run's sigma, q and steps; "
-        "ceiling: the bound if every guess is right. A lower bound that can expose a bug, never a proof of privacy."
     )
     return 1 if any(r.violation and r.config.variant == "real" for r in results) else 0
 

@@ -4,7 +4,9 @@ classifier on a synthetic task with ``--audit_canaries`` (:mod:`hf_dp.audit.cana
 :mod:`hf_dp.audit.trainer_path`'s linear canary model with one Dirac gradient canary per coordinate (``white-box``),
 with a variant's break (``real``, ``no_noise``, ``no_clip``, ... and the partial breaks ``noise_div10``, ``clip_x10``,
 ``replay_step`` of :func:`partial_break`, which measure the audit's power), and the one-run bound (Steinke et al.)
-and the Gaussian-DP estimate (:mod:`hf_dp.audit.fdp`) next to the run's own ε. See ``benchmarks/audit.md``."""
+and the Gaussian-DP estimate (:mod:`hf_dp.audit.fdp`) next to the run's own ε; with ``--noise_bands`` b > 1 the
+DPTrainer runs use the b-banded noise (the claim is its accountant's ε; :mod:`hf_dp.audit.banded`). See
+``benchmarks/audit.md``."""
 
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class OneRunConfig:
     vocab_size: int = 32768  # black-box: real rows use tokens [5, 512), canaries the whole vocabulary
     seed: int | None = None  # the synthetic data / model init; the inclusion draw always comes from OS entropy
     progress: bool = False  # black-box / gradient: a line on stderr every tenth of the steps (the command line's runs)
+    noise_bands: int = 1  # black-box / gradient: > 1 runs DPTrainer with --noise_mechanism banded_sqrt --noise_bands b
 
     def check(self) -> None:
         if self.kind not in ONE_RUN_KINDS:
@@ -69,6 +72,16 @@ class OneRunConfig:
             raise ValueError(f"error: --steps must be >= 1, got {self.steps}")
         if not 0 <= self.delta < 1:
             raise ValueError(f"error: --delta must be in [0, 1), got {self.delta}")
+        if isinstance(self.noise_bands, bool) or not isinstance(self.noise_bands, int) or self.noise_bands < 1:
+            raise ValueError(f"error: --noise_bands must be a whole number >= 1, got {self.noise_bands!r}")
+        if self.noise_bands > 1:
+            if self.kind == "white-box":
+                raise ValueError("error: --one_run --canary_kind white-box runs independent noise only; banded noise is "
+                                 "audited by --canary_kind black-box or gradient (DPTrainer's --audit_canaries)")
+            if self.noise_bands * self.sample_rate > 1:
+                raise ValueError(f"error: --noise_bands {self.noise_bands} with --sample_rate {self.sample_rate:g}: "
+                                 f"cyclic Poisson sampling draws each unit of the step's partition with probability "
+                                 f"b*q = {self.noise_bands * self.sample_rate:g} > 1")
         if self.kind in ("black-box", "gradient"):  # DPTrainer's --audit_canaries limits, before any run
             from hf_dp.audit.canaries import check_canary_count
 
@@ -151,6 +164,7 @@ def _one_run_args(cfg: OneRunConfig, out: str, batch: int, lr: float):
         lr_scheduler_type="constant", weight_decay=0.0, per_device_train_batch_size=batch,
         gradient_accumulation_steps=1, max_steps=cfg.steps, trainable="all", clipping="auto", save_strategy="no",
         report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, logging_strategy="no",
+        noise_mechanism="banded_sqrt" if cfg.noise_bands > 1 else "independent", noise_bands=cfg.noise_bands,
         **kw,
     )
 
@@ -249,10 +263,11 @@ def _claim(dp, reported_epsilon: float, cfg: OneRunConfig) -> tuple[float, dict]
 
     spec = dp.spec
     info = dict(N=spec.dataset_size, B=spec.expected_batch_size, q=spec.sample_rate, steps=dp.ledger.steps,
-                sigma=spec.noise_multiplier, reported_epsilon=reported_epsilon)
+                sigma=spec.noise_multiplier, reported_epsilon=reported_epsilon, bands=spec.bands)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        claimed = max(0.0, compute_epsilon(info["sigma"], info["q"], info["steps"], cfg.delta, cfg.accountant))
+        claimed = max(0.0, compute_epsilon(info["sigma"], info["q"], info["steps"], cfg.delta, cfg.accountant,
+                                           bands=spec.bands))
     return claimed, info
 
 
@@ -381,18 +396,82 @@ def one_run_audit(cfg: OneRunConfig | None = None, **kwargs) -> OneRunResult:
 
 
 def format_table(results: list[OneRunResult]) -> str:
-    """One line per run: the bound, its guesses, the claim and the ceiling, the verdict."""
+    """One line per run: the bound, its guesses, the claim and the ceiling, the verdict (``T``: ``T/bB`` for a run with
+    B-banded noise)."""
     head = (f"{'optimizer':<10} {'kind':<9} {'variant':<13} {'sigma':>6} {'q':>6} {'T':>4} {'m':>5} {'guesses':>7} "
             f"{'correct':>7} {'eps_lower':>9} {'eps_claim':>9} {'ceiling':>7} {'verdict':<10} {'power':<5} {'sec':>6} "
             f"{'eps_gdp':>7} {'gdp':<9}")
     lines = [head, "-" * len(head)]
     for r in results:
         c, b, i = r.config, r.bound, r.info
+        bands = i.get("bands", 1)
+        steps = f"{i.get('steps', c.steps)}" + (f"/b{bands}" if bands > 1 else "")  # one field (columns split on spaces)
         lines.append(
             f"{c.optim:<10} {c.kind:<9} {c.variant:<13} {i.get('sigma', c.noise_multiplier):>6.3g} {i.get('q', c.sample_rate):>6.3g} "
-            f"{i.get('steps', c.steps):>4d} {b.canaries:>5d} {b.guesses:>7d} {b.correct:>7d} {b.epsilon_lower:>9.3f} "
+            f"{steps:>4} {b.canaries:>5d} {b.guesses:>7d} {b.correct:>7d} {b.epsilon_lower:>9.3f} "
             f"{r.eps_claimed:>9.3f} {r.ceiling:>7.3f} {'VIOLATION' if r.violation else 'ok':<10} "
             f"{'LOW' if r.low_power else 'ok':<5} {r.seconds:>6.1f} {r.eps_gdp:>7.3f} "
             f"{'-' if r.gdp is None else 'VIOLATION' if r.eps_gdp > r.eps_claimed else 'ok':<9}"
         )
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line (python -m hf_dp.audit --one_run)
+# ------------------------------------------------------------------------------------------------
+def one_run_config(a) -> list:
+    """The :class:`hf_dp.audit.one_run.OneRunConfig` of each (optimizer, variant) of a parsed ``--one_run`` command."""
+    from hf_dp.audit.stats import parse_hyper
+
+    black = a.canary_kind == "black-box"
+    optim = a.optim or ("dp_adamw" if black else "dp_sgd")  # gradient canaries: any rule without a per-sample map
+    out = []
+    for name in optim.split(","):
+        for v in a.variant.split(","):
+            out.append(OneRunConfig(
+                kind=a.canary_kind, canaries=a.canaries, variant=v, optim=name, noise_multiplier=a.noise_multiplier,
+                max_grad_norm=(0.01 if black else 1.0) if a.max_grad_norm is None else a.max_grad_norm,
+                sample_rate=a.sample_rate, steps=a.steps, delta=a.delta, alpha=a.alpha, accountant=a.accountant,
+                hyper=parse_hyper(a.hyper), real_rows=1000 if a.background is None else a.background, seed=a.seed,
+                noise_bands=a.noise_bands,
+            ))
+    return out
+
+
+def main_one_run(a) -> int:
+    """``python -m hf_dp.audit --one_run`` (:func:`hf_dp.audit.many_runs.main` hands it the parsed arguments): every
+    configuration checked first (one ``error:`` line, exit status 2), then one run each, a table line per run."""
+    import sys
+
+    from hf_dp.audit.stats import POWER_MARGIN
+
+    results = []
+    configs = one_run_config(a)
+    try:
+        for cfg in configs:  # every configuration checked before the first run
+            cfg.check()
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    for i, cfg in enumerate(configs, 1):  # each run takes seconds to minutes: say which one is running
+        print(f"one-run audit {i}/{len(configs)}: {cfg.optim} {cfg.variant}, {cfg.canaries} {cfg.kind} canaries"
+              + (f", {cfg.steps} steps ..." if cfg.kind != "white-box" else " ..."), file=sys.stderr, flush=True)
+        cfg.progress = cfg.kind != "white-box"
+        r = one_run_audit(cfg)
+        results.append(r)
+        if r.low_power:
+            print(f"warning: the claimed epsilon {r.eps_claimed:.3f} is above or within {POWER_MARGIN:g} of the ceiling "
+                  f"{r.ceiling:.3f} that {cfg.canaries} canaries can certify at delta={cfg.delta:g}; this audit (almost) "
+                  "cannot report a violation. Lower the claim (raise --noise_multiplier) or use more --canaries.",
+                  file=sys.stderr, flush=True)
+        table = format_table(results)
+        print(table.splitlines()[-1] if len(results) > 1 else table, flush=True)
+    conf = 100 * (1 - a.alpha)
+    print(
+        f"\neps_lower: {conf:g}% one-run lower bound on epsilon at delta={a.delta:g} (Steinke, Nasr, Jagielski 2023) from "
+        f"{a.canaries} {a.canary_kind} canaries, each included with probability 1/2, guessed from the final model "
+        f"(five guess sets, Bonferroni); eps_claim: {a.accountant.upper()} accountant for the run's sigma, q and steps"
+        f"{f' (and its {a.noise_bands} bands)' if a.noise_bands > 1 else ''}; "
+        "ceiling: the bound if every guess is right. A lower bound that can expose a bug, never a proof of privacy."
+    )
+    return 1 if any(r.violation and r.config.variant == "real" for r in results) else 0

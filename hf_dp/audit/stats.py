@@ -243,6 +243,21 @@ def power_warning(eps_claimed: float, trials: int, delta: float, alpha: float = 
     )
 
 
+def parse_hyper(items: list[str]) -> dict:
+    """``--hyper k=v`` (repeatable) as a dict of numbers (a comma list: a tuple); ``SystemExit`` with one sentence
+    otherwise (the command lines of :mod:`hf_dp.audit.many_runs` and :mod:`hf_dp.audit.one_run`)."""
+    out = {}
+    for it in items or []:
+        k, _, v = it.partition("=")
+        if not _:
+            raise SystemExit(f"error: --hyper expects key=value, got {it!r}")
+        try:
+            out[k] = tuple(float(x) for x in v.split(",")) if "," in v else float(v)
+        except ValueError:
+            raise SystemExit(f"error: --hyper {k}: not a number: {v!r}") from None
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # results
 # ------------------------------------------------------------------------------------------------
@@ -282,18 +297,20 @@ class AuditResult:
 
 def format_table(results: list[AuditResult]) -> str:
     """One line per result. ``T``: the steps the claim is for (trainer path: all steps in the trainer's
-    ledger, over every ``train()`` call); ``ceiling``: :func:`certifiable_ceiling`; ``power``: ``LOW`` when
+    ledger, over every ``train()`` call), ``T/bB`` for the B-banded mechanism (``noise_bands``); ``ceiling``: :func:`certifiable_ceiling`; ``power``: ``LOW`` when
     the claim is above or within :data:`POWER_MARGIN` of it (then ``ok`` means little), else ``ok``."""
-    head = f"{'optimizer':<12} {'variant':<13} {'sigma':>6} {'q':>5} {'T':>3} {'trials':>6} " \
+    head = f"{'optimizer':<12} {'variant':<17} {'sigma':>6} {'q':>5} {'T':>3} {'trials':>6} " \
            f"{'eps_lower':>9} {'eps_claim':>9} {'ceiling':>7} {'TPR':>6} {'FPR':>6} {'thresh':>8} {'verdict':<10} {'power':<5} {'sec':>6}"
     lines = [head, "-" * len(head)]
     for r in results:
         c, b = r.config, r.bound
         steps = r.info.get("steps", c.steps)  # trainer path: every step in the trainer's ledger
+        bands = getattr(c, "noise_bands", 1)
+        steps = f"{steps}/b{bands}" if bands > 1 else str(steps)  # one field: the columns split on whitespace
         verdict = "VIOLATION" if r.violation else "ok"
         power = "LOW" if r.low_power else "ok"
         lines.append(
-            f"{c.optim:<12} {c.variant:<13} {c.noise_multiplier:>6.3g} {c.sample_rate:>5.3g} {steps:>3d} {c.trials:>6d} "
+            f"{c.optim:<12} {c.variant:<17} {c.noise_multiplier:>6.3g} {c.sample_rate:>5.3g} {steps:>3} {c.trials:>6d} "
             f"{r.eps_lower:>9.3f} {r.eps_claimed:>9.3f} {r.ceiling:>7.3f} {b.tpr:>6.3f} {b.fpr:>6.3f} {b.threshold:>8.3g} "
             f"{verdict:<10} {power:<5} {r.seconds:>6.1f}"
         )

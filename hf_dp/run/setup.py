@@ -94,12 +94,14 @@ def setup_privacy(dp, args, model, train_dataset, fingerprint_source, objective,
         rank=args.process_index, world_size=world, secure=args.secure_rng, position=lambda: dp.ledger.steps,
         units=dp.units.rows, max_rows_per_unit=args.max_rows_per_unit, allow_empty_units=dp.audit is not None,
         stream_tag=lambda: dp.ledger.meta.get("stream_tag"), shared_key=lambda: dp.sampling_key,
-        bands=mechanism.bands, partitions=cyclic_partitions(mechanism.bands, fingerprint_source, args.privacy_unit_column, dp.units),
+        bands=mechanism.bands,
+        partitions=cyclic_partitions(mechanism.bands, fingerprint_source, args.privacy_unit_column, dp.units, dp.audit),
         phase=lambda: dp.ledger.own_steps,
     )
     if mechanism.bands > 1:  # every train() reads the rows again: partitions that changed are refused (contract)
         dp.contract.partitions = lambda: partitions_digest(
-            cyclic_partitions(mechanism.bands, fingerprint_source, args.privacy_unit_column, dp.units), mechanism.bands)
+            cyclic_partitions(mechanism.bands, fingerprint_source, args.privacy_unit_column, dp.units, dp.audit),
+            mechanism.bands)
     dp.sampling_key = None  # several ranks, OS entropy: set by share_sampling_key at every train()
     dp.lengths_of = None
     set_sampler_lengths(dp, args, train_dataset)  # refused here, before any step, if the lengths are unknown
@@ -199,19 +201,26 @@ def share_sampling_key(dp, args) -> None:
     contract.check_ranks_share_draw(dp.sampler, dp.ledger, dp.sampling_key)
 
 
-def cyclic_partitions(bands: int, source, column: str | None, units) -> torch.Tensor | None:
+def cyclic_partitions(bands: int, source, column: str | None, units, audit=None) -> torch.Tensor | None:
     """Cyclic Poisson sampling's partitions (``bands`` > 1; else ``None``), once, before training, from the training
     set as given (``source``): each unit's by a hash of its ``column`` value (the units' rows from ``units``,
-    :class:`hf_dp.run.state.Units`), each row's by a hash of its own columns (:mod:`hf_dp.privacy.cyclic`)."""
+    :class:`hf_dp.run.state.Units`), each row's by a hash of its own columns (:mod:`hf_dp.privacy.cyclic`).
+    ``audit`` (``--audit_canaries``' state, its m units after the real ones): each canary unit's by a hash of its own
+    public identity (``audit.identities()``: index and content, never its inclusion bit), included or not."""
     if bands <= 1:
         return None
     if callable(getattr(source, "with_format", None)) and getattr(source, "column_names", None) is not None:
         source = source.with_format(None)  # the stored content: no format's column subset, no transform
     if column is None:
-        return row_partitions(source, bands)
-    values = list(source[column]) if getattr(source, "column_names", None) is not None else None
-    first = [int(rows[0]) for rows in units.rows]
-    return unit_partitions([values[r] if values is not None else source[r][column] for r in first], bands)
+        parts = row_partitions(source, bands)  # the source holds the real rows only (the canaries are appended later)
+    else:
+        values = list(source[column]) if getattr(source, "column_names", None) is not None else None
+        real = units.rows if audit is None else units.rows[: audit.real_units]
+        first = [int(rows[0]) for rows in real]
+        parts = unit_partitions([values[r] if values is not None else source[r][column] for r in first], bands)
+    if audit is not None:
+        parts = torch.cat([parts, unit_partitions(audit.identities(), bands)])
+    return parts
 
 
 def setup_units(units, rows: int, column: str | None, source, prefix_cache: bool = False) -> None:
