@@ -18,7 +18,8 @@ def single_thread():
 # here, by file or by test name (the slowest of the full suite, `pytest --durations=60`); CI runs everything.
 SLOW_FILES = ("test_fsdp.py", "test_fsdp_checkpoint.py", "test_distributed.py", "test_distributed_units.py", "test_benchmark_smoke.py",
               "test_faults.py", "test_accounting_crosscheck.py", "test_fsdp_resume_release.py", "test_sensitivity_fsdp.py",
-              "test_dpo_distributed.py", "test_correlated_distributed.py")
+              "test_dpo_distributed.py", "test_correlated_distributed.py",
+              "test_correlated_fsdp.py")
 SLOW_TESTS = (
     "test_trainer_path_replay_resume_is_a_violation", "test_trainer_path_replay_train_is_a_violation",
     "test_bound_holds_and_is_close_on_the_gaussian_mechanism", "under_fsdp2_with_two_processes",
