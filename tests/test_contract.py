@@ -87,6 +87,34 @@ def test_a_collator_that_does_not_give_one_row_per_example_is_refused(tmp_path, 
     _refused_before_any_step(tr, steps, r"^the data collator returned '\w+' with \d+ rows for \d+ drawn example\(s\): DP training needs exactly one row per example")
 
 
+def test_a_collator_that_tokenizes_a_row_past_the_token_bound_is_refused_before_any_step(tmp_path, tok):
+    """Rows of raw text tokenized by the collator: their lengths cannot be read before training, and a row longer than
+    --dp_max_length was refused only at the step that drew it (on main at e4f5b9a: after training had begun, and only
+    if it was drawn — whether a model comes out then depends on that row's presence). Now every row is collated alone
+    at train(), before any step."""
+    from datasets import Dataset
+
+    from helpers import WORDS
+
+    texts = [" ".join(WORDS[(i + j) % 50] for j in range(3 + i % 4)) for i in range(64)]
+    texts[37] = " ".join(WORDS[:30])  # 30 words: 32 tokens with [CLS] and [SEP]
+    rows = Dataset.from_dict({"text": texts, "label": [i % 2 for i in range(64)]})
+
+    def tokenizing(features):
+        out = tok([f["text"] for f in features], padding=True, return_tensors="pt")
+        out["labels"] = torch.tensor([f["label"] for f in features])
+        return out
+
+    tr, steps = _trainer(tmp_path, tok, rows, collator=tokenizing, remove_unused_columns=False, dp_max_length=16)
+    _refused_before_any_step(tr, steps, r"^the data collator makes training row 37 \(counting from 0\) 32 tokens long, "
+                                        r"more than the run's public --dp_max_length 16")
+    texts[37] = " ".join(WORDS[:14])  # 16 tokens: within the bound, trains
+    tr, steps = _trainer(tmp_path, tok, Dataset.from_dict({"text": texts, "label": [i % 2 for i in range(64)]}),
+                         collator=tokenizing, remove_unused_columns=False, dp_max_length=16)
+    tr.train()
+    assert steps.optimizer_steps == 3
+
+
 def test_the_row_check_runs_on_every_micro_batch(tmp_path, tok, data):
     """A collator that breaks the contract only for some batches is caught at the batch that does (no step taken
     with it)."""

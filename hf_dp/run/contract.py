@@ -261,13 +261,15 @@ def _first_dim(batch) -> int | None:
     return None
 
 
-def check_every_row(dataset, collate, config, objective=None) -> str:
+def check_every_row(dataset, collate, config, objective=None, max_length: int | None = None) -> str:
     """Before any step, each training row through the collator alone: one row out (or several consecutive rows that
     are that row's own, also beside another row: see :class:`hf_dp.run.data.EmptySafeCollator`), labels finite
     and inside the model's classes (a causal LM's: inside its vocabulary). Otherwise a row that breaks the contract would stop training
     exactly at the step that draws it, and whether a model is released would reveal that row's presence. Skipped
     (returns why) for HF's per-row collators, whose rows are the dataset's and whose labels :func:`check_labels` has
-    read (a language-modelling collator's labels are the row's own token ids)."""
+    read (a language-modelling collator's labels are the row's own token ids). ``max_length``: the run's public token
+    bound of one row (``--dp_max_length``): a row the collator makes longer (a collator that tokenizes raw text) is
+    refused here, not at the step that draws it."""
     if _standard_collator(collate):
         return "skipped: a per-row collator"
     token_labels = bool(getattr(objective, "token_labels", False))
@@ -283,6 +285,7 @@ def check_every_row(dataset, collate, config, objective=None) -> str:
             partner = dataset[1 if i == 0 else 0]
             collate([dataset[i], partner])
             collate([partner, dataset[i]])
+        _check_length(batch, max_length, i)
         labels = batch.get("labels") if hasattr(batch, "get") else None
         if not torch.is_tensor(labels):
             continue
@@ -301,6 +304,24 @@ def check_every_row(dataset, collate, config, objective=None) -> str:
                 )
         _check_ids(batch, config, i)
     return "checked: several rows per example" if several else "checked"
+
+
+def _check_length(batch, max_length: int | None, i: int) -> None:
+    """A collated training row (or each of its rows) within the run's public token bound: its own tokens (the attention
+    mask's count, else the padded width) — padding adds exact zeros (:func:`hf_dp.run.data.split_to_bounds`)."""
+    if not max_length or not hasattr(batch, "get"):
+        return
+    mask, ids = batch.get("attention_mask"), batch.get("input_ids")
+    if torch.is_tensor(mask) and mask.dim() == 2 and mask.numel():
+        longest = int(mask.sum(-1).max())
+    elif torch.is_tensor(ids) and ids.dim() == 2:
+        longest = int(ids.shape[1])
+    else:
+        return
+    if longest > max_length:
+        raise ValueError(f"the data collator makes training row {i} (counting from 0) {longest} tokens long, more than "
+                         f"the run's public --dp_max_length {max_length} (the bound of ghost clipping's rounding "
+                         "allowance): truncate in the collator (its max_length), or raise --dp_max_length")
 
 
 def _check_ids(batch, config, i: int) -> None:
@@ -497,7 +518,7 @@ def check_at_train(dp, args, model, train_dataset, collator, objective, *, loade
     if dp.contract.rows_checked is not collator:  # the dataset is fixed (above); again if the collator changed
         train_loader = loader()
         outcome = check_every_row(train_loader.dataset, train_loader.collate_fn, getattr(model, "config", None),
-                                  objective)
+                                  objective, max_length=getattr(dp.bounds, "max_length", None))
         # a collator seen to emit several rows (or none) for one example: every micro-batch's rows are attributed
         # to their examples, also when the row count happens to equal the number of examples drawn
         dp.contract.several_rows = outcome.endswith("several rows per example")
