@@ -125,13 +125,15 @@ PLANNED_LR: dict[str, float] = {}
 LM_STEPS_PER_EPOCH = 16
 
 
-def lm_batch_plan(training_args, n_units: int) -> Optional[str]:
+def lm_batch_plan(training_args, n_units: int, steps_per_epoch: int = LM_STEPS_PER_EPOCH,
+                  source: str = "the recipe's setting chosen on a public tune split (benchmarks/RESULTS.md §10b)") -> Optional[str]:
     """When the user set neither ``--per_device_train_batch_size`` nor ``--gradient_accumulation_steps`` (a DP run with
-    ``--epsilon``): the logical batch B ≈ N/16 units — per_device × world × the accumulation k = round(N/16 / (per_device
-    × world)), at least 1 — so q ≈ 1/16 and the default 2 epochs are ≈ 32 steps. Chosen on a public tune split
-    (benchmarks/RESULTS.md §10b: at ε = 3 on 4,000 SST-2 phrases, B = 256 with lr 5e-4 beat no fine-tuning where B = 64,
-    the §10 setting, and larger learning rates made the model worse); the same q for a unit column (B users). Returns
-    the line to print, None when the user's batch stands."""
+    ``--epsilon``): the logical batch B ≈ N/``steps_per_epoch`` units — per_device × world × the accumulation
+    k = round(N/steps_per_epoch / (per_device × world)), at least 1 — so q ≈ 1/steps_per_epoch. clm.py's 16 (the default
+    2 epochs are ≈ 32 steps) was chosen on a public tune split (benchmarks/RESULTS.md §10b: at ε = 3 on 4,000 SST-2
+    phrases, B = 256 with lr 5e-4 beat no fine-tuning where B = 64, the §10 setting, and larger learning rates made the
+    model worse); dpo.py passes its own (RESULTS §14). The same q for a unit column (B users). ``source``: where the
+    setting comes from, in the printed line. Returns the line to print, None when the user's batch stands."""
     from recipes.common.args import PLANNER_KEYS
 
     explicit = getattr(training_args, "_hf_dp_explicit", frozenset())
@@ -143,7 +145,7 @@ def lm_batch_plan(training_args, n_units: int) -> Optional[str]:
     m = int(getattr(training_args, "audit_canaries", None) or 0)  # DPTrainer samples N + m units
     n = n_units + m
     micro = training_args.per_device_train_batch_size * max(1, training_args.world_size)
-    k = max(1, round(n / LM_STEPS_PER_EPOCH / micro))
+    k = max(1, round(n / steps_per_epoch / micro))
     training_args.gradient_accumulation_steps = k
     b = micro * k
     if m:  # the canaries ride on top: q ≈ 1/16 of all N + m units, so the real units keep q ≈ 1/16
@@ -151,9 +153,9 @@ def lm_batch_plan(training_args, n_units: int) -> Optional[str]:
     units = (f"N = {n_units:,}" + (" (declared public size)" if declared else "")
              + (f" + {m:,} canary units" if m else ""))
     return (f"planner (causal LM, no batch size given): logical batch B = {b:,} units ({training_args.per_device_train_batch_size}"
-            f" per device × {max(1, training_args.world_size)} process(es) × {k} accumulation steps ≈ N/{LM_STEPS_PER_EPOCH}, "
-            f"{units}, q = {b / n:.4g}), the recipe's setting chosen on a public tune split (benchmarks/RESULTS.md §10b); "
-            "--per_device_train_batch_size / --gradient_accumulation_steps override")
+            f" per device × {max(1, training_args.world_size)} process(es) × {k} accumulation steps ≈ N/{steps_per_epoch}"
+            f"{' (at least one micro-batch)' if micro * k > n / steps_per_epoch * 1.5 else ''}, {units}, q = {b / n:.4g}), "
+            f"{source}; --per_device_train_batch_size / --gradient_accumulation_steps override")
 
 
 @dataclass

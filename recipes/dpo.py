@@ -18,9 +18,11 @@ flags (``--epsilon``, ``--per_sample_max_grad_norm``, ``--privacy_unit_column``,
 What the recipe decides (docs/dpo.md):
 
 * **One pair = one example**; ``--privacy_unit_column user_id``: all pairs of one user are one unit (N = users).
-* **The DP defaults: clm.py's, reused** (not tuned on preference data): LoRA (``--trainable lora``; the reference model
-  is then the base model with the adapter disabled, no second copy), dp_adamw at lr 5e-4, a constant schedule, C = 0.1,
-  2 epochs, ε = 3, δ = 1e-5, and — with ``--epsilon`` and no batch flag — a logical batch of about N/16 units.
+* **The DP defaults**: LoRA (``--trainable lora``; the reference model is then the base model with the adapter
+  disabled, no second copy), dp_adamw at lr 5e-4, a constant schedule, C = 0.1, 2 epochs, ε = 3, δ = 1e-5 (clm.py's),
+  and — with ``--epsilon`` and no batch flag — a logical batch of about N/125 units (:data:`DPO_STEPS_PER_EPOCH`, at
+  least 16 per device: ≈ 250 steps), the batch chosen for DPO on a public tune split (benchmarks/RESULTS.md §14);
+  ``--reward_model`` keeps clm.py's N/16 (≈ 32 steps, not tuned on pairs).
 * **The chat template.** A tokenizer without one gets :data:`DEFAULT_CHAT_TEMPLATE` (``role: text`` lines) for
   conversational pairs, said in one line.
 * **Before any model is loaded**, one ``error:`` line each for what cannot run (missing columns, a missing unit, a TRL
@@ -71,8 +73,13 @@ logger = logging.getLogger("hf_dp.recipes.dpo")
 DEFAULT_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
                          "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
-# clm.py's defaults for LoRA on a causal LM (chosen on plain text, benchmarks/RESULTS.md §10b; not tuned on pairs)
+# clm.py's defaults for LoRA on a causal LM (chosen on plain text, benchmarks/RESULTS.md §10b), with DPO's own batch
 PROTOCOL_DEFAULTS: dict[str, Any] = dict(CLM_PROTOCOL_DEFAULTS)
+#: DPO's default logical batch without a batch flag: ≈ N/125 units (16 per device at least: q ≈ 1/125, the default 2
+#: epochs ≈ 250 steps), chosen on the tune split of benchmarks/dpo_experiment.py (RESULTS.md §14): clm.py's N/16 gave
+#: 32 steps, after which DPO had barely moved the model even at ε = 50; 250 steps at lr 5e-4 scored best of the plans
+#: tried. The reward model (--reward_model) keeps clm.py's N/16 (not tuned on pairs).
+DPO_STEPS_PER_EPOCH = 125
 OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {k: dict(v) for k, v in CLM_OPTIMIZER_DEFAULTS.items()}
 
 
@@ -147,10 +154,11 @@ def format_help(parser, peek) -> str:
     notes = effective_notes(OPTIMIZER_DEFAULTS, {}, "runs/dpo-<model>-<optim>-eps<ε>")
     notes["learning_rate"] = ("(recipe default depends on --optim — " + ", ".join(
         f"{k} {v['learning_rate']:g}" for k, v in OPTIMIZER_DEFAULTS.items()) + "; clm.py's values for LoRA on a "
-        "causal LM, not tuned on preference pairs)")
+        "causal LM; dp_adamw's 5e-4 scored best with DPO's batch on the tune split, RESULTS.md §14)")
     notes["per_device_train_batch_size"] = (
         f"(recipe default: 16 pairs per device; with --epsilon and no batch flag, the accumulation that makes the "
-        f"logical batch ≈ N/{LM_STEPS_PER_EPOCH} units, printed at start)")
+        f"logical batch ≈ N/{LM_STEPS_PER_EPOCH if reward else DPO_STEPS_PER_EPOCH} units (at least one micro-batch), "
+        "printed at start)")
     notes["privacy_unit_column"] = "(recipe default: each pair — prompt, chosen and rejected answers — is one unit)"
     title = f"TRL {'RewardConfig' if reward else 'DPOConfig'} ([DP: ...] = what the flag does under DP, docs/dpo.md)"
     fields = new_fields(RewardConfig if reward else DPOConfig)
@@ -226,10 +234,14 @@ def run(data_args: DpoScriptArguments, model_args: DpoModelArguments, args) -> d
         print("chat template: the tokenizer has none, and conversational pairs need one: using the recipe's default "
               "(recipes/dpo.py DEFAULT_CHAT_TEMPLATE): one 'role: text' line per message", flush=True)
     model = _build_model(reward, clm_args, config, tokenizer, path)
-    planned = lm_batch_plan(args, n_units)  # ≈ N/16 units when no batch flag is given (clm.py's setting)
+    if reward:  # ≈ N/16 units when no batch flag is given (clm.py's setting)
+        planned = lm_batch_plan(args, n_units, source="clm.py's setting for LoRA on a causal LM, reused for the reward "
+                                "model (not tuned on pairs)")
+    else:  # ≈ N/125 units (DPO_STEPS_PER_EPOCH)
+        planned = lm_batch_plan(args, n_units, steps_per_epoch=DPO_STEPS_PER_EPOCH,
+                                source="the recipe's setting for DPO, chosen on a public tune split (benchmarks/RESULTS.md §14)")
     if planned:
-        print(planned + "; clm.py's setting for LoRA on a causal LM, reused for preference pairs (not tuned on them)",
-              flush=True)
+        print(planned, flush=True)
         check_privacy_settings(args, n_units)
     push = bool(args.push_to_hub)
     args.push_to_hub = False
