@@ -312,12 +312,18 @@ def _check_length(batch, max_length: int | None, i: int) -> None:
     if not max_length or not hasattr(batch, "get"):
         return
     mask, ids = batch.get("attention_mask"), batch.get("input_ids")
-    if torch.is_tensor(mask) and mask.dim() == 2 and mask.numel():
+    masked = torch.is_tensor(mask) and mask.dim() == 2 and mask.numel() > 0
+    if masked:
         longest = int(mask.sum(-1).max())
     elif torch.is_tensor(ids) and ids.dim() == 2:
-        longest = int(ids.shape[1])
+        longest = int(ids.shape[1])  # without a mask the model attends to every position, padding included
     else:
         return
+    if longest > max_length and not masked:
+        raise ValueError(f"the data collator makes training row {i} (counting from 0) {longest} positions wide with no "
+                         f"attention_mask, more than the run's public --dp_max_length {max_length}: without a mask "
+                         "every position is the row's own; return an attention_mask, pad to the batch's longest row, "
+                         "or raise --dp_max_length")
     if longest > max_length:
         raise ValueError(f"the data collator makes training row {i} (counting from 0) {longest} tokens long, more than "
                          f"the run's public --dp_max_length {max_length} (the bound of ghost clipping's rounding "
