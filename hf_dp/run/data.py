@@ -275,7 +275,7 @@ class EmptySafeCollator:
         if self.drawn_for is not None:  # the sampler's draw of this very batch (collated in the loop that drew it)
             batch[PHASE_KEY] = self.drawn_for()
         if self.token is not None:  # the draw these rows are (0: rows not drawn by the sampler) and the batch's rows
-            batch[DRAWN_KEY] = (self.token,) + (draw if draw is not None else (0, 0, 0)) + (_rows(batch),)
+            batch[DRAWN_KEY] = (self.token,) + (draw if draw is not None else (0, 0, 0)) + (_batch_rows(batch),)
         return batch
 
     def _attribute(self, features, batch, rows: int) -> torch.Tensor:
@@ -323,6 +323,16 @@ def _rows(batch) -> int | None:
     for v in batch.values():
         if torch.is_tensor(v) and v.dim() >= 1:
             return int(v.shape[0])
+    return None
+
+
+def _batch_rows(batch) -> int | None:
+    """The first dimension every batched value of a collated batch has (:func:`hf_dp.run.contract.check_rows`: the
+    first value with a shape, a tensor or an array), ``None`` if none has one: the rows :data:`DRAWN_KEY` records."""
+    for v in batch.values() if hasattr(batch, "values") else ():
+        shape = getattr(v, "shape", None)
+        if shape is not None and len(shape) > 0:
+            return int(shape[0])
     return None
 
 
