@@ -88,7 +88,8 @@ class DrawnIndices(list):
 
 
 class PoissonBatchSampler(Sampler):
-    """Yields ``steps_per_epoch × micro_batches`` lists of indices per iteration.
+    """Yields ``steps_per_epoch × micro_batches`` lists of indices per iteration, each a :class:`DrawnIndices` (its
+    serial number, its logical draw and its position in it: the training loader's draw stamps).
 
     ``position``: a callable giving the number of noisy steps taken so far (the ledger's); it keys a
     seeded stream (default: the number of logical batches this sampler has drawn).

@@ -215,7 +215,11 @@ class EmptySafeCollator:
     the same mechanism: :meth:`_attribute` checks that each example's rows are what the collator makes of that example
     alone, and the batch's :data:`UNITS_KEY` then says which rows are one example (or one unit), clipped together.
     Any other row count (packing, views appended after the batch, rows that differ from the example's own) is refused
-    (:func:`hf_dp.run.contract.check_rows`)."""
+    (:func:`hf_dp.run.contract.check_rows`).
+
+    First of all, the rows given must be exactly one Poisson draw (their :data:`ROW_DRAW_KEY` stamps, taken out here:
+    every position of one draw once, nothing else), else ValueError; the batch's :data:`DRAWN_KEY` then records the
+    draw and the batch's rows (rows read one by one carry no stamp: draw 0, which ``training_step`` refuses)."""
 
     def __init__(self, collate_fn, dataset, units: bool = False, unit_column: str | None = None, attribute: bool = False,
                  drawn_for=None, token: int | None = None):
