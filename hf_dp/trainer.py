@@ -9,7 +9,8 @@ Each override does HF's part through ``super()`` and the DP part through a funct
   :class:`~hf_dp.run.state.PrivacyState` (``self.dp``). The model itself is never wrapped: saving and evaluation are
   HF's own.
 * ``get_train_dataloader``: HF's dataset and collator drawn by the Poisson sampler (:func:`hf_dp.run.data.poisson_loader`);
-  ``training_step`` trains only on micro-batches this loader tagged, each once (a subclass's override must build on
+  ``training_step`` trains only on micro-batches this loader tagged, each once, with the rows its collator made from
+  exactly one Poisson draw, each step's micro-batches in order (a subclass's override must build on
   ``super().get_train_dataloader()``: :func:`hf_dp.run.step.check_drawn_by`).
 * ``create_optimizer``: the registered update rule wrapped in the privatizer (clip, noise once, ÷B, ledger).
 * ``compute_loss`` / ``training_step``: **the loss-scaling contract** — ``compute_loss`` returns Σ_i ℓ_i / (B / world
@@ -338,6 +339,7 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
                                   self.dp.fsdp, self.args.world_size)
         self.dp.lineage.resumed_from = resume_from_checkpoint
         canaries.before_train(self.dp.audit, resume_from_checkpoint)  # --audit_canaries: no resume, one train()
+        self.dp.contract.accumulating = None  # every train() starts its steps at micro-batch 0 of a new draw
         if self.args.dp_enabled and self.dp.optimizer is not None:
             # an interrupted step's clipped sums (e.g. an exception between micro-batches) never reach a later step
             self.dp.optimizer.discard_pending()

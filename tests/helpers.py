@@ -265,9 +265,14 @@ def dpo_config(tmp_path, cls=None, **over):
 
 def drawn(trainer, batch) -> dict:
     """``batch`` (a micro-batch made by hand, or by the training collator outside the loader) as a new draw of
-    ``trainer``'s Poisson loader: DPTrainer's step trains only on micro-batches its loader tagged, each once
-    (hf_dp.run.step.check_drawn_by). Tests of the step's arithmetic feed it batches of their own making."""
-    from hf_dp.run.data import DRAWN_KEY
+    ``trainer``'s Poisson loader: DPTrainer's step trains only on micro-batches its loader tagged, each once, with the
+    tag's rows, in order within a step (hf_dp.run.step.check_drawn_by). Tests of the step's arithmetic feed it batches
+    of their own making: each is micro-batch 0 of a new logical draw (the step being accumulated is forgotten)."""
+    from hf_dp.run.data import DRAWN_KEY, _batch_rows
 
+    batch = {k: v for k, v in dict(batch).items() if k != DRAWN_KEY}
     trainer.dp.sampler.yielded += 1  # counted as the sampler's draw, so that the loader's later draws come after it
-    return {**dict(batch), DRAWN_KEY: (trainer.dp.contract.loader_token, trainer.dp.sampler.yielded)}
+    trainer.dp.sampler.logical += 1
+    trainer.dp.contract.accumulating = None
+    return {**batch, DRAWN_KEY: (trainer.dp.contract.loader_token, trainer.dp.sampler.yielded,
+                                 trainer.dp.sampler.logical, 0, _batch_rows(batch))}

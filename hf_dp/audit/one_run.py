@@ -195,11 +195,13 @@ class _ReplayFirst:
         self.inner.set_epoch(epoch)
 
     def __iter__(self):
+        from hf_dp.audit.trainer_path import _as_drawn
+
         first = None
         for i, batch in enumerate(self.inner):
             if i == 0:
                 first = list(batch)
-            yield list(first) if i == 1 else list(batch)
+            yield _as_drawn(first, batch) if i == 1 else batch  # the replay forged as the second draw
 
     def __getattr__(self, name):
         if name == "inner":

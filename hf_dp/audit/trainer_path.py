@@ -194,16 +194,27 @@ class ReplayBatchSampler:
         for batch in self.inner:
             j = self._served
             self._served += 1
+            drawn = batch
             if self._replay is not None and self._skip <= j < self._skip + len(self._replay):
                 batch = list(self._replay[j - self._skip])
             batch = list(batch)
             self.recorded.append(batch)
-            yield batch
+            yield _as_drawn(batch, drawn)
 
     def __getattr__(self, name):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def _as_drawn(indices, drawn):
+    """``indices`` under the numbers of the micro-batch ``drawn`` the wrapped sampler yielded in its place (a forged
+    :class:`~hf_dp.privacy.sampler.DrawnIndices`): the replay reaches the step as that draw, so the audit sees it."""
+    from hf_dp.privacy.sampler import DrawnIndices
+
+    if not isinstance(drawn, DrawnIndices):
+        return list(indices)
+    return DrawnIndices(indices, drawn.draw, drawn.logical, drawn.micro)
 
 
 def replay_epsilon(noise_multiplier: float, sample_rate: float, steps: int, replays: int, delta: float, accountant: str = "prv") -> float:
@@ -370,7 +381,7 @@ def _two_rows_trainer():
     one-row-per-example check bypassed (a class, built on first use)."""
     from hf_dp import DPTrainer
 
-    from hf_dp.run.data import DRAWN_KEY
+    from hf_dp.run.data import DRAWN_KEY, ROW_DRAW_KEY
 
     class TwoRowsTrainer(DPTrainer):
         def get_train_dataloader(self):
@@ -380,9 +391,10 @@ def _two_rows_trainer():
             def twice(features):
                 if not features:
                     return checked(features)
-                tag = checked(features).get(DRAWN_KEY)  # the draw's own tag, kept: the step takes the batch as drawn
-                out = checked.collate_fn(list(features) * 2)
-                out[DRAWN_KEY] = tag
+                tag = checked(features).get(DRAWN_KEY)  # the draw's own tag, forged: the step takes the batch as drawn
+                plain = [{k: v for k, v in f.items() if k != ROW_DRAW_KEY} for f in features]
+                out = checked.collate_fn(plain * 2)
+                out[DRAWN_KEY] = tag[:-1] + (2 * len(plain),)  # (token, draw, logical, micro, rows): twice the rows
                 return out
 
             loader.collate_fn = twice

@@ -65,8 +65,31 @@ from .banded import cyclic_rate
 from .randomness import csprng_uniform, source_name, stream_generator
 
 
+class DrawnIndices(list):
+    """One micro-batch's indices as :class:`PoissonBatchSampler` yields them: a list with public metadata — ``draw``
+    (the sampler's serial number of this micro-batch: 1, 2, ...), ``logical`` (the serial of the logical draw, i.e.
+    the optimizer step, it belongs to: 1, 2, ...), ``micro`` (its position 0..m−1 in that logical draw) and ``drawn``
+    (the indices as drawn, a tuple). The training loader's dataset (:class:`hf_dp.run.data.DrawStamped`) stamps every
+    row it reads for such a list, and the training collator checks that the rows it is given are exactly that draw's
+    (:data:`hf_dp.run.data.ROW_DRAW_KEY`). Slicing or concatenating gives a plain list (no stamp); it pickles (to
+    loader workers) with its metadata."""
+
+    def __init__(self, indices=(), draw: int = 0, logical: int = 0, micro: int = 0):
+        super().__init__(indices)
+        self.draw, self.logical, self.micro = int(draw), int(logical), int(micro)
+        self.drawn = tuple(self)
+
+    def __reduce__(self):
+        return (DrawnIndices, (list(self.drawn), self.draw, self.logical, self.micro))
+
+    def intact(self) -> bool:
+        """The list still holds exactly the indices drawn (no wrapper padded, cut or changed it in place)."""
+        return tuple(self) == self.drawn
+
+
 class PoissonBatchSampler(Sampler):
-    """Yields ``steps_per_epoch × micro_batches`` lists of indices per iteration.
+    """Yields ``steps_per_epoch × micro_batches`` lists of indices per iteration, each a :class:`DrawnIndices` (its
+    serial number, its logical draw and its position in it: the training loader's draw stamps).
 
     ``position``: a callable giving the number of noisy steps taken so far (the ledger's); it keys a
     seeded stream (default: the number of logical batches this sampler has drawn).
@@ -147,11 +170,11 @@ class PoissonBatchSampler(Sampler):
         self._phase = phase if phase is not None else (lambda: self._drawn)
         #: the run's step the last logical batch was drawn for (cyclic Poisson sampling; ``None`` before any)
         self.drawn_for: int | None = None
-        #: micro-batches yielded so far by this sampler (every epoch): the training loader's tag of each micro-batch
-        #: (hf_dp.run.data.DRAWN_KEY), so that a batch not drawn here, or drawn here and trained on twice, is refused
+        #: micro-batches yielded so far by this sampler (every epoch): each one's ``DrawnIndices.draw``, so that a batch
+        #: not drawn here, or drawn here and trained on twice, is refused (hf_dp.run.step.check_drawn_by)
         self.yielded = 0
-        #: the number of the micro-batch just yielded, until the training collator takes it (:meth:`take_draw`)
-        self.pending: int | None = None
+        #: logical draws (steps' worth of micro-batches) yielded so far: each micro-batch's ``DrawnIndices.logical``
+        self.logical = 0
 
     @property
     def lengths(self) -> torch.Tensor | None:
@@ -239,10 +262,10 @@ class PoissonBatchSampler(Sampler):
                     drawn = drawn[torch.argsort(self._lengths[drawn], stable=True)]
                 # split into `micro_batches` contiguous chunks of near-equal size (some may be empty)
                 bounds = [math.floor(i * len(drawn) / self.micro_batches) for i in range(self.micro_batches + 1)]
-                for a, b in zip(bounds[:-1], bounds[1:]):
+                self.logical += 1
+                for micro, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
                     self.yielded += 1
-                    self.pending = self.yielded
-                    yield drawn[a:b].tolist()
+                    yield DrawnIndices(drawn[a:b].tolist(), self.yielded, self.logical, micro)
                 continue
             rows = [self._rows_of(int(j), gen) for j in drawn]  # every drawn unit's, in index order: the stream is shared
             if self.shared:
@@ -258,17 +281,10 @@ class PoissonBatchSampler(Sampler):
             cuts = [min(max(c, 0), len(rows)) for c in cuts]
             for i in range(1, len(cuts)):
                 cuts[i] = max(cuts[i], cuts[i - 1])
-            for a, b in zip(cuts[:-1], cuts[1:]):
+            self.logical += 1
+            for micro, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
                 self.yielded += 1
-                self.pending = self.yielded
-                yield [r for unit_rows in rows[a:b] for r in unit_rows]
-
-    def take_draw(self) -> int | None:
-        """The number of the micro-batch this sampler just yielded (1, 2, ...), once: the training collator takes it
-        for the batch it collates right after the yield (a loader without workers); ``None`` if no micro-batch was
-        yielded since the last take (the collator run over batches another sampler drew)."""
-        pending, self.pending = self.pending, None
-        return pending
+                yield DrawnIndices([r for unit_rows in rows[a:b] for r in unit_rows], self.yielded, self.logical, micro)
 
     def draw_digest(self, *extra) -> str:
         """SHA-256 of everything besides the key, tag and position that decides which examples this sampler's stream

@@ -28,14 +28,17 @@ UNIT_OF_ROW_KEY = "_hf_dp_unit"
 #: set when the micro-batch is collated, right after the sampler yields it, so it travels with the batch through any
 #: loader that draws ahead; the step checks it against the step it is accumulated into (:func:`hf_dp.run.step.private_loss`)
 PHASE_KEY = "_hf_dp_drawn_for"
-#: the batch key DPTrainer's training loader puts in every micro-batch it collates: ``(token, draw)``, the trainer's
-#: random ``dp.contract.loader_token`` and the Poisson sampler's number of the micro-batch it just yielded (1, 2, ...;
-#: 0 if it yielded none since the last one collated; ``None`` with loader workers, whose copy of the sampler counts
-#: nothing). ``DPTrainer.training_step`` refuses a micro-batch without this trainer's token (a loader that does not
-#: draw with the Poisson sampler: a ``get_train_dataloader`` override that builds its own, or batches made by hand),
-#: with draw 0 (the collator run over another sampler's batches) or whose draw does not increase (the same micro-batch
-#: trained on twice): :func:`hf_dp.run.step.check_drawn_by`
+#: the batch key DPTrainer's training loader puts in every micro-batch it collates: ``(token, draw, logical, micro,
+#: rows)``, the trainer's random ``dp.contract.loader_token``, the Poisson sampler's numbers of the micro-batch
+#: (:class:`hf_dp.privacy.sampler.DrawnIndices`: its serial ``draw`` 1, 2, ..., its logical draw and its position in
+#: it) and the collated batch's rows. The collator sets them only when the rows it was given are exactly one draw of the
+#: sampler (each row's :data:`ROW_DRAW_KEY`), else draw 0. ``DPTrainer.training_step`` refuses a micro-batch without
+#: this trainer's token, with draw 0, whose draw does not increase, whose rows differ from the tag's, or that is not the
+#: next micro-batch of its step's logical draw: :func:`hf_dp.run.step.check_drawn_by`
 DRAWN_KEY = "_hf_dp_drawn"
+#: the feature key :class:`DrawStamped` adds to each row it reads for a Poisson draw: ``(draw, logical, micro, n,
+#: position)`` — the draw's numbers, its number of rows and the row's place in it; the collator takes it out
+ROW_DRAW_KEY = "_hf_dp_row_draw"
 
 
 @contextlib.contextmanager
@@ -105,6 +108,92 @@ class UnitTagged(TaggedRows):
         return int(self.unit_of_row[i])
 
 
+class StampedRows(list):
+    """The rows :class:`DrawStamped` read for one draw, with the draw's ``stamp`` ``(draw, logical, micro, n)`` (an
+    empty draw's only mark)."""
+
+    def __init__(self, rows, stamp):
+        super().__init__(rows)
+        self.stamp = stamp
+
+
+class DrawStamped(torch.utils.data.Dataset):
+    """The training loader's dataset: ``dataset`` as it is, except that the rows read for a Poisson draw
+    (``__getitems__`` of a :class:`hf_dp.privacy.sampler.DrawnIndices`) each get :data:`ROW_DRAW_KEY` and come in a
+    :class:`StampedRows`, so that the training collator can check it was given exactly that draw's rows. Rows read one
+    by one (``dataset[i]``: the independence probe, the contract's row check, the empty batch's placeholder) carry no
+    stamp. A draw whose index list a batch-sampler wrapper changed in place is refused."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset[i]
+
+    def __getitems__(self, indices):
+        from hf_dp.privacy.sampler import DrawnIndices
+
+        get = getattr(self.dataset, "__getitems__", None)
+        rows = get(list(indices)) if get is not None else [self.dataset[i] for i in indices]
+        if not isinstance(indices, DrawnIndices):
+            return rows
+        if not indices.intact():
+            raise ValueError(
+                f"the index list of Poisson draw {indices.draw} was changed after the sampler drew it ({len(indices.drawn)} "
+                f"indices, now {len(indices)}): the accountant assumes each example joins a step by its own draw at rate "
+                "q; a batch-sampler wrapper must yield DPTrainer's sampler's lists unchanged")
+        n = len(indices)
+        stamp = (indices.draw, indices.logical, indices.micro, n)
+        out = []
+        for pos, row in enumerate(rows):
+            if hasattr(row, "keys"):
+                row = dict(row)
+                row[ROW_DRAW_KEY] = stamp + (pos,)
+            out.append(row)
+        return StampedRows(out, stamp)
+
+    def __getattr__(self, name):  # column_names, _fingerprint, ... of the wrapped dataset
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def _draw_of(features):
+    """``(features without their stamps, (draw, logical, micro))`` of the rows given to the training collator:
+    ``None`` for rows that carry no stamp (read one by one, or drawn by a sampler of one's own); ValueError unless
+    the rows are exactly one draw — every position 0..n−1 of one draw once (an empty draw: its list's stamp)."""
+    stamp = getattr(features, "stamp", None)
+    seen, plain = [], []
+    for f in features:
+        if hasattr(f, "keys") and ROW_DRAW_KEY in f:
+            f = dict(f)
+            seen.append(f.pop(ROW_DRAW_KEY))
+        else:
+            seen.append(None)
+        plain.append(f)
+    if stamp is None and all(s is None for s in seen):
+        return plain, None
+    n = len(plain)
+    if any(s is not None for s in seen) or any(hasattr(f, "keys") for f in plain):  # dict rows: each its own stamp
+        ok = all(s is not None for s in seen)
+        draws = {tuple(s[:4]) for s in seen if s is not None} | ({tuple(stamp)} if stamp is not None else set())
+        positions = sorted(int(s[4]) for s in seen if s is not None)
+    else:  # rows that cannot carry a stamp: the list's
+        ok, draws, positions = stamp is not None, {tuple(stamp)} if stamp is not None else set(), list(range(n))
+    one = next(iter(draws)) if len(draws) == 1 else None
+    ok = ok and one is not None and int(one[3]) == n and positions == list(range(n))
+    if not ok:
+        raise ValueError(
+            f"DPTrainer's training collator was given {len(plain)} row(s) that are not exactly one Poisson draw of its "
+            "sampler (rows repeated, added, dropped, or mixed from several draws): the accountant assumes each example "
+            "joins a step once, by its own draw at rate q; a collate_fn wrapper must pass the features it is given, "
+            "unchanged, to DPTrainer's collator")
+    return plain, one[:3]
+
+
 class PoissonDataLoader(DataLoader):
     """A DataLoader whose epoch reaches the Poisson sampler (HF calls ``set_epoch`` each epoch)."""
 
@@ -126,14 +215,17 @@ class EmptySafeCollator:
     the same mechanism: :meth:`_attribute` checks that each example's rows are what the collator makes of that example
     alone, and the batch's :data:`UNITS_KEY` then says which rows are one example (or one unit), clipped together.
     Any other row count (packing, views appended after the batch, rows that differ from the example's own) is refused
-    (:func:`hf_dp.run.contract.check_rows`)."""
+    (:func:`hf_dp.run.contract.check_rows`).
+
+    First of all, the rows given must be exactly one Poisson draw (their :data:`ROW_DRAW_KEY` stamps, taken out here:
+    every position of one draw once, nothing else), else ValueError; the batch's :data:`DRAWN_KEY` then records the
+    draw and the batch's rows (rows read one by one carry no stamp: draw 0, which ``training_step`` refuses)."""
 
     def __init__(self, collate_fn, dataset, units: bool = False, unit_column: str | None = None, attribute: bool = False,
-                 drawn_for=None, token: int | None = None, sampler=None):
+                 drawn_for=None, token: int | None = None):
         self.collate_fn = collate_fn
-        #: the trainer's loader token and (no loader workers) its Poisson sampler: each batch's :data:`DRAWN_KEY`
+        #: the trainer's loader token: each batch's :data:`DRAWN_KEY` (with the draw its rows carry, :class:`DrawStamped`)
         self.token = token
-        self.sampler = sampler
         #: cyclic Poisson sampling: a callable giving the step the sampler drew the batch being collated for
         #: (``PoissonBatchSampler.drawn_for``), put in the batch as :data:`PHASE_KEY`; ``None``: no tag
         self.drawn_for = drawn_for
@@ -159,6 +251,7 @@ class EmptySafeCollator:
         return plain, torch.tensor(units, dtype=torch.long)
 
     def __call__(self, features):
+        features, draw = _draw_of(features)  # the Poisson draw these rows are, exactly (None: rows read one by one)
         empty = len(features) == 0
         if empty:
             features = [self.dataset[0]]
@@ -185,8 +278,8 @@ class EmptySafeCollator:
             batch[UNITS_KEY] = units
         if self.drawn_for is not None:  # the sampler's draw of this very batch (collated in the loop that drew it)
             batch[PHASE_KEY] = self.drawn_for()
-        if self.token is not None:  # the sampler's number of the micro-batch it just yielded (0: none was)
-            batch[DRAWN_KEY] = (self.token, None if self.sampler is None else int(self.sampler.take_draw() or 0))
+        if self.token is not None:  # the draw these rows are (0: rows not drawn by the sampler) and the batch's rows
+            batch[DRAWN_KEY] = (self.token,) + (draw if draw is not None else (0, 0, 0)) + (_batch_rows(batch),)
         return batch
 
     def _attribute(self, features, batch, rows: int) -> torch.Tensor:
@@ -234,6 +327,16 @@ def _rows(batch) -> int | None:
     for v in batch.values():
         if torch.is_tensor(v) and v.dim() >= 1:
             return int(v.shape[0])
+    return None
+
+
+def _batch_rows(batch) -> int | None:
+    """The first dimension every batched value of a collated batch has (:func:`hf_dp.run.contract.check_rows`: the
+    first value with a shape, a tensor or an array), ``None`` if none has one: the rows :data:`DRAWN_KEY` records."""
+    for v in batch.values() if hasattr(batch, "values") else ():
+        shape = getattr(v, "shape", None)
+        if shape is not None and len(shape) > 0:
+            return int(shape[0])
     return None
 
 
@@ -438,14 +541,12 @@ def poisson_loader(dp, args, base: DataLoader, train_dataset, audit_parts=None) 
     # the training loader's datasets (HF's, and with unit or canary tags): DPTrainer.num_examples logs public counts only
     dp.contract.loader_dataset = (base.dataset, dataset)
     return PoissonDataLoader(
-        dataset,
+        DrawStamped(dataset),  # each drawn row stamped with its draw, checked by the collator
         batch_sampler=dp.sampler,
         collate_fn=EmptySafeCollator(collate, dataset, units=units, unit_column=args.privacy_unit_column,
                                      attribute=dp.contract.several_rows,
                                      drawn_for=(lambda: dp.sampler.drawn_for) if dp.sampler.bands > 1 else None,
-                                     token=dp.contract.loader_token,
-                                     # loader workers collate with a copy of the sampler, which counts nothing
-                                     sampler=dp.sampler if args.dataloader_num_workers == 0 else None),
+                                     token=dp.contract.loader_token),
         num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory and torch.accelerator.is_available(),  # no CPU-only warning
     )

@@ -366,7 +366,8 @@ class BudgetGuard(TrainerCallback):
     At every epoch's start it drops a logical batch that an epoch stop cut between its micro-batches (a callback's
     ``should_epoch_stop``: HF leaves the epoch before the optimizer step): the next epoch draws anew at the same ledger
     step — with a seed or the ranks' shared key of the ``train()``, the same draw — so the cut micro-batches' clipped
-    sums would put their examples into one noisy step twice. ``dp``: the run's privacy state; ``record_spent``: the
+    sums would put their examples into one noisy step twice (and the loader contract's step in progress is forgotten:
+    :func:`hf_dp.run.step.check_drawn_by`). ``dp``: the run's privacy state; ``record_spent``: the
     trainer's ``DPTrainer._record_spent``."""
 
     def __init__(self, dp, record_spent):
@@ -377,6 +378,14 @@ class BudgetGuard(TrainerCallback):
         if opt is not None:
             opt.discard_pending()
         self.dp.engine.clear()
+        self.dp.contract.accumulating = None  # the cut draw is gone: the epoch's first step starts a new one
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if args.dp_enabled:  # every micro-batch of the step's Poisson draw was trained on (hf_dp.run.step)
+            from hf_dp.run.step import check_step_complete
+
+            check_step_complete(self.dp)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -73,6 +73,10 @@ class ContractState:
     #: (hf_dp.run.data.DRAWN_KEY): a micro-batch without it did not come from DPTrainer's Poisson loader
     loader_token: int = field(default_factory=lambda: secrets.randbits(62))
     last_draw: int | None = None  # the sampler's number of the last micro-batch trained on (strictly increasing)
+    #: (logical draw, micro-batches of it trained on) of the step being accumulated: the next micro-batch must be the
+    #: next of that logical draw, or (once all were) micro-batch 0 of a new one; ``None`` at every train()
+    accumulating: tuple | None = None
+    seen_yielded: int = 0  # the sampler's yielded count at the last missing tag (did DPTrainer's loader draw since?)
     loader_dataset: tuple | None = None  # the training loader's datasets (HF's; with unit tags): DPTrainer.num_examples
 
 

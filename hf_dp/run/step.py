@@ -25,34 +25,77 @@ def unit_kw(dp) -> dict:
     return {} if dp.step.units is None else {"units": dp.step.units}
 
 
+_BUILD_ON = ("a get_train_dataloader override must build on super().get_train_dataloader() (wrap its batches, keep "
+             "its sampler and collator)")
+
+
 def check_drawn_by(dp, inputs) -> None:
     """Every micro-batch trained on under DP must come from this trainer's Poisson loader
-    (:func:`hf_dp.run.data.poisson_loader`), which tags it with :data:`~hf_dp.run.data.DRAWN_KEY` (popped here): the
-    accountant assumes each unit joined the step by its own Poisson draw at rate q, which a loader of one's own (a
-    ``get_train_dataloader`` override that does not call ``super()``, shuffled fixed-size batches, batches made by
-    hand) does not do, and that no draw is trained on twice. Refused in one sentence each."""
+    (:func:`hf_dp.run.data.poisson_loader`), as it collated it, once, and in its step: the collator tags it with
+    :data:`~hf_dp.run.data.DRAWN_KEY` ``(token, draw, logical, micro, rows)`` (popped here) only when the rows it was
+    given were exactly one draw of the sampler. Refused: no tag of this trainer (a loader of one's own, batches made
+    by hand; or a wrapper that dropped the tag), draw 0 (rows the sampler did not draw as one micro-batch: a sampler of
+    one's own), a draw not above the last one trained on (a replay), a batch whose rows are not the tag's (rows added
+    or removed after collation, micro-batches merged), and a micro-batch that is not the next of its step's logical
+    draw (micro-batches skipped or mixed across steps): the accountant assumes each example (or unit) joins each step
+    once, by its own draw at rate q. One sentence each."""
     tag = inputs.pop(DRAWN_KEY, None) if hasattr(inputs, "pop") else None
-    token, draws = tag if isinstance(tag, tuple) and len(tag) == 2 else (None, None)
-    if token != dp.contract.loader_token:
+    ok = isinstance(tag, tuple) and len(tag) == 5 and tag[0] == dp.contract.loader_token
+    if not ok:
+        yielded = int(getattr(dp.sampler, "yielded", 0) or 0)
+        drew, dp.contract.seen_yielded = yielded > dp.contract.seen_yielded, yielded
+        if tag is None and drew:  # DPTrainer's loader is being iterated: a wrapper lost its non-tensor keys
+            raise RuntimeError(
+                f"a training micro-batch reached training_step without DPTrainer's key '{DRAWN_KEY}' (its tag of the "
+                "Poisson draw) although DPTrainer's training loader is drawing: a wrapper of its batches dropped "
+                "DPTrainer's non-tensor keys; a wrapper must keep every key of each batch")
         raise RuntimeError(
             "a training micro-batch did not come from DPTrainer's training loader (Poisson sampling): the accountant "
             "assumes each example (or unit) joins each step by its own draw at rate q, which a loader of one's own "
-            "does not do; a get_train_dataloader override must build on super().get_train_dataloader() (wrap its "
-            "batches, keep its sampler and collator), or train with --disable_dp")
-    if draws is None:  # loader workers: their copy of the sampler counts nothing
-        return
-    if draws <= 0:
+            f"does not do; {_BUILD_ON}, or train with --disable_dp")
+    _, draw, logical, micro, rows = tag
+    if not draw or draw <= 0:
         raise RuntimeError(
-            "a training micro-batch was collated by DPTrainer's training collator but not drawn by its Poisson sampler "
-            "(a sampler or batch sampler of one's own): the accountant assumes each example (or unit) joins each step "
-            "by its own draw at rate q; a get_train_dataloader override must build on super().get_train_dataloader() "
-            "(wrap its batches, keep its sampler and collator)")
-    if dp.contract.last_draw is not None and draws <= dp.contract.last_draw:
+            "a training micro-batch was collated by DPTrainer's training collator but its rows were not one draw of its "
+            "Poisson sampler (a sampler or batch sampler of one's own): the accountant assumes each example (or unit) "
+            f"joins each step by its own draw at rate q; {_BUILD_ON}")
+    if dp.contract.last_draw is not None and draw <= dp.contract.last_draw:
         raise RuntimeError(
-            "a training micro-batch was trained on before (the same draw of DPTrainer's Poisson sampler twice): each "
-            "draw may reach the model once; a get_train_dataloader override must pass super().get_train_dataloader()'s "
-            "batches through once each")
-    dp.contract.last_draw = draws
+            f"a training micro-batch was trained on before (draw {draw} of DPTrainer's Poisson sampler, after draw "
+            f"{dp.contract.last_draw}): each draw may reach the model once; a get_train_dataloader override must pass "
+            "super().get_train_dataloader()'s batches through once each")
+    bad = next((k for k, v in inputs.items() if getattr(v, "shape", None) is not None and len(v.shape) > 0
+                and int(v.shape[0]) != rows), None) if hasattr(inputs, "items") else None
+    if bad is not None:
+        raise RuntimeError(
+            f"a training micro-batch reached training_step with {int(inputs[bad].shape[0])} rows in '{bad}' where "
+            f"DPTrainer's collator made {rows} (rows added, removed or merged from other micro-batches after "
+            "collation, by a loader wrapper or a training_step override): each drawn example must reach the step "
+            "once and no other row; pass the collated batches on unchanged")
+    m = int(getattr(dp.sampler, "micro_batches", 1) or 1)
+    acc = dp.contract.accumulating
+    expect = (acc[0], acc[1]) if acc is not None and acc[1] < m else None  # the step's logical draw is not complete
+    if (expect is None and micro != 0) or (expect is not None and (logical, micro) != expect):
+        want = (f"micro-batch {expect[1]} of logical draw {expect[0]} (the step has taken {expect[1]} of its {m})"
+                if expect is not None else "micro-batch 0 of a new logical draw")
+        raise RuntimeError(
+            f"a training micro-batch is micro-batch {micro} of logical draw {logical} where the step being accumulated "
+            f"needs {want}: each optimizer step must take the {m} micro-batch(es) of one Poisson draw, in order (none "
+            "skipped, none from another step's draw); pass DPTrainer's loader's batches on unchanged, each once")
+    dp.contract.last_draw = draw
+    dp.contract.accumulating = (logical, micro + 1)
+
+
+def check_step_complete(dp) -> None:
+    """Before HF's optimizer step (``BudgetGuard.on_pre_optimizer_step``): the step took all ``m`` micro-batches of
+    its logical draw (:func:`check_drawn_by` saw them in order). A loader wrapper that leaves out a draw's last
+    micro-batches (e.g. at an epoch's end) would otherwise step on a part of the draw: refused in one sentence."""
+    acc, m = dp.contract.accumulating, int(getattr(dp.sampler, "micro_batches", 1) or 1)
+    if acc is not None and acc[1] != m:
+        raise RuntimeError(
+            f"an optimizer step would be taken after {acc[1]} of the {m} micro-batches of logical draw {acc[0]} (a "
+            "loader wrapper left out micro-batches, or its length differs from the Poisson loader's): each optimizer "
+            "step must take every micro-batch of one Poisson draw; pass DPTrainer's loader's batches on unchanged, each once")
 
 
 def check_drawn_for(dp, drawn_for) -> None:
