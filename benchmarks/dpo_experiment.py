@@ -412,8 +412,8 @@ def report(path, split: str | None = None) -> None:
             one = [sel[(n, s)] for s in seeds if (n, s) in sel]
             gains = []
             base = BASELINE.get(n)
-            for s in seeds:
-                b = sel.get((base, s))
+            for s in seeds:  # the same tag's baseline, else the untagged one (the recipe's non-private defaults)
+                b = sel.get((base, s)) or latest.get((g[0], "", g[2], base, s))
                 if base is None:
                     break
                 if s not in acc or b is None or b["accuracy"] <= 0.5:
