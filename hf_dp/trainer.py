@@ -54,7 +54,8 @@ from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
 from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, CachedFeatures, CachedFeaturesCollator
 from hf_dp.run.state import PrivacyState
 from hf_dp.models.loss import OBJECTIVES, objective_for
-from hf_dp.run.data import DRAWN_KEY as _DRAWN_KEY, EMPTY_KEY as _EMPTY_KEY, PHASE_KEY as _PHASE_KEY, UNITS_KEY as _UNITS_KEY
+from hf_dp.run.data import EMPTY_KEY as _EMPTY_KEY, PHASE_KEY as _PHASE_KEY, UNITS_KEY as _UNITS_KEY
+from hf_dp.run.draws import DRAWN_KEY as _DRAWN_KEY
 from hf_dp.run.data import PoissonDataLoader as _PoissonDataLoader
 from hf_dp.run.data import check_eval_is_not_train as _check_eval_is_not_train, refuse_sharding as _refuse_sharding
 from hf_dp.run.data import group_by_length, poisson_loader, split_to_bounds

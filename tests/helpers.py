@@ -268,7 +268,8 @@ def drawn(trainer, batch) -> dict:
     ``trainer``'s Poisson loader: DPTrainer's step trains only on micro-batches its loader tagged, each once, with the
     tag's rows, in order within a step (hf_dp.run.step.check_drawn_by). Tests of the step's arithmetic feed it batches
     of their own making: each is micro-batch 0 of a new logical draw (the step being accumulated is forgotten)."""
-    from hf_dp.run.data import DRAWN_KEY, _batch_rows
+    from hf_dp.run.data import _batch_rows
+    from hf_dp.run.draws import DRAWN_KEY
 
     batch = {k: v for k, v in dict(batch).items() if k != DRAWN_KEY}
     trainer.dp.sampler.yielded += 1  # counted as the sampler's draw, so that the loader's later draws come after it

@@ -94,7 +94,8 @@ MAY_IMPORT = [
     ("hf_dp.run.contract", ANYWHERE, ["hf_dp.run.independence", "hf_dp.flags", "hf_dp.models.*"]),
     ("hf_dp.run.independence", ANYWHERE, ["hf_dp.models.*"]),
     ("hf_dp.run.data", ANYWHERE, ["hf_dp.run.contract", "hf_dp.models.*", "hf_dp.privacy.sampler",
-                                  "hf_dp.clipping.sharding"]),
+                                  "hf_dp.clipping.sharding", "hf_dp.run.draws"]),
+    ("hf_dp.run.draws", ANYWHERE, ["hf_dp.privacy.sampler"]),
     ("hf_dp.run.release", ANYWHERE, ["hf_dp.clipping.sharding", "hf_dp.clipping.hooks"]),
     ("hf_dp.run.checkpointing", ANYWHERE, ["hf_dp", "hf_dp.privacy.accounting"]),  # hf_dp.__version__ in the marker
     ("hf_dp.run.spent", ANYWHERE, ["hf_dp.run.checkpointing"]),

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from hf_dp import DPTrainer
-from hf_dp.run.data import DRAWN_KEY
+from hf_dp.run.draws import DRAWN_KEY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

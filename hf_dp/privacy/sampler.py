@@ -69,9 +69,9 @@ class DrawnIndices(list):
     """One micro-batch's indices as :class:`PoissonBatchSampler` yields them: a list with public metadata — ``draw``
     (the sampler's serial number of this micro-batch: 1, 2, ...), ``logical`` (the serial of the logical draw, i.e.
     the optimizer step, it belongs to: 1, 2, ...), ``micro`` (its position 0..m−1 in that logical draw) and ``drawn``
-    (the indices as drawn, a tuple). The training loader's dataset (:class:`hf_dp.run.data.DrawStamped`) stamps every
+    (the indices as drawn, a tuple). The training loader's dataset (:class:`hf_dp.run.draws.DrawStamped`) stamps every
     row it reads for such a list, and the training collator checks that the rows it is given are exactly that draw's
-    (:data:`hf_dp.run.data.ROW_DRAW_KEY`). Slicing or concatenating gives a plain list (no stamp); it pickles (to
+    (:data:`hf_dp.run.draws.ROW_DRAW_KEY`). Slicing or concatenating gives a plain list (no stamp); it pickles (to
     loader workers) with its metadata."""
 
     def __init__(self, indices=(), draw: int = 0, logical: int = 0, micro: int = 0):

@@ -359,6 +359,18 @@ def reconcile_resumed_ledger(dp, args, checkpoint: str, taken_here: int, global_
         )
 
 
+def check_step_complete(dp) -> None:
+    """Before HF's optimizer step (``BudgetGuard.on_pre_optimizer_step``): the step took all ``m`` micro-batches of
+    its logical draw (:func:`hf_dp.run.step.check_drawn_by` saw them in order). A loader wrapper that leaves out a draw's last
+    micro-batches (e.g. at an epoch's end) would otherwise step on a part of the draw: refused in one sentence."""
+    acc, m = dp.contract.accumulating, int(getattr(dp.sampler, "micro_batches", 1) or 1)
+    if acc is not None and acc[1] != m:
+        raise RuntimeError(
+            f"an optimizer step would be taken after {acc[1]} of the {m} micro-batches of logical draw {acc[0]} (a "
+            "loader wrapper left out micro-batches, or its length differs from the Poisson loader's): each optimizer "
+            "step must take every micro-batch of one Poisson draw; pass DPTrainer's loader's batches on unchanged, each once")
+
+
 class BudgetGuard(TrainerCallback):
     """Stops training (as HF's own stop) once the next step would exceed the target ε — e.g. after a
     resume that counted steps an interrupted run took past its checkpoint. Every step taken is on record
@@ -383,8 +395,6 @@ class BudgetGuard(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if args.dp_enabled:  # every micro-batch of the step's Poisson draw was trained on (hf_dp.run.step)
-            from hf_dp.run.step import check_step_complete
-
             check_step_complete(self.dp)
         return control
 

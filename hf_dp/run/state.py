@@ -70,7 +70,7 @@ class ContractState:
     several_rows: bool = False  # that collator gives several rows per example
     partitions: Any = None  # cyclic Poisson sampling: recomputes the partitions' digest from the training set as given
     #: a random number of this trainer that its training loader's collator puts in every micro-batch it makes
-    #: (hf_dp.run.data.DRAWN_KEY): a micro-batch without it did not come from DPTrainer's Poisson loader
+    #: (hf_dp.run.draws.DRAWN_KEY): a micro-batch without it did not come from DPTrainer's Poisson loader
     loader_token: int = field(default_factory=lambda: secrets.randbits(62))
     last_draw: int | None = None  # the sampler's number of the last micro-batch trained on (strictly increasing)
     #: (logical draw, micro-batches of it trained on) of the step being accumulated: the next micro-batch must be the

@@ -17,7 +17,8 @@ import torch
 from hf_dp.clipping import sharding
 from hf_dp.models.loss import per_example_loss, positions_from_mask
 from hf_dp.run import contract
-from hf_dp.run.data import DRAWN_KEY, EMPTY_KEY, PHASE_KEY, UNITS_KEY
+from hf_dp.run.data import EMPTY_KEY, PHASE_KEY, UNITS_KEY
+from hf_dp.run.draws import DRAWN_KEY
 
 
 def unit_kw(dp) -> dict:
@@ -32,7 +33,7 @@ _BUILD_ON = ("a get_train_dataloader override must build on super().get_train_da
 def check_drawn_by(dp, inputs) -> None:
     """Every micro-batch trained on under DP must come from this trainer's Poisson loader
     (:func:`hf_dp.run.data.poisson_loader`), as it collated it, once, and in its step: the collator tags it with
-    :data:`~hf_dp.run.data.DRAWN_KEY` ``(token, draw, logical, micro, rows)`` (popped here) only when the rows it was
+    :data:`~hf_dp.run.draws.DRAWN_KEY` ``(token, draw, logical, micro, rows)`` (popped here) only when the rows it was
     given were exactly one draw of the sampler. Refused: no tag of this trainer (a loader of one's own, batches made
     by hand; or a wrapper that dropped the tag), draw 0 (rows the sampler did not draw as one micro-batch: a sampler of
     one's own), a draw not above the last one trained on (a replay), a batch whose rows are not the tag's (rows added
@@ -84,18 +85,6 @@ def check_drawn_by(dp, inputs) -> None:
             "skipped, none from another step's draw); pass DPTrainer's loader's batches on unchanged, each once")
     dp.contract.last_draw = draw
     dp.contract.accumulating = (logical, micro + 1)
-
-
-def check_step_complete(dp) -> None:
-    """Before HF's optimizer step (``BudgetGuard.on_pre_optimizer_step``): the step took all ``m`` micro-batches of
-    its logical draw (:func:`check_drawn_by` saw them in order). A loader wrapper that leaves out a draw's last
-    micro-batches (e.g. at an epoch's end) would otherwise step on a part of the draw: refused in one sentence."""
-    acc, m = dp.contract.accumulating, int(getattr(dp.sampler, "micro_batches", 1) or 1)
-    if acc is not None and acc[1] != m:
-        raise RuntimeError(
-            f"an optimizer step would be taken after {acc[1]} of the {m} micro-batches of logical draw {acc[0]} (a "
-            "loader wrapper left out micro-batches, or its length differs from the Poisson loader's): each optimizer "
-            "step must take every micro-batch of one Poisson draw; pass DPTrainer's loader's batches on unchanged, each once")
 
 
 def check_drawn_for(dp, drawn_for) -> None:
