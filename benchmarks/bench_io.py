@@ -110,3 +110,19 @@ def append_row(path: str | os.PathLike, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row), flush=True)
+
+
+def as_new_draw(trainer, batch) -> dict:
+    """``batch`` (one collated micro-batch, timed again and again) as a new draw of ``trainer``'s Poisson loader:
+    DPTrainer's step trains only on micro-batches its loader tagged, each once (hf_dp.run.step.check_drawn_by); a
+    step-time benchmark feeds the same batch at every repetition, so each gets the tag of micro-batch 0 of a new
+    logical draw (the counting a real loader does; nothing of the step's arithmetic changes)."""
+    from hf_dp.run.data import _batch_rows
+    from hf_dp.run.draws import DRAWN_KEY
+
+    batch = {k: v for k, v in dict(batch).items() if k != DRAWN_KEY}
+    trainer.dp.sampler.yielded += 1
+    trainer.dp.sampler.logical += 1
+    trainer.dp.contract.accumulating = None
+    return {**batch, DRAWN_KEY: (trainer.dp.contract.loader_token, trainer.dp.sampler.yielded,
+                                 trainer.dp.sampler.logical, 0, _batch_rows(batch))}

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_io import REPO, add_work_option, append_row, child_result, git_commit, load_jsonl, timed_steps  # noqa: E402
+from bench_io import REPO, add_work_option, append_row, as_new_draw, child_result, git_commit, load_jsonl, timed_steps  # noqa: E402
 
 MODES = ["nonprivate", "nonprivate_same_loss", "dp_ghost", "dp_two_pass", "dp_hooks", "opacus_ghost", "opacus_hooks"]
 CONFIGS = ["lora", "all"]
@@ -162,7 +162,7 @@ def child(a) -> dict:
         tr.compute_loss = same_loss
 
     def step():
-        tr.training_step(tr.model, dict(batch))
+        tr.training_step(tr.model, as_new_draw(tr, batch) if dp else dict(batch))
         tr.optimizer.step()
         tr.optimizer.zero_grad(set_to_none=True)
 

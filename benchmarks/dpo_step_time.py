@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_io import REPO, add_work_option, append_row, child_result, git_commit, load_jsonl, timed_steps  # noqa: E402
+from bench_io import REPO, add_work_option, append_row, as_new_draw, child_result, git_commit, load_jsonl, timed_steps  # noqa: E402
 from clm_step_time import GPT2_CONFIG, _model_and_rows  # noqa: E402
 from dpo_experiment import MAX_LENGTH, PROMPT  # noqa: E402
 
@@ -93,7 +93,7 @@ def child(a) -> dict:
         tr._check_contract = lambda: None
 
     def step():
-        tr.training_step(tr.model, dict(batch))
+        tr.training_step(tr.model, as_new_draw(tr, batch) if dp else dict(batch))
         tr.optimizer.step()
         tr.optimizer.zero_grad(set_to_none=True)
 

@@ -9,9 +9,7 @@ Each override does HF's part through ``super()`` and the DP part through a funct
   :class:`~hf_dp.run.state.PrivacyState` (``self.dp``). The model itself is never wrapped: saving and evaluation are
   HF's own.
 * ``get_train_dataloader``: HF's dataset and collator drawn by the Poisson sampler (:func:`hf_dp.run.data.poisson_loader`);
-  ``training_step`` trains only on micro-batches this loader tagged, each once, with the rows its collator made from
-  exactly one Poisson draw, each step's micro-batches in order (a subclass's override must build on
-  ``super().get_train_dataloader()``: :func:`hf_dp.run.step.check_drawn_by`).
+  ``training_step`` trains only on its micro-batches, each once, in order (:func:`hf_dp.run.step.check_drawn_by`).
 * ``create_optimizer``: the registered update rule wrapped in the privatizer (clip, noise once, ÷B, ledger).
 * ``compute_loss`` / ``training_step``: **the loss-scaling contract** — ``compute_loss`` returns Σ_i ℓ_i / (B / world
   size) and a hook on Σ_i ℓ_i measures the factor every later scaling applied before the backward pass; per-example

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_dp.run.contract import check_rows
-from hf_dp.run.draws import DRAWN_KEY, ROW_DRAW_KEY, DrawStamped, draw_of
+from hf_dp.run.draws import DRAWN_KEY, DrawStamped, draw_of
 from hf_dp.models.prefix_cache import CachedFeatures
 from hf_dp.models.prefix_cache import row_length
 
@@ -121,7 +121,7 @@ class EmptySafeCollator:
     Any other row count (packing, views appended after the batch, rows that differ from the example's own) is refused
     (:func:`hf_dp.run.contract.check_rows`).
 
-    First of all, the rows given must be exactly one Poisson draw (their :data:`ROW_DRAW_KEY` stamps, taken out here:
+    First of all, the rows given must be exactly one Poisson draw (their :data:`hf_dp.run.draws.ROW_DRAW_KEY` stamps, taken out here:
     every position of one draw once, nothing else), else ValueError; the batch's :data:`DRAWN_KEY` then records the
     draw and the batch's rows (rows read one by one carry no stamp: draw 0, which ``training_step`` refuses)."""
 
