@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_dp.run.contract import check_rows
-from hf_dp.run.draws import DRAWN_KEY, DrawStamped, draw_of
+from hf_dp.run.draws import DRAWN_KEY, ROW_DRAW_KEY, DrawStamped, draw_of  # noqa: F401  (ROW_DRAW_KEY: for hf_dp.audit)
 from hf_dp.models.prefix_cache import CachedFeatures
 from hf_dp.models.prefix_cache import row_length
 
