@@ -22,7 +22,7 @@ What the recipe decides (docs/dpo.md):
   disabled, no second copy), dp_adamw at lr 5e-4, a constant schedule, C = 0.1, 2 epochs, ε = 3, δ = 1e-5 (clm.py's),
   and — with ``--epsilon`` and no batch flag — a logical batch of about N/125 units (:data:`DPO_STEPS_PER_EPOCH`, at
   least 16 per device: ≈ 250 steps), the batch chosen for DPO on a public tune split (benchmarks/RESULTS.md §14);
-  ``--reward_model`` keeps clm.py's N/16 (≈ 32 steps, not tuned on pairs).
+  ``--reward_model`` keeps clm.py's N/16 (≈ 32 steps: better than B 16 for it on the tune split).
 * **The chat template.** A tokenizer without one gets :data:`DEFAULT_CHAT_TEMPLATE` (``role: text`` lines) for
   conversational pairs, said in one line.
 * **Before any model is loaded**, one ``error:`` line each for what cannot run (missing columns, a missing unit, a TRL
@@ -78,7 +78,7 @@ PROTOCOL_DEFAULTS: dict[str, Any] = dict(CLM_PROTOCOL_DEFAULTS)
 #: DPO's default logical batch without a batch flag: ≈ N/125 units (16 per device at least: q ≈ 1/125, the default 2
 #: epochs ≈ 250 steps), chosen on the tune split of benchmarks/dpo_experiment.py (RESULTS.md §14): clm.py's N/16 gave
 #: 32 steps, after which DPO had barely moved the model even at ε = 50; 250 steps at lr 5e-4 scored best of the plans
-#: tried. The reward model (--reward_model) keeps clm.py's N/16 (not tuned on pairs).
+#: tried. The reward model (--reward_model) keeps clm.py's N/16 (it scored better than B 16 on the tune split).
 DPO_STEPS_PER_EPOCH = 125
 OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {k: dict(v) for k, v in CLM_OPTIMIZER_DEFAULTS.items()}
 
@@ -236,7 +236,7 @@ def run(data_args: DpoScriptArguments, model_args: DpoModelArguments, args) -> d
     model = _build_model(reward, clm_args, config, tokenizer, path)
     if reward:  # ≈ N/16 units when no batch flag is given (clm.py's setting)
         planned = lm_batch_plan(args, n_units, source="clm.py's setting for LoRA on a causal LM, reused for the reward "
-                                "model (not tuned on pairs)")
+                                "model (it scored better than B 16 on a public tune split, benchmarks/RESULTS.md §14)")
     else:  # ≈ N/125 units (DPO_STEPS_PER_EPOCH)
         planned = lm_batch_plan(args, n_units, steps_per_epoch=DPO_STEPS_PER_EPOCH,
                                 source="the recipe's setting for DPO, chosen on a public tune split (benchmarks/RESULTS.md §14)")
