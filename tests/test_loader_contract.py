@@ -437,3 +437,19 @@ def test_rows_read_one_by_one_carry_no_stamp(tmp_path, tok, data):
     loader = tr.get_train_dataloader()
     batch = loader.collate_fn([loader.dataset[0], loader.dataset[1]])
     assert batch[DRAWN_KEY][1] == 0 and batch[DRAWN_KEY][-1] == 2
+
+
+def test_a_wrapper_showing_the_loader_dataset_logs_the_public_unit_count(tmp_path, tok, data):
+    """HF logs num_examples(train loader): under a unit column only the number of units is public. A wrapper of
+    super()'s loader that shows its ``dataset`` (the stamped rows) must get the unit count, not the row count."""
+    users = data.add_column("user", [i % 16 for i in range(len(data))])
+    tr = _trainer(tmp_path, tok, users, privacy_unit_column="user", remove_unused_columns=False)
+
+    class Showing(_Passthrough):
+        @property
+        def dataset(self):
+            return self.loader.dataset
+
+    wrapper = Showing(DPTrainer.get_train_dataloader(tr))
+    assert len(wrapper.dataset) == len(users) == 64
+    assert tr.num_examples(wrapper) == 16

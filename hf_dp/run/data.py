@@ -442,10 +442,12 @@ def poisson_loader(dp, args, base: DataLoader, train_dataset, audit_parts=None) 
     collate = base.collate_fn
     if audit_parts is not None:  # --audit_kind gradient: the canaries' tags
         dataset, collate = audit_parts(dp, dataset, collate)
-    # the training loader's datasets (HF's, and with unit or canary tags): DPTrainer.num_examples logs public counts only
-    dp.contract.loader_dataset = (base.dataset, dataset)
+    stamped = DrawStamped(dataset)  # each drawn row stamped with its draw, checked by the collator
+    # the training loader's datasets (HF's; with unit or canary tags; stamped): a wrapper showing any of them is the
+    # training loader to DPTrainer.num_examples, which logs public counts only
+    dp.contract.loader_dataset = (base.dataset, dataset, stamped)
     return PoissonDataLoader(
-        DrawStamped(dataset),  # each drawn row stamped with its draw, checked by the collator
+        stamped,
         batch_sampler=dp.sampler,
         collate_fn=EmptySafeCollator(collate, dataset, units=units, unit_column=args.privacy_unit_column,
                                      attribute=dp.contract.several_rows,
