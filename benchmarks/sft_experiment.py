@@ -35,8 +35,14 @@ contains the answer, so the scored text (the assistant's) is in a register the m
    non-private gain it keeps, (none − DP)/(none − nonprivate) in perplexity, against the same split and starting model.
 
     python benchmarks/sft_experiment.py prepare
-    python benchmarks/sft_experiment.py run --split tune --runs none,nonprivate,dp,dp_user --seeds 0
+    python benchmarks/sft_experiment.py run --split tune --runs none,nonprivate --seeds 0    # the references
+    python benchmarks/sft_experiment.py run --split tune --runs dp,dp_user --seeds 0 --tag defaults
+    python benchmarks/sft_experiment.py run --split tune --runs dp,dp_user --seeds 0 --tag lr2e-3_linear \
+        --extra "--learning_rate 2e-3 --lr_scheduler_type linear"                          # a candidate's flags
     python benchmarks/sft_experiment.py --report
+
+Then the chosen defaults on the held-out conversations: ``run --split dev --runs none,nonprivate,dp,dp_user --seeds
+0,1,2`` (with the chosen flags in the recipe, or ``--extra``).
 
 ``--smoke`` (tests/test_benchmark_smoke.py): a tiny random GPT-2 from a config (dpo_experiment.py's) stands in for the
 pretrained folder, 16 conversations, one step per run, DP at q = 1.
@@ -309,7 +315,7 @@ def report(path) -> None:
                   f"{' / '.join(_fmt(p) for p in ppl)} | **{_fmt(mean)}** | {gain} | {_fmt(last.get('epsilon'))} | "
                   f"{_fmt(last.get('sigma'), 3)} | {last.get('steps') if last.get('steps') is not None else '—'} | "
                   f"{_fmt(last.get('expected_batch_size'), 0)} | {last.get('dataset_size') or '—'} | "
-                  f"{last.get('unit') or ('row' if run_name != 'none' else '—')} | "
+                  f"{last.get('unit') or ('row' if run_name in DP_RUNS else '—')} | "
                   f"{_sig(last.get('learning_rate'))} | "
                   f"{last.get('optimizer') or '—'} | {_fmt(statistics.fmean(r['wall_s'] for r in one), 0)} |")
 
