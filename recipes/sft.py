@@ -60,6 +60,7 @@ from recipes.clm import PROTOCOL_DEFAULTS as CLM_PROTOCOL_DEFAULTS  # noqa: E402
 from recipes.clm_support import build_model, verdict_scope  # noqa: E402
 from recipes.clm_support.trl import (TrlModelArguments, TrlScriptArguments, count_trl_units,  # noqa: E402
                                      load_trl_config_and_tokenizer, load_trl_data, parse_trl_args, trl_parser)
+from recipes.common.args import RecipeError  # noqa: E402
 from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
@@ -239,6 +240,8 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
         print(planned + "; clm.py's setting for LoRA on a causal LM, reused for SFT (not tuned on conversations)",
               flush=True)
         check_privacy_settings(args, n_units)
+    if not args.do_train:  # --do_train false: the model scored as it is on the held-out conversations, nothing saved
+        return _evaluate_only(model, args, train, dev, tokenizer, start)
 
     # --push_to_hub: train and save locally first, push the release folder at the end (a failed push loses nothing)
     push = bool(args.push_to_hub)
@@ -275,6 +278,30 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
             else f"supervised fine-tuning ({kind}; non-private baseline)")
     summary = summarize(task, args, report, "loss", metrics, None, start, out, pushed,
                         expectation=planner_expectation(trainer))
+    summary["metric_name"] = "eval_loss"
+    return summary
+
+
+def _evaluate_only(model, args, train, dev, tokenizer, start: float) -> dict[str, Any]:
+    """``--do_train false`` (HF's meaning: no training): the model as loaded, scored on the held-out conversations with
+    the recipe's own loss scope; no release is written. Refused without held-out data (nothing to do)."""
+    from hf_dp.sft import DPSFTTrainer
+
+    if dev is None:
+        raise RecipeError("--do_train false needs held-out data to score (--validation_file, or a dataset with a "
+                          "test split): there is nothing else to do without training")
+    # no step is taken: nothing private is used or spent. TRL's trainer needs a training set (it reads the data kind
+    # from it): one row, never trained on, under a trainer without DP (no plan, no sampling, no ledger)
+    args.disable_dp = True
+    trainer = DPSFTTrainer(model=model, args=args, train_dataset=train.select([0]), eval_dataset=dev,
+                           processing_class=tokenizer)
+    metrics = trainer.evaluate()
+    eval_loss = metrics.get("eval_loss")
+    if eval_loss is not None:
+        print(f"eval_loss = {eval_loss:.4f} (perplexity {math.exp(min(eval_loss, 50)):.2f}) on {len(dev)} held-out "
+              "conversations (no training: --do_train false)", flush=True)
+    summary = summarize("supervised fine-tuning (evaluation only: --do_train false)", args, {}, "loss", metrics, None,
+                        start, None, None)
     summary["metric_name"] = "eval_loss"
     return summary
 

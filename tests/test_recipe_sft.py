@@ -71,6 +71,15 @@ def test_a_user_level_sft_run_prints_eval_loss_and_names_the_users(files, capsys
     assert "generation" in (files / "out" / "release" / "chat_template.jinja").read_text()  # the default template ships with it
 
 
+def test_do_train_false_scores_the_model_as_loaded_and_trains_nothing(files, capsys):
+    """HF's --do_train false keeps its meaning: no step, no release, the held-out conversations scored (before, sft.py
+    ignored the flag: it trained and saved a release, at a batch the planner had skipped)."""
+    assert _run(files, "--epsilon", "3", "--do_train", "false") == 0
+    out = capsys.readouterr().out
+    assert "no training: --do_train false" in out and "eval_loss = " in out
+    assert not (files / "out" / "release").exists()
+
+
 @pytest.mark.parametrize("extra,match", [
     (["--privacy_unit_column", "person"], "error: --privacy_unit_column person: the training data has no column 'person'"),
     (["--packing", "true"], "error: --packing is not supported with DP"),
