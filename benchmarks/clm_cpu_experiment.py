@@ -47,6 +47,7 @@ from bench_io import REPO, git_commit, load_jsonl  # noqa: E402
 
 GLUE = REPO.parent / "shared" / "data" / "glue"
 WORK = REPO / "runs" / "clm_experiment"
+WORK_WIKI = REPO / "runs" / "clm_experiment_wiki"
 OUT = REPO / "benchmarks" / "results" / "clm_experiment.jsonl"
 CONFIG = "n_layer=4,n_embd=128,n_head=4,n_positions=128"
 
@@ -57,6 +58,8 @@ def _tsv(path: Path) -> list[dict]:
 
 
 def prepare(a) -> None:
+    if a.corpus == "wiki":
+        return prepare_wiki(a)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     public = []
@@ -91,6 +94,40 @@ def prepare(a) -> None:
                 f.write(json.dumps(r) + "\n")
     print(f"public sentences {len(public):,}; private rows {len(rows):,} of {user:,} synthetic users; dev {len(dev):,}; "
           f"tune split {len(tune_train):,} rows of {tune_users:,} users, tune dev {len(tune_dev):,}")
+
+
+def prepare_wiki(a) -> None:
+    """The corpus with much to learn (issue 54): public text = QNLI's *questions* only (train + dev); private text =
+    QNLI's Wikipedia *sentences* (declarative, 26 words on average, against the questions' 10) — the same topics in
+    another register, so a model pretrained on the questions has much to gain on them. The distinct sentences, shuffled
+    (seeded), are cut into disjoint parts: ``train.jsonl`` (``--private_rows``, with synthetic users), ``dev.jsonl``
+    (``--dev_rows``), and the tune split ``tune_train.jsonl`` / ``tune_dev.jsonl`` of the same sizes, on which defaults
+    are chosen (never on train or dev)."""
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = [r for split in ("train", "dev") for r in _tsv(GLUE / "QNLI" / f"{split}.tsv")]
+    public = sorted({r["question"].strip() for r in rows if r["question"].strip()})
+    sentences = sorted({r["sentence"].strip() for r in rows if r["sentence"].strip()} - set(public))
+    rng = random.Random(a.seed)
+    rng.shuffle(public)
+    rng.shuffle(sentences)
+    n, m = a.private_rows, a.dev_rows
+    if 2 * (n + m) > len(sentences):
+        raise SystemExit(f"error: {len(sentences):,} distinct sentences cannot give 2 × ({n:,} + {m:,}) disjoint rows")
+    train, users = _with_users(sentences[:n], rng)
+    dev = [{"text": t} for t in sentences[n: n + m]]
+    tune_train, tune_users = _with_users(sentences[n + m: 2 * n + m], random.Random(a.seed + 1))
+    tune_dev = [{"text": t} for t in sentences[2 * n + m: 2 * (n + m)]]
+    if a.smoke:
+        public = public[:400]
+    (work / "public.txt").write_text("\n".join(public) + "\n", encoding="utf-8")
+    for name, data in (("train.jsonl", train), ("dev.jsonl", dev), ("tune_train.jsonl", tune_train),
+                       ("tune_dev.jsonl", tune_dev)):
+        with open(work / name, "w", encoding="utf-8") as f:
+            for r in data:
+                f.write(json.dumps(r) + "\n")
+    print(f"public questions {len(public):,}; private sentences {len(train):,} of {users:,} synthetic users; dev "
+          f"{len(dev):,}; tune split {len(tune_train):,} rows of {tune_users:,} users, tune dev {len(tune_dev):,}")
 
 
 def _with_users(texts, rng) -> tuple[list[dict], int]:
@@ -139,7 +176,7 @@ def pretrain(a) -> None:
     dest = Path(a.pretrained)
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
-    info = {"phase": "pretrain", "config": a.config, "block_size": L, "blocks": len(blocks), "tokens": len(blocks) * L,
+    info = {"phase": "pretrain", "corpus": a.corpus, "config": a.config, "block_size": L, "blocks": len(blocks), "tokens": len(blocks) * L,
             "epochs": a.epochs, "max_steps": a.max_steps, "command": " ".join(sys.argv), "batch": a.batch, "lr": a.lr, "seed": a.seed, "wall_s": round(wall, 1),
             "params": sum(p.numel() for p in model.parameters()), "commit": git_commit(), "smoke": a.smoke}
     (dest / "pretrain_info.json").write_text(json.dumps(info, indent=1))
@@ -199,7 +236,7 @@ def finetune(a) -> None:
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         wall = time.time() - t0
-        row = {"phase": "finetune", "run": name, "split": a.split, "tag": a.tag, "returncode": proc.returncode,
+        row = {"phase": "finetune", "corpus": a.corpus, "run": name, "split": a.split, "tag": a.tag, "returncode": proc.returncode,
                "wall_s": round(wall, 1),
                "command": " ".join(cmd[1:]), "commit": git_commit(), "seed": a.seed, "smoke": a.smoke,
                "pretrained": pretrained}
@@ -258,29 +295,42 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
     pretrained model has no run ``none`` on the split, and a run with correlated noise (``--noise_mechanism
     banded_sqrt``, RESULTS §13): the verdict's noise walk is calibrated on independent noise."""
     def group(r):
-        return r.get("pretrained") or "legacy", r.get("split") or "dev"
+        split = r.get("split") or "dev"  # another corpus's splits are its own texts (not SST-2's little-gain ones)
+        return r.get("pretrained") or "legacy", split if r.get("corpus", "sst2") == "sst2" else f"{r['corpus']}:{split}"
 
     ok = [r for r in rows if r.get("phase") == "finetune" and r.get("returncode") == 0 and not r.get("smoke")
           and r.get("perplexity") is not None]
     none = {group(r): float(r["perplexity"]) for r in ok if r.get("run") == "none"}  # the latest of a group counts
     config = next((r["config"] for r in rows if r.get("phase") == "pretrain" and not r.get("smoke")), CONFIG)
-    # a run's folder name (ft_<split>_<run>_<tag>_s<seed>) names it; the latest row of a folder counts
-    dp = {os.path.basename(os.path.normpath(_flag(r["command"], "--output_dir") or "")): r for r in ok
+
+    def folder_of(r):  # a run is its folder (ft_<split>_<run>_<tag>_s<seed>) within its corpus: its latest row counts
+        return r.get("corpus") or "sst2", os.path.basename(os.path.normpath(_flag(r["command"], "--output_dir") or ""))
+
+    dp = {folder_of(r): r for r in ok
           if r.get("noise_multiplier") is not None
           and (_flag(r["command"], "--noise_mechanism") or "independent") == "independent"}
     scored = [(r, group(r)) for r in dp.values()]
-    for e in ok:  # a DP run's release scored on another split's text
+    # the non-private fine-tuning of a group (the latest; the gain a DP run's share is of): run "nonprivate", or its
+    # release scored on another split's text
+    nonprivate = {group(r): float(r["perplexity"]) for r in ok if r.get("run") == "nonprivate"}
+    npruns = {folder_of(r): r for r in ok
+              if r.get("run") == "nonprivate"}
+    for e in ok:  # a DP (or the non-private) run's release scored on another split's text
         model = _flag(e["command"], "--model_name_or_path") or ""
-        source = dp.get(os.path.basename(os.path.dirname(os.path.normpath(model)))) if e.get("run") == "eval" else None
+        folder = ((e.get("corpus") or "sst2", os.path.basename(os.path.dirname(os.path.normpath(model))))
+                  if e.get("run") == "eval" else None)
+        source = dp.get(folder)
         if source is not None:
             scored.append(({**source, "perplexity": e["perplexity"], "tag": f"{source.get('tag') or ''} (eval)"},
-                           (group(source)[0], e.get("split") or "dev")))
+                           (group(source)[0], group(e)[1])))
+        elif folder in npruns:
+            nonprivate[(group(npruns[folder])[0], group(e)[1])] = float(e["perplexity"])
     sys.path.insert(0, str(REPO))
     from hf_dp.plan.lm_verdict import LM_TIE
 
     latest = {}  # one scoring per (DP run, scored text): the latest
     for r, g in scored:
-        latest[(g, os.path.basename(os.path.normpath(_flag(r["command"], "--output_dir") or "")))] = (r, g)
+        latest[(g, folder_of(r))] = (r, g)
     out = []
     for r, g in latest.values():
         if r.get("expected_batch_size") is None or g not in none:
@@ -291,8 +341,15 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
         sigma, b = float(r["noise_multiplier"]), float(r["expected_batch_size"])
         out.append({
             "run": r["run"], "tag": r.get("tag") or "", "split": g[1], "pretrained": g[0],
+            "corpus": r.get("corpus") or "sst2",
+            "schedule": _flag(r["command"], "--lr_scheduler_type") or "constant",  # recipes/clm.py's default
             "id": (g[0], _flag(r["command"], "--output_dir")),  # the DP run (one per folder and pretrained model)
             "perplexity": float(r["perplexity"]), "none_perplexity": none[g],
+            # the share of the non-private gain the run kept (None without a non-private run of the group, or when
+            # non-private fine-tuning gained nothing there)
+            "nonprivate_perplexity": nonprivate.get(g),
+            "share": ((none[g] - float(r["perplexity"])) / (none[g] - nonprivate[g])
+                      if g in nonprivate and none[g] - nonprivate[g] > 0 else None),
             # within LM_TIE of no fine-tuning's perplexity: a tie, neither better nor worse
             "worse": float(r["perplexity"]) > none[g] * (1 + LM_TIE),
             "better": float(r["perplexity"]) < none[g] * (1 - LM_TIE), "sigma": sigma, "batch": b, "params": int(d),
@@ -339,6 +396,55 @@ def calibration_constants(rows: list[dict]) -> dict:
     }
 
 
+def share_rows(rows: list[dict], corpus: str = "wiki", alignment: float | None = None) -> list[dict]:
+    """The DP runs of :func:`lm_calibration_rows` on ``corpus`` under an Adam-type rule with a share of the non-private
+    gain (a non-private run of the same model and text), each with its signal movement S (the schedule's mean learning
+    rate; ``alignment``: a, default hf_dp.plan.lm_share.ALIGNMENT): on ``wiki`` (text with much to learn) the planner's
+    expected share (hf_dp.plan.lm_share) is fitted."""
+    sys.path.insert(0, str(REPO))
+    from hf_dp.plan.lm_share import ADAM_RULES, ALIGNMENT, SCHEDULE_MEAN, signal_move
+
+    out = []
+    for r in rows:
+        if r["corpus"] != corpus or r["optimizer"] not in ADAM_RULES or r.get("share") is None:
+            continue
+        lr = r["learning_rate"] * SCHEDULE_MEAN.get(r["schedule"], 1.0)
+        out.append({**r, "move": signal_move(lr, r["sigma"], r["batch"], r["params"], r["steps"], alignment or ALIGNMENT)})
+    return out
+
+
+def share_constants(rows: list[dict]) -> dict:
+    """``hf_dp.plan.lm_share``'s constants as :func:`share_rows` of ``rows`` make them: share ≈ max·(1 − exp(−S/scale))
+    with the (a, max, scale) of a grid (a in 0.25, 0.5, 0.75, 1, 1.5, 2; max 0.01 … 1 by 0.01; scale 0.00025 … 0.05 by
+    0.00025) that minimises the largest error over the runs on text with much to learn (ties: the earlier in that
+    order); the S at which it expects half of the gain; and, on SST-2's whole sentences, the largest S of a run that kept
+    a positive share."""
+    sys.path.insert(0, str(REPO))
+    from hf_dp.plan.lm_share import predicted_share
+    from hf_dp.plan.lm_verdict import LITTLE_GAIN_SPLITS
+
+    best = None
+    for a in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0):
+        fit = share_rows(rows, corpus="wiki", alignment=a)
+        if not fit:
+            return {}
+        for i in range(1, 101):
+            for j in range(1, 201):
+                mx, sc = i / 100, j * 0.00025
+                err = max(abs(predicted_share(r["move"], mx, sc) - r["share"]) for r in fit)
+                if best is None or err < best[0] - 1e-12:
+                    best = (err, a, mx, sc, fit)
+    err, a, mx, sc, fit = best
+    half = -sc * math.log(1 - 0.5 / mx) if mx > 0.5 else None
+    little = [r for r in share_rows(rows, corpus="sst2", alignment=a) if r["split"] in LITTLE_GAIN_SPLITS]
+    kept = [r["move"] for r in little if r["share"] > 0]
+    return {"ALIGNMENT": a, "SHARE_MAX": mx, "SHARE_SCALE": round(sc, 5),
+            "SHARE_LARGEST_S": float(f"{max(r['move'] for r in fit):.2g}"),
+            "HALF_GAIN_S": float(f"{half:.2g}") if half is not None else None,
+            "LITTLE_GAIN_LAST_GOOD": float(f"{max(kept):.2g}") if kept else None,
+            "LM_SHARE": {"runs": len(fit), "largest_error": round(err, 3)}}
+
+
 def calibration_report(path) -> None:
     """The measured DP runs beside the planner's causal-LM verdict (``--calibration``)."""
     sys.path.insert(0, str(REPO))
@@ -355,6 +461,14 @@ def calibration_report(path) -> None:
               f"{'worse' if r['worse'] else 'better' if r['better'] else 'tie'} | {v or '—'} |")
     print(f"thresholds: W ≥ {LM_WORSE_WALK} worse on any text, ≥ {LM_WORSE_WALK_LITTLE_GAIN} on SST-2 dev")
     print(f"LM_CALIBRATION from these rows (hf_dp/plan/lm_verdict.py; 'model' aside): {calibration_constants(rows)}")
+    from hf_dp.plan.lm_share import predicted_share
+
+    print("\n| split | run | tag | lr | schedule | B | T | R_step | S | share | expected |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in sorted(share_rows(rows), key=lambda r: r["move"]):
+        print(f"| {r['split']} | {r['run']} | {r['tag']} | {r['learning_rate']:g} | {r['schedule']} | {r['batch']:g} | "
+              f"{r['steps']} | {r['r_step']:.3g} | {r['move']:.4f} | {r['share']:.0%} | {predicted_share(r['move']):.0%} |")
+    print(f"hf_dp/plan/lm_share.py from these rows: {share_constants(rows)}")
 
 
 def report(path) -> None:
@@ -380,11 +494,15 @@ def main(argv=None) -> None:
     ap.add_argument("phase", nargs="?", choices=["prepare", "pretrain", "finetune"])
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--work", default=str(WORK))
+    ap.add_argument("--corpus", choices=("sst2", "wiki"), default="sst2",
+                    help="sst2: pretrain on QNLI's questions and sentences, fine-tune on SST-2 sentences (little to "
+                         "gain); wiki: pretrain on QNLI's questions only, fine-tune on its Wikipedia sentences (much to "
+                         "gain; its own --work and --pretrained folders by default)")
+    ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--pretrained", default=str(REPO / "runs" / "clm_pretrained"))
+    ap.add_argument("--pretrained", default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--private_rows", type=int, default=4000)
+    ap.add_argument("--private_rows", type=int, default=None, help="4,000 (sst2), 5,000 (wiki)")
     ap.add_argument("--dev_rows", type=int, default=872)
     ap.add_argument("--config", default=CONFIG)
     ap.add_argument("--block_size", type=int, default=64)
@@ -405,6 +523,10 @@ def main(argv=None) -> None:
     ap.add_argument("--calibration", action="store_true",
                     help="print the measured DP runs beside the planner's causal-LM verdict (hf_dp.plan.lm_verdict)")
     a = ap.parse_args(argv)
+    wiki = a.corpus == "wiki"
+    a.work = a.work or str(WORK_WIKI if wiki else WORK)
+    a.pretrained = a.pretrained or str(REPO / "runs" / ("clm_pretrained_questions" if wiki else "clm_pretrained"))
+    a.private_rows = a.private_rows or (5000 if wiki else 4000)
     if a.calibration:
         return calibration_report(a.out)
     if a.report:

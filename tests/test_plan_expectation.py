@@ -103,7 +103,10 @@ def test_never_silence(r_run, calibrated, lm):
 
 def test_the_causal_lm_lines_say_no_calibrated_expectation_when_there_is_no_verdict():
     _, block, _ = _block(0.3, causal_lm=True, optim="dp_sgd", learning_rate=1e-3)
-    assert "no causal-LM verdict" in block and NONE + " 28 measured DP fine-tuning runs" in block
+    from hf_dp.plan.lm_verdict import LM_CALIBRATION
+
+    runs = LM_CALIBRATION["runs"]
+    assert "no causal-LM verdict" in block and NONE + f" {runs} measured DP fine-tuning runs" in block
     with not_calibrated_for("the model starts from random weights (--model_type gpt2)"):
         _, block, warning = _block(0.3, causal_lm=True, optim="dp_adamw", learning_rate=1e-3)
         exp = run_expectation(n=1000, batch_size=100, steps=400, sigma=1.0, params=10_000, causal_lm=True,

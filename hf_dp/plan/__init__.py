@@ -56,7 +56,8 @@ or fewer trainable parameters can. As the bound, the criterion is worst case in 
 The package: :mod:`hf_dp.plan.plans` (rows, plans, the start-of-run block), :mod:`hf_dp.plan.calibration` (the
 calibration table and the verdict), :mod:`hf_dp.plan.lm_verdict` (a pretrained causal LM's verdict: is DP fine-tuning
 expected to end worse than no fine-tuning? the noise walk lr·√T·R_step/√(1 + R_step²) against thresholds measured
-on causal-LM runs),
+on causal-LM runs), :mod:`hf_dp.plan.lm_share` (the share of the non-private gain a causal-LM plan is expected to
+keep on text with much to learn, from its signal movement lr·T/√(a² + R_step²)),
 :mod:`hf_dp.plan.noise` (``--noise_comparison``: the noise banded_sqrt would leave in the trajectory at a plan, relative
 to independent noise, and which to use), :mod:`hf_dp.plan.noise_line` (the start-of-run block's line on the noise
 mechanism), :mod:`hf_dp.plan.cli` (the command line).

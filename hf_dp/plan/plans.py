@@ -1,7 +1,6 @@
 """The planner's rows and plans: σ from the accountant for candidate (B, E), the noise figures, the recommendation at
 a fixed compute budget, and the start-of-run block every DP run logs (:func:`run_block`). See :mod:`hf_dp.plan` for
-the quantities and the objective; the calibrated expectation is :mod:`hf_dp.plan.calibration`.
-"""
+the quantities and the objective; the calibrated expectation is :mod:`hf_dp.plan.calibration`."""
 
 from __future__ import annotations
 
@@ -22,7 +21,8 @@ from hf_dp.plan.calibration import (
     fmt_e,
     noisy_message,
 )
-from hf_dp.plan.lm_verdict import expected_worse, lm_verdict, no_verdict_line, not_calibrated_reason
+from hf_dp.plan.lm_share import verdict_and_share
+from hf_dp.plan.lm_verdict import expected_worse, no_verdict_line, not_calibrated_reason
 from hf_dp.plan.noise_line import run_noise_line
 from hf_dp.privacy.accounting import (ACCOUNTANTS, calibrate_noise_multiplier, check_delta, check_epsilon, compute_epsilon,
                                       dp_sgd_equivalent)
@@ -269,7 +269,7 @@ class Plan:
         if self.choice is None:
             return None
         c = self.choice
-        return lm_verdict(sigma=c.sigma, batch_size=c.batch_size, params=c.params, steps=c.steps,
+        return verdict_and_share(sigma=c.sigma, batch_size=c.batch_size, params=c.params, steps=c.steps,
                           learning_rate=learning_rate, optim=optim, who="the recommended plan", batch_fix=lm_batch_fix(
                               c, [r for r in self.rows if r.epochs == c.epochs], optim, learning_rate))
 
@@ -457,7 +457,7 @@ def _expectation(own: PlanRow, *, calibrated: bool, causal_lm: bool, optim: str 
         return Expectation("none", line, "none (the causal-LM verdict is calibrated on fine-tuning a pretrained causal LM)",
                            r_run=own.r_run if own.params else None)
     b = own.batch_size if batch_size is None else batch_size
-    worse, line = lm_verdict(sigma=own.sigma, batch_size=b, params=own.params, steps=own.steps,
+    worse, line = verdict_and_share(sigma=own.sigma, batch_size=b, params=own.params, steps=own.steps,
                              learning_rate=learning_rate, optim=optim, who="this run", batch_fix=batch_fix)
     if worse is None:
         return Expectation("none", line, "none (no causal-LM verdict for this update rule or without a learning rate)",
