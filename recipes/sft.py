@@ -216,6 +216,8 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
     transformers.set_seed(args.seed)
     # before any model is loaded (without 🤗 Datasets' bars under a unit column: they print the number of conversations)
     train, dev, kind = load_trl_data(data_args, args, lambda ds, what: _check_columns(ds, args, what))
+    if not args.do_train:
+        _check_evaluate_only(args, dev)
     resume = resume_argument(args, model_sources(model_args))
     # N: the units, else the rows (before TRL's preparation, which drops a conversation left with no scored token:
     # DPTrainer counts the prepared set)
@@ -282,14 +284,21 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
     return summary
 
 
-def _evaluate_only(model, args, train, dev, tokenizer, start: float) -> dict[str, Any]:
-    """``--do_train false`` (HF's meaning: no training): the model as loaded, scored on the held-out conversations with
-    the recipe's own loss scope; no release is written. Refused without held-out data (nothing to do)."""
-    from hf_dp.sft import DPSFTTrainer
-
+def _check_evaluate_only(args, dev) -> None:
+    """``--do_train false``, before the model is loaded: one error line for what an evaluation-only run cannot do."""
     if dev is None:
         raise RecipeError("--do_train false needs held-out data to score (--validation_file, or a dataset with a "
                           "test split): there is nothing else to do without training")
+    if args.push_to_hub:
+        raise RecipeError("--do_train false trains nothing and writes no release: there is nothing to push "
+                          "(--push_to_hub)")
+
+
+def _evaluate_only(model, args, train, dev, tokenizer, start: float) -> dict[str, Any]:
+    """``--do_train false`` (HF's meaning: no training): the model as loaded, scored on the held-out conversations with
+    the recipe's own loss scope; no release is written (:func:`_check_evaluate_only` refused what it cannot do)."""
+    from hf_dp.sft import DPSFTTrainer
+
     # no step is taken: nothing private is used or spent. TRL's trainer needs a training set (it reads the data kind
     # from it): one row, never trained on, under a trainer without DP (no plan, no sampling, no ledger)
     args.disable_dp = True

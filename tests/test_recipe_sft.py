@@ -78,6 +78,24 @@ def test_do_train_false_scores_the_model_as_loaded_and_trains_nothing(files, cap
     out = capsys.readouterr().out
     assert "no training: --do_train false" in out and "eval_loss = " in out
     assert not (files / "out" / "release").exists()
+    # what it cannot do: one error line each, before any model is built
+    from recipes import sft
+
+    for extra, match in ((["--push_to_hub", "true", "--hub_model_id", "me/x"], "error: --do_train false trains nothing"),
+                         (["--validation_file", ""], "error: --do_train false needs held-out data")):
+        argv = [a for a in [*LLAMA, "--tokenizer_name", str(files / "tok"), "--train_file", str(files / "chats.jsonl"),
+                            "--validation_file", str(files / "dev.jsonl"), "--output_dir", str(files / "out2"),
+                            "--max_length", "32", "--use_cpu", "true", "--report_to", "none", "--epsilon", "3",
+                            "--do_train", "false"]]
+        if extra[0] == "--validation_file":
+            i = argv.index("--validation_file")
+            del argv[i:i + 2]
+        else:
+            argv += extra
+        assert sft.main(argv) == 2
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        assert len(lines) == 1 and lines[0].startswith(match) and "a new llama model" not in err, err[-2000:]
 
 
 @pytest.mark.parametrize("extra,match", [
