@@ -23,10 +23,10 @@ contains the answer, so the scored text (the assistant's) is in a register the m
    adamw_torch`` with the fixed settings of clm_cpu_experiment.py's non-private reference (lr 2e-3, B 64 = 16 × 4, the
    recipe's 2 epochs, LoRA, constant schedule); ``dp`` = ε = 3 with the recipe's own defaults, one conversation per
    unit; ``dp_user`` = the same with ``--privacy_unit_column user_id``; ``--extra`` adds a candidate's flags to the DP
-   runs only (the non-private reference stays fixed). ``none`` trains nothing: recipes/sft.py has no evaluation-only
-   path (it trains whatever ``--do_train`` says), so the starting model is scored here with the recipe's own pieces
-   (its arguments, data loading, chat template, ``DPSFTTrainer.evaluate``): :func:`evaluate_model`, which also rescores
-   every release (``eval_loss_rescored``: it agrees with the recipe's ``eval_loss``).
+   runs only (the non-private reference stays fixed). ``none`` trains nothing: the starting model is scored here with the recipe's own
+   pieces (its arguments, data loading, chat template, ``DPSFTTrainer.evaluate`` — what ``recipes/sft.py --do_train
+   false`` does too), :func:`evaluate_model`, which also rescores every release (``eval_loss_rescored``: it agrees with
+   the recipe's ``eval_loss``).
    The score: ``eval_loss``, TRL's evaluation loss on the held-out conversations (the mean cross-entropy per assistant
    token of each evaluation batch, as privacy.json's ``eval`` records it), and ``perplexity`` = exp(eval_loss).
    Each run appends one JSON line to ``benchmarks/results/sft_experiment.jsonl`` (perplexity, eval_loss, ε, σ, steps,
@@ -137,7 +137,7 @@ def prepare(a) -> None:
 def evaluate_model(model: str, train_file, dev_file, out_dir, seed: int) -> dict:
     """TRL's evaluation of the causal LM in folder ``model`` on ``dev_file``'s conversations, as recipes/sft.py
     evaluates after training (its arguments and defaults, data loading, chat template, loss scope, DPSFTTrainer's
-    ``evaluate``), without training: recipes/sft.py has no evaluation-only path. Non-private: nothing is trained."""
+    ``evaluate``), without training (as `recipes/sft.py --do_train false`, in-process). Non-private: nothing is trained."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     import transformers

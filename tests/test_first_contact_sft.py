@@ -8,7 +8,7 @@
 * A run says which chat template it added and why, that the user-level training loss is a per-user sum, and the
   time left even when the run is shorter than one logging interval; it prints no ``pin_memory`` warning; the causal-LM
   verdict is not given for a random-init model; no second card and privacy.json sit at the top of ``--output_dir``.
-* Without a batch flag the recipe plans the batch as clm.py does (≈ N/16 units) at clm.py's DP defaults.
+* Without a batch flag the recipe plans the batch as clm.py does (≈ N/16 units) at the recipe's DP defaults.
 * A training row without a unit is named by its line in the file; a pair task's summary puts the best constant
   predictor's F1 beside the model's.
 
@@ -104,8 +104,8 @@ def test_help_marks_dp_and_refused_flags_and_shows_the_recipes_defaults(capsys):
     assert "[DP: refused if True — --padding_free is not supported with DP" in e["--padding_free"]
     assert "{% generation %}" in e["--assistant_only_loss"]  # argparse's %-formatting no longer breaks it
     assert "(default: per data kind: true on 'messages' data)" in e["--assistant_only_loss"]
-    # the recipe's DP defaults (clm.py's for LoRA on a causal LM), not HF's 5e-5 / linear / B 8
-    assert "(default: 0.0005)" in e["--learning_rate"] and "not tuned on conversations" in e["--learning_rate"]
+    # the recipe's DP defaults (the lr chosen on conversations, the rest clm.py's), not HF's 5e-5 / linear / B 8
+    assert "(default: 0.002)" in e["--learning_rate"] and "tune split of conversations" in e["--learning_rate"]
     assert "(default: constant)" in e["--lr_scheduler_type"] and "(default: 2.0)" in e["--num_train_epochs"]
     assert "N/16 units" in e["--per_device_train_batch_size"] and "(default: 16)" in e["--per_device_train_batch_size"]
     assert "(default: lora)" in e["--trainable"] and "(default: 0.1)" in e["--per_sample_max_grad_norm"]
@@ -114,20 +114,21 @@ def test_help_marks_dp_and_refused_flags_and_shows_the_recipes_defaults(capsys):
 
 
 def test_the_recipes_defaults_are_clm_s_and_the_planner_chooses_the_batch(files, capsys):
-    """Was: HF's lr 5e-5, linear schedule, B = 8, no planner. Now clm.py's DP defaults, and without a batch flag a
-    logical batch of ≈ N/16 units (32 conversations: B = 16, q = 0.5), said in one line."""
+    """Was: HF's lr 5e-5, linear schedule, B = 8, no planner. Now DP defaults (the lr chosen on conversations, the rest
+    clm.py's), and without a batch flag a logical batch of ≈ N/16 units (32 conversations: B = 16, q = 0.5), said in one
+    line."""
     from recipes import sft
     from recipes.common.logs import pin_memory_default
 
     _, _, args = sft.parse_args(_argv(files, batch=False))
-    assert (args.learning_rate, str(args.lr_scheduler_type.value), args.warmup_steps) == (5e-4, "constant", 0)
+    assert (args.learning_rate, str(args.lr_scheduler_type.value), args.warmup_steps) == (2e-3, "constant", 0)
     assert (args.per_device_train_batch_size, args.num_train_epochs, args.trainable) == (16, 2.0, "lora")
     assert args.per_sample_max_grad_norm == 0.1 and str(args.optim) == "dp_adamw"
     assert str(args.save_strategy.value) == "no" and args.dataloader_pin_memory is pin_memory_default()
     code, out, err = _run(files, capsys, batch=False)
     assert code == 0, err[-3000:]
     line = next(x for x in out.splitlines() if x.startswith("planner (causal LM"))
-    assert "logical batch B = 16 units" in line and "reused for SFT (not tuned on conversations)" in line
+    assert "logical batch B = 16 units" in line and "reused for SFT (the batch was not tuned on conversations)" in line
     assert re.search(r"^sampling rate q\s+: 0\.5$", out, re.M), out[-1500:]
 
 
