@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -49,6 +50,50 @@ def add_work_option(ap, name: str) -> None:
     this checkout (git-ignored), never a fixed folder under the system's temporary directory."""
     ap.add_argument("--work", default=str(REPO / "runs" / name),
                     help=f"the runs' output folders go under this folder (default: runs/{name} in the repo, git-ignored)")
+
+
+def experiment_parser(doc: str, name: str, out, pretrained, runs, splits, what: str, recipe: str):
+    """The command line the run-and-score experiments share (dpo_experiment.py, sft_experiment.py): a ``phase``
+    (prepare or run), ``--report``, ``--smoke``, ``--work``, ``--out``, ``--pretrained``, ``--seed``, ``--runs``,
+    ``--seeds``, ``--split``, ``--threads``, ``--extra`` and ``--tag``; a script adds its own sizes. ``what``: the
+    held-out items the dev and tune splits score (e.g. "pairs"); ``recipe``: the recipe ``--extra`` goes to."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("phase", nargs="?", choices=["prepare", "run"])
+    ap.add_argument("--report", action="store_true", help="print the table of the results file")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes and a tiny random GPT-2: the pipeline in seconds")
+    add_work_option(ap, name)
+    ap.add_argument("--out", default=str(out))
+    ap.add_argument("--pretrained", default=str(pretrained), help="the starting model (clm_cpu_experiment.py pretrain)")
+    ap.add_argument("--seed", type=int, default=0, help="prepare: the seed of the shuffle and the users")
+    ap.add_argument("--runs", default=",".join(runs))
+    ap.add_argument("--seeds", default="0", help="run: the recipe's --seed for each run, e.g. 0,1,2")
+    ap.add_argument("--split", choices=tuple(splits), default="dev",
+                    help=f"dev: train on train.jsonl, score the held-out {what}; tune: train on the tune split, score "
+                         f"its held-out {what} (for choosing defaults)")
+    ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run and of the evaluation")
+    ap.add_argument("--extra", default="", help=f"more {recipe} flags, one string")
+    ap.add_argument("--tag", default="", help="a name for this configuration in the results file")
+    return ap
+
+
+def run_experiment(a, argv, phases: dict, report, smoke, usage_error) -> None:
+    """Run the parsed command ``a`` of :func:`experiment_parser`: ``--report``, or the phase (``phases[name](a)``)
+    after ``smoke(a)`` under ``--smoke``; ``usage_error`` (the script's exception class) becomes one ``error:`` line
+    and exit code 2."""
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if a.report:
+            return report(a.out)
+        if a.phase is None:
+            raise usage_error("give a phase (prepare or run) or --report")
+        if a.smoke:
+            smoke(a)
+        phases[a.phase](a)
+    except usage_error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def work_dir(path: str | os.PathLike) -> str:

@@ -46,7 +46,6 @@ the pretrained folder, a few pairs, one step per run at q = 1.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -58,7 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_io import REPO, add_work_option, git_commit, load_jsonl  # noqa: E402
+from bench_io import REPO, experiment_parser, git_commit, load_jsonl, run_experiment  # noqa: E402
 from clm_cpu_experiment import GLUE, _append, _tsv, _with_users, pretrained_id  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "dpo_experiment.jsonl"
@@ -439,45 +438,23 @@ def report(path, split: str | None = None) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("phase", nargs="?", choices=["prepare", "run"])
-    ap.add_argument("--report", action="store_true", help="print the table of the results file")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes and a tiny random GPT-2: the pipeline in seconds")
-    add_work_option(ap, "dpo_experiment")
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--pretrained", default=str(PRETRAINED), help="the starting model (clm_cpu_experiment.py pretrain)")
-    ap.add_argument("--seed", type=int, default=0, help="prepare: the seed of the pairs and the users")
+    ap = experiment_parser(__doc__, "dpo_experiment", OUT, PRETRAINED, RUNS, SPLITS, "pairs", "recipes/dpo.py")
     ap.add_argument("--train_pairs", type=int, default=2000, help="training pairs (the tune split's too)")
     ap.add_argument("--tune_dev_pairs", type=int, default=428, help="held-out pairs of the tune split")
     ap.add_argument("--dev_pairs", type=int, default=428, help="held-out pairs from SST-2 dev (428: all of them)")
     ap.add_argument("--min_words", type=int, default=8, help="SST-2 train rows shorter than this are left out")
-    ap.add_argument("--runs", default=",".join(RUNS))
-    ap.add_argument("--seeds", default="0", help="run: the recipe's --seed for each run, e.g. 0,1,2")
-    ap.add_argument("--split", choices=tuple(SPLITS), default="dev",
-                    help="dev: train on train.jsonl, score SST-2 dev pairs; tune: train on the tune split, score its "
-                         "held-out pairs (for choosing defaults)")
     ap.add_argument("--beta", type=float, default=0.1, help="DPO's β (TRL's default)")
-    ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run and of the evaluation")
-    ap.add_argument("--extra", default="", help="more recipes/dpo.py flags, one string")
-    ap.add_argument("--tag", default="", help="a name for this configuration in the results file")
     a = ap.parse_args(argv)
-    a.argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if a.report:
-            return report(a.out)
-        if a.phase is None:
-            raise UsageError("give a phase (prepare or run) or --report")
-        if a.smoke:
-            a.train_pairs, a.tune_dev_pairs, a.dev_pairs, a.threads = 16, 16, 16, 1
-            if a.pretrained == str(PRETRAINED):
-                a.pretrained = str(Path(a.work) / "tiny_gpt2")
-            if a.phase == "prepare":
-                tiny_model(a.pretrained)
-            a.extra = (a.extra + " --max_steps 1").strip()
-        {"prepare": prepare, "run": run}[a.phase](a)
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+
+    def smoke(a):
+        a.train_pairs, a.tune_dev_pairs, a.dev_pairs, a.threads = 16, 16, 16, 1
+        if a.pretrained == str(PRETRAINED):
+            a.pretrained = str(Path(a.work) / "tiny_gpt2")
+        if a.phase == "prepare":
+            tiny_model(a.pretrained)
+        a.extra = (a.extra + " --max_steps 1").strip()
+
+    run_experiment(a, argv, {"prepare": prepare, "run": run}, report, smoke, UsageError)
 
 
 if __name__ == "__main__":

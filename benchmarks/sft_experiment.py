@@ -50,7 +50,6 @@ pretrained folder, 16 conversations, one step per run, DP at q = 1.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -63,7 +62,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_io import REPO, add_work_option, git_commit, load_jsonl  # noqa: E402
+from bench_io import REPO, experiment_parser, git_commit, load_jsonl, run_experiment  # noqa: E402
 from clm_cpu_experiment import GLUE, LR, ROWS_B, _append, _tsv, _with_users, pretrained_id  # noqa: E402
 from dpo_experiment import UsageError, _relative, _seeds, tiny_model  # noqa: E402
 
@@ -324,42 +323,20 @@ def report(path) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("phase", nargs="?", choices=["prepare", "run"])
-    ap.add_argument("--report", action="store_true", help="print the table of the results file")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes and a tiny random GPT-2: the pipeline in seconds")
-    add_work_option(ap, "sft_experiment")
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--pretrained", default=str(PRETRAINED),
-                    help="the starting model (clm_cpu_experiment.py pretrain --corpus wiki --max_steps 300)")
-    ap.add_argument("--seed", type=int, default=0, help="prepare: the seed of the shuffle and the users")
+    ap = experiment_parser(__doc__, "sft_experiment", OUT, PRETRAINED, RUNS, SPLITS, "conversations", "recipes/sft.py "
+                           "(the DP runs: dp, dp_user)")
     ap.add_argument("--train_rows", type=int, default=3000, help="training conversations (the tune split's too)")
     ap.add_argument("--dev_rows", type=int, default=300, help="held-out conversations (the tune split's too)")
-    ap.add_argument("--runs", default=",".join(RUNS))
-    ap.add_argument("--seeds", default="0", help="run: the recipe's --seed for each run, e.g. 0,1,2")
-    ap.add_argument("--split", choices=tuple(SPLITS), default="dev",
-                    help="dev: train on train.jsonl, score dev.jsonl; tune: train on the tune split, score its "
-                         "held-out conversations (for choosing defaults)")
-    ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run and of the evaluation")
-    ap.add_argument("--extra", default="", help="more recipes/sft.py flags for the DP runs (dp, dp_user), one string")
-    ap.add_argument("--tag", default="", help="a name for this configuration in the results file")
     a = ap.parse_args(argv)
-    a.argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if a.report:
-            return report(a.out)
-        if a.phase is None:
-            raise UsageError("give a phase (prepare or run) or --report")
-        if a.smoke:
-            a.train_rows, a.dev_rows, a.threads = 16, 8, 1
-            if a.pretrained == str(PRETRAINED):
-                a.pretrained = str(Path(a.work) / "tiny_gpt2")
-            if a.phase == "prepare":
-                tiny_model(a.pretrained)
-        {"prepare": prepare, "run": run}[a.phase](a)
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+
+    def smoke(a):
+        a.train_rows, a.dev_rows, a.threads = 16, 8, 1
+        if a.pretrained == str(PRETRAINED):
+            a.pretrained = str(Path(a.work) / "tiny_gpt2")
+        if a.phase == "prepare":
+            tiny_model(a.pretrained)
+
+    run_experiment(a, argv, {"prepare": prepare, "run": run}, report, smoke, UsageError)
 
 
 if __name__ == "__main__":
