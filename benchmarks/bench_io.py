@@ -52,6 +52,36 @@ def add_work_option(ap, name: str) -> None:
                     help=f"the runs' output folders go under this folder (default: runs/{name} in the repo, git-ignored)")
 
 
+class UsageError(Exception):
+    """Bad input to an experiment script: printed as one ``error:`` line (:func:`run_experiment`)."""
+
+
+def relative(text: str) -> str:
+    """``text`` with this interpreter shown as ``python`` and this checkout's paths relative (for the raw rows)."""
+    return text.replace(sys.executable, "python").replace(str(REPO) + os.sep, "")
+
+
+def run_inputs(a, runs, splits, script: str, pretrain_hint: str) -> tuple[list[str], list[int], Path, Path]:
+    """What an experiment's ``run`` phase checks before any work: the ``--runs`` names (known to ``runs``), the
+    ``--seeds``, the split's training and held-out files (written by ``prepare``) and ``--pretrained`` (a folder with
+    a config.json, else ``pretrain_hint`` says how to make it). Returns (names, seeds, train file, held-out file)."""
+    names = [n for n in a.runs.split(",") if n]
+    unknown = [n for n in names if n not in runs]
+    if unknown or not names:
+        raise UsageError(f"--runs {a.runs}: unknown run {', '.join(unknown) or '(none)'}; choose from {', '.join(runs)}")
+    try:
+        seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds {a.seeds}: give integers separated by commas, e.g. 0,1,2") from None
+    train_file, dev_file = (Path(a.work) / f for f in splits[a.split])
+    if not (train_file.is_file() and dev_file.is_file()):
+        raise UsageError(f"{dev_file if train_file.is_file() else train_file} is missing: run "
+                         f"'python benchmarks/{script} prepare{' --smoke' if a.smoke else ''}' first")
+    if not (Path(a.pretrained) / "config.json").is_file():
+        raise UsageError(f"--pretrained {a.pretrained} has no config.json: {pretrain_hint}")
+    return names, seeds, train_file, dev_file
+
+
 def experiment_parser(doc: str, name: str, out, pretrained, runs, splits, what: str, recipe: str):
     """The command line the run-and-score experiments share (dpo_experiment.py, sft_experiment.py): a ``phase``
     (prepare or run), ``--report``, ``--smoke``, ``--work``, ``--out``, ``--pretrained``, ``--seed``, ``--runs``,
@@ -78,20 +108,19 @@ def experiment_parser(doc: str, name: str, out, pretrained, runs, splits, what: 
     return ap
 
 
-def run_experiment(a, argv, phases: dict, report, smoke, usage_error) -> None:
+def run_experiment(a, argv, phases: dict, report, smoke) -> None:
     """Run the parsed command ``a`` of :func:`experiment_parser`: ``--report``, or the phase (``phases[name](a)``)
-    after ``smoke(a)`` under ``--smoke``; ``usage_error`` (the script's exception class) becomes one ``error:`` line
-    and exit code 2."""
+    after ``smoke(a)`` under ``--smoke``; a :class:`UsageError` becomes one ``error:`` line and exit code 2."""
     a.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if a.report:
             return report(a.out)
         if a.phase is None:
-            raise usage_error("give a phase (prepare or run) or --report")
+            raise UsageError("give a phase (prepare or run) or --report")
         if a.smoke:
             smoke(a)
         phases[a.phase](a)
-    except usage_error as exc:
+    except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -57,7 +57,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_io import REPO, experiment_parser, git_commit, load_jsonl, run_experiment  # noqa: E402
+from bench_io import (REPO, UsageError, experiment_parser, git_commit, load_jsonl, relative,  # noqa: E402
+                      run_experiment, run_inputs)
 from clm_cpu_experiment import GLUE, _append, _tsv, _with_users, pretrained_id  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "dpo_experiment.jsonl"
@@ -77,10 +78,6 @@ RUNS = {
 }
 #: a DP run and the non-private run whose gain it is measured against
 BASELINE = {"row": "nonprivate", "user": "nonprivate", "reward_row": "reward_nonprivate"}
-
-
-class UsageError(Exception):
-    """Bad input: printed as one ``error:`` line."""
 
 
 # ----------------------------------------------------------------------------------------------- prepare
@@ -278,34 +275,14 @@ def evaluate_reward(model, tok, pairs: list[dict], batch: int = 32) -> dict:
 # ----------------------------------------------------------------------------------------------- runs
 
 
-def _relative(text: str) -> str:
-    return text.replace(sys.executable, "python").replace(str(REPO) + os.sep, "")
-
-
-def _seeds(text: str) -> list[int]:
-    try:
-        return [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise UsageError(f"--seeds {text}: give integers separated by commas, e.g. 0,1,2") from None
-
-
 def run(a) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     work = Path(a.work)
-    names = [n for n in a.runs.split(",") if n]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown or not names:
-        raise UsageError(f"--runs {a.runs}: unknown run {', '.join(unknown) or '(none)'}; choose from {', '.join(RUNS)}")
-    seeds = _seeds(a.seeds)
-    train_file, dev_file = (work / f for f in SPLITS[a.split])
-    if not (train_file.is_file() and dev_file.is_file()):
-        raise UsageError(f"{dev_file if train_file.is_file() else train_file} is missing: run "
-                         f"'python benchmarks/dpo_experiment.py prepare{' --smoke' if a.smoke else ''}' first")
-    if not (Path(a.pretrained) / "config.json").is_file():
-        raise UsageError(f"--pretrained {a.pretrained} has no config.json: run 'python benchmarks/clm_cpu_experiment.py "
-                         "prepare' and 'pretrain --max_steps 350' first (it writes runs/clm_pretrained)")
+    names, seeds, train_file, dev_file = run_inputs(
+        a, RUNS, SPLITS, "dpo_experiment.py", "run 'python benchmarks/clm_cpu_experiment.py prepare' and 'pretrain "
+        "--max_steps 350' first (it writes runs/clm_pretrained)")
     torch.set_num_threads(a.threads)
     pairs = read_pairs(dev_file)
     tok = _tokenizer(a.pretrained)
@@ -318,7 +295,7 @@ def run(a) -> None:
             flags = RUNS[name]
             row = {"phase": "run", "run": name, "seed": seed, "split": a.split, "tag": a.tag, "smoke": a.smoke,
                    "pretrained": fingerprint, "commit": git_commit(),
-                   "script_command": _relative(" ".join(["benchmarks/dpo_experiment.py", *a.argv]))}
+                   "script_command": relative(" ".join(["benchmarks/dpo_experiment.py", *a.argv]))}
             t0 = time.time()
             if flags is None:  # the starting model against itself: every implicit reward is 0
                 row.update(returncode=0, command=None, wall_s=0.0, beta=a.beta)
@@ -338,10 +315,10 @@ def run(a) -> None:
                        "--disable_tqdm", "true", "--report_to", "none", *extra, *a.extra.split()]
                 env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(a.threads))
                 proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
-                row.update(returncode=proc.returncode, wall_s=round(time.time() - t0, 1), command=_relative(" ".join(cmd[1:])))
+                row.update(returncode=proc.returncode, wall_s=round(time.time() - t0, 1), command=relative(" ".join(cmd[1:])))
                 release = out_dir / "release"
                 if proc.returncode != 0 or not (release / "config.json").is_file():
-                    row["stderr_tail"] = _relative(proc.stderr[-1500:])
+                    row["stderr_tail"] = relative(proc.stderr[-1500:])
                     _append(a.out, row)
                     print(json.dumps({k: v for k, v in row.items() if k != "stderr_tail"}), flush=True)
                     print(row["stderr_tail"], file=sys.stderr)
@@ -454,7 +431,7 @@ def main(argv=None) -> None:
             tiny_model(a.pretrained)
         a.extra = (a.extra + " --max_steps 1").strip()
 
-    run_experiment(a, argv, {"prepare": prepare, "run": run}, report, smoke, UsageError)
+    run_experiment(a, argv, {"prepare": prepare, "run": run}, report, smoke)
 
 
 if __name__ == "__main__":

@@ -62,9 +62,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_io import REPO, experiment_parser, git_commit, load_jsonl, run_experiment  # noqa: E402
+from bench_io import (REPO, UsageError, experiment_parser, git_commit, load_jsonl, relative,  # noqa: E402
+                      run_experiment, run_inputs)
 from clm_cpu_experiment import GLUE, LR, ROWS_B, _append, _tsv, _with_users, pretrained_id  # noqa: E402
-from dpo_experiment import UsageError, _relative, _seeds, tiny_model  # noqa: E402
+from dpo_experiment import tiny_model  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "sft_experiment.jsonl"
 PRETRAINED = REPO / "runs" / "clm_pretrained_questions"  # clm_cpu_experiment.py pretrain --corpus wiki writes it
@@ -193,19 +194,9 @@ def run(a) -> None:
     import torch
 
     work = Path(a.work)
-    names = [n for n in a.runs.split(",") if n]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown or not names:
-        raise UsageError(f"--runs {a.runs}: unknown run {', '.join(unknown) or '(none)'}; choose from {', '.join(RUNS)}")
-    seeds = _seeds(a.seeds)
-    train_file, dev_file = (work / f for f in SPLITS[a.split])
-    if not (train_file.is_file() and dev_file.is_file()):
-        raise UsageError(f"{dev_file if train_file.is_file() else train_file} is missing: run "
-                         f"'python benchmarks/sft_experiment.py prepare{' --smoke' if a.smoke else ''}' first")
-    if not (Path(a.pretrained) / "config.json").is_file():
-        raise UsageError(f"--pretrained {a.pretrained} has no config.json: run 'python benchmarks/clm_cpu_experiment.py "
-                         "prepare --corpus wiki' and 'pretrain --corpus wiki --max_steps 300' first (they write "
-                         "runs/clm_pretrained_questions)")
+    names, seeds, train_file, dev_file = run_inputs(
+        a, RUNS, SPLITS, "sft_experiment.py", "run 'python benchmarks/clm_cpu_experiment.py prepare --corpus wiki' and "
+        "'pretrain --corpus wiki --max_steps 300' first (they write runs/clm_pretrained_questions)")
     torch.set_num_threads(a.threads)
     fingerprint = pretrained_id(a.pretrained)
     train_rows = load_jsonl(train_file)
@@ -216,7 +207,7 @@ def run(a) -> None:
             shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run (recipes refuse another run's checkpoints)
             row = {"phase": "run", "run": name, "seed": seed, "split": a.split, "tag": a.tag, "smoke": a.smoke,
                    "pretrained": fingerprint, "commit": git_commit(),
-                   "script_command": _relative(" ".join(["benchmarks/sft_experiment.py", *a.argv]))}
+                   "script_command": relative(" ".join(["benchmarks/sft_experiment.py", *a.argv]))}
             t0 = time.time()
             if flags is None:  # no training: the starting model, scored as the recipe scores a release
                 metrics = evaluate_model(a.pretrained, train_file, dev_file, out_dir, seed)
@@ -239,11 +230,11 @@ def run(a) -> None:
                 env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(a.threads))
                 proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
                 row.update(returncode=proc.returncode, wall_s=round(time.time() - t0, 1),
-                           command=_relative(" ".join(cmd[1:])),
+                           command=relative(" ".join(cmd[1:])),
                            lr_scheduler_type=_flag(cmd, "--lr_scheduler_type", "constant (the recipe's default)"))
                 release = out_dir / "release"
                 if proc.returncode != 0 or not (release / "privacy.json").is_file():
-                    row["stderr_tail"] = _relative(proc.stderr[-1500:])
+                    row["stderr_tail"] = relative(proc.stderr[-1500:])
                     _append(a.out, row)
                     print(json.dumps({k: v for k, v in row.items() if k != "stderr_tail"}), flush=True)
                     print(row["stderr_tail"], file=sys.stderr)
@@ -336,7 +327,7 @@ def main(argv=None) -> None:
         if a.phase == "prepare":
             tiny_model(a.pretrained)
 
-    run_experiment(a, argv, {"prepare": prepare, "run": run}, report, smoke, UsageError)
+    run_experiment(a, argv, {"prepare": prepare, "run": run}, report, smoke)
 
 
 if __name__ == "__main__":

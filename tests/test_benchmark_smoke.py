@@ -149,9 +149,11 @@ def test_benchmark_runs_go_under_a_chosen_folder_not_the_system_temporary_direct
         src = script.read_text(encoding="utf-8")
         assert '"/tmp' not in src and "TemporaryDirectory()" not in src and "mkdtemp()" not in src, script.name
         # it runs training into a folder it names (one_run_main_job.py passes the user's own --output_dir on): a
-        # folder under the user's --work
+        # folder under the user's --work (bench_io.experiment_parser adds it)
         if "output_dir=" in src or '"--output_dir", ' in src or "TemporaryDirectory" in src:
-            assert "--work" in src or "add_work_option" in src, script.name
+            assert "--work" in src or "add_work_option" in src or "experiment_parser(" in src, script.name
+    ap = bio.experiment_parser("x", "y", "out.jsonl", "model", ["none"], {"dev": ()}, "rows", "recipes/x.py")
+    assert ap.parse_args([]).work == str(REPO / "runs" / "y")
 
 
 def test_smoke_bench_io(tmp_path):
