@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import math
 
+from hf_dp.plan.lm_verdict import lm_verdict
+
 #: a, how much of a unit's clipped gradient the units have in common, per coordinate (fitted with SHARE_MAX and
 #: SHARE_SCALE, among 0.25, 0.5, 0.75, 1, 1.5, 2)
 ALIGNMENT = 1.0
@@ -118,8 +120,6 @@ def share_sentence(*, sigma: float, batch_size: float, params: int, steps: int, 
 def verdict_and_share(**verdict) -> tuple[bool | None, str]:
     """:func:`hf_dp.plan.lm_verdict.lm_verdict` of the same keywords, its line followed by the expected share of the
     non-private gain (:func:`share_sentence`) where the update rule has one."""
-    from hf_dp.plan.lm_verdict import lm_verdict
-
     worse, line = lm_verdict(**verdict)
     share = share_sentence(**{k: verdict.get(k) for k in ("sigma", "batch_size", "params", "steps", "learning_rate",
                                                           "optim")})

@@ -77,7 +77,8 @@ LM_CALIBRATION = {
     "little_gain_largest_better_walk": {"adam": 0.0101},
     "little_gain_worse_from_walk": {"adam": 0.0124, "adam_bc": 0.00249},
     "optimizers": ("dp_adamw", "dp_adamw_bc"),
-    "learning_rates": (0.000481, 0.0005, 0.00063, 0.00066, 0.00078, 0.001, 0.0011, 0.00113, 0.00128, 0.00137, 0.00172, 0.002, 0.004, 0.005, 0.01, 0.02, 0.05),
+    "learning_rates": (0.000481, 0.0005, 0.00063, 0.00066, 0.00078, 0.001, 0.0011, 0.00113, 0.00128, 0.00137,
+                       0.00172, 0.002, 0.004, 0.005, 0.01, 0.02, 0.05),
     "model": "a 4.7 M-parameter GPT-2 pretrained on public text, LoRA or bias terms, 4,000 SST-2 sentences as row or "
              "user units; one pretrained on QNLI's questions only, 5,000 of its Wikipedia sentences",
 }

@@ -269,9 +269,9 @@ class Plan:
         if self.choice is None:
             return None
         c = self.choice
+        fix = lm_batch_fix(c, [r for r in self.rows if r.epochs == c.epochs], optim, learning_rate)
         return verdict_and_share(sigma=c.sigma, batch_size=c.batch_size, params=c.params, steps=c.steps,
-                          learning_rate=learning_rate, optim=optim, who="the recommended plan", batch_fix=lm_batch_fix(
-                              c, [r for r in self.rows if r.epochs == c.epochs], optim, learning_rate))
+                                 learning_rate=learning_rate, optim=optim, who="the recommended plan", batch_fix=fix)
 
     def _remedies(self) -> dict:
         """The smallest N (×2, ×4, ×8, ×16) at this ε and the smallest ε (×2, ×4, ×8) at this N, both at the chosen B
@@ -458,7 +458,7 @@ def _expectation(own: PlanRow, *, calibrated: bool, causal_lm: bool, optim: str 
                            r_run=own.r_run if own.params else None)
     b = own.batch_size if batch_size is None else batch_size
     worse, line = verdict_and_share(sigma=own.sigma, batch_size=b, params=own.params, steps=own.steps,
-                             learning_rate=learning_rate, optim=optim, who="this run", batch_fix=batch_fix)
+                                    learning_rate=learning_rate, optim=optim, who="this run", batch_fix=batch_fix)
     if worse is None:
         return Expectation("none", line, "none (no causal-LM verdict for this update rule or without a learning rate)",
                            r_run=own.r_run)
