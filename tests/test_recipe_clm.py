@@ -271,6 +271,38 @@ def test_defaults_lora_and_no_frozen_prefix_cache(clm):
     assert args.cache_frozen_features is False  # every run has a unit column, which the cache does not keep
 
 
+def test_a_unit_column_takes_the_user_level_learning_rate_and_its_linear_decay(clm, tok_dir, tmp_path):
+    """Issue 54: with --privacy_unit_column, dp_adamw and dp_adam default to UNIT_OPTIMIZER_DEFAULTS (2e-3 decaying
+    linearly: chosen at user level on two public tune corpora, RESULTS §10e); rows keep 5e-4 constant; a learning rate
+    or a schedule the user gives (flag or YAML) stays; another rule keeps its own default; --help shows the values."""
+    argv = [*GPT2, "--tokenizer_name", tok_dir, "--output_dir", str(tmp_path / "o")]
+    unit = ["--privacy_unit_column", "user_id"]
+    _, _, args = clm.parse_args(argv)
+    assert (args.learning_rate, args.lr_scheduler_type.value) == (5e-4, "constant")
+    for optim in ("dp_adamw", "dp_adam"):
+        _, _, args = clm.parse_args(argv + unit + ["--optim", optim])
+        assert (args.learning_rate, args.lr_scheduler_type.value) == (2e-3, "linear"), optim
+        assert clm.UNIT_OPTIMIZER_DEFAULTS[optim] == {"learning_rate": 2e-3, "lr_scheduler_type": "linear"}
+    _, _, args = clm.parse_args(argv + unit + ["--learning_rate", "1e-3"])
+    assert (args.learning_rate, args.lr_scheduler_type.value) == (1e-3, "linear")
+    _, _, args = clm.parse_args(argv + unit + ["--lr_scheduler_type", "constant"])
+    assert (args.learning_rate, args.lr_scheduler_type.value) == (2e-3, "constant")
+    config = tmp_path / "c.yaml"
+    config.write_text("learning_rate: 7.0e-4\nlr_scheduler_type: cosine\n")
+    _, _, args = clm.parse_args(["--config", str(config), *argv, *unit])
+    assert (args.learning_rate, args.lr_scheduler_type.value) == (7e-4, "cosine")
+    _, _, args = clm.parse_args(argv + unit + ["--optim", "dp_adamw_bc"])
+    assert (args.learning_rate, args.lr_scheduler_type.value) == (1e-3, "constant")
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        clm.parse_args(argv + unit + ["--help"])
+    text = " ".join(out.getvalue().split())
+    assert "(default: 0.002)" in text and "with --privacy_unit_column dp_adamw 0.002" in text
+
+
 def test_the_default_batch_is_a_sixteenth_of_the_units(clm, tok_dir, tmp_path):
     """Issue 39 item 2: with no batch flag the logical batch is ≈ N/16 units in whole micro-batches (q ≈ 1/16: the
     setting chosen on the public tune split, B = 256 for 4,000 rows, 64 for 1,045 users), lr 5e-4 for dp_adamw, 2

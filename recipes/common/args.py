@@ -172,6 +172,7 @@ def parse_layered(
     format_help: Callable[[Any, Any], str],
     cache_frozen_by_default: bool = True,
     planned_lr: Optional[dict[str, float]] = None,
+    unit_optimizer_defaults: Optional[dict[str, dict[str, Any]]] = None,
 ):
     """Parse ``argv`` (``sys.argv[1:]`` if None) with ``parser`` (an ``HfArgumentParser`` whose last dataclass is
     ``DPTrainingArguments``): ``protocol_defaults`` < ``defaults`` < YAML ``--config`` < command line, then the
@@ -179,7 +180,9 @@ def parse_layered(
     ``format_help(parser, peek)`` is printed for ``--help`` (after every default is in place, so that it shows the
     values this command line would use). ``cache_frozen_by_default=False``: a recipe whose runs cannot use the
     frozen-prefix cache (e.g. one that always trains with a privacy unit column) leaves ``--cache_frozen_features`` at
-    its default. Returns the parsed dataclasses."""
+    its default. ``unit_optimizer_defaults``: per optimizer, the values that replace ``optimizer_defaults``' (and any
+    other default, e.g. the schedule) when ``--privacy_unit_column`` is given, for the keys the user did not set.
+    Returns the parsed dataclasses."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and argv[0].lower().endswith(ARGS_FILE_SUFFIXES) and not argv[0].startswith("-"):
         argv = ["--config", argv[0]]  # run_glue's `python run_glue.py args.json`: the file's values are the arguments
@@ -228,6 +231,12 @@ def parse_layered(
     for key, value in optimizer_defaults.get(dp_family(optim_name(peek.optim), optimizer_defaults), {}).items():
         if key not in explicit:
             parser.set_defaults(**{key: value})
+    # a unit column (several rows per unit: fewer, larger units than rows) has its own defaults where the recipe
+    # measured them (clm.py: benchmarks/RESULTS.md §10e)
+    if unit_optimizer_defaults and getattr(peek, "privacy_unit_column", None):
+        for key, value in unit_optimizer_defaults.get(dp_family(optim_name(peek.optim), optimizer_defaults), {}).items():
+            if key not in explicit:
+                parser.set_defaults(**{key: value})
     # the frozen prefix is cached when it can be (last_block, last_k:K, head: hf_dp.models.suffix_blocks): the same
     # per-example gradients, minutes instead of an hour on CPU (benchmarks/RESULTS.md §3); the prefix then runs once in
     # eval mode. --cache_frozen_features false: off. Not under --fsdp (the cache is built with the full model on one rank)
