@@ -253,6 +253,7 @@ def finetune(a) -> None:
                 trainable_params=(rep.get("trainable") or {}).get("trainable_params"),
                 optimizer=(rep.get("optimizer") or {}).get("name"),
                 learning_rate=((rep.get("optimizer") or {}).get("hyperparameters") or {}).get("lr"),
+                lr_scheduler_type=((rep.get("optimizer") or {}).get("hyperparameters") or {}).get("lr_scheduler_type"),
                 max_grad_norm=rep.get("max_grad_norm"), planned_steps=rep.get("planned_steps"), epochs=rep.get("epochs"))
         if row.get("perplexity") is None:  # no release (evaluation only): the summary's line
             import re
@@ -342,7 +343,10 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
         out.append({
             "run": r["run"], "tag": r.get("tag") or "", "split": g[1], "pretrained": g[0],
             "corpus": r.get("corpus") or "sst2",
-            "schedule": _flag(r["command"], "--lr_scheduler_type") or "constant",  # recipes/clm.py's default
+            # the release's own record, else the command's flag, else recipes/clm.py's row-level default (rows written
+            # before the schedule was recorded either give the flag or ran the constant default; the four `unit_default*`
+            # rows, which ran the unit column's linear default, had it copied from their releases' privacy.json)
+            "schedule": r.get("lr_scheduler_type") or _flag(r["command"], "--lr_scheduler_type") or "constant",
             "id": (g[0], _flag(r["command"], "--output_dir")),  # the DP run (one per folder and pretrained model)
             "perplexity": float(r["perplexity"]), "none_perplexity": none[g],
             # the share of the non-private gain the run kept (None without a non-private run of the group, or when

@@ -116,6 +116,28 @@ def test_the_expected_share_holds_on_every_measured_run_with_much_to_learn():
     assert "signal movement" not in (block or "") + (warning or "")  # not an Adam-type rule: no share
 
 
+def test_the_expected_share_reads_the_schedules_mean_learning_rate():
+    """Issue 54: S is the schedule's mean rate × T (the fit's runs count a linear schedule at its mean), so a linear
+    decay from 2e-3 — recipes/clm.py's user-level default — is predicted like 1e-3 constant, not like 2e-3 (which
+    would have said 61 % where the runs kept 49–51 %); the walk W keeps the peak; a schedule of unknown mean: no share."""
+    from hf_dp.plan import lm_share as ls
+
+    plan = dict(sigma=0.973, batch_size=80, params=16384, steps=32, optim="dp_adamw")
+    linear = ls.share_sentence(**plan, learning_rate=2e-3, schedule="linear")
+    s = ls.signal_move(1e-3, 0.973, 80, 16384, 32)
+    assert f"S = lr·T/√(a² + R_step²) = {s:.3g} (a = 1, linear schedule: mean lr 0.001)" in linear
+    assert f"≈ {ls.predicted_share(s):.0%} of the non-private LoRA gain" in linear
+    constant = ls.share_sentence(**plan, learning_rate=1e-3)
+    assert constant.split(": expected")[1].split("; a ")[0] == linear.split(": expected")[1].split("; a ")[0]
+    assert "a learning rate of 0.0011 would move it" in constant and "a peak learning rate of 0.0022" in linear
+    assert ls.share_sentence(**plan, learning_rate=2e-3, schedule="polynomial") is None
+    block, _ = run_block(n=1272, batch_size=80, steps=32, sigma=0.973, delta=1e-5, accountant="prv",
+                         max_grad_norm=0.1, params=16384, causal_lm=True, optim="dp_adamw", learning_rate=2e-3,
+                         schedule="linear")
+    assert "linear schedule: mean lr 0.001" in block and "(lr = 0.002, T = 32)" in block  # W: the peak
+    assert "--learning_rate 0.002 --lr_scheduler_type linear" in block
+
+
 def test_a_plan_below_the_thresholds_or_without_a_verdict_says_so_in_the_block():
     block, warning = run_block(**KW, causal_lm=True, optim="dp_adamw", learning_rate=1e-4)  # W = 0.00092
     assert warning is None and "is not expected to make the model worse" in block and WORSE not in block
@@ -132,14 +154,14 @@ def test_cli_prints_the_causal_lm_verdict_with_the_batch_that_would_fix_it(capsy
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
     assert "causal LM" not in out  # without --causal_lm: the classifiers' planner, as before
-    assert plan_main(argv + ["--causal_lm", "--learning_rate", "1.5e-3"]) == 0  # B = 64: W = 0.0147, B = 256: 0.0036
+    assert plan_main(argv + ["--causal_lm", "--learning_rate", "1.7e-3"]) == 0  # B = 64: W = 0.0167, B = 256: 0.0041
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "hf_dp plan (causal LM)" in x)
     assert line.startswith("WARNING: ") and WORSE in line and "recipes/clm.py" in out
     assert "a logical batch of at least 256 at these epochs" in line  # the table's smallest B the verdict accepts
     flags = out.split("to train with this plan")[1].splitlines()[1]
-    assert flags.endswith("--learning_rate 0.0015")  # the verdict's lr, not the classifiers' planned 1e-2
-    assert plan_main(argv + ["--causal_lm", "--learning_rate", "1.5e-3", "--json"]) == 0
+    assert flags.endswith("--learning_rate 0.0017")  # the verdict's lr, not the classifiers' planned 1e-2
+    assert plan_main(argv + ["--causal_lm", "--learning_rate", "1.7e-3", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     v = data["causal_lm_verdict"]
     assert v["expected_worse_than_no_fine_tuning"] is True and math.isclose(

@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learning_rate", "--learning-rate", type=float, default=None,
                    help="with --causal_lm: the (peak) learning rate the verdict's noise walk W = lr·√T·R_step/√(1 + "
                    "R_step²) is computed for (no verdict without it)")
+    p.add_argument("--lr_scheduler_type", "--lr-scheduler-type", default="constant",
+                   help="with --causal_lm: the schedule of --learning_rate (HF's lr_scheduler_type): the expected share "
+                   "reads its mean rate (constant, linear, cosine; default %(default)s)")
     p.add_argument("--optim", default="dp_adamw", help="the optimizer the printed flags and learning rate are for "
                    "(default %(default)s; learning rates: " + ", ".join(f"{k} {v:g}" for k, v in PLANNED_LR.items()) + ")")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if plan.choice is not None:
             out["flags"] = flags_for(plan, args.optim)
             if args.causal_lm:
-                worse, line = plan.lm_verdict(args.optim, args.learning_rate)
+                worse, line = plan.lm_verdict(args.optim, args.learning_rate, args.lr_scheduler_type)
                 out["causal_lm_verdict"] = {"expected_worse_than_no_fine_tuning": worse, "r_step": plan.choice.r_step,
                                             "learning_rate": args.learning_rate, "text": line}
         print(json.dumps(out, indent=2))
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the epochs are a compute budget, not a privacy choice: {plan.budget_epochs:g} = the largest of --epochs; "
               "--budget_epochs E plans for E (the recipes plan at their own --num_train_epochs: recipes/qnli.py's preset "
               "is 5, for --trainable last_k:2, whose step costs ~7× last_block's)")
-    verdict = plan.lm_verdict(args.optim, args.learning_rate) if args.causal_lm else None  # its own calibration
+    verdict = plan.lm_verdict(args.optim, args.learning_rate, args.lr_scheduler_type) if args.causal_lm else None  # its own calibration
     for w in plan.warnings(calibrated=not args.causal_lm):
         print("WARNING: " + w)
     expectation = None if args.causal_lm else plan.expectation()  # always stated (a warning above, or here)

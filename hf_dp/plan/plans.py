@@ -11,16 +11,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from hf_dp.plan.calibration import (
-    CONSTANT_R_RUN,
-    CONSTANT_R_RUN_ALL,
-    WARN_R_RUN,
-    Expectation,
-    classifier_expectation,
-    constant_message,
-    fmt_e,
-    noisy_message,
-)
+from hf_dp.plan.calibration import (CONSTANT_R_RUN, CONSTANT_R_RUN_ALL, WARN_R_RUN, Expectation, classifier_expectation,
+                                    constant_message, fmt_e, noisy_message)
 from hf_dp.plan.lm_share import verdict_and_share
 from hf_dp.plan.lm_verdict import expected_worse, no_verdict_line, not_calibrated_reason
 from hf_dp.plan.noise_line import run_noise_line
@@ -263,7 +255,8 @@ class Plan:
             return None
         return classifier_expectation(self.choice, calibrated, "the recommended plan")
 
-    def lm_verdict(self, optim: str | None, learning_rate: float | None) -> tuple[bool | None, str] | None:
+    def lm_verdict(self, optim: str | None, learning_rate: float | None,
+                   schedule: str = "constant") -> tuple[bool | None, str] | None:
         """The causal-LM verdict of the recommended plan (:mod:`hf_dp.plan.lm_verdict`), with the smallest batch of the
         table at the budget epochs that the calibration expects to do better; None without a choice."""
         if self.choice is None:
@@ -271,7 +264,8 @@ class Plan:
         c = self.choice
         fix = lm_batch_fix(c, [r for r in self.rows if r.epochs == c.epochs], optim, learning_rate)
         return verdict_and_share(sigma=c.sigma, batch_size=c.batch_size, params=c.params, steps=c.steps,
-                                 learning_rate=learning_rate, optim=optim, who="the recommended plan", batch_fix=fix)
+                                 learning_rate=learning_rate, optim=optim, who="the recommended plan", batch_fix=fix,
+                                 schedule=schedule)
 
     def _remedies(self) -> dict:
         """The smallest N (×2, ×4, ×8, ×16) at this ε and the smallest ε (×2, ×4, ×8) at this N, both at the chosen B
@@ -447,8 +441,8 @@ def _own_row(n: int, batch_size: float, steps: int, sigma: float, params: int | 
 
 
 def _expectation(own: PlanRow, *, calibrated: bool, causal_lm: bool, optim: str | None, learning_rate: float | None,
-                 batch_fix: int | None = None, batch_size: float | None = None) -> Expectation:
-    """``batch_size``: the run's expected logical batch as given (``own`` holds it rounded)."""
+                 batch_fix: int | None = None, batch_size: float | None = None, schedule: str = "constant"
+                 ) -> Expectation:  # batch_size: B as given (own holds it rounded); learning_rate: schedule's peak
     if not causal_lm:
         return classifier_expectation(own, calibrated, "this plan")
     uncovered = not_calibrated_reason()
@@ -458,7 +452,8 @@ def _expectation(own: PlanRow, *, calibrated: bool, causal_lm: bool, optim: str 
                            r_run=own.r_run if own.params else None)
     b = own.batch_size if batch_size is None else batch_size
     worse, line = verdict_and_share(sigma=own.sigma, batch_size=b, params=own.params, steps=own.steps,
-                                    learning_rate=learning_rate, optim=optim, who="this run", batch_fix=batch_fix)
+                                    learning_rate=learning_rate, optim=optim, who="this run", batch_fix=batch_fix,
+                                    schedule=schedule)
     if worse is None:
         return Expectation("none", line, "none (no causal-LM verdict for this update rule or without a learning rate)",
                            r_run=own.r_run)
@@ -468,7 +463,7 @@ def _expectation(own: PlanRow, *, calibrated: bool, causal_lm: bool, optim: str 
 
 def run_expectation(*, n: int, batch_size: float, steps: int, sigma: float, params: int | None,
                     calibrated: bool = True, causal_lm: bool = False, optim: str | None = None,
-                    learning_rate: float | None = None) -> Expectation:
+                    learning_rate: float | None = None, schedule: str = "constant") -> Expectation:
     """What :func:`run_block` states the run is expected to end at (issue 53 item 3: always a calibrated expectation,
     or one line saying none is calibrated for this model or task and what the calibration is): the sequence
     classifiers' (:func:`hf_dp.plan.calibration.classifier_expectation`; ``calibrated``: the model is one it covers,
@@ -477,13 +472,14 @@ def run_expectation(*, n: int, batch_size: float, steps: int, sigma: float, para
     only; no calibration."""
     own = _own_row(n, batch_size, steps, sigma, params)
     return _expectation(own, calibrated=calibrated, causal_lm=causal_lm, optim=optim, learning_rate=learning_rate,
-                        batch_size=batch_size)
+                        batch_size=batch_size, schedule=schedule)
 
 
 def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: float, accountant: str,
               max_grad_norm: float, params: int, epsilon: float | None = None, calibrated: bool = True,
               detail: bool = False, sigma_note: str = "", causal_lm: bool = False,
-              optim: str | None = None, learning_rate: float | None = None, bands: int = 1) -> tuple[str, str | None]:
+              optim: str | None = None, learning_rate: float | None = None, bands: int = 1,
+              schedule: str = "constant") -> tuple[str, str | None]:
     """The start-of-run block of a DP run and its warning (or None). Costs no calibration: σ is the run's own.
 
     Inputs are public only: N, the expected logical batch B, the planned steps T, σ, δ, the accountant, C, d (and
@@ -494,9 +490,9 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
     ``detail=True``: the noise figures and the table, with rows for other batch sizes already calibrated in this
     process (e.g. by a recipe's :func:`recommend`) for the same (N, ε, δ, accountant). ``sigma_note`` replaces the
     "(σ given)" after the ε of a run whose σ was given (e.g. "per trial (rdp; …)" under a private selection).
-    ``causal_lm``: the causal-LM verdict for ``optim`` at ``learning_rate`` (:mod:`hf_dp.plan.lm_verdict`): with the
-    warning when the run is expected to end worse than no fine-tuning, else as a line of the block; inside
-    :func:`hf_dp.plan.lm_verdict.not_calibrated_for` (a model the calibration does not cover) one line saying so instead.
+    ``causal_lm``: the causal-LM verdict for ``optim`` at the peak ``learning_rate`` of ``schedule`` (HF's
+    lr_scheduler_type; :mod:`hf_dp.plan.lm_verdict`): with the warning when the run is expected to end worse than no
+    fine-tuning, else as a line of the block; inside :func:`hf_dp.plan.lm_verdict.not_calibrated_for` one line instead.
     ``bands`` = b > 1: ``--noise_mechanism banded_sqrt`` (:class:`PlanRow`; no rows of other batch sizes).
     """
     spe = PoissonBatchSampler.steps_for_epoch(batch_size / n)
@@ -519,13 +515,15 @@ def run_block(*, n: int, batch_size: float, steps: int, sigma: float, delta: flo
             + f"--delta {delta:g} --params {params} --accountant {accountant}"
             + (f" --noise_bands {bands}" if bands > 1 else "")
             + (f" --causal_lm --optim {optim}" if causal_lm and optim else "")
-            + (f" --learning_rate {learning_rate:g}" if causal_lm and learning_rate else ""))
+            + (f" --learning_rate {learning_rate:g}" if causal_lm and learning_rate else "")
+            + (f" --lr_scheduler_type {schedule}" if causal_lm and learning_rate and schedule != "constant" else ""))
     # the expected result, always (issue 53 item 3): calibrated, or one line saying none is and what the calibration
     # is — a warning when it is the constant predictor or worse than no fine-tuning, else a line of the block
     same = [r for r in rows if abs(r.epochs - own.epochs) < 1e-9]
     expectation = _expectation(own, calibrated=calibrated, causal_lm=causal_lm, optim=optim,
                                learning_rate=learning_rate, batch_fix=lm_batch_fix(own, same, optim, learning_rate)
-                               if causal_lm and params and not not_calibrated_reason() else None, batch_size=batch_size)
+                               if causal_lm and params and not not_calibrated_reason() else None, batch_size=batch_size,
+                               schedule=schedule)
     warnings = ([expectation.line] if expectation.warning else []) + ([noisy_message(own)] if own.noisy else [])
     verdict = [] if expectation.warning else ["  " + expectation.line]
     if not detail:

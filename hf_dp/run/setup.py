@@ -138,7 +138,8 @@ def setup_privacy(dp, args, model, train_dataset, fingerprint_source, objective,
         expect = dict(n=n_public, batch_size=b, steps=planned, sigma=sigma, params=d,
                       calibrated=calibrated_for(getattr(model, "get_base_model", lambda: model)()),
                       causal_lm=getattr(objective, "name", None) == "causal_lm",  # the causal-LM verdict (hf_dp.plan)
-                      optim=str(getattr(args.optim, "value", args.optim)), learning_rate=args.learning_rate)
+                      optim=str(getattr(args.optim, "value", args.optim)), learning_rate=args.learning_rate,
+                      schedule=str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)))
         with calibration_scope(model):  # a causal LM trained from scratch: no calibrated verdict (hf_dp.plan.lm_verdict)
             block, warning = run_block(
                 **expect, delta=args.delta, accountant=args.accountant, max_grad_norm=args.per_sample_max_grad_norm,
