@@ -263,9 +263,9 @@ def test_run_block_takes_public_quantities_only():
     # calibrated: whether the model is of a family the verdict was calibrated on (its class: public); detail: the
     # table or two lines; sigma_note: the caller's words for a given σ's ε (a selection's trial); causal_lm, optim: the
     # model's head is a causal LM's, the update rule's name and its learning rate (public: the causal-LM verdict,
-    # hf_dp.plan.lm_verdict); bands: --noise_bands of banded_sqrt noise (a flag: public)
+    # hf_dp.plan.lm_verdict) and its schedule (a flag); bands: --noise_bands of banded_sqrt noise (a flag: public)
     allowed = {"n", "batch_size", "steps", "sigma", "delta", "accountant", "max_grad_norm", "params", "epsilon",
-               "calibrated", "detail", "sigma_note", "causal_lm", "optim", "learning_rate", "bands"}
+               "calibrated", "detail", "sigma_note", "causal_lm", "optim", "learning_rate", "bands", "schedule"}
     assert set(inspect.signature(run_block).parameters) == allowed
 
 
