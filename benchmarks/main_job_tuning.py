@@ -36,7 +36,8 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "main_job_tuning.jsonl"
 def _key(r: dict) -> tuple:
     return (r["task"], r.get("trainable", "last_block"), bool(r.get("full_train")), r["epochs"], r["lr"], r["seed"],
             r["epsilon_target"], r.get("scheduler", "constant"), r.get("sigma_target"),
-            None if r.get("full_train") else r.get("tune_split", "rows"), bool(r.get("group_by_length")), r.get("C", 0.1))
+            None if r.get("full_train") else r.get("tune_split", "rows"), bool(r.get("group_by_length")), r.get("C", 0.1),
+            r.get("noise_mechanism", "independent"), r.get("noise_bands", 1))
 
 
 TUNE_SENTENCES = 1000
@@ -115,7 +116,8 @@ class Data:
 
 
 def run_one(data, *, work: str, epochs: float, lr: float, seed: int, epsilon: float, params: int, trainable: str = "last_block",
-            scheduler: str = "constant", sigma: float | None = None, group_by_length: bool = False, C: float = 0.1) -> dict:
+            scheduler: str = "constant", sigma: float | None = None, group_by_length: bool = False, C: float = 0.1,
+            noise_mechanism: str = "independent", noise_bands: int = 1) -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -136,6 +138,7 @@ def run_one(data, *, work: str, epochs: float, lr: float, seed: int, epsilon: fl
         disable_tqdm=True, cache_frozen_features=data.cached, trainable=trainable, dataloader_num_workers=0,
         train_sampling_strategy="group_by_length" if group_by_length else "random",
         optim="dp_adamw", delta=1e-5, per_sample_max_grad_norm=C, dp_seed=seed,
+        noise_mechanism=noise_mechanism, **({"noise_bands": noise_bands} if noise_mechanism != "independent" else {}),
         # a tiny sigma is beyond the PRV accountant's grid (it runs out of memory); RDP reports a huge, finite epsilon
         **({"epsilon": epsilon} if sigma is None else {"noise_multiplier": sigma, "accountant": "rdp"}),
     )
@@ -151,6 +154,7 @@ def run_one(data, *, work: str, epochs: float, lr: float, seed: int, epsilon: fl
         "task": data.task, "trainable": trainable, "full_train": data.tune is None, "epochs": epochs, "batch": plan.batch_size,
         "lr": lr, "scheduler": scheduler, "seed": seed, "epsilon_target": epsilon if sigma is None else None,
         "sigma_target": sigma, "params": params, "tune_split": data.tune_split, "group_by_length": group_by_length, "C": C,
+        "noise_mechanism": noise_mechanism, "noise_bands": noise_bands,
         "tune_accuracy": tune.get("tune_accuracy"), "dev_accuracy": dev["dev_accuracy"], "train_seconds": train_s,
         "steps": trainer.state.global_step, "epsilon": rep["epsilon"], "sigma": rep["noise_multiplier"],
         "sizes": data.sizes, "commit": git_commit(),
@@ -169,6 +173,8 @@ def report(out: str) -> None:
             split += f", C = {r['C']:g}"
         if r.get("group_by_length"):
             split += ", grouped by length"
+        if r.get("noise_mechanism", "independent") != "independent":
+            split += f", {r['noise_mechanism']} b = {r['noise_bands']}"
         if r.get("sigma_target") is not None:
             split += f", σ = {r['sigma_target']:g} (diagnostic, not private)"
         groups.setdefault((r["task"], r.get("trainable", "last_block"), split, r["epochs"], r["lr"],
@@ -205,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group_by_length", action="store_true",
                     help="--train_sampling_strategy group_by_length: each Poisson draw ordered by length before it is cut "
                          "into micro-batches (same draws and noise, less padding)")
+    ap.add_argument("--noise_mechanism", default="independent", choices=["independent", "banded_sqrt"],
+                    help="DPTrainingArguments.noise_mechanism (issue 52: banded correlated noise with cyclic Poisson)")
+    ap.add_argument("--noise_bands", type=int, default=1, help="the bands b of --noise_mechanism banded_sqrt")
     ap.add_argument("--max_rows", type=int, default=None, help="smoke runs only: keep the first N rows of each split")
     ap.add_argument("--model", default=None, help="smoke runs only: a model folder instead of all-MiniLM-L6-v2")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
@@ -233,10 +242,12 @@ def main(argv: list[str] | None = None) -> None:
             for seed in [int(s) for s in a.seeds.split(",")]:
                 eps_t = a.epsilon if a.noise_multiplier is None else None
                 if (a.task, a.trainable, a.full_train, e, lr, seed, eps_t, a.scheduler, a.noise_multiplier,
-                        None if a.full_train else a.tune_split, a.group_by_length, a.C) in done:
+                        None if a.full_train else a.tune_split, a.group_by_length, a.C, a.noise_mechanism,
+                        a.noise_bands if a.noise_mechanism != "independent" else 1) in done:
                     continue
                 rec = run_one(data, work=a.work, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params, trainable=a.trainable,
-                              scheduler=a.scheduler, sigma=a.noise_multiplier, group_by_length=a.group_by_length, C=a.C)
+                              scheduler=a.scheduler, sigma=a.noise_multiplier, group_by_length=a.group_by_length, C=a.C,
+                              noise_mechanism=a.noise_mechanism, noise_bands=a.noise_bands)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(json.dumps({k: rec[k] for k in ("epochs", "batch", "lr", "seed", "tune_accuracy", "dev_accuracy",

@@ -267,6 +267,17 @@ def test_smoke_main_job_tuning(tmp_path, monkeypatch, tiny):
     (row,) = mjt.load_jsonl(out)
     assert row["sizes"] == {"validation": 32, "train": 32, "tune": 32} and row["epsilon"] <= 3.0 + 1e-9
     assert "| qnli | last_block | rows | 32 |" in _main(mjt, ["--report", "--out", out])
+    # issue 52 item 5: banded noise through the same script — its own row (not taken for the independent run above)
+    # (64 rows: the planner's B = 32, so b·q = 1)
+    out = str(tmp_path / "b.jsonl")
+    for flags in ([], ["--noise_mechanism", "banded_sqrt", "--noise_bands", "2"]):
+        _main(mjt, ["--task", "qnli", "--epochs", "1", "--lrs", "1e-2", "--seeds", "0", "--max_rows", "64",
+                    "--max_length", "32", "--model", tiny, "--out", out, "--work", str(tmp_path / "runs"), *flags])
+    row, banded = mjt.load_jsonl(out)
+    assert (row["noise_mechanism"], row["noise_bands"], banded["noise_mechanism"], banded["noise_bands"]) == (
+        "independent", 1, "banded_sqrt", 2)
+    assert banded["epsilon"] <= 3.0 + 1e-9 and banded["sigma"] != row["sigma"]  # its own calibration: rate 2q, half the rounds
+    assert "| qnli | last_block | rows, banded_sqrt b = 2 | 64 |" in _main(mjt, ["--report", "--out", out])
 
 
 @needs_glue("QNLI")
