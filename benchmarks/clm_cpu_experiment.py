@@ -243,6 +243,7 @@ def finetune(a) -> None:
         privacy = out_dir / "release" / "privacy.json"  # the recipe saves the release in <output_dir>/release
         if privacy.exists():
             rep = json.loads(privacy.read_text())
+            hyper = (rep.get("optimizer") or {}).get("hyperparameters") or {}
             ev = rep.get("eval", {})
             row.update(eval_loss=ev.get("eval_loss"), perplexity=ev.get("eval_perplexity") or (
                 math.exp(ev["eval_loss"]) if ev.get("eval_loss") is not None else None),
@@ -252,8 +253,7 @@ def finetune(a) -> None:
                 # what the planner's causal-LM verdict reads (hf_dp.plan.lm_verdict): d, the update rule, lr, C, epochs
                 trainable_params=(rep.get("trainable") or {}).get("trainable_params"),
                 optimizer=(rep.get("optimizer") or {}).get("name"),
-                learning_rate=((rep.get("optimizer") or {}).get("hyperparameters") or {}).get("lr"),
-                lr_scheduler_type=((rep.get("optimizer") or {}).get("hyperparameters") or {}).get("lr_scheduler_type"),
+                learning_rate=hyper.get("lr"), lr_scheduler_type=hyper.get("lr_scheduler_type"),
                 max_grad_norm=rep.get("max_grad_norm"), planned_steps=rep.get("planned_steps"), epochs=rep.get("epochs"))
         if row.get("perplexity") is None:  # no release (evaluation only): the summary's line
             import re

@@ -136,6 +136,10 @@ def test_the_expected_share_reads_the_schedules_mean_learning_rate():
                          schedule="linear")
     assert "linear schedule: mean lr 0.001" in block and "(lr = 0.002, T = 32)" in block  # W: the peak
     assert "--learning_rate 0.002 --lr_scheduler_type linear" in block
+    with pytest.raises(SystemExit) as exc:  # the CLI refuses a schedule whose mean it does not know
+        plan_main(["--n", "1272", "--epsilon", "3", "--params", "16384", "--causal_lm", "--learning_rate", "2e-3",
+                   "--lr_scheduler_type", "polynomial"])
+    assert exc.value.code == 2
 
 
 def test_a_plan_below_the_thresholds_or_without_a_verdict_says_so_in_the_block():

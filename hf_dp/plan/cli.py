@@ -9,6 +9,7 @@ import sys
 import time
 
 from hf_dp.plan.calibration import PLANNED_LR
+from hf_dp.plan.lm_share import SCHEDULE_MEAN
 from hf_dp.plan.plans import CACHE_ENV, DEFAULT_BATCH_SIZES, DEFAULT_EPOCHS, MIN_STEPS, Plan, make_plan, split_batch
 from hf_dp.privacy.accounting import ACCOUNTANTS
 
@@ -128,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learning_rate", "--learning-rate", type=float, default=None,
                    help="with --causal_lm: the (peak) learning rate the verdict's noise walk W = lr·√T·R_step/√(1 + "
                    "R_step²) is computed for (no verdict without it)")
-    p.add_argument("--lr_scheduler_type", "--lr-scheduler-type", default="constant",
+    p.add_argument("--lr_scheduler_type", "--lr-scheduler-type", default="constant", choices=tuple(SCHEDULE_MEAN),
                    help="with --causal_lm: the schedule of --learning_rate (HF's lr_scheduler_type): the expected share "
-                   "reads its mean rate (constant, linear, cosine; default %(default)s)")
+                   "reads its mean rate (default %(default)s)")
     p.add_argument("--optim", default="dp_adamw", help="the optimizer the printed flags and learning rate are for "
                    "(default %(default)s; learning rates: " + ", ".join(f"{k} {v:g}" for k, v in PLANNED_LR.items()) + ")")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
@@ -226,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the epochs are a compute budget, not a privacy choice: {plan.budget_epochs:g} = the largest of --epochs; "
               "--budget_epochs E plans for E (the recipes plan at their own --num_train_epochs: recipes/qnli.py's preset "
               "is 5, for --trainable last_k:2, whose step costs ~7× last_block's)")
-    verdict = plan.lm_verdict(args.optim, args.learning_rate, args.lr_scheduler_type) if args.causal_lm else None  # its own calibration
+    # the causal-LM verdict has its own calibration
+    verdict = plan.lm_verdict(args.optim, args.learning_rate, args.lr_scheduler_type) if args.causal_lm else None
     for w in plan.warnings(calibrated=not args.causal_lm):
         print("WARNING: " + w)
     expectation = None if args.causal_lm else plan.expectation()  # always stated (a warning above, or here)
