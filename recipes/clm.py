@@ -120,13 +120,13 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
     "dp_macadam": {"learning_rate": 1e-3, "weight_decay": 0.0},
 }
 
-# With --privacy_unit_column (a unit is every row of one user: at the default q ≈ 1/16 about 4 × fewer units per step
-# than rows, so each step's noise is about 4 × larger against the signal) dp_adamw / dp_adam take a larger peak
-# learning rate that decays linearly to 0. Chosen at user level on two public tune corpora, one close to the
-# pretraining and one with much to learn (benchmarks/RESULTS.md §10e): the largest peak rate that kept half of the
-# first corpus's gain on each of 3 tune seeds (2.5e-3 kept 40 % on one). On dev it keeps 86–93 % of SST-2's gain
-# (5e-4 constant: 44–66 %) and 49–51 % of the second corpus's (5e-4 constant: 28 %); a constant 1.37e-3 made SST-2
-# worse than no fine-tuning on 2 seeds of 3.
+# With --privacy_unit_column (a unit is every row of one user: at the default q ≈ 1/16, with users of about 4 rows as
+# in the tune corpora, about 4 × fewer units per step than rows, so each step's noise is larger against the signal)
+# dp_adamw / dp_adam take a larger peak learning rate that decays linearly to 0. Chosen at user level on two public
+# tune corpora, one close to the pretraining and one with much to learn (benchmarks/RESULTS.md §10e): the largest peak
+# rate that kept half of the first corpus's gain on each of 3 tune seeds (2.5e-3 kept 40 % on one). On dev it keeps
+# 86–93 % of SST-2's gain (5e-4 constant: 44–66 %) and 49–51 % of the second corpus's (5e-4 constant: 28 %); a
+# constant 1.37e-3 made SST-2 worse than no fine-tuning on 2 seeds of 3.
 UNIT_OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     "dp_adamw": {"learning_rate": 2e-3, "lr_scheduler_type": "linear"},
     "dp_adam": {"learning_rate": 2e-3, "lr_scheduler_type": "linear"},

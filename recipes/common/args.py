@@ -227,16 +227,16 @@ def parse_layered(
     if "bc_gamma" not in explicit and optim_variant(getattr(peek, "optim_args", None)) != "paper":
         parser.set_defaults(bc_gamma=None)
     # per-optimizer lr / weight decay unless given; a --disable_dp baseline with an HF optimizer takes the defaults of
-    # the DP optimizer of its family (adamw_* -> dp_adamw, sgd -> dp_sgd), so that the comparison means something
-    for key, value in optimizer_defaults.get(dp_family(optim_name(peek.optim), optimizer_defaults), {}).items():
+    # the DP optimizer of its family (adamw_* -> dp_adamw, sgd -> dp_sgd), so that the comparison means something;
+    # with a unit column (several rows per unit: fewer, larger units than rows) a recipe's own values replace them
+    # where it measured them (clm.py: benchmarks/RESULTS.md §10e)
+    family = dp_family(optim_name(peek.optim), optimizer_defaults)
+    chosen = dict(optimizer_defaults.get(family, {}))
+    if getattr(peek, "privacy_unit_column", None):
+        chosen.update((unit_optimizer_defaults or {}).get(family, {}))
+    for key, value in chosen.items():
         if key not in explicit:
             parser.set_defaults(**{key: value})
-    # a unit column (several rows per unit: fewer, larger units than rows) has its own defaults where the recipe
-    # measured them (clm.py: benchmarks/RESULTS.md §10e)
-    if unit_optimizer_defaults and getattr(peek, "privacy_unit_column", None):
-        for key, value in unit_optimizer_defaults.get(dp_family(optim_name(peek.optim), optimizer_defaults), {}).items():
-            if key not in explicit:
-                parser.set_defaults(**{key: value})
     # the frozen prefix is cached when it can be (last_block, last_k:K, head: hf_dp.models.suffix_blocks): the same
     # per-example gradients, minutes instead of an hour on CPU (benchmarks/RESULTS.md §3); the prefix then runs once in
     # eval mode. --cache_frozen_features false: off. Not under --fsdp (the cache is built with the full model on one rank)
