@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -99,6 +100,40 @@ def test_the_canonical_bytes_tell_types_and_structures_apart():
         canonical_bytes(object())
 
 
+def _element_bytes(value) -> bytes:
+    """The canonical bytes through the element-by-element path only (the vectorized one switched off)."""
+    import hf_dp.privacy.cyclic as cyclic
+
+    out, fast = [], cyclic._array_bytes
+    cyclic._array_bytes = lambda v: None
+    try:
+        cyclic._encode(value, out)
+    finally:
+        cyclic._array_bytes = fast
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("value", [
+    torch.randn(3, 4), torch.randn(2, 3, 5).half(), torch.randn(7).bfloat16(), torch.tensor(5), torch.tensor(-2.5),
+    torch.tensor([True, False, True]), torch.zeros(0), torch.zeros(2, 0, 3), torch.arange(-10, 20),
+    torch.tensor([float("nan"), -float("nan"), -0.0, 0.0, float("inf"), -float("inf")]),
+    torch.tensor([[1, 2], [3, 255]], dtype=torch.uint8), np.arange(12).reshape(3, 4).astype(np.uint16), np.float32(3.5),
+    np.array(7), np.array([1.5, np.nan, 1e300]), np.array([True] * 3), list(range(-5, 30)), [0.1 * i for i in range(20)],
+    [2**70] + list(range(20)), [1, 2.0] * 10, {"hf_dp_cached_hidden": torch.randn(9, 16), "labels": 1},
+], ids=lambda v: type(v).__name__)
+def test_a_tensor_hashes_as_the_list_of_its_elements_at_array_speed(value):
+    """Arrays and tensors (a cached frozen-prefix row: thousands of floats) are encoded in one vectorized pass
+    (:func:`hf_dp.privacy.cyclic._array_bytes`; the element loop took 7.7 s per 1,000 cached rows of 25 × 384 floats,
+    benchmarks/RESULTS.md §13): the bytes are exactly the element loop's, which are the element list's, so a row
+    gets the same partition however it is read (a tensor, an array, a list)."""
+    fast = canonical_bytes(value)
+    assert fast == _element_bytes(value)
+    if hasattr(value, "tolist"):
+        assert fast == canonical_bytes(value.tolist())
+    with_nan = canonical_bytes(torch.tensor([float("nan")]))
+    assert with_nan == canonical_bytes([float("-nan")]) and canonical_bytes(-0.0) != canonical_bytes(0.0)
+
+
 def test_bq_above_one_and_loaders_that_draw_ahead_are_refused(tmp_path):
     parts = torch.zeros(100, dtype=torch.long)
     with pytest.raises(ValueError, match=r"^--noise_bands 3 with q = B/N = 0.4: cyclic Poisson sampling draws each unit"):
@@ -163,3 +198,9 @@ def test_a_checkpoint_of_other_partitions_is_refused():
     with pytest.raises(ValueError, match="cyclic Poisson partitions"):
         PoissonBatchSampler(16, 0.25, 4).load_state_dict(state)  # independent noise resuming a banded checkpoint
     assert "partitions_sha256" not in PoissonBatchSampler(16, 0.25, 4).state_dict()  # independent: as before
+    # a checkpoint whose digest was written by the earlier partition hash (no scheme in it) is refused, not resumed
+    import hashlib
+
+    earlier = {**state, "partitions_sha256": hashlib.sha256(b"bands=2|" + parts.numpy().tobytes()).hexdigest()}
+    with pytest.raises(ValueError, match="an hf_dp before the partition hash of cyclic-partitions-v2"):
+        PoissonBatchSampler(16, 0.25, 4, bands=2, partitions=parts.clone()).load_state_dict(earlier)

@@ -337,7 +337,8 @@ class PoissonBatchSampler(Sampler):
         if state.get("partitions_sha256") != self.partitions_digest():
             raise ValueError(
                 "refusing to resume: the cyclic Poisson partitions (--noise_bands) of this training set differ from the "
-                "checkpoint's (the rows' stored content or order changed, or the bands did): a unit in another "
+                "checkpoint's (the rows' stored content or order changed, the bands did, or an hf_dp before the partition hash "
+                "of cyclic-partitions-v2 wrote the checkpoint): a unit in another "
                 "partition could enter two steps less than b apart, which the accountant's ceil(T/b) rounds do not count"
             )
 
