@@ -230,6 +230,16 @@ def test_smoke_noise_cost(tmp_path, tiny):
     assert json.loads(text.strip().splitlines()[-1]) == row
 
 
+def test_smoke_banded_step_time(tmp_path, tiny):
+    text = _main(bench("banded_step_time"), ["--rows", "64", "--batch", "8", "--length", "8", "--steps", "2",
+                                             "--rounds", "1", "--bands", "2", "--threads", "1", "--model", tiny,
+                                             "--work", str(tmp_path), "--out", str(tmp_path / "b.json")])
+    independent, banded = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert (independent["bands"], banded["bands"]) == (1, 2) and independent["step_ratio"] == 1.0
+    assert independent["buffer_mb"] == 0 and banded["buffer_mb"] > 0 and banded["step_s"] > 0
+    assert "| 2 |" in text
+
+
 # ------------------------------------------------------------------------------------------------ tiny model + GLUE
 
 
