@@ -98,6 +98,8 @@ def test_the_canonical_bytes_tell_types_and_structures_apart():
     assert canonical_bytes(torch.tensor([1, 2])) == canonical_bytes([1, 2]) and canonical_bytes(torch.tensor(5)) == canonical_bytes(5)
     with pytest.raises(ValueError, match="cannot hash a training value of type object"):
         canonical_bytes(object())
+    with pytest.raises(ValueError, match=r"^cyclic Poisson sampling cannot hash a training value of type Tensor"):
+        canonical_bytes(torch.eye(3).to_sparse())
 
 
 def _element_bytes(value) -> bytes:
@@ -120,6 +122,8 @@ def _element_bytes(value) -> bytes:
     torch.tensor([[1, 2], [3, 255]], dtype=torch.uint8), np.arange(12).reshape(3, 4).astype(np.uint16), np.float32(3.5),
     np.array(7), np.array([1.5, np.nan, 1e300]), np.array([True] * 3), list(range(-5, 30)), [0.1 * i for i in range(20)],
     [2**70] + list(range(20)), [1, 2.0] * 10, {"hf_dp_cached_hidden": torch.randn(9, 16), "labels": 1},
+    torch.randn(3, 5).t(), torch.randn(4, dtype=torch.complex128).conj().imag,  # strided; a lazily negated view
+    np.ma.array([1.0, 2.0, 3.0], mask=[0, 1, 0]),  # a masked array: its entries as .tolist() gives them (None)
 ], ids=lambda v: type(v).__name__)
 def test_a_tensor_hashes_as_the_list_of_its_elements_at_array_speed(value):
     """Arrays and tensors (a cached frozen-prefix row: thousands of floats) are encoded in one vectorized pass

@@ -66,7 +66,12 @@ def _encode(v, out: list) -> None:
             out.append(fast)
             return
     if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):  # torch / numpy: elements (a 0-d one: a number)
-        v = v.tolist()
+        try:
+            v = v.tolist()
+        except Exception as e:  # a sparse, meta, quantized or nested tensor: one sentence, not a traceback
+            raise ValueError(f"cyclic Poisson sampling cannot hash a training value of type {type(v).__name__} into a "
+                             f"partition ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); give the "
+                             "trainer dense tensors, arrays, numbers, strings, lists or dicts") from None
     if v is None:
         out.append(b"N;")
     elif isinstance(v, (bool, int, float)):
@@ -99,11 +104,11 @@ def _as_numeric_array(v):
     if isinstance(v, torch.Tensor):
         if v.is_sparse or v.is_complex() or v.dtype == getattr(torch, "uint64", None):
             return None
-        t = v.detach().cpu()
+        t = v.detach().cpu().resolve_conj().resolve_neg()  # a lazily negated view (.imag of a conjugate): its values
         if t.dtype == torch.bool:
             return t.numpy()
         return (t.to(torch.float64) if t.is_floating_point() else t.to(torch.int64)).numpy()
-    if isinstance(v, np.ndarray):
+    if type(v) is np.ndarray:  # a subclass (a masked array: its .tolist() hides masked entries) takes the element path
         kind = v.dtype.kind
         if kind == "b":
             return v
