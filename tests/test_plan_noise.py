@@ -77,7 +77,7 @@ def _row(b, sigma, momentum, prefix=1.0, marginal=1.0):
             "momentum_ratio": momentum, "marginal_ratio": marginal}
 
 
-def test_the_verdict_recommends_banded_only_below_the_threshold():
+def test_the_verdict_says_independent_and_names_banded_noise_an_experiment_beyond_the_measured_range():
     assert pn.BANDED_MOMENTUM_THRESHOLD == 0.66  # the lowest momentum ratio measured to buy no accuracy (RESULTS §13)
     base = _row(1, 1.0, 1.0)
     rows = [base, _row(2, 1.4, 0.95), _row(6, 2.2, 0.926, marginal=2.8), _row(8, 2.5, 0.95)]
@@ -87,11 +87,13 @@ def test_the_verdict_recommends_banded_only_below_the_threshold():
     assert "by 7.4 %" in line and "benchmarks/RESULTS.md §13" in line
     rows = [base, _row(2, 1.4, 0.95), _row(6, 2.2, 0.86)]  # SST-2's 10 epochs (0.85): measured to lose accuracy
     mechanism, b, line = pn.noise_verdict(rows)
-    assert (mechanism, b) == ("independent", 1) and "by 14.0 %" in line and "the measured bar of 34 %" in line
-    rows = [base, _row(2, 1.4, 0.95), _row(12, 2.2, 0.60)]
+    assert (mechanism, b) == ("independent", 1) and "by 14.0 %" in line and "within the measured range" in line
+    assert "down to 0.661 and bought no accuracy" in line
+    rows = [base, _row(2, 1.4, 0.95), _row(12, 2.2, 0.60)]  # beyond the measured range: an experiment, not advice
     mechanism, b, line = pn.noise_verdict(rows)
-    assert (mechanism, b) == ("banded_sqrt", 12) and line.startswith("noise: banded_sqrt --noise_bands 12 — it lowers")
-    assert "by 40.0 %" in line
+    assert (mechanism, b) == ("independent", 1) and line.startswith("noise: independent — the best banded_sqrt (b = 12)")
+    assert "by 40.0 %" in line and "beyond the measured range" in line and "is an experiment" in line
+    assert "--noise_mechanism banded_sqrt --noise_bands 12" in line
     mechanism, b, line = pn.noise_verdict([base, _row(2, 1.6, 1.03), _row(3, 1.9, 1.08)])
     assert (mechanism, b) == ("independent", 1) and "the least bad, b = 2, raises it by 3.0 %" in line
     assert pn.noise_verdict([base])[:2] == ("independent", 1)
