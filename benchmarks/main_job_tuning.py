@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
                              a.trainable)[1].num_trainable
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     done = {_key(r) for r in load_jsonl(a.out)}
+    bands = a.noise_bands if a.noise_mechanism != "independent" else 1  # as run_one records it (independent: b = 1)
     data = Data(a.task, a.max_length, 0.1, trainable=a.trainable, full_train=a.full_train, tune_split=a.tune_split,
                 max_rows=a.max_rows, model=a.model)
     print(f"data {data.sizes}, cached: {data.cached} ({data.cache_seconds:.0f}s); d = {params}", flush=True)
@@ -242,12 +243,11 @@ def main(argv: list[str] | None = None) -> None:
             for seed in [int(s) for s in a.seeds.split(",")]:
                 eps_t = a.epsilon if a.noise_multiplier is None else None
                 if (a.task, a.trainable, a.full_train, e, lr, seed, eps_t, a.scheduler, a.noise_multiplier,
-                        None if a.full_train else a.tune_split, a.group_by_length, a.C, a.noise_mechanism,
-                        a.noise_bands if a.noise_mechanism != "independent" else 1) in done:
+                        None if a.full_train else a.tune_split, a.group_by_length, a.C, a.noise_mechanism, bands) in done:
                     continue
                 rec = run_one(data, work=a.work, epochs=e, lr=lr, seed=seed, epsilon=a.epsilon, params=params, trainable=a.trainable,
                               scheduler=a.scheduler, sigma=a.noise_multiplier, group_by_length=a.group_by_length, C=a.C,
-                              noise_mechanism=a.noise_mechanism, noise_bands=a.noise_bands)
+                              noise_mechanism=a.noise_mechanism, noise_bands=bands)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(json.dumps({k: rec[k] for k in ("epochs", "batch", "lr", "seed", "tune_accuracy", "dev_accuracy",

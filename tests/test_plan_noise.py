@@ -109,11 +109,11 @@ def test_the_cli_prints_the_table_and_the_verdict(capsys):
     assert [int(line.split("|")[1]) for line in table] == [1, 2, 3, 4]  # b·B ≤ N = 200
     assert table[0].startswith("| 1 | ") and table[0].endswith("| 1.000× | 1.000× | 1.00× |")
     verdict = [line for line in out.splitlines() if line.startswith("noise: ")]
-    assert len(verdict) == 1 and ("noise: independent" in verdict[0] or "noise: banded_sqrt --noise_bands" in verdict[0])
+    assert len(verdict) == 1 and verdict[0].startswith("noise: independent")
     assert planner.main(argv + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)["noise_comparison"]
     assert data["batch"] == 50 and data["steps"] == 8 and [r["bands"] for r in data["rows"]] == [1, 2, 3, 4]
-    assert data["mechanism"] in ("independent", "banded_sqrt") and data["verdict"] == verdict[0]
+    assert (data["mechanism"], data["bands"]) == ("independent", 1) and data["verdict"] == verdict[0]
 
 
 def test_the_run_block_names_the_noise_mechanism():
