@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from hf_dp import flags
-from hf_dp.models import check_trainable
+from hf_dp.models import check_trainable, lora_targets
 from hf_dp.optim.registry import is_dp_optimizer, optimizer_names
 from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon, check_noise_mechanism
 
@@ -92,6 +92,9 @@ class DPTrainingArguments(TrainingArguments):
     )
     lora_r: int = field(default=8, metadata={"help": "LoRA rank (with --trainable lora)."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (with --trainable lora)."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "The modules LoRA adapts (with --trainable lora): names, or all-linear; "
+                                        "default PEFT's for the model type (GPT-2: c_attn; Llama: q_proj v_proj)."})
     bc_gamma: float | None = field(default=None, metadata={"help": "gamma' floor of dp_adambc / dp_adamw_bc (default: the variant's — 1e-8, or 1e-10 with --optim_args variant=adam_corr)."})
     macadam_h1: float = field(default=1e-12, metadata={"help": "DP-MacAdam lower clamp h1 of the variance estimate."})
     macadam_h2: float = field(default=1.0, metadata={"help": "DP-MacAdam upper clamp h2 of the variance estimate."})
@@ -297,6 +300,7 @@ class DPTrainingArguments(TrainingArguments):
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"--accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
         check_trainable(self.trainable)
+        lora_targets(self.lora_target_modules, self.trainable)
         if self.first_token_only not in ("auto", "off"):
             raise ValueError(f"--first_token_only must be 'auto' or 'off', got {self.first_token_only!r}")
         if self.clipping not in ("auto", "ghost", "ghost_two_pass", "hooks"):

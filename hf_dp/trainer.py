@@ -47,7 +47,7 @@ from hf_dp.run.ledger_hooks import LedgerOverrides
 from hf_dp.audit import canaries
 from hf_dp.hub import report, write_privacy_artifacts
 from hf_dp.hub.describe import CARD_SETTINGS, card_fields
-from hf_dp.models import apply_trainable
+from hf_dp.models import apply_trainable, lora_config_of
 from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
 from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, CachedFeatures, CachedFeaturesCollator
 from hf_dp.run.state import PrivacyState
@@ -85,8 +85,7 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
             contract.check_head(model)  # a head whose loss DPTrainer does not compute as the model would
         if model is not None:
             # --trainable applies to non-private baselines too, so that they train the same parameters
-            lora_config = {"r": args.lora_r, "lora_alpha": args.lora_alpha} if args.trainable == "lora" else None
-            model, self.trainable_info = apply_trainable(model, args.trainable, lora_config)
+            model, self.trainable_info = apply_trainable(model, args.trainable, lora_config_of(args))
             if args.dp_enabled and sharding.fsdp_requested(args):  # FSDP2 under DP: hf_dp.clipping.sharding
                 sharding.check_model(model)
                 sharding.check_processes(args)

@@ -7,9 +7,10 @@ script (needs the ``sft`` extra: ``pip install -e ".[sft]"``).
         --privacy_unit_column user_id --epsilon 3 --output_dir runs/sft
 
 Flags: TRL's sft script's (``--dataset_name``, ``--dataset_config``, ``--dataset_train_split``,
-``--dataset_test_split``, ``--model_name_or_path``, ``--use_peft``, ``--lora_r``, ``--lora_alpha``), every flag of
-TRL's ``SFTConfig`` (``--max_length``, ``--assistant_only_loss``, ``--completion_only_loss``, ...), run_clm's
-``--model_type`` / ``--config_overrides`` / ``--tokenizer_name`` (a tiny model from a config, offline) and
+``--dataset_test_split``, ``--model_name_or_path``, ``--use_peft``, ``--lora_r``, ``--lora_alpha``,
+``--lora_target_modules``), every flag of TRL's ``SFTConfig`` (``--max_length``, ``--assistant_only_loss``,
+``--completion_only_loss``, ...), run_clm's ``--model_type`` / ``--config_overrides`` / ``--tokenizer_name`` (a tiny
+model from a config, offline) and
 ``--train_file`` / ``--validation_file`` (json/jsonl/csv with a ``messages`` column, or ``prompt`` / ``completion``
 columns), plus hf_dp's DP flags (``--epsilon``, ``--per_sample_max_grad_norm``, ``--privacy_unit_column``, ...), and
 ``--config FILE.yaml`` as the other recipes. ``--help`` shows the DP flags first, each TRL flag marked with what it does

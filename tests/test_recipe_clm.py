@@ -594,6 +594,22 @@ def test_a_disable_dp_baseline_trains_the_same_lora_set_and_releases_a_plain_mod
     assert _release_samples(out, "w1 w2", 2, 5) == [s["sample 1"], s["sample 2"]]
 
 
+def test_lora_target_modules_choose_where_the_adapters_train(clm, tok_dir, tmp_path, capsys):
+    """TRL's ``--lora_target_modules``: the adapters (and so the trained set privacy.json names) sit on the named
+    modules only; a module no model has is one error line before any training."""
+    train, dev = _user_files(tmp_path)
+    out = tmp_path / "mlp"
+    code, stdout, err = _run(clm, capsys, _tiny(tok_dir, train, dev, out, "--lora_target_modules", "c_fc", "c_proj"))
+    assert code == 0, err[-4000:]
+    names = json.loads((out / "release" / "privacy.json").read_text())["trainable"]["names"]
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names} == {"c_fc", "c_proj"}, names
+    code, stdout, err = _run(clm, capsys, _tiny(tok_dir, train, dev, tmp_path / "none", "--lora_target_modules", "q_proj"))
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(errors) == 1 and "Target modules {'q_proj'} not found" in errors[0], err[-2000:]
+    assert "Traceback" not in err
+    assert not (tmp_path / "none" / "release").exists()
+
+
 WORKER = r"""
     import io, json, contextlib
     err = open(os.path.join(out, f"rank{{rank}}.err"), "w")  # all this rank writes to stderr from here on

@@ -137,10 +137,14 @@ def test_adding_or_replacing_one_row_moves_the_sum_by_at_most_C(tmp_path, arch, 
         assert rep <= 2.0, f"{arch}/{engine}, {name}: replacing one row moved the clipped sum by {rep:.6f} C"
 
 
-@pytest.mark.parametrize("mode", ["last_block", "lora"])
+@pytest.mark.parametrize("mode", ["last_block", "lora", "lora:all-linear", "lora:c_fc"])
 @pytest.mark.parametrize("engine", ["ghost", "hooks"])
 def test_the_bound_holds_for_partial_fine_tuning(tmp_path, mode, engine):
-    tr = trainer(tmp_path, gpt2(), engine, trainable=mode)
+    trainable, _, targets = mode.partition(":")  # lora:T = LoRA on the modules --lora_target_modules T names
+    tr = trainer(tmp_path, gpt2(), engine, trainable=trainable, lora_target_modules=[targets] if targets else None)
+    if targets:  # the adapters sit where the flag says (all-linear: attention and MLP projections, not the LM head)
+        adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in tr.model.named_parameters() if p.requires_grad}
+        assert adapted == ({"c_attn", "c_proj", "c_fc"} if targets == "all-linear" else {targets}), adapted
     for name, D, yD, x, _, _, _ in compositions(True, MAX_LEN):
         add = float((clipped_sum(tr, batch(D + [x], True)) - clipped_sum(tr, batch(D, True))).norm()) / C
         assert add <= 1.0, f"{mode}/{engine}, {name}: {add:.6f} C"

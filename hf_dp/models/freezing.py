@@ -75,7 +75,7 @@ from torch import nn
 TRAINABLE_MODES: tuple[str, ...] = ("last_block", "last_k:K", "head", "all", "bias", "lora")
 """The ``--trainable`` modes; ``last_k:K`` stands for ``last_k:1``, ``last_k:2``, ... (see :func:`check_trainable`)."""
 
-__all__ = ["TRAINABLE_MODES", "TrainableInfo", "apply_trainable", "check_trainable", "find_blocks",
+__all__ = ["TRAINABLE_MODES", "TrainableInfo", "apply_trainable", "check_trainable", "find_blocks", "lora_config_of", "lora_targets",
            "head_parameter_names", "suffix_blocks"]
 
 _LAST_K = "last_k:"
@@ -92,6 +92,38 @@ def check_trainable(mode) -> str:
             return mode
         raise ValueError(f"--trainable {mode}: K in last_k:K must be a whole number >= 1 (e.g. last_k:2), got {k!r}")
     raise ValueError(f"--trainable must be one of {', '.join(TRAINABLE_MODES)} (K = 1, 2, ...), got {mode!r}")
+
+
+def lora_targets(modules, trainable: str = "lora"):
+    """``--lora_target_modules`` as PEFT's ``target_modules``: ``None`` (PEFT's default for the model type), the string
+    ``"all-linear"``, or a list of module names; ``ValueError`` (one sentence) for anything else or without
+    ``--trainable lora`` (the flag would otherwise be ignored)."""
+    if modules is None:
+        return None
+    if isinstance(modules, str):
+        modules = [modules]
+    if trainable != "lora":
+        raise ValueError(f"--lora_target_modules needs --trainable lora (it names the modules LoRA adapts), "
+                         f"got --trainable {trainable}")
+    names = list(modules) if isinstance(modules, (list, tuple)) else None
+    if not names or any(not isinstance(m, str) or not m.strip() or m != m.strip() for m in names):
+        raise ValueError(f"--lora_target_modules must name one or more modules (e.g. c_attn c_fc, or all-linear), "
+                         f"got {modules!r}")
+    if "all-linear" in names:
+        if len(names) > 1:
+            raise ValueError(f"--lora_target_modules all-linear stands alone, got {names!r}")
+        return "all-linear"
+    return names
+
+
+def lora_config_of(args) -> dict | None:
+    """The LoRA keyword arguments of DPTrainingArguments (``--lora_r``, ``--lora_alpha``, ``--lora_target_modules``)
+    for :func:`apply_trainable`; ``None`` unless ``--trainable lora``."""
+    if args.trainable != "lora":
+        lora_targets(getattr(args, "lora_target_modules", None), args.trainable)  # refused: it would be ignored
+        return None
+    return {"r": args.lora_r, "lora_alpha": args.lora_alpha,
+            "target_modules": lora_targets(getattr(args, "lora_target_modules", None))}
 
 
 def suffix_blocks(mode: str) -> int | None:
@@ -344,13 +376,19 @@ def _apply_lora(model: nn.Module, lora_config) -> nn.Module:
     try:
         with warnings.catch_warnings():  # peft reads transformers' deprecated alias; nothing the user can change
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return get_peft_model(model, lora_config)
+            peft_model = get_peft_model(model, lora_config)
     except ValueError as e:
         raise ValueError(
             f"PEFT could not build LoRA for {type(model).__name__} "
             f"(model_type={getattr(getattr(model, 'config', None), 'model_type', None)!r}): {e} "
-            "Pass lora_config with explicit target_modules."
+            "Pass lora_config with explicit target_modules (--lora_target_modules)."
         ) from e
+    embedded = sorted({n.split(".lora_embedding_")[0] for n, _ in peft_model.named_parameters() if ".lora_embedding_" in n})
+    if embedded:  # PEFT's embedding adapters index their parameters directly: no per-example gradient rule sees them
+        peft_model.unload()  # the caller's model as it was (its modules back in place)
+        raise ValueError(f"LoRA on an embedding ({', '.join(embedded)}) is not supported: its adapter parameters have "
+                         "no per-example gradient rule in hf_dp; let --lora_target_modules name linear layers only")
+    return peft_model
 
 
 # --------------------------------------------------------------------------- public API
