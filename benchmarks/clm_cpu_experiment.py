@@ -286,6 +286,11 @@ def _legacy_trainable(row: dict, config: str) -> int:
     return int(apply_trainable(AutoModelForCausalLM.from_config(cfg), row.get("trainable") or "lora")[1].num_trainable)
 
 
+#: flags that give LoRA other adapters than the recipes' (hf_dp.plan.lm_verdict.CALIBRATED_LORA on PEFT's default
+#: modules): runs with them are left out of the calibration, and the planner gives no verdict for such adapters
+LORA_FLAGS = ("--lora_r", "--lora_alpha", "--lora_target_modules")
+
+
 def lm_calibration_rows(rows: list[dict]) -> list[dict]:
     """The measured DP fine-tunings, each beside run ``none`` (no fine-tuning) of the same pretrained model
     (``pretrained``: the weights' fingerprint; rows written before it was recorded form one group) and the same
@@ -294,7 +299,8 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
     split (``--pretrained <its output_dir>/release``) is that DP run scored on that split's text, beside run ``none``
     of the DP run's pretrained model on that split. Smoke runs and failed runs are left out; so is a DP run whose
     pretrained model has no run ``none`` on the split, and a run with correlated noise (``--noise_mechanism
-    banded_sqrt``, RESULTS §13): the verdict's noise walk is calibrated on independent noise."""
+    banded_sqrt``, RESULTS §13): the verdict's noise walk is calibrated on independent noise; and a run with other LoRA
+    adapters than the recipes' (:data:`LORA_FLAGS`, RESULTS §10e): the verdict says none for those."""
     def group(r):
         split = r.get("split") or "dev"  # another corpus's splits are its own texts (not SST-2's little-gain ones)
         return r.get("pretrained") or "legacy", split if r.get("corpus", "sst2") == "sst2" else f"{r['corpus']}:{split}"
@@ -309,7 +315,8 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
 
     dp = {folder_of(r): r for r in ok
           if r.get("noise_multiplier") is not None
-          and (_flag(r["command"], "--noise_mechanism") or "independent") == "independent"}
+          and (_flag(r["command"], "--noise_mechanism") or "independent") == "independent"
+          and not any(_flag(r["command"], f) is not None for f in LORA_FLAGS)}
     scored = [(r, group(r)) for r in dp.values()]
     # the non-private fine-tuning of a group (the latest; the gain a DP run's share is of): run "nonprivate", or its
     # release scored on another split's text

@@ -480,6 +480,15 @@ def test_the_causal_lm_verdict_is_printed_once_before_training_and_only_for_a_pr
     assert lines[0].startswith("hf_dp plan (causal LM): R_step = √d·σ/B = 0.8 (d = 1,024, σ = 0.1, B = 4), noise walk W")
     assert "(lr = 0.001, T = 2) < 0.0158: this run is not expected to make the model worse than no fine-tuning" in lines[0]
 
+    # other adapters than the calibrated ones (rank 8, alpha 16 on c_attn): no verdict, one line says why
+    for extra, where in ((["--lora_target_modules", "all-linear"], "rank 8, alpha 16, on c_attn, c_fc, c_proj"),
+                         (["--lora_r", "2", "--lora_alpha", "4"], "rank 2, alpha 4, on c_attn")):
+        before = run("adapters", "--noise_multiplier", "0.1", "--learning_rate", "1e-3", "--overwrite_output_dir", *extra)
+        lines = [x.strip() for x in before.splitlines() if "hf_dp plan (causal LM)" in x]
+        assert len(lines) == 1 and lines[0].startswith(f"hf_dp plan (causal LM): no verdict: the LoRA adapters ({where}) "
+                                                       "are not those the causal-LM runs were measured with"), lines
+        assert "expected to keep" not in before and "not expected to make the model worse" not in before
+
     # --model_type: random weights, no verdict (one line says why)
     caplog.clear()
     code, stdout, err = _run(clm, capsys, _tiny(tok_dir, *files, tmp_path / "random", "--learning_rate", "0.1"))
