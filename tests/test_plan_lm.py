@@ -185,3 +185,30 @@ def test_a_causal_lm_folder_implies_the_causal_lm_verdict(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "d = 1,024 trainable parameters" in out and "hf_dp plan (causal LM): R_step" in out
     assert "constant predictor" not in out
+
+
+@pytest.mark.parametrize("lora,where", [
+    ({}, None),  # the calibrated adapters: rank 8, alpha 16 on every block's c_attn
+    ({"target_modules": ["c_attn", "c_fc"]}, "rank 8, alpha 16, on c_attn, c_fc"),
+    ({"target_modules": ["h.0.attn.c_attn"]}, "rank 8, alpha 16, on c_attn of some layers only (1 of 2 modules)"),
+    ({"r": 2, "lora_alpha": 4}, "rank 2, alpha 4, on c_attn"),
+    ({"r": 8, "lora_alpha": 16, "use_rslora": True}, "rank 8, alpha 16, on c_attn"),
+])
+def test_the_verdict_is_for_the_calibrated_adapters_only(lora, where):
+    """The causal-LM verdict and expected share were measured with rank 8, alpha 16 on PEFT's default modules of every
+    layer; other adapters (ranks, modules, some layers only: compared by the adapted modules' paths, not their names)
+    get the reason instead (RESULTS §10e: rank 2 and all-linear adapters were 24–27 points off the fit)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_dp.models import apply_trainable
+
+    model, _ = apply_trainable(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=60)), "lora",
+                               {"r": 8, "lora_alpha": 16, **lora})
+    reason = lv.lora_not_calibrated(model)
+    if where is None:
+        assert reason is None
+        return
+    assert reason.startswith(f"the LoRA adapters ({where}) are not those the causal-LM runs were measured with"), reason
+    model.get_base_model().config._name_or_path = "gpt2-pretrained"  # as from_pretrained names it (not from scratch)
+    with lv.calibration_scope(model):
+        assert lv.not_calibrated_reason() == reason

@@ -336,8 +336,8 @@ def _targets_are_conv1d(model: nn.Module, targets) -> bool:
         targets = mapping.get(getattr(getattr(model, "config", None), "model_type", None))
     if not targets or isinstance(targets, str):
         return False
-    names = set(targets)
-    hit = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in names]
+    names = set(targets)  # PEFT's matching: the module's name, or a dotted path it ends with
+    hit = [m for name, m in model.named_modules() if any(name == t or name.endswith("." + t) for t in names)]
     return bool(hit) and all(isinstance(m, Conv1D) for m in hit)
 
 
@@ -383,12 +383,37 @@ def _apply_lora(model: nn.Module, lora_config) -> nn.Module:
             f"(model_type={getattr(getattr(model, 'config', None), 'model_type', None)!r}): {e} "
             "Pass lora_config with explicit target_modules (--lora_target_modules)."
         ) from e
-    embedded = sorted({n.split(".lora_embedding_")[0] for n, _ in peft_model.named_parameters() if ".lora_embedding_" in n})
-    if embedded:  # PEFT's embedding adapters index their parameters directly: no per-example gradient rule sees them
+    problem = _lora_problem(peft_model, lora_config.target_modules)
+    if problem:
         peft_model.unload()  # the caller's model as it was (its modules back in place)
-        raise ValueError(f"LoRA on an embedding ({', '.join(embedded)}) is not supported: its adapter parameters have "
-                         "no per-example gradient rule in hf_dp; let --lora_target_modules name linear layers only")
+        raise ValueError(problem)
     return peft_model
+
+
+def _lora_problem(peft_model, targets) -> str | None:
+    """Why these adapters cannot be trained and released as they are, in one sentence, or None: an adapter on an
+    embedding (PEFT's embedding adapters index their parameters directly: no per-example gradient rule sees them); on a
+    layer whose weight is the input embedding's (a tied LM head: merging the adapter into the release would change the
+    embedding too, so the released model would not be the trained one); a named module that adapts nothing (PEFT skips
+    a name that matches no module as long as another one matches)."""
+    embedded = sorted({n.split(".lora_embedding_")[0] for n, _ in peft_model.named_parameters() if ".lora_embedding_" in n})
+    if embedded:
+        return (f"LoRA on an embedding ({', '.join(embedded)}) is not supported: its adapter parameters have no "
+                "per-example gradient rule in hf_dp; let --lora_target_modules name linear layers only")
+    adapted = {n: m for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+    get_emb = getattr(peft_model, "get_input_embeddings", None)
+    emb = getattr(get_emb() if callable(get_emb) else None, "weight", None)
+    tied = sorted(n for n, m in adapted.items() if emb is not None and getattr(m.base_layer, "weight", None) is emb)
+    if tied:
+        return (f"LoRA on {', '.join(tied)}, whose weight is the input embedding's (tied weights), is not supported: "
+                "merging the adapter into the release would change the embedding too, so the released model would not "
+                "be the one trained; adapt other layers, or untie the weights (tie_word_embeddings=False)")
+    if isinstance(targets, (list, tuple, set)):
+        missing = sorted(t for t in targets if not any(n == t or n.endswith("." + t) for n in adapted))
+        if missing:
+            return (f"--lora_target_modules {' '.join(missing)}: no such module of this model took an adapter (PEFT "
+                    "skips such a name while another matches); name modules the model has")
+    return None
 
 
 # --------------------------------------------------------------------------- public API

@@ -151,18 +151,21 @@ def lora_not_calibrated(model) -> str | None:
 
     get_base = getattr(model, "get_base_model", None)
     base = get_base() if callable(get_base) else model
-    default = mapping.get(getattr(getattr(base, "config", None), "model_type", None))
-    # the module names' last parts (PEFT lists all-linear's modules by their full names)
-    targets = c.target_modules if isinstance(c.target_modules, str) else sorted({t.rsplit(".", 1)[-1]
-                                                                                 for t in c.target_modules or ()})
-    if (c.r, c.lora_alpha) == (CALIBRATED_LORA["r"], CALIBRATED_LORA["lora_alpha"]) and default is not None \
-            and not isinstance(targets, str) and set(targets) == set(default):
+    default = set(mapping.get(getattr(getattr(base, "config", None), "model_type", None)) or ())
+    # the adapted modules' paths against those PEFT's default targets name (every layer's, e.g. each block's c_attn)
+    adapted = sorted(n for n, m in base.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer"))
+    candidates = sorted(n for n, _ in base.named_modules() if n.rsplit(".", 1)[-1] in default)
+    same = (c.r, c.lora_alpha) == (CALIBRATED_LORA["r"], CALIBRATED_LORA["lora_alpha"]) and not any(
+        getattr(c, k, None) for k in ("rank_pattern", "alpha_pattern", "use_dora", "use_rslora"))
+    if same and adapted and adapted == candidates:
         return None
-    where = targets if isinstance(targets, str) else ", ".join(targets)
+    names = sorted({n.rsplit(".", 1)[-1] for n in adapted})
+    where = ", ".join(names) + ("" if set(names) != default or adapted == candidates
+                                else f" of some layers only ({len(adapted)} of {len(candidates)} modules)")
     return (f"the LoRA adapters (rank {c.r}, alpha {c.lora_alpha}, on {where}) are not those the causal-LM runs were "
             f"measured with (rank {CALIBRATED_LORA['r']}, alpha {CALIBRATED_LORA['lora_alpha']}, on PEFT's default "
-            "modules for the model type, e.g. GPT-2's c_attn), which move the model differently at the same sigma, B, "
-            "T and d")
+            "modules for the model type in every layer, e.g. GPT-2's c_attn), which move the model differently at the "
+            "same sigma, B, T and d")
 
 
 def calibration_scope(model):
