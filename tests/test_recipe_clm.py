@@ -693,19 +693,22 @@ def test_the_training_file_as_validation_file_is_refused(clm, tok_dir, tmp_path,
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("trainable", ["all", "lora"])
+@pytest.mark.parametrize("trainable", ["all", "lora", "lora:all-linear"])
 def test_clm_recipe_under_fsdp2_with_two_processes(tok_dir, tmp_path, trainable):
     """Issue 30: ``torchrun --nproc_per_node 2 recipes/clm.py … --fsdp full_shard`` trains on shards, reports ε and saves a
     release that loads: full fine-tuning of a GPT-2 with untied embeddings (trainable tied ones are refused under FSDP),
-    and the recipe's default LoRA (the tied embeddings frozen; the release merged on rank 0)."""
+    and the recipe's default LoRA (the tied embeddings frozen; the release merged on rank 0), also on every linear layer
+    (``--lora_target_modules all-linear``)."""
     from two_process import env, gloo_available, torchrun
 
     if not gloo_available():
         pytest.skip("torch.distributed with gloo not available")
+    trainable, _, targets = trainable.partition(":")
     train, dev = _user_files(tmp_path)
     out = tmp_path / "out"
     untie = "n_layer=2,n_embd=16,n_head=2,tie_word_embeddings=False"
     argv = [a if a != "n_layer=2,n_embd=16,n_head=2" or trainable == "lora" else untie for a in _tiny(tok_dir, train, dev, out)]
+    argv += ["--lora_target_modules", targets] if targets else []
     cmd = [*torchrun(), str(REPO / "recipes" / "clm.py"), *argv, "--trainable", trainable, "--fsdp", "full_shard",
            "--fsdp_config", '{"transformer_layer_cls_to_wrap": ["GPT2Block"]}', "--ddp_backend", "gloo", "--use_cpu"]
     proc = subprocess.run(cmd, env=env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
@@ -720,3 +723,6 @@ def test_clm_recipe_under_fsdp2_with_two_processes(tok_dir, tmp_path, trainable)
     assert type(model).__name__ == "GPT2LMHeadModel"
     assert (model.lm_head.weight is model.transformer.wte.weight) == (trainable == "lora")
     assert not (out / "adapter_config.json").exists()
+    if targets:  # the adapters sat on every linear layer of the blocks
+        names = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in privacy["trainable"]["names"]}
+        assert names == {"c_attn", "c_proj", "c_fc"}, names
