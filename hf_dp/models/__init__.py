@@ -7,7 +7,8 @@
 Per-sample gradients and clipping (Opacus hooks, ghost clipping) are in :mod:`hf_dp.clipping`.
 """
 
-from .freezing import TRAINABLE_MODES, TrainableInfo, apply_trainable, check_trainable, lora_config_of, lora_targets, suffix_blocks
+from .freezing import (TRAINABLE_MODES, TrainableInfo, apply_trainable, check_trainable, lora_config_of, lora_targets,
+                       suffix_blocks)
 
 __all__ = [
     "apply_trainable",

@@ -75,8 +75,8 @@ from torch import nn
 TRAINABLE_MODES: tuple[str, ...] = ("last_block", "last_k:K", "head", "all", "bias", "lora")
 """The ``--trainable`` modes; ``last_k:K`` stands for ``last_k:1``, ``last_k:2``, ... (see :func:`check_trainable`)."""
 
-__all__ = ["TRAINABLE_MODES", "TrainableInfo", "apply_trainable", "check_trainable", "find_blocks", "lora_config_of", "lora_targets",
-           "head_parameter_names", "suffix_blocks"]
+__all__ = ["TRAINABLE_MODES", "TrainableInfo", "apply_trainable", "check_trainable", "find_blocks", "lora_config_of",
+           "lora_targets", "head_parameter_names", "suffix_blocks"]
 
 _LAST_K = "last_k:"
 
@@ -396,13 +396,13 @@ def _lora_problem(peft_model, targets) -> str | None:
     layer whose weight is the input embedding's (a tied LM head: merging the adapter into the release would change the
     embedding too, so the released model would not be the trained one); a named module that adapts nothing (PEFT skips
     a name that matches no module as long as another one matches)."""
-    embedded = sorted({n.split(".lora_embedding_")[0] for n, _ in peft_model.named_parameters() if ".lora_embedding_" in n})
+    base = peft_model.get_base_model()
+    adapted = {n: base.get_submodule(n) for n in peft_model.targeted_module_names}  # PEFT's own list of them
+    embedded = sorted(n for n, m in adapted.items() if len(getattr(m, "lora_embedding_A", ())) > 0)
     if embedded:
         return (f"LoRA on an embedding ({', '.join(embedded)}) is not supported: its adapter parameters have no "
                 "per-example gradient rule in hf_dp; let --lora_target_modules name linear layers only")
-    adapted = {n: m for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
-    get_emb = getattr(peft_model, "get_input_embeddings", None)
-    emb = getattr(get_emb() if callable(get_emb) else None, "weight", None)
+    emb = getattr(base.get_input_embeddings(), "weight", None)
     tied = sorted(n for n, m in adapted.items() if emb is not None and getattr(m.base_layer, "weight", None) is emb)
     if tied:
         return (f"LoRA on {', '.join(tied)}, whose weight is the input embedding's (tied weights), is not supported: "

@@ -153,7 +153,7 @@ def lora_not_calibrated(model) -> str | None:
     base = get_base() if callable(get_base) else model
     default = set(mapping.get(getattr(getattr(base, "config", None), "model_type", None)) or ())
     # the adapted modules' paths against those PEFT's default targets name (every layer's, e.g. each block's c_attn)
-    adapted = sorted(n for n, m in base.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer"))
+    adapted = sorted(getattr(model, "targeted_module_names", ()))  # PEFT's list of the adapted modules' paths
     candidates = sorted(n for n, _ in base.named_modules() if n.rsplit(".", 1)[-1] in default)
     same = (c.r, c.lora_alpha) == (CALIBRATED_LORA["r"], CALIBRATED_LORA["lora_alpha"]) and not any(
         getattr(c, k, None) for k in ("rank_pattern", "alpha_pattern", "use_dora", "use_rslora"))
