@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ WORSE = "is expected to make the model worse than no fine-tuning"
 
 
 def _measured():
-    spec = importlib.util.spec_from_file_location("hf_dp_bench_clm_cpu_experiment", ROOT / "clm_cpu_experiment.py")
+    sys.path.insert(0, str(ROOT))  # clm_calibration imports bench_io beside it
+    spec = importlib.util.spec_from_file_location("hf_dp_bench_clm_calibration", ROOT / "clm_calibration.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     path = ROOT / "results" / "clm_experiment.jsonl"
