@@ -1,10 +1,14 @@
 """The causal-LM runs of ``clm_cpu_experiment.py`` beside the planner: the rows the causal-LM verdict
 (``hf_dp.plan.lm_verdict``) and its expected share of the gain (``hf_dp.plan.lm_share``) are calibrated on, the constants
-those modules cite, and the table ``clm_cpu_experiment.py --calibration`` prints. tests/test_plan_lm.py reads the raw
-file through these functions."""
+those modules cite, and the table this script prints (also ``clm_cpu_experiment.py --calibration``).
+tests/test_plan_lm.py reads the raw file through these functions.
+
+    python benchmarks/clm_calibration.py            # the committed raw file, benchmarks/results/clm_experiment.jsonl
+    python benchmarks/clm_calibration.py --out r.jsonl"""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
@@ -226,3 +230,14 @@ def calibration_report(path) -> None:
         print(f"| {r['split']} | {r['run']} | {r['tag']} | {r['learning_rate']:g} | {r['schedule']} | {r['batch']:g} | "
               f"{r['steps']} | {r['r_step']:.3g} | {r['move']:.4f} | {r['share']:.0%} | {predicted_share(r['move']):.0%} |")
     print(f"hf_dp/plan/lm_share.py from these rows: {share_constants(rows)}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "clm_experiment.jsonl"),
+                    help="the raw results file of clm_cpu_experiment.py")
+    calibration_report(ap.parse_args(argv).out)
+
+
+if __name__ == "__main__":
+    main()

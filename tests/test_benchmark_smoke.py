@@ -401,6 +401,16 @@ def test_smoke_clm_cpu_experiment(tmp_path, monkeypatch):
     assert "| R_step |" in _main(exp, ["--calibration", "--out", str(tmp_path / "r.jsonl")])
 
 
+def test_smoke_clm_calibration():
+    """The committed raw file's causal-LM runs beside the planner: the table and the constants hf_dp/plan cites."""
+    from hf_dp.plan.lm_verdict import LM_CALIBRATION
+
+    cal = bench("clm_calibration")
+    text = _main(cal, [])
+    assert "| R_step |" in text and "| share | expected |" in text
+    assert f"runs': {LM_CALIBRATION['runs']}," in text
+
+
 @needs_glue("SST-2")
 def test_smoke_dpo_experiment(tmp_path, monkeypatch):
     """``--smoke`` (issue 51 item 5): the pairs, every run (recipes/dpo.py as its subprocess would run it, in this
