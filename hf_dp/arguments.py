@@ -44,6 +44,7 @@ from transformers import TrainingArguments
 
 from hf_dp import flags
 from hf_dp.models import check_trainable, lora_targets
+from hf_dp.models.precision import check_no_mixed_precision
 from hf_dp.optim.registry import is_dp_optimizer, optimizer_names
 from hf_dp.privacy.accounting import ACCOUNTANTS, check_delta, check_epsilon, check_noise_mechanism
 
@@ -268,6 +269,7 @@ class DPTrainingArguments(TrainingArguments):
         check_no_full_eval_cast(self)
         if dp_name is not None:
             self.optim = dp_name
+            check_no_mixed_precision(self)  # HF reads ACCELERATE_MIXED_PRECISION in its __post_init__
             self._validate_dp()
 
     @property

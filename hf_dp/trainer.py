@@ -47,7 +47,7 @@ from hf_dp.run.ledger_hooks import LedgerOverrides
 from hf_dp.audit import canaries
 from hf_dp.hub import report, write_privacy_artifacts
 from hf_dp.hub.describe import CARD_SETTINGS, card_fields
-from hf_dp.models import apply_trainable, lora_config_of
+from hf_dp.models import apply_trainable, check_full_precision, lora_config_of
 from hf_dp.models.cache_manager import PrefixCacheManager, forward_context
 from hf_dp.models.prefix_cache import CACHED_HIDDEN_KEY, PREFIX_SIGNATURE_KEY, CachedFeatures, CachedFeaturesCollator
 from hf_dp.run.state import PrivacyState
@@ -83,6 +83,7 @@ class DPTrainer(LedgerOverrides, CheckpointOverrides, Trainer):
                 raise ValueError("DPTrainer builds its own DP optimizer from --optim; do not pass optimizers=")
             _refuse_sharding(args)  # before HF's own FSDP checks (one process: "fsdp only works in distributed training")
             contract.check_head(model)  # a head whose loss DPTrainer does not compute as the model would
+            check_full_precision(model, "the model")  # before LoRA wraps it; again after (setup) and at every train()
         if model is not None:
             # --trainable applies to non-private baselines too, so that they train the same parameters
             model, self.trainable_info = apply_trainable(model, args.trainable, lora_config_of(args))

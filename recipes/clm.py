@@ -70,7 +70,7 @@ from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
 from recipes.common.run import (check_privacy_settings, model_sources, public_size, push_folder,  # noqa: E402
                                 release_is_the_product, resume_argument)
-from recipes.common.run import save_release  # noqa: E402
+from recipes.common.run import refuse_eval_overlap, save_release  # noqa: E402
 from recipes.common.summary import planner_expectation, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
@@ -280,11 +280,12 @@ def _refuse_training_file_as_validation(data_args: DataTrainingArguments, traini
                           "statistic of the private training data; evaluate on public or held-out data")
 
 
-def _warn_overlap(train, validation, text_column: str) -> bool:
+def _warn_overlap(train, validation, text_column: str, training_args) -> bool:
     """Validation texts that also occur in the training rows: their perplexity is not held out (and not private).
-    Returns whether any does (the card says so). How many is not said: a count of private training texts."""
+    Refused under DP (:func:`refuse_eval_overlap`); without DP returns whether any does (the card says so). How many is
+    not said: a count of private training texts."""
     seen = set(train[text_column])
-    if any(t in seen for t in validation[text_column]):
+    if refuse_eval_overlap(training_args, any(t in seen for t in validation[text_column]), "texts"):
         logger.warning("some validation rows also occur in the training data: the perplexity on them is not a held-out "
                        "metric, and not a private one (the card says so); evaluate on text disjoint from the training data")
         return True
@@ -353,7 +354,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
             validation = validation.select(range(min(len(validation), data_args.max_eval_samples)))
         validation = drop_empty_texts(validation, data_args.text_column, sources.get("validation", "validation"))
         if train is not None:
-            overlap = _warn_overlap(train, validation, data_args.text_column)
+            overlap = _warn_overlap(train, validation, data_args.text_column, training_args)
 
     block_size = choose_block_size(data_args.block_size, config, tokenizer)
     model = build_model(model_args, config, tokenizer, pretrained_path)

@@ -60,7 +60,7 @@ from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
-from recipes.common.run import (check_privacy_settings, eval_rows_in_training, model_sources,  # noqa: E402
+from recipes.common.run import (check_privacy_settings, eval_rows_in_training, refuse_eval_overlap, model_sources,  # noqa: E402
                                 push_folder, release_is_the_product, resume_argument, save_release)
 from recipes.common.summary import summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
@@ -204,12 +204,13 @@ def _load_data(data_args: DpoScriptArguments, args):
 def _build_model(reward: bool, clm_args, config, tokenizer, path):
     if not reward:
         return build_causal_lm(clm_args, config, tokenizer, path)
+    import torch
     from transformers import AutoModelForSequenceClassification
 
     config.num_labels = 1
     if path is None:
         return AutoModelForSequenceClassification.from_config(config)
-    return AutoModelForSequenceClassification.from_pretrained(path, config=config)
+    return AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------- run
@@ -228,6 +229,8 @@ def run(data_args: DpoScriptArguments, model_args: DpoModelArguments, args) -> d
     resume = resume_argument(args, model_sources(model_args))
     n_units = count_trl_units(train, args)
     check_privacy_settings(args, n_units)  # δ < 1/N, B ≤ N, σ calibratable: before the model and TRL's preparation
+    overlap = refuse_eval_overlap(
+        args, dev is not None and eval_rows_in_training(train, dev, ("prompt", "chosen", "rejected")), "pairs")
     clm_args, config, tokenizer, path = load_trl_config_and_tokenizer(model_args, args)
     if kind == "conversational" and getattr(tokenizer, "chat_template", None) is None:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
@@ -255,8 +258,9 @@ def run(data_args: DpoScriptArguments, model_args: DpoModelArguments, args) -> d
     trainer.dataset_name = None if data_args.train_file else data_args.dataset_name
     trainer.data_description = (f"{kind} preference pairs from {'local files' if data_args.train_file else 'the dataset'}"
                                 f" (columns {', '.join(f'`{c}`' for c in train.column_names)})")
-    # an evaluation that repeats training pairs is not called held-out (the card says so); how many is not said
-    overlap = trainer.eval_overlap = dev is not None and eval_rows_in_training(train, dev, ("prompt", "chosen", "rejected"))
+    # without DP an evaluation that repeats training pairs is not called held-out (the card says so); how many is not
+    # said; under DP it was refused before the model was loaded
+    trainer.eval_overlap = overlap
     if overlap:
         logger.warning("some validation pairs also occur in the training data: the preference accuracy on them is not a "
                        "held-out metric, and not a private one (the card says so); evaluate on pairs disjoint from the "

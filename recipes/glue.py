@@ -40,6 +40,7 @@ from recipes.common.model import MINILM_PACKAGE, ModelArguments, base_model_id, 
 from recipes.common.model import resolve_model_path  # noqa: E402,F401  (tests and users: the preset's folder)
 from recipes.common.early import check_model_loadable, check_resume_settings, resume_checkpoint  # noqa: E402
 from recipes.common.run import apply_plan, check_privacy_settings, model_sources, push_folder, resume_argument  # noqa: E402
+from recipes.common.run import refuse_eval_overlap  # noqa: E402
 from recipes.common.summary import planner_expectation, summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.common.run import release_is_the_product, save_release, write_predictions  # noqa: E402
@@ -298,6 +299,9 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         n_train = min(n_train, data_args.max_train_samples)
     n_train = _units(raw, unit, n_train, _train_path(data_args))
     check_privacy_settings(training_args, n_train)  # before the model, tokenization and any caching
+    # an evaluation on training rows: refused under DP, named in the card without it
+    overlap = refuse_eval_overlap(
+        training_args, training_args.do_train and training_args.do_eval and _eval_overlap(raw, data_args))
     # --tune: GLUE's own dev set (local GLUE layout or the Hub's nyu-mll/glue) is public data, declared so for scoring
     glue_dev = bool(data_args.task_name) and not data_args.validation_file and not data_args.dataset_name
     tune_space = check_tune(data_args, training_args, resume, public_dev=glue_dev)
@@ -349,7 +353,7 @@ def run(model_args, data_args, training_args) -> dict[str, Any]:
         trainer.data_description = _data_description(
             data_args, None if training_args.privacy_unit_column or declared else len(tokenized["train"]))
     # the card does not call an evaluation held-out when its rows repeat training rows (the same file, say)
-    trainer.eval_overlap = training_args.do_train and training_args.do_eval and _eval_overlap(raw, data_args)
+    trainer.eval_overlap = overlap
     report: dict[str, Any] = {}
     if training_args.do_train and tune_space is not None:  # the best of K private runs (recipes/common/tune.py)
         best = run_tune(trainer, data_args, tune_space, metric=main_metric_name(data_args.task_name, info.is_regression),

@@ -67,7 +67,7 @@ from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
-from recipes.common.run import (check_privacy_settings, data_description, eval_rows_in_training,  # noqa: E402
+from recipes.common.run import (check_privacy_settings, data_description, eval_rows_in_training, refuse_eval_overlap,  # noqa: E402
                                 model_sources, push_folder, release_is_the_product, resume_argument, save_release)
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.common.summary import planner_expectation, summarize  # noqa: E402
@@ -233,6 +233,8 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
     # DPTrainer counts the prepared set)
     n_units = count_trl_units(train, args)
     check_privacy_settings(args, n_units)  # δ < 1/N, B ≤ N, σ calibratable: before the model and TRL's preparation
+    overlap = refuse_eval_overlap(args, dev is not None and eval_rows_in_training(
+        train, dev, ("messages", "prompt", "completion", args.dataset_text_field)))
     clm_args, config, tokenizer, path = load_trl_config_and_tokenizer(model_args, args)
     from trl.data_utils import is_conversational
 
@@ -270,8 +272,7 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
     trainer.data_description = data_description(
         train.column_names, DATA_KINDS[kind].format(field=args.dataset_text_field), train_file=data_args.train_file,
         dataset_name=data_args.dataset_name, dataset_config=data_args.dataset_config, split=data_args.dataset_train_split)
-    trainer.eval_overlap = dev is not None and eval_rows_in_training(
-        train, dev, ("messages", "prompt", "completion", args.dataset_text_field))
+    trainer.eval_overlap = overlap
     line = unit_loss_line(args, "conversation" if kind == "messages" else "row",
                           "conversations" if kind == "messages" else "rows")
     if line:

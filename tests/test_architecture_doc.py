@@ -78,7 +78,8 @@ MODULE_LEVEL, ANYWHERE = "module level", "anywhere"
 MAY_IMPORT = [
     # (importers, where the import is, what of hf_dp they may import: nothing else)
     ("hf_dp.arguments", ANYWHERE,
-     ["hf_dp.flags", "hf_dp.optim.registry", "hf_dp.models.freezing", "hf_dp.privacy.accounting"]),
+     ["hf_dp.flags", "hf_dp.optim.registry", "hf_dp.models.freezing", "hf_dp.models.precision",
+      "hf_dp.privacy.accounting"]),
     ("hf_dp.flags", ANYWHERE, []),
     ("hf_dp.optim.*", MODULE_LEVEL, ["hf_dp.optim.*"]),
     ("hf_dp.privacy.*", ANYWHERE, ["hf_dp.privacy.*", "hf_dp.optim.base"]),
@@ -124,11 +125,11 @@ MAY_IMPORT = [
     ("hf_dp.audit.canary_kinds", ANYWHERE, []),
     # DP SFT with TRL (the sft extra): on top of the trainer, beside the audits; nothing below imports it
     ("hf_dp.sft.*", ANYWHERE, ["hf_dp.sft.*", "hf_dp.trainer", "hf_dp.arguments", "hf_dp.flags", "hf_dp.run.data",
-                               "hf_dp.hub.*"]),
+                               "hf_dp.models.precision", "hf_dp.hub.*"]),
     # DP preference tuning with TRL (DPO, reward models): beside DP SFT; it drives DPTrainer's step (hf_dp.run.step)
     # with a per-pair objective built on the per-example losses' registry (hf_dp.models.loss)
     ("hf_dp.dpo.*", ANYWHERE, ["hf_dp.dpo.*", "hf_dp.trainer", "hf_dp.arguments", "hf_dp.flags", "hf_dp.run.data",
-                               "hf_dp.run.step", "hf_dp.models.loss", "hf_dp.hub.*"]),
+                               "hf_dp.run.step", "hf_dp.models.loss", "hf_dp.models.precision", "hf_dp.hub.*"]),
 ]
 # modules of hf_dp that only the listed importers may import
 ONLY_IMPORTED_BY = {

@@ -420,19 +420,30 @@ def test_one_reward_pair_moves_the_clipped_sum_by_at_most_c(tmp_path, tok, engin
 
 
 # ------------------------------------------------------------------------- before any step: logs, lengths, reference
-def test_trls_warning_that_quotes_a_private_prompt_is_withheld_under_dp(tmp_path, tok):
+def _preparation_log(tmp_path, tok, rows) -> str:
     buf = io.StringIO()
     handler = logging.StreamHandler(buf)
-    logging.getLogger().addHandler(handler)  # TRL's and hf_dp's loggers propagate to it
-    try:  # "w17 w5" + "3 w8": the prompt's last token merges with the answer's first characters (TRL quotes "w5")
-        secret = [{"prompt": f"w17 w{d}", "chosen": "3 w8", "rejected": "4 w9", "user_id": f"s{d}"} for d in (5, 6)]
-        make(tmp_path, tok, secret + pairs(22, users=6), trainable="lora", lora_r=2, privacy_unit_column="user_id",
-             dataset_num_proc=2)
+    root, level = logging.getLogger(), logging.getLogger().level
+    root.addHandler(handler)  # TRL's and hf_dp's loggers propagate to it
+    root.setLevel(logging.INFO)
+    try:
+        make(tmp_path, tok, rows, trainable="lora", lora_r=2, privacy_unit_column="user_id", dataset_num_proc=2)
     finally:
-        logging.getLogger().removeHandler(handler)
-    log = buf.getvalue()
+        root.removeHandler(handler)
+        root.setLevel(level)
+    return buf.getvalue()
+
+
+def test_trls_warning_that_quotes_a_private_prompt_is_withheld_under_dp(tmp_path, tok):
+    """TRL's warning quotes the prompt's text: withheld. hf_dp's line in its place is the same whether TRL warned or
+    not (review of issue 51: a line only when a prompt's tokens merged with its answer's told that of the pairs)."""
+    # "w17 w5" + "3 w8": the prompt's last token merges with the answer's first characters (TRL quotes "w5")
+    secret = [{"prompt": f"w17 w{d}", "chosen": "3 w8", "rejected": "4 w9", "user_id": f"s{d}"} for d in (5, 6)]
+    log = _preparation_log(tmp_path / "a", tok, secret + pairs(22, users=6))
     assert "left out of the training sequence" not in log and "w5 [SEP]" not in log and "w6 [SEP]" not in log, log
-    assert "TRL's message is withheld because it quotes private text" in log
+    plain = _preparation_log(tmp_path / "b", tok, pairs(24, users=6))
+    said = [ln for ln in log.splitlines() if "hf_dp: TRL's" in ln or "withheld" in ln]
+    assert said and said == [ln for ln in plain.splitlines() if "hf_dp: TRL's" in ln or "withheld" in ln]
 
 
 def test_a_pair_longer_than_the_runs_token_bound_is_refused_before_any_step(tmp_path, tok):
@@ -494,3 +505,14 @@ def test_the_tokenizers_longer_than_maximum_warning_is_not_logged_where_the_leng
         said = [m for m in logged if LENGTH_WARNING in m]
         assert len(said) == (1 if name == "baseline" else 0), (name, logged)
     assert not logging.getLogger("transformers.tokenization_utils_base").filters  # the filter is gone afterwards
+
+
+def test_a_reference_cast_to_bfloat16_after_the_trainer_was_built_is_refused_at_train(tmp_path, tok):
+    """Review of issue 51 (finding 2): a bfloat16 ref_model= was accepted, and its log-probability of one pair moved by
+    4.3e-4 nats when a longer pair joined the micro-batch. Refused when the trainer is built (docs/misuse.md
+    dpo-ref-model-reduced-precision) and at every train(), also when cast or swapped since."""
+    tr = make(tmp_path, tok, pairs(16, users=4), ref_model=llama(tok), trainable="all", max_steps=1)
+    tr.ref_model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^DP training needs the reference model \(ref_model=\) in float32"):
+        tr.train()
+    assert tr.state.global_step == 0

@@ -109,8 +109,15 @@ def test_the_training_pairs_are_never_called_held_out(files, capsys):
         dpo._refuse_training_pairs_as_validation(dpo.DpoScriptArguments(dataset_name="d", dataset_test_split="train"))
     rows = (files / "pairs.jsonl").read_text().splitlines()  # some validation pairs are training pairs
     (files / "mixed.jsonl").write_text("\n".join(rows[:3] + (files / "dev.jsonl").read_text().splitlines()) + "\n")
+    # under DP refused before training (review of issue 51, finding 3: the card's "Not a held-out evaluation" was a bit
+    # of membership per validation pair); without DP the run goes on and nothing calls those pairs held out
     assert _run(files, "--privacy_unit_column", "user_id", "--epsilon", "3", "--validation_file",
-                str(files / "mixed.jsonl")) == 0
+                str(files / "mixed.jsonl")) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "error: some validation pairs also occur in the training data" in err
+    assert "Traceback" not in err and not (files / "out" / "release").exists()
+    assert _run(files, "--disable_dp", "--optim", "adamw_torch", "--validation_file", str(files / "mixed.jsonl"),
+                "--overwrite_output_dir", "true") == 0
     captured = capsys.readouterr()
     assert "preference accuracy = " in captured.out and "held-out" not in captured.out
     # no count of the validation pairs (some are training pairs) on any line the recipe prints about them (not HF's

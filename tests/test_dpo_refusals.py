@@ -134,6 +134,8 @@ CASES: dict[str, Case] = {
     "dpo-f-divergence-unknown": Case("config", lambda c: config(c.tmp, f_divergence_type="kl"),
                                      "--f_divergence_type kl is not one of TRL's f-divergences (reverse_kl, forward_kl, "
                                      "js_divergence, alpha_divergence)"),
+    "dpo-beta-over-10": Case("config", lambda c: config(c.tmp, beta=20.0),
+                             "--beta above 10 is not supported with DP: a pair's gradient scales with β·σ(−β·Δ)"),
     "dpo-config-field-unclassified": Case("config", lambda c: unclassified(DPO_FLAGS, "beta",
                                                                            lambda: config(c.tmp, beta=0.2)),
                                           "--beta is a DPOConfig field of trl "),
@@ -163,6 +165,12 @@ CASES: dict[str, Case] = {
     "dpo-quantization-config": Case("trainer", lambda c: c.dpo(given={"quantization_config": {"load_in_4bit": True}}),
                                     _NOT_BY.format("quantization_config", "DPDPOTrainer") + "DP training needs float32 "
                                     "trainable parameters"),
+    "dpo-fsdp": Case("trainer", lambda c: c.dpo(fsdp="full_shard"),
+                     "--fsdp is not supported by DPDPOTrainer yet: FSDP's token bound counts rows, and each preference "
+                     "pair is two"),
+    "dpo-ref-model-reduced-precision": Case(
+        "trainer", lambda c: c.dpo(given={"ref_model": tiny_llama(c.tok).to(torch.bfloat16)}, trainable="all"),
+        "DP training needs the reference model (ref_model=) in float32 (or float64), got bfloat16 weights"),
     "dpo-audit-canaries": Case("trainer", lambda c: c.dpo(audit_canaries=100),
                                "--audit_canaries is not supported by DPDPOTrainer yet: its canaries are single rows"),
     "dpo-cache-frozen-features": Case("trainer", lambda c: c.dpo(cache_frozen_features=True, trainable="last_block"),
@@ -200,6 +208,9 @@ CASES: dict[str, Case] = {
     "reward-optimizer-cls-and-kwargs": Case(
         "trainer", lambda c: c.reward(given={"optimizer_cls_and_kwargs": (torch.optim.SGD, {"lr": 0.1})}),
         _NOT_BY.format("optimizer_cls_and_kwargs", "DPRewardTrainer") + "DPTrainer builds its DP optimizer from --optim"),
+    "reward-fsdp": Case("trainer", lambda c: c.reward(fsdp="full_shard"),
+                        "--fsdp is not supported by DPRewardTrainer yet: FSDP's token bound counts rows, and each "
+                        "preference pair is two"),
     "reward-audit-canaries": Case("trainer", lambda c: c.reward(audit_canaries=100),
                                   "--audit_canaries is not supported by DPRewardTrainer yet: its canaries are single "
                                   "rows"),
@@ -216,6 +227,9 @@ CASES: dict[str, Case] = {
     "reward-num-labels": Case("trainer", lambda c: c.reward(model=tiny_llama(c.tok, cls=LlamaForSequenceClassification,
                                                                              num_labels=2)),
                               "a reward model scores each sequence with one number, but the model has num_labels=2"),
+    "reward-nonfinite-margin": Case("trainer", lambda c: c.reward(rows=Dataset.from_list(
+        [{**r, "margin": float("nan") if i == 3 else 0.5} for i, r in enumerate(c.rows)])),
+        "a preference pair's margin is NaN or infinite"),
     "reward-pair-over-token-bound": Case("trainer", lambda c: c.reward(rows=c.long_pair(), dp_max_length=24),
                                          "a preference pair is longer than the run's public token bound of 24 tokens"),
     "reward-hyperparameter-search": Case("hyperparameter_search",

@@ -57,6 +57,8 @@ def files(tmp_path):
     r = random.Random(2)
     (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"user_id": f"user{i % 8}", "prompt": _say(r),
                                                             "completion": _say(r)}) + "\n" for i in range(32)))
+    (tmp_path / "pc_dev.jsonl").write_text("".join(json.dumps({"prompt": _say(r) + " " + _say(r),
+                                                                "completion": _say(r)}) + "\n" for _ in range(8)))
     return tmp_path
 
 
@@ -140,7 +142,7 @@ def test_loss_scope_problems_are_one_error_line_before_the_model_is_built(files,
     built = []
     monkeypatch.setattr(sft, "build_model", lambda *a, **k: built.append(1))
     if case == "not_conversational":
-        code, _, err = _run(files, capsys, "--assistant_only_loss", "true", train="pc.jsonl", dev="pc.jsonl")
+        code, _, err = _run(files, capsys, "--assistant_only_loss", "true", train="pc.jsonl", dev="pc_dev.jsonl")
         want = "error: --assistant_only_loss true scores the assistant's turns of conversations, but the training data "
     else:
         (files / "plain.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n"

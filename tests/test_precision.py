@@ -147,7 +147,7 @@ def test_trainer_refuses_bf16_autocast_and_reduced_precision_weights(tmp_path, c
 
     with pytest.raises(ValueError, match="--bf16 is not supported with DP training"):
         _train(tmp_path, bf16=True, clipping=clipping, trainable="all")
-    with pytest.raises(ValueError, match="DP training needs float32 .* trainable parameters, got bfloat16"):
+    with pytest.raises(ValueError, match=r"DP training needs the model in float32 \(or float64\), got bfloat16 weights"):
         _train(tmp_path, model=make_model().to(torch.bfloat16), clipping=clipping, trainable="all")
 
 
@@ -203,3 +203,100 @@ def test_clipping_auto_logs_the_engine_and_why(tmp_path, caplog):
     assert not [r for r in caplog.records if "--clipping auto" in r.getMessage()]
 
 
+
+
+@pytest.mark.parametrize("engine", ["ghost", "hooks"])
+def test_a_reduced_precision_frozen_base_under_lora_is_refused(tmp_path, engine):
+    """Review of issue 51 (finding 1): a causal LM loaded in bfloat16 (transformers keeps a checkpoint's dtype) with
+    float32 LoRA adapters was accepted — only trainable parameters were checked — and one row beside 256 short copies
+    moved the clipped sum by 1.90 C (0.998 C in float32): the frozen base's forward rounds by the micro-batch's padded
+    shape. Now refused before any step, naming a reduced-precision weight; the float32 model trains."""
+    from tests import test_sensitivity as S
+
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match=r"^DP training needs the model in float32 \(or float64\), got "
+                                             rf"{str(dtype)[6:]} weights \(such as \S+, frozen or not\)"):
+            S.trainer(tmp_path / str(dtype), S.llama().to(dtype), engine, trainable="lora", lora_r=2)
+    tr = S.trainer(tmp_path / "f32", S.llama(), engine, trainable="lora", lora_r=2)
+    assert tr.clipping == engine
+
+
+def test_a_base_cast_to_bfloat16_after_the_trainer_was_built_is_refused_at_train(tmp_path):
+    """The precision rule holds at every train(), not only when the trainer is built: a frozen base cast to bfloat16
+    since then (any public method, any order) is refused before any step."""
+    from tests import test_sensitivity as S
+
+    tr = S.trainer(tmp_path, S.llama(), "ghost", trainable="lora", lora_r=2)
+    for p in tr.model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^DP training needs the model in float32 \(or float64\), got bfloat16"):
+        tr.train()
+    assert tr.state.global_step == 0
+
+
+def test_mixed_precision_from_accelerate_is_refused(tmp_path, monkeypatch):
+    """A second review: `accelerate launch --mixed_precision bf16` (or an accelerate config) sets
+    ACCELERATE_MIXED_PRECISION, which transformers reads into args.mixed_precision while args.bf16 stays False;
+    Accelerate then ran every forward under bf16 autocast (one example moved the clipped sum by 2.83 C). Refused when
+    the arguments are made, and at train() when set on trainer.args since."""
+    from tests import test_sensitivity as S
+    from tests.helpers import dp_args
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with pytest.raises(ValueError, match=r"^mixed precision bf16 \(ACCELERATE_MIXED_PRECISION, from accelerate launch"):
+        dp_args(tmp_path / "a", max_steps=1)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    tr = S.trainer(tmp_path / "b", S.llama(), "ghost", trainable="lora", lora_r=2)
+    tr.args.mixed_precision = "bf16"
+    with pytest.raises(ValueError, match=r"^mixed precision bf16 "):
+        tr.train()
+    assert tr.state.global_step == 0
+
+
+def test_a_base_cast_by_a_callback_once_training_began_is_refused_before_its_first_step(tmp_path):
+    """A second review: a callback's on_train_begin (after train()'s checks) cast the frozen base to bfloat16 and two
+    steps trained in it (1.07 C). Every micro-batch now checks the weights before its forward (and the forward's
+    output dtype after it: an autocast no weight shows), so no step is taken."""
+    from transformers import TrainerCallback
+
+    from tests import test_sensitivity as S
+
+    class Cast(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
+
+    from datasets import Dataset
+
+    from hf_dp import DPTrainer
+    from tests.helpers import dp_args
+
+    rows = [[5 + i % 50, 6, 7, 8][: 2 + i % 3] for i in range(256)]
+    ds = Dataset.from_dict({"input_ids": [r + [0] * (4 - len(r)) for r in rows],
+                            "attention_mask": [[1] * len(r) + [0] * (4 - len(r)) for r in rows],
+                            "labels": [r + [-100] * (4 - len(r)) for r in rows]})
+    args = dp_args(tmp_path, noise_multiplier=1.0, epsilon=None, max_steps=2, trainable="lora", lora_r=2,
+                   per_device_train_batch_size=16, clipping="ghost")
+    tr = DPTrainer(model=S.llama(), args=args, train_dataset=ds, callbacks=[Cast()])
+    with pytest.raises(ValueError, match=r"^DP training needs the model in float32 \(or float64\), got bfloat16"):
+        tr.train()
+    assert tr.state.global_step == 0 and tr.dp.ledger.steps == 0
+
+
+def test_a_forward_that_autocasts_is_refused_in_the_step(tmp_path):
+    """A model whose forward enters bf16 autocast has float32 weights: the step refuses its reduced-precision output."""
+    from tests import test_sensitivity as S
+
+    model = S.llama()
+    forward = model.forward
+    model.forward = lambda *a, **kw: _autocast(forward, *a, **kw)
+    tr = S.trainer(tmp_path, model, "ghost", trainable="lora", lora_r=2)
+    with pytest.raises(ValueError, match=r"(logits in a DP step: it ran in reduced precision|per-example contract)"):
+        S.clipped_sum(tr, S.batch([[5, 6, 7]] * 4, True))
+
+
+def _autocast(forward, *a, **kw):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return forward(*a, **kw)

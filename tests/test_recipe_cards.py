@@ -72,6 +72,7 @@ def files(tmp_path_factory):
     _jsonl(root / "texts.jsonl", [{"text": _say(r) + " " + _say(r)} for _ in range(32)])
     _jsonl(root / "texts_dev.jsonl", [{"text": _say(r)} for _ in range(8)])
     _tsv(root / "sst.tsv", ["sentence", "label"], [(_say(r), i % 2) for i in range(48)])
+    _tsv(root / "sst_dev.tsv", ["sentence", "label"], [(_say(r) + " " + _say(r), i % 2) for i in range(12)])
     _tsv(root / "stsb.tsv", ["sentence1", "sentence2", "label"], [(_say(r), _say(r), float(i % 6)) for i in range(48)])
     _tsv(root / "stsb_dev.tsv", ["sentence1", "sentence2", "label"], [(_say(r), _say(r), float(i % 6)) for i in range(12)])
     labels = ["entailment", "not_entailment"]
@@ -168,10 +169,9 @@ def _bullets_start_lines(card: Card) -> None:
 
 
 def test_a_glue_classification_card(files, tmp_path):
-    """sst2-format local file, evaluated on the training file itself: the loss is a cross-entropy, the model-index
-    names the task as its config does (lower case), the data as the user's file (not GLUE's), every parameter was
-    trained (no "other parameters"), and an evaluation on training rows is not called held-out."""
-    card = _run_glue(files, tmp_path / "cls", "sst2", "bert", "sst.tsv", "sst.tsv")
+    """sst2-format local file: the loss is a cross-entropy, the model-index names the task as its config does (lower
+    case), the data as the user's file (not GLUE's), every parameter was trained (no "other parameters")."""
+    card = _run_glue(files, tmp_path / "cls", "sst2", "bert", "sst.tsv", "sst_dev.tsv")
     assert card.result()["dataset"] == {"name": "sst2 (local files)", "split": "validation"}
     assert "SST2" not in card.text and "GLUE" not in card.front["model-index"][0]["results"][0]["dataset"]["name"]
     assert set(card.metrics()) == {"accuracy"}
@@ -180,9 +180,28 @@ def test_a_glue_classification_card(files, tmp_path):
     assert "cross-entropy of the predicted probabilities" in loss
     trained = card.section("Trained parameters")
     assert "Every parameter was trained" in trained and "All other parameters" not in trained
-    assert "Not a held-out evaluation" in card.body and "held-out validation data, which is not part" not in card.body
+    assert "Evaluation uses the held-out validation data" in card.body and "Not a held-out" not in card.body
     assert "each example joins each step independently with probability q" in card.body
     _bullets_start_lines(card)
+
+
+def test_an_evaluation_on_training_rows_is_refused_under_dp_and_named_without(files, tmp_path, capsys):
+    """Review of issue 51 (finding 3): the card said "Not a held-out evaluation" exactly when a validation row was a
+    training row — one bit of membership per validation row, outside the guarantee — and carried metrics of training
+    rows. Under DP such a run is refused in one error line before training (no release); without DP it runs and its
+    card says the evaluation is not held out."""
+    capsys.readouterr()
+    argv = ["--task_name", "sst2", "--train_file", str(files / "sst.tsv"), "--validation_file", str(files / "sst.tsv"),
+            "--model_name_or_path", str(files / "bert"), "--per_device_train_batch_size", "16", "--trainable", "all",
+            "--disable_tqdm", "true", "--max_steps", "2", "--max_seq_length", "32"]
+    assert _glue().main([*argv, "--output_dir", str(tmp_path / "dp"), "--epsilon", "3", "--delta", "1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err
+    assert "error: some validation rows also occur in the training data: a DP release must not carry" in err
+    assert not (tmp_path / "dp" / "release").exists()
+    assert _glue().main([*argv, "--output_dir", str(tmp_path / "np"), "--disable_dp", "--optim", "adamw_torch"]) == 0
+    card = _card(tmp_path / "np" / "release")
+    assert "Not a held-out evaluation" in card.body and "held-out validation data, which is not part" not in card.body
 
 
 def test_a_glue_regression_card_says_its_loss_is_the_mse(files, tmp_path):

@@ -438,6 +438,24 @@ def _saved_gpt2(clm, tok_dir, folder) -> str:
     return str(folder)
 
 
+def test_a_checkpoint_saved_in_bfloat16_trains_in_float32(clm, tok_dir, tmp_path, capsys):
+    """Review of issue 51 (finding 1): transformers keeps a checkpoint's saved dtype, and a bfloat16 base under float32
+    LoRA adapters trained (one row beside 256 copies moved the clipped sum by 1.90 C). DPTrainer now refuses any
+    reduced-precision weight; the recipe loads a pretrained model in float32, so such a checkpoint trains, and is
+    released, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = _saved_gpt2(clm, tok_dir, tmp_path / "gpt2")
+    AutoModelForCausalLM.from_pretrained(folder).to(torch.bfloat16).save_pretrained(folder)
+    assert AutoModelForCausalLM.from_pretrained(folder).dtype == torch.bfloat16  # what transformers loads by default
+    argv = _tiny(tok_dir, *_user_files(tmp_path), tmp_path / "out", "--trainable", "lora")
+    code, stdout, err = _run(clm, capsys, ["--model_name_or_path", folder, *argv[len(GPT2):]])
+    assert code == 0, err[-4000:]
+    released = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "release")
+    assert {p.dtype for p in released.parameters()} == {torch.float32}
+
+
 def test_the_causal_lm_verdict_is_printed_once_before_training_and_only_for_a_pretrained_model(
         clm, tok_dir, tmp_path, capsys, caplog, monkeypatch):
     """Issue 39 item 3: the planner's causal-LM verdict is given when the trainer is built, before train(): a tiny LoRA

@@ -269,11 +269,19 @@ def _sst2_files(tmp_path, n=96):
     rows = ["sentence\tlabel"] + [f"{'good fun movie' if i % 2 else 'bad dull film'} {i} .\t{i % 2}" for i in range(n)]
     f = tmp_path / "sst2_train.tsv"
     f.write_text("\n".join(rows) + "\n")
+    dev = ["sentence\tlabel"] + [f"{'great fun story' if i % 2 else 'dull bad story'} {i} .\t{i % 2}" for i in range(32)]
+    _dev(f).write_text("\n".join(dev) + "\n")
     return f
 
 
+def _dev(train):
+    """The held-out validation file :func:`_sst2_files` writes beside ``train`` (under DP the recipes refuse an
+    evaluation on training rows)."""
+    return train.with_name("sst2_dev.tsv")
+
+
 def _tiny_argv(tiny_bert, data, out, *extra):
-    return ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(data), "--model_name_or_path", tiny_bert,
+    return ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(_dev(data)), "--model_name_or_path", tiny_bert,
             "--output_dir", str(out), "--noise_multiplier", "1.0", "--per_device_train_batch_size", "16", "--delta", "1e-3",
             "--trainable", "all", "--logging_steps", "1", "--disable_tqdm", "true", "--dp_seed", "0", *extra]
 
@@ -354,7 +362,7 @@ def test_trainer_value_errors_become_one_error_line(glue, tiny_bert, tmp_path, c
 def test_planner_chooses_the_batch_when_none_is_given(glue, tiny_bert, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_DP_PLAN_CACHE", "off")
     data = _sst2_files(tmp_path, n=640)
-    argv = ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(data), "--model_name_or_path", tiny_bert,
+    argv = ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(_dev(data)), "--model_name_or_path", tiny_bert,
             "--output_dir", str(tmp_path / "o"), "--epsilon", "3", "--delta", "1e-4", "--trainable", "head",
             "--num_train_epochs", "1", "--disable_tqdm", "true"]
     i = argv.index("--num_train_epochs")
@@ -396,7 +404,7 @@ def test_planner_chooses_the_batch_for_the_epochs_or_steps_given(glue, tiny_bert
 
     monkeypatch.setenv("HF_DP_PLAN_CACHE", str(tmp_path / "sigma.json"))
     data = _sst2_files(tmp_path, n=640)
-    argv = ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(data), "--model_name_or_path",
+    argv = ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(_dev(data)), "--model_name_or_path",
             tiny_bert, "--output_dir", str(tmp_path / "o"), "--epsilon", "3", "--delta", "1e-4", "--trainable", "all",
             "--disable_tqdm", "true", *budget]
     model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
@@ -434,7 +442,7 @@ def test_planner_puts_the_audit_canaries_on_top_of_the_planned_batch(glue, tiny_
 
     monkeypatch.setenv("HF_DP_PLAN_CACHE", str(tmp_path / "sigma.json"))
     data = _sst2_files(tmp_path, n=640)
-    argv = ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(data), "--model_name_or_path",
+    argv = ["--task_name", "sst2", "--train_file", str(data), "--validation_file", str(_dev(data)), "--model_name_or_path",
             tiny_bert, "--output_dir", str(tmp_path / "o"), "--epsilon", "3", "--delta", "1e-5", "--trainable", "all",
             "--disable_tqdm", "true", "--num_train_epochs", "5", "--audit_canaries", "300", "--audit_kind", "gradient"]
     model = AutoModelForSequenceClassification.from_pretrained(tiny_bert)
@@ -607,7 +615,7 @@ def test_summary_and_card_say_plainly_when_no_better_than_the_majority_class(glu
     privacy.json. The evaluation file here has one class only (majority rate 1.0), so no model can beat it."""
     data = _sst2_files(tmp_path)
     dev = tmp_path / "dev_one_class.tsv"
-    dev.write_text("sentence\tlabel\n" + "".join(f"good fun movie {i} .\t1\n" for i in range(20)))
+    dev.write_text("sentence\tlabel\n" + "".join(f"great fun story {i} .\t1\n" for i in range(20)))
     out = tmp_path / "run"
     argv = _tiny_argv(tiny_bert, data, out, "--max_steps", "2")
     argv[argv.index("--validation_file") + 1] = str(dev)
@@ -677,7 +685,7 @@ def test_log_to_a_file_has_no_escape_codes_and_each_message_once_and_whole(glue,
     """Issue 17 §11: with the output going to a file (not a terminal), transformers' model-load report has no raw ANSI
     codes; the metrics-implementation message is printed once, with the whole first line of its reason."""
     data = _sst2_files(tmp_path, n=64)
-    proc = _subprocess("glue.py", "--task_name", "sst2", "--train_file", str(data), "--validation_file", str(data),
+    proc = _subprocess("glue.py", "--task_name", "sst2", "--train_file", str(data), "--validation_file", str(_dev(data)),
                        "--model_name_or_path", "minilm", "--output_dir", str(tmp_path / "o"), "--max_steps", "1",
                        "--max_seq_length", "32", "--per_device_train_batch_size", "16", "--delta", "1e-3",
                        "--noise_multiplier", "1.0")
@@ -840,6 +848,7 @@ def test_under_a_unit_column_the_recipe_plans_and_checks_with_the_number_of_unit
                                         for i in range(96)]
     data = tmp_path / "sst2_users.tsv"
     data.write_text("\n".join(rows) + "\n")
+    _dev(data).write_text("sentence\tlabel\tuser\n" + "".join(f"great story {i} .\t{i % 2}\tv{i}\n" for i in range(8)))
     argv = _tiny_argv(tiny_bert, data, tmp_path / "run", "--max_steps", "2", "--privacy_unit_column", "user")
     code, out, err = _run(glue, capsys, argv)
     assert code == 2 and "(N = 12)" in err and "96" not in err, err[-2000:]
@@ -861,6 +870,7 @@ def test_a_unit_level_run_of_the_default_trainable_set_trains_without_the_prefix
                                         for i in range(96)]
     data = tmp_path / "sst2_users.tsv"
     data.write_text("\n".join(rows) + "\n")
+    _dev(data).write_text("sentence\tlabel\tuser\n" + "".join(f"great story {i} .\t{i % 2}\tv{i}\n" for i in range(8)))
     argv = _tiny_argv(tiny_bert, data, tmp_path / "run", "--max_steps", "2", "--privacy_unit_column", "user")
     argv[argv.index("--per_device_train_batch_size") + 1] = "4"
     argv[argv.index("--delta") + 1] = "1e-2"

@@ -365,3 +365,41 @@ def test_the_default_on_messages_with_a_template_without_generation_markers_is_o
                       processing_class=plain)
     sft = tr.sft_settings()
     assert sft["scored_tokens"] == "every token" and sft["assistant_only_loss_source"] == "given"
+
+
+def _sft_preparation_log(tmp_path, rows) -> str:
+    import io
+    import logging
+
+    from helpers import tiny_llama
+
+    tok = make_tokenizer(tmp_path / "tok")
+    tok.eos_token = "[SEP]"
+    buf = io.StringIO()
+    handler, root = logging.StreamHandler(buf), logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        args = DPSFTConfig(output_dir=str(tmp_path / "out"), epsilon=3.0, per_device_train_batch_size=4,
+                           num_train_epochs=1, use_cpu=True, report_to="none", save_strategy="no", dp_seed=1,
+                           max_length=32, disable_tqdm=True)
+        DPSFTTrainer(model=tiny_llama(tok), args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    return buf.getvalue()
+
+
+def test_trls_prompt_prefix_warning_is_withheld_under_dp(tmp_path):
+    """A second review: TRL's SFT preparation warned, quoting the decoded end of a private prompt whose last token
+    merges with its completion's first ("... left out of the training sequence: 'w4 [SEP]'"), and whether it warned is
+    a fact about the data. Under DP its messages are dropped and hf_dp's one line is the same either way."""
+    rows = [{"prompt": f"w{i % 9} w{i % 7}", "completion": f" w{i % 5}"} for i in range(64)]
+    merged = list(rows)
+    merged[17] = {"prompt": "w3 w4", "completion": "w12 w2"}  # no space: "w4w12" tokenizes across the boundary
+    log = _sft_preparation_log(tmp_path / "a", merged)
+    assert "left out of the training sequence" not in log and "not a prefix" not in log, log
+    plain = _sft_preparation_log(tmp_path / "b", rows)
+    said = [ln for ln in log.splitlines() if "withheld" in ln]
+    assert said and said == [ln for ln in plain.splitlines() if "withheld" in ln]

@@ -4,7 +4,8 @@
   prefix of prompt + answer, and its message quotes the decoded end of that prompt — private text, one line per
   distinct fragment. Under DP its messages are withheld while a set of pairs is prepared (a filter on TRL's
   ``dpo_trainer`` logger; the preparation runs in this process: ``dataset_num_proc`` is not used then, so that no
-  worker process logs outside the filter), and hf_dp logs one line that quotes nothing and counts nothing; transformers'
+  worker process logs outside the filter), and hf_dp logs one line that quotes nothing and counts nothing, the same
+  whether TRL warned or not (whether it did is a fact about the pairs); transformers'
   warning that a tokenized text is longer than the tokenizer's ``model_max_length`` is dropped too, where each
   sequence is cut to ``max_length`` or refused over the run's token bound (:func:`hf_dp.flags.quiet_length_warning`).
 * :func:`check_pair_lengths`: every pair's rows, as the pair collator will make them, within the run's public token
@@ -27,22 +28,12 @@ logger = logging.getLogger(__name__)
 #: what hf_dp.run.lineage names the model's ledger record: in memory (MODEL_ATTR), in model.config (CONFIG_ATTR), and
 #: the mark of training without DP after a DP run (NON_PRIVATE); tests/test_dpo.py checks they are lineage's
 MODEL_ATTR, CONFIG_ATTR, NON_PRIVATE = "_hf_dp_ledger", "hf_dp_privacy", "trained_without_dp_after"
-#: the start of TRL's warning (trl 1.16 DPOTrainer._prepare_dataset) that quotes the end of a prompt
-PREFIX_WARNING = "The tokenized prompt is not a prefix of the tokenized prompt+completion"
 
 
 class _Withhold(logging.Filter):
-    """Drops every record of the logger it is on; remembers whether one was TRL's prompt-prefix warning."""
-
-    def __init__(self):
-        super().__init__()
-        self.prefix = self.other = False
+    """Drops every record of the logger it is on (TRL's DPO messages may quote a prompt)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if PREFIX_WARNING in str(record.msg):
-            self.prefix = True
-        else:
-            self.other = True
         return False
 
 
@@ -69,16 +60,14 @@ def quiet_preparation(args, dataset_name: str):
     finally:
         args.dataset_num_proc = num_proc
         log.removeFilter(withhold)
+    # one line whatever TRL said: whether it warned (a prompt whose tokens merge with its answer's) is a fact about
+    # the pairs, and a line only when it did would tell it (review of issue 51)
     what = "training" if dataset_name == "train" else f"evaluation ({dataset_name})"
-    if withhold.prefix:
-        logger.warning("hf_dp: in the %s pairs, some prompts' tokenization differs inside prompt + answer (tokens "
-                       "merge across the boundary, or the chat template renders the prompt alone differently), so the "
-                       "answer starts where they diverge; TRL's message is withheld because it quotes private text. "
-                       "End each prompt on a token boundary (e.g. answers that start with a space) or use a chat "
-                       "template that renders the prompt the same way in both", what)
-    elif withhold.other:
-        logger.warning("hf_dp: TRL's messages while preparing the %s pairs are withheld under DP (they may quote "
-                       "private text)", what)
+    logger.info("hf_dp: TRL's messages while preparing the %s pairs are withheld under DP (they may quote private "
+                "text, and whether there were any is a fact about the pairs); where a prompt's last token merges with "
+                "its answer's first (or the chat template renders the prompt alone differently) the answer starts "
+                "where the two tokenizations diverge: end each prompt on a token boundary (e.g. answers that start "
+                "with a space)", what)
 
 
 def check_pair_lengths(dataset, bound: int, longest, fix: str) -> None:

@@ -105,7 +105,12 @@ DPO_FLAGS: dict[str, tuple[Rule, ...]] = {
     "f_divergence_type": (Rule(SAFE, "per pair: f-DPO's f'(π/π_ref) of each answer's own log-ratio"),),
     "f_alpha_divergence_coef": (Rule(SAFE, "a public constant of the α-divergence"),),
     "label_smoothing": (Rule(SAFE, "a public constant (robust, exo_pair)"),),
-    "beta": (Rule(SAFE, "a public constant: the deviation from the reference"),),
+    "beta": (Rule(REFUSED, "--beta above 10 is not supported with DP: a pair's gradient scales with β·σ(−β·Δ), so β "
+                           "multiplies the float32 rounding by which a pair's log-ratio Δ depends on its micro-batch's "
+                           "padding (docs/guarantee.md), and at β in the thousands one pair beside 256 copies moved "
+                           "the clipped sum by 16 C; DPO uses β ≤ 1 (TRL's default 0.1)", "> 10",
+                  lambda a: a.beta is not None and a.beta > 10),
+             Rule(SAFE, "≤ 10: a public constant, the deviation from the reference")),
     "use_weighting": (Rule(SAFE, "per pair: WPO weighs a pair by its two answers' own length-normalized "
                                  "probabilities (without gradient, as TRL)"),),
     "discopop_tau": (Rule(SAFE, "a public constant of the DiscoPOP loss"),),

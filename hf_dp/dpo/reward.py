@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 from trl import RewardTrainer
 
@@ -24,6 +25,7 @@ from hf_dp.flags import length_warning_handled, quiet_length_warning
 from hf_dp.hub import write_privacy_artifacts
 from hf_dp.hub.describe import CARD_SETTINGS, card_fields
 from hf_dp.models.loss import OBJECTIVES
+from hf_dp.models.precision import model_init_kwargs
 from hf_dp.run.data import check_eval_is_not_train, no_progress_bar
 from hf_dp.trainer import DPTrainer
 
@@ -53,7 +55,7 @@ class DPRewardTrainer(DPTrainer, RewardTrainer):
             from transformers import AutoModelForSequenceClassification
 
             model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1,
-                                                                       **dict(args.model_init_kwargs or {}))
+                                                                       **model_init_kwargs(args))
         if args.dp_enabled:
             given = {"peft_config": (peft_config, "pass --trainable lora (with --lora_r / --lora_alpha) instead, so "
                                                   "that the adapter is attached before the per-example clipping engine"),
@@ -80,6 +82,9 @@ class DPRewardTrainer(DPTrainer, RewardTrainer):
         trl = self.data_collator  # TRL's reward DataCollatorForPreference
         self.data_collator = RewardPairCollator(trl.pad_token_id, trl.pad_to_multiple_of)
         self._has_margin = "margin" in (getattr(self.train_dataset, "column_names", None) or [])
+        if self._has_margin and not all(math.isfinite(float(m)) for m in self.train_dataset["margin"]):
+            raise ValueError("a preference pair's margin is NaN or infinite: each pair's loss −log σ(r_chosen − "
+                             "r_rejected − margin) needs a finite margin; fix or drop those pairs")
         self.objective = reward_objective(self.args.center_rewards_coefficient)
         longest = lambda r: max(len(r["chosen_ids"]), len(r["rejected_ids"]))  # noqa: E731
         self.train_dataset = with_lengths(self.train_dataset, self.args, longest)  # group_by_length

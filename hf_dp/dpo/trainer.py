@@ -40,6 +40,7 @@ from hf_dp.dpo.pairs import (PairLoss, PairRowsCollator, completion_logps, log_s
 from hf_dp.hub import write_privacy_artifacts
 from hf_dp.hub.describe import CARD_SETTINGS, card_fields
 from hf_dp.models.loss import IGNORE_INDEX, OBJECTIVES, positions_from_mask
+from hf_dp.models.precision import check_full_precision, check_output_precision, model_init_kwargs
 from hf_dp.run import step
 from hf_dp.run.data import check_eval_is_not_train, group_by_length, no_progress_bar
 from hf_dp.trainer import DPTrainer
@@ -64,6 +65,9 @@ def refuse_under_dp(trainer: str, args, train_dataset, eval_dataset, reason: dic
     if args.audit_canaries:
         raise ValueError(f"--audit_canaries is not supported by {trainer} yet: its canaries are single rows, not "
                          "preference pairs; audit with DPTrainer (recipes/clm.py)")
+    if args.fsdp:
+        raise ValueError(f"--fsdp is not supported by {trainer} yet: FSDP's token bound counts rows, and each "
+                         "preference pair is two; train in one process or with DDP (torchrun without --fsdp)")
     if args.cache_frozen_features:
         raise ValueError(f"--cache_frozen_features is not supported by {trainer}: the frozen-prefix cache is built from "
                          "rows of input_ids, not from preference pairs; drop the flag")
@@ -129,7 +133,7 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
         if isinstance(model, str):  # as DPOTrainer loads it, but before DPTrainer freezes it (--trainable)
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(model, **dict(args.model_init_kwargs or {}))
+            model = AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs(args))
         self._reference = "given (ref_model=)" if ref_model is not None else None
         self._given_ref = ref_model is not None  # its DP training is checked against the ledger (hf_dp.dpo.checks)
         if ref_model is None and args.trainable != "lora" and model is not None:
@@ -168,9 +172,16 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
         check_pair_lengths(self.train_dataset, bound, dpo_row_length(self.args.max_length),
                            f"set --max_length {bound} or less (TRL's collator then cuts every sequence to it), or raise "
                            "--dp_max_length")
+        if self.ref_model is not None:  # its log-probabilities enter every pair's loss: the model's precision rule
+            check_full_precision(self.ref_model, "the reference model (ref_model=)")
         note = check_reference_ledger(self.dp.ledger, self.args, self.ref_model if self._given_ref else None)
         if note:
             self._reference = f"given (ref_model=): {note}"
+
+    def _check_contract(self) -> None:
+        super()._check_contract()
+        if self.ref_model is not None:  # also a reference cast or swapped since the trainer was built
+            check_full_precision(self.ref_model, "the reference model (ref_model=)")
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         # under DP, TRL's preparation messages that quote the pairs' text are withheld (hf_dp.dpo.checks)
@@ -200,6 +211,10 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
             policy = self.accelerator.unwrap_model(model)
             with policy.disable_adapter():
                 logits = policy(**kw, use_cache=False).logits
+        if self.args.dp_enabled:  # in a DP step, as the policy's (hf_dp.run.step): no autocast
+            if self.ref_model is not None:
+                check_full_precision(self.ref_model, "the reference model (ref_model=)")
+            check_output_precision(logits, "the reference model")
         return per_token_logps(logits, inputs["labels"], inputs.get("attention_mask"))
 
     def pair_objective(self, model, inputs: dict):

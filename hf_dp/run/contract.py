@@ -43,6 +43,7 @@ import math
 import torch
 
 from hf_dp.models.loss import IGNORE_INDEX, OBJECTIVES, base_model, objective_for
+from hf_dp.models.precision import check_full_precision, check_no_mixed_precision
 from hf_dp.run import independence
 
 logger = logging.getLogger("hf_dp.trainer")  # what DPTrainer's checks say keeps the trainer's logger name
@@ -447,6 +448,7 @@ def check_flags(args) -> None:
     from hf_dp import flags
 
     flags.enforce(args)
+    check_no_mixed_precision(args)
 
 
 def check_ranks_agree(fingerprint: str, mechanism: dict) -> None:
@@ -518,6 +520,7 @@ def check_at_train(dp, args, model, train_dataset, collator, objective, *, loade
             "steps less than b apart; make a new DPTrainer for other data"
         )
     check_flags(args)  # HF flags refused under DP, also when set on trainer.args after construction
+    check_full_precision(model, "the model")  # also after a .half() / .to(torch.bfloat16) since construction
     check_mechanism(dp.contract.planned, mechanism_snapshot(args, dp.mechanism, model))
     if args.world_size > 1:
         check_ranks_agree(data_info()["sha256"], dp.contract.planned)

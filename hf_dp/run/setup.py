@@ -22,6 +22,7 @@ import torch
 
 from hf_dp.clipping import choose_engine, make_engine
 from hf_dp.clipping.common import TokenBounds, gamma
+from hf_dp.models.precision import check_full_precision
 from hf_dp.optim import get_entry, make_optimizer, rule_hyperparameters
 from hf_dp.plan import calibrated_for, calibration_scope, run_block, run_expectation
 from hf_dp.privacy.accounting import PrivacyLedger
@@ -252,12 +253,7 @@ def choose_clipping(args, model, fsdp: bool = False, deepspeed: bool = False) ->
     all-reduces the noisy clipped sum once per logical batch. Under FSDP2 (``fsdp``: HF enabled it) one-pass ghost
     clipping by default (:mod:`hf_dp.clipping.fsdp_ghost`), two passes when asked; DeepSpeed is refused."""
     refuse_sharding(args, fsdp, deepspeed)
-    low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
-                  if p.requires_grad and p.dtype not in (torch.float32, torch.float64)})
-    if low:  # the forward, the records and the clipped sums in that precision: the --bf16 refusal's reason, and more
-        raise ValueError(f"DP training needs float32 (or float64) trainable parameters, got {', '.join(low)}: in reduced "
-                         "precision each example's gradient depends on its micro-batch's shape and the clipped sums round "
-                         "at 2^-8, so one example can move the sum by more than C; load the model in float32")
+    check_full_precision(model, "the model")  # trainable or frozen: the --bf16 refusal's reason, and more
     if fsdp:  # FSDP2: one-pass ghost clipping (auto), or two passes when asked (hf_dp.clipping.fsdp_ghost)
         mode = "ghost_two_pass" if args.clipping == "ghost_two_pass" else "ghost"
         if args.clipping == "auto":

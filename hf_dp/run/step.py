@@ -16,6 +16,7 @@ import torch
 
 from hf_dp.clipping import sharding
 from hf_dp.models.loss import per_example_loss, positions_from_mask
+from hf_dp.models.precision import check_full_precision, check_output_precision
 from hf_dp.run import contract
 from hf_dp.run.data import EMPTY_KEY, PHASE_KEY, UNITS_KEY
 from hf_dp.run.draws import DRAWN_KEY
@@ -123,8 +124,10 @@ def private_loss(dp, model, inputs: dict, objective, config, world_size: int, au
     # only average the raw, unclipped gradients, which no DP engine uses. Each rank clips its own examples; the
     # privatizer adds the noise on rank 0 and all-reduces the noisy sum once per logical batch.
     sync = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
+    check_full_precision(model, "the model")  # every micro-batch: also after a callback cast it since train() began
     with sync:
         outputs = model(**inputs)
+    check_output_precision(outputs.logits)  # and no autocast the weights do not show
     contract.check_logits(outputs.logits, labels, objective)
     losses = per_example_loss(outputs.logits, labels, config, objective, inputs.get("attention_mask"))
     if audit_losses is not None:  # a gradient canary's loss is 0 (its gradient: the engine's wrapper)

@@ -45,7 +45,9 @@ SFT_FLAGS: dict[str, tuple[Rule, ...]] = {
     "dataset_text_field": (Rule(SAFE, "which column holds plain text"),),
     "dataset_kwargs": (Rule(SAFE, "skip_prepare_dataset: the rows are used as given; the run-time contract checks "
                                   "(one row per conversation, each loss its own) still hold"),),
-    "dataset_num_proc": (Rule(SAFE, "processes that tokenize the data"),),
+    "dataset_num_proc": (Rule(ADJUSTED, "not used under DP: the data are prepared in the trainer's process, where TRL's "
+                                        "messages (its prompt-prefix warning quotes the end of a prompt) are withheld; "
+                                        "the processes that tokenize the data without DP"),),
     "eos_token": (Rule(SAFE, "the end-of-sequence token"),),
     "max_length": (Rule(SAFE, "each conversation truncated on its own (conversations left with no scored token are "
                               "dropped by TRL before N is counted)"),),

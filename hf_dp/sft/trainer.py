@@ -25,15 +25,19 @@ card see it), ``compute_loss_func`` and ``--audit_canaries`` (not supported here
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from trl import SFTTrainer
 
 from hf_dp.flags import length_warning_handled, quiet_length_warning
 from hf_dp.hub import write_privacy_artifacts
 from hf_dp.hub.describe import CARD_SETTINGS, card_fields
+from hf_dp.models.precision import model_init_kwargs
 from hf_dp.run.data import check_eval_is_not_train, no_progress_bar
 from hf_dp.sft.config import DPSFTConfig, enforce_sft, resolve_loss_scope, scored_tokens
 from hf_dp.trainer import DPTrainer
+
+logger = logging.getLogger(__name__)
 
 #: the SFTConfig settings privacy.json and the card record (public choices of the run)
 RECORDED_SETTINGS = ("max_length", "truncation_mode", "completion_only_loss", "assistant_only_loss", "packing",
@@ -48,6 +52,32 @@ def _first_row(dataset):
         return dataset[0] if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and len(dataset) else next(iter(dataset))
     except (StopIteration, TypeError, KeyError, IndexError):
         return None
+
+
+@contextlib.contextmanager
+def withheld_trl_messages(args, dataset_name: str):
+    """Under DP, TRL's SFT messages while ``dataset_name`` is prepared are dropped — its prompt-prefix warning quotes
+    the end of a private prompt, and whether it appears at all is a fact about the data — with the preparation in this
+    process (a worker would log outside the filter), and one line that is the same whatever TRL said."""
+    if not args.dp_enabled:
+        yield
+        return
+    from trl.trainer import sft_trainer
+
+    log = getattr(sft_trainer.logger, "logger", sft_trainer.logger)  # accelerate's adapter around a logging.Logger
+    num_proc, args.dataset_num_proc = args.dataset_num_proc, None
+    log.addFilter(_drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(_drop)
+        args.dataset_num_proc = num_proc
+    logger.info("hf_dp: TRL's messages while preparing the %s data are withheld under DP (they may quote private text, "
+                "and whether there were any is a fact about the data)", dataset_name)
+
+
+def _drop(record) -> bool:
+    return False
 
 
 class DPSFTTrainer(DPTrainer, SFTTrainer):
@@ -80,7 +110,7 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
         if isinstance(model, str):  # as SFTTrainer loads it, but before DPTrainer freezes it (--trainable)
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(model, **dict(args.model_init_kwargs or {}))
+            model = AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs(args))
         self._raw_train_dataset = train_dataset
         # TRL prepares the training set with 🤗 Datasets' maps and filters, whose bars print its number of rows
         # (conversations): private under a unit column (one user's removal changes it by their conversations)
@@ -98,8 +128,9 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         # under DP each conversation is cut to max_length (or, in the training set, refused over the run's token
-        # bound): no "longer than the tokenizer's maximum" warning (hf_dp.flags.quiet_length_warning)
-        with quiet_length_warning(length_warning_handled(args, dataset_name)):
+        # bound): no "longer than the tokenizer's maximum" warning (hf_dp.flags.quiet_length_warning); TRL's own
+        # messages withheld (withheld_trl_messages)
+        with quiet_length_warning(length_warning_handled(args, dataset_name)), withheld_trl_messages(args, dataset_name):
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
 
     def _check_not_train(self, dataset) -> None:

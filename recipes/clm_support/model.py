@@ -166,6 +166,7 @@ def load_config_and_tokenizer(model_args: ClmModelArguments):
 def build_model(model_args: ClmModelArguments, config, tokenizer, path: Optional[str]):
     """The causal LM: ``from_pretrained(path)`` (embeddings resized when the tokenizer is larger, as run_clm; pad /
     bos / eos ids from the tokenizer where the config has none), or a new model ``from_config``."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     a = model_args
@@ -174,9 +175,10 @@ def build_model(model_args: ClmModelArguments, config, tokenizer, path: Optional
         n = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
         logger.info("a new %s model from a fresh config (random weights): %.2fM parameters", config.model_type, n / 1e6)
     else:
+        # float32 whatever the checkpoint's saved dtype (often bfloat16, which DP training refuses even frozen)
         model = _load("model", a.model_name_or_path, AutoModelForCausalLM.from_pretrained, path, config=config,
                       cache_dir=a.cache_dir, revision=a.model_revision, token=a.token,
-                      trust_remote_code=a.trust_remote_code)
+                      trust_remote_code=a.trust_remote_code, dtype=torch.float32)
         if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
             model.resize_token_embeddings(len(tokenizer))
         for key, value in _special_ids(tokenizer).items():

@@ -70,6 +70,7 @@ def load_pretrained(model_args: ModelArguments, model_class, **config_kwargs: An
     ``model_class.from_pretrained`` (e.g. ``AutoModelForSequenceClassification``) from ``--model_name_or_path`` (or
     ``--config_name`` / ``--tokenizer_name``). A local path that does not exist, or a model that cannot be loaded,
     is a :class:`RecipeError` saying what to pass instead."""
+    import torch
     from transformers import AutoConfig, AutoTokenizer
 
     model_path = resolve_model_path(model_args.model_name_or_path)
@@ -86,8 +87,9 @@ def load_pretrained(model_args: ModelArguments, model_class, **config_kwargs: An
             resolve_model_path(model_args.tokenizer_name) if model_args.tokenizer_name else model_path,
             use_fast=model_args.use_fast_tokenizer, **common,
         )
-        model = model_class.from_pretrained(
-            model_path, config=config, ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, **common,
+        model = model_class.from_pretrained(  # float32 whatever the checkpoint's saved dtype (DP refuses bfloat16)
+            model_path, config=config, ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, dtype=torch.float32,
+            **common,
         )
     except OSError as exc:
         raise model_load_error(model_args, exc) from None

@@ -309,6 +309,18 @@ def eval_rows_in_training(train, validation, columns: Iterable[str]) -> bool:
     return any(json.dumps(row, sort_keys=True, default=str) in seen for row in validation.select_columns(cols))
 
 
+def refuse_eval_overlap(training_args, overlap: bool, what: str = "rows") -> bool:
+    """Under DP, validation ``what`` that also occur in the training data are refused before training: the release
+    would carry a metric of private training rows, and a card that said so would tell whether one given row was trained
+    on (one bit per row, outside the guarantee). Without DP the run goes on and the card says it is not held out.
+    Returns ``overlap``."""
+    if overlap and getattr(training_args, "dp_enabled", not getattr(training_args, "disable_dp", False)):
+        raise RecipeError(f"some validation {what} also occur in the training data: a DP release must not carry a "
+                          f"metric of the private training set, nor say whether given {what} were trained on; evaluate "
+                          f"on {what} disjoint from the training data (or train without --do_eval)")
+    return overlap
+
+
 #: the release's own folder inside --output_dir: the model, its tokenizer, the card (README.md) and privacy.json only —
 #: checkpoints, hf_dp's run records (hf_dp_*) and training_args.bin stay beside it, so that copying or pushing the
 #: release folder ships nothing else
