@@ -200,6 +200,17 @@ def _check_columns(ds, args, what: str) -> str:
     else:
         raise DataLoadingError(f"the {what} data has no 'messages' column, no 'prompt'/'completion' columns and no "
                                f"'{args.dataset_text_field}' column (it has {sorted(cols)})")
+    if kind == "messages":  # else TRL's traceback after the model is built (an IndexError, or blaming the template)
+        assistant_only = args.assistant_only_loss is not False  # None: on for conversations (resolve_loss_scope)
+        for i, turns in enumerate(ds["messages"]):
+            if not turns:
+                raise DataLoadingError(f"the {what} data's conversation {i} (counting from 0) has no messages: drop it "
+                                       "or give it its turns")
+            if assistant_only and not any(isinstance(t, dict) and t.get("role") == "assistant" for t in turns):
+                raise DataLoadingError(
+                    f"the {what} data's conversation {i} (counting from 0) has no assistant turn, and only the "
+                    "assistant's tokens are scored (--assistant_only_loss, the default for conversations), so it would "
+                    "train on nothing: drop it, or pass --assistant_only_loss false to score every turn")
     return kind
 
 

@@ -276,3 +276,24 @@ def test_the_time_left_line_says_when_it_prints_and_does(capsys, max_steps, logg
     out = capsys.readouterr().out
     assert f"training: {max_steps} steps planned; {said}" in out
     assert [int(m) for m in re.findall(rf"^training: step (\d+)/{max_steps} after", out, re.M)] == estimates, out
+
+
+@pytest.mark.parametrize("turns,want", [
+    ([], "has no messages: drop it or give it its turns"),
+    ([{"role": "user", "content": "w1 w2"}], "has no assistant turn, and only the assistant's tokens are scored"),
+])
+def test_a_conversation_without_turns_or_without_an_assistant_is_one_error_line(files, capsys, monkeypatch, turns, want):
+    """A third review: an empty 'messages' list (an IndexError) or a conversation with no assistant turn (TRL's
+    RuntimeError blaming the chat template) were tracebacks after the model was built."""
+    from recipes import sft
+
+    built = []
+    monkeypatch.setattr(sft, "build_model", lambda *a, **k: built.append(1))
+    rows = (files / "chats.jsonl").read_text().splitlines()
+    rows[5] = json.dumps({"user_id": "user5", "messages": turns})
+    (files / "odd.jsonl").write_text("\n".join(rows) + "\n")
+    code, _, err = _run(files, capsys, train="odd.jsonl")
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "conversation 5 (counting from 0) " + want in lines[0], err[-3000:]
+    assert "Traceback" not in err and not built
+

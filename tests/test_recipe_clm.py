@@ -438,6 +438,18 @@ def _saved_gpt2(clm, tok_dir, folder) -> str:
     return str(folder)
 
 
+def test_a_declared_public_size_keeps_the_actual_number_of_documents_off_the_console(clm, tok_dir, tmp_path, capsys):
+    """A third review: with --public_dataset_size (one unit per document) the actual count is private, and a 🤗 Datasets
+    bar printed it ("Cutting the training documents into blocks: 100%| 123/123"). No line names 123 now."""
+    rng = random.Random(0)
+    train, dev = _jsonl(tmp_path / "train.jsonl", [{"text": _text(rng, 2, 12)} for _ in range(123)]), \
+        _jsonl(tmp_path / "dev.jsonl", [{"text": _text(rng, 2, 12)} for _ in range(10)])
+    argv = _tiny(tok_dir, train, dev, tmp_path / "out", "--public_dataset_size", "100")
+    code, stdout, err = _run(clm, capsys, argv)
+    assert code == 0, err[-4000:]
+    assert not re.search(r"(?<![\d.])123(?![\d]|\.\d)", stdout + err), (stdout + err)[-3000:]
+
+
 def test_a_checkpoint_saved_in_bfloat16_trains_in_float32(clm, tok_dir, tmp_path, capsys):
     """Review of issue 51 (finding 1): transformers keeps a checkpoint's saved dtype, and a bfloat16 base under float32
     LoRA adapters trained (one row beside 256 copies moved the clipped sum by 1.90 C). DPTrainer now refuses any

@@ -403,3 +403,36 @@ def test_trls_prompt_prefix_warning_is_withheld_under_dp(tmp_path):
     plain = _sft_preparation_log(tmp_path / "b", rows)
     said = [ln for ln in log.splitlines() if "withheld" in ln]
     assert said and said == [ln for ln in plain.splitlines() if "withheld" in ln]
+
+
+def test_a_row_whose_labels_do_not_align_with_its_tokens_is_refused_before_any_step(tmp_path, tok):
+    """A third review: pre-tokenized rows keep their own 'labels' column (TRL keeps it), and one whose labels were
+    shorter than its input_ids passed every check, then stopped the run at the step that drew it (after 2 noisy steps,
+    ε 2.09 spent): whether a model is released would tell that row's presence. Refused at train() before any step."""
+    rows = [{"input_ids": [2, 5 + i % 50, 6, 7, 8], "labels": [-100, 5 + i % 50, 6, 7, 8]} for i in range(40)]
+    rows[17] = {"input_ids": [2, 5, 6, 7, 9, 9], "labels": [-100, 5, 6]}
+    tr = DPSFTTrainer(model=llama(tok), args=config(tmp_path, max_steps=4, per_device_train_batch_size=30,
+                                                    assistant_only_loss=False),
+                      train_dataset=Dataset.from_list(rows), processing_class=tok)
+    with pytest.raises(ValueError, match=r"^the data collator makes labels of shape \(1, 3\) for training row 17 "):
+        tr.train()
+    assert tr.state.global_step == 0
+
+
+@pytest.mark.parametrize("kind", ["messages", "text"])
+def test_the_record_names_the_tokens_scored_when_completion_only_loss_does_not_apply(tmp_path, tok, kind):
+    """A third review: completion_only_loss=True on 'messages' (without assistant_only_loss) or 'text' rows — TRL
+    applies it to prompt-completion rows only and scores every token — was recorded as "the completion's tokens only
+    … the prompt's tokens are never scored", so the card said the users' own turns were not trained on."""
+    from hf_dp.models.loss import IGNORE_INDEX
+
+    rng = random.Random(1)
+    rows = conversations(40) if kind == "messages" else [{"text": words(rng, 3, 8)} for _ in range(40)]
+    tr = DPSFTTrainer(model=llama(tok), args=config(tmp_path, max_steps=1, assistant_only_loss=False,
+                                                    completion_only_loss=True),
+                      train_dataset=Dataset.from_list(rows), processing_class=tok)
+    row = tr.train_dataset[0]
+    assert sum(label != IGNORE_INDEX for label in row["labels"]) == len(row["input_ids"])  # what TRL scores
+    settings = tr.sft_settings()
+    assert settings["scored_tokens"] == "every token" and settings["completion_only_loss"] is False
+    assert "prompt-completion rows only" in settings["completion_only_loss_source"]

@@ -295,6 +295,11 @@ def check_every_row(dataset, collate, config, objective=None, max_length: int | 
                 f"the data collator makes a NaN or infinite label for training row {i} (counting from 0): such an example's loss and "
                 "gradient are not finite; fix the collator or the data before DP training"
             )
+        ids = batch.get("input_ids")
+        if token_labels and torch.is_tensor(ids) and labels.shape != ids.shape:  # else a shape error at its step
+            raise ValueError(f"the data collator makes labels of shape {tuple(labels.shape)} for training row {i} (counting "
+                             f"from 0), whose input_ids have shape {tuple(ids.shape)}: each token's label must align with "
+                             "it; fix the collator or the data's 'labels' column before DP training")
         if not labels.is_floating_point() and num_labels and (token_labels or _problem_type(config, True) == "single_label_classification"):
             flat = labels.reshape(-1)
             bad = ((flat < 0) | (flat >= num_labels)) & (flat != IGNORE_INDEX)

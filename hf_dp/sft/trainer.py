@@ -172,11 +172,13 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
 
         out = {"trainer": "DPSFTTrainer (TRL SFTTrainer)", "trl_version": trl.__version__}
         out.update({k: getattr(self.args, k, None) for k in RECORDED_SETTINGS})
-        completion_only = bool(self.completion_only_loss)
-        # None (TRL's default) means "on for prompt-completion rows": the record says what was in effect
+        # None (TRL's default) means "on for prompt-completion rows", and TRL applies it to such rows only (on
+        # 'messages' or 'text' data it scores every token): the record says what was in effect
+        completion_only = bool(self.completion_only_loss) and self.data_kind() == "prompt_completion"
         out["completion_only_loss"] = completion_only
         out["completion_only_loss_source"] = (
-            "given" if getattr(self.args, "completion_only_loss", None) is not None else
+            "given, but TRL applies it to prompt-completion rows only" if self.completion_only_loss and not completion_only
+            else "given" if getattr(self.args, "completion_only_loss", None) is not None else
             "TRL's default: on for prompt-completion rows" if completion_only else
             "TRL's default: off for data without 'prompt'/'completion' columns")
         out["data_kind"] = kind = self.data_kind()

@@ -238,8 +238,9 @@ def training_blocks(train: datasets.Dataset, tokenizer, text_column: str, unit_c
                 out[unit_column] += [unit] * len(blocks)
             return out
 
-        return train.map(per_row, batched=True, remove_columns=train.column_names,
-                         load_from_cache_file=not overwrite_cache, desc="Cutting the training documents into blocks")
+        with no_progress_bar():  # its total is the number of documents, private under --public_dataset_size
+            return train.map(per_row, batched=True, remove_columns=train.column_names,
+                             load_from_cache_file=not overwrite_cache, desc="Cutting the training documents into blocks")
 
     with no_progress_bar():  # its total is the number of rows, private under unit-level DP
         tokenized = train.map(
