@@ -200,6 +200,12 @@ def _check_columns(ds, args, what: str) -> str:
     else:
         raise DataLoadingError(f"the {what} data has no 'messages' column, no 'prompt'/'completion' columns and no "
                                f"'{args.dataset_text_field}' column (it has {sorted(cols)})")
+    if args.max_length is not None and args.max_length < 1:  # else "the training dataset is empty", after the model
+        raise DataLoadingError(f"--max_length {args.max_length} leaves no token of any {what} row: give a positive "
+                               "length (or none)")
+    if (args.dataset_kwargs or {}).get("skip_prepare_dataset") and "input_ids" not in cols:
+        raise DataLoadingError(f"--dataset_kwargs skip_prepare_dataset uses the {what} rows as given, and they are not "
+                               "tokenized (no 'input_ids' column): drop it so that TRL prepares them, or give token ids")
     if kind == "messages":  # else TRL's traceback after the model is built (an IndexError, or blaming the template)
         assistant_only = args.assistant_only_loss is not False  # None: on for conversations (resolve_loss_scope)
         for i, turns in enumerate(ds["messages"]):
@@ -212,6 +218,16 @@ def _check_columns(ds, args, what: str) -> str:
                     "assistant's tokens are scored (--assistant_only_loss, the default for conversations), so it would "
                     "train on nothing: drop it, or pass --assistant_only_loss false to score every turn")
     return kind
+
+
+def _check_special_tokens(tokenizer, args) -> None:
+    """``--eos_token`` / ``--pad_token`` must be tokens of the vocabulary (else TRL's traceback after the model)."""
+    vocab = tokenizer.get_vocab()
+    for flag in ("eos_token", "pad_token"):
+        value = getattr(args, flag, None)
+        if value is not None and value not in vocab:
+            raise DataLoadingError(f"--{flag} {value!r} is not a token of the tokenizer's vocabulary: give one of its "
+                                   f"tokens (the tokenizer's own {flag} is {getattr(tokenizer, flag, None)!r})")
 
 
 def _template_line(tokenizer, args) -> str:
@@ -259,6 +275,7 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
     resolve_loss_scope(args, train[0], tokenizer)
     if default_template:
         print(_template_line(tokenizer, args), flush=True)
+    _check_special_tokens(tokenizer, args)
     model = build_model(clm_args, config, tokenizer, path)
     planned = lm_batch_plan(args, n_units)  # ≈ N/16 units when no batch flag is given (clm.py's setting)
     if planned:

@@ -297,3 +297,22 @@ def test_a_conversation_without_turns_or_without_an_assistant_is_one_error_line(
     assert code == 2 and len(lines) == 1 and "conversation 5 (counting from 0) " + want in lines[0], err[-3000:]
     assert "Traceback" not in err and not built
 
+
+@pytest.mark.parametrize("flags,want", [
+    (["--max_length", "0"], "error: --max_length 0 leaves no token of any training row: give a positive length"),
+    (["--eos_token", "<nope>"], "error: --eos_token '<nope>' is not a token of the tokenizer's vocabulary"),
+    (["--pad_token", "<nope>"], "error: --pad_token '<nope>' is not a token of the tokenizer's vocabulary"),
+    (["--dataset_kwargs", '{"skip_prepare_dataset": true}'],
+     "error: --dataset_kwargs skip_prepare_dataset uses the training rows as given, and they are not tokenized"),
+])
+def test_flags_that_would_fail_inside_trl_are_one_error_line_before_the_model(files, capsys, monkeypatch, flags, want):
+    """A third review: these were TRL tracebacks (or a line naming the wrong cause) after the model was built."""
+    from recipes import sft
+
+    built = []
+    monkeypatch.setattr(sft, "build_model", lambda *a, **k: built.append(1))
+    code, _, err = _run(files, capsys, *flags)
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(want), err[-3000:]
+    assert "Traceback" not in err and not built
+
