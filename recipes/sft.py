@@ -200,9 +200,6 @@ def _check_columns(ds, args, what: str) -> str:
     else:
         raise DataLoadingError(f"the {what} data has no 'messages' column, no 'prompt'/'completion' columns and no "
                                f"'{args.dataset_text_field}' column (it has {sorted(cols)})")
-    if args.max_length is not None and args.max_length < 1:  # else "the training dataset is empty", after the model
-        raise DataLoadingError(f"--max_length {args.max_length} leaves no token of any {what} row: give a positive "
-                               "length (or none)")
     if (args.dataset_kwargs or {}).get("skip_prepare_dataset") and "input_ids" not in cols:
         raise DataLoadingError(f"--dataset_kwargs skip_prepare_dataset uses the {what} rows as given, and they are not "
                                "tokenized (no 'input_ids' column): drop it so that TRL prepares them, or give token ids")
@@ -251,6 +248,8 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
 
     start = time.perf_counter()
     transformers.set_seed(args.seed)
+    if args.max_length is not None and args.max_length < 1:  # else "the training dataset is empty", after the model
+        raise RecipeError(f"--max_length {args.max_length} leaves no token of any row: give a positive length (or none)")
     # before any model is loaded (without 🤗 Datasets' bars under a unit column: they print the number of conversations)
     train, dev, kind = load_trl_data(data_args, args, lambda ds, what: _check_columns(ds, args, what))
     if not args.do_train:

@@ -510,7 +510,7 @@ def test_the_tokenizers_longer_than_maximum_warning_is_not_logged_where_the_leng
 def test_a_reference_cast_to_bfloat16_after_the_trainer_was_built_is_refused_at_train(tmp_path, tok):
     """Review of issue 51 (finding 2): a bfloat16 ref_model= was accepted, and its log-probability of one pair moved by
     4.3e-4 nats when a longer pair joined the micro-batch. Refused when the trainer is built (docs/misuse.md
-    dpo-ref-model-reduced-precision) and at every train(), also when cast or swapped since."""
+    dpo-ref-model-reduced-precision) and in every DP step, before the reference's forward: also when cast since."""
     tr = make(tmp_path, tok, pairs(16, users=4), ref_model=llama(tok), trainable="all", max_steps=1)
     tr.ref_model.to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"^DP training needs the reference model \(ref_model=\) in float32"):

@@ -299,7 +299,7 @@ def test_a_conversation_without_turns_or_without_an_assistant_is_one_error_line(
 
 
 @pytest.mark.parametrize("flags,want", [
-    (["--max_length", "0"], "error: --max_length 0 leaves no token of any training row: give a positive length"),
+    (["--max_length", "0"], "error: --max_length 0 leaves no token of any row: give a positive length"),
     (["--eos_token", "<nope>"], "error: --eos_token '<nope>' is not a token of the tokenizer's vocabulary"),
     (["--pad_token", "<nope>"], "error: --pad_token '<nope>' is not a token of the tokenizer's vocabulary"),
     (["--dataset_kwargs", '{"skip_prepare_dataset": true}'],

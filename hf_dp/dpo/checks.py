@@ -22,26 +22,13 @@ import contextlib
 import logging
 
 from hf_dp.flags import length_warning_handled, quiet_length_warning
+from hf_dp.run.data import withheld_messages
 
 logger = logging.getLogger(__name__)
 
 #: what hf_dp.run.lineage names the model's ledger record: in memory (MODEL_ATTR), in model.config (CONFIG_ATTR), and
 #: the mark of training without DP after a DP run (NON_PRIVATE); tests/test_dpo.py checks they are lineage's
 MODEL_ATTR, CONFIG_ATTR, NON_PRIVATE = "_hf_dp_ledger", "hf_dp_privacy", "trained_without_dp_after"
-
-
-class _Withhold(logging.Filter):
-    """Drops every record of the logger it is on (TRL's DPO messages may quote a prompt)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
-
-
-def _trl_dpo_logger() -> logging.Logger:
-    from trl.trainer import dpo_trainer
-
-    log = dpo_trainer.logger
-    return getattr(log, "logger", log)  # accelerate's adapter around a logging.Logger
 
 
 @contextlib.contextmanager
@@ -51,15 +38,10 @@ def quiet_preparation(args, dataset_name: str):
     if not args.dp_enabled:
         yield
         return
-    log, withhold, num_proc = _trl_dpo_logger(), _Withhold(), args.dataset_num_proc
-    log.addFilter(withhold)
-    args.dataset_num_proc = None  # worker processes would log outside this process's filter
-    try:
-        with quiet_length_warning(length_warning_handled(args, dataset_name)):  # cut or refused: hf_dp.flags
-            yield
-    finally:
-        args.dataset_num_proc = num_proc
-        log.removeFilter(withhold)
+    from trl.trainer import dpo_trainer
+
+    with withheld_messages(dpo_trainer.logger, args), quiet_length_warning(length_warning_handled(args, dataset_name)):
+        yield  # (the length warning: its sequences are cut or refused, hf_dp.flags)
     # one line whatever TRL said: whether it warned (a prompt whose tokens merge with its answer's) is a fact about
     # the pairs, and a line only when it did would tell it (review of issue 51)
     what = "training" if dataset_name == "train" else f"evaluation ({dataset_name})"

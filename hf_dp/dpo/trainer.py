@@ -178,11 +178,6 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
         if note:
             self._reference = f"given (ref_model=): {note}"
 
-    def _check_contract(self) -> None:
-        super()._check_contract()
-        if self.ref_model is not None:  # also a reference cast or swapped since the trainer was built
-            check_full_precision(self.ref_model, "the reference model (ref_model=)")
-
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         # under DP, TRL's preparation messages that quote the pairs' text are withheld (hf_dp.dpo.checks)
         with quiet_preparation(args, dataset_name):
@@ -205,15 +200,15 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
     def reference_logps(self, model, inputs: dict) -> torch.Tensor:
         """``[2P, T-1]``: the reference's per-token log-probabilities of the rows' completion tokens (in memory only)."""
         kw = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+        if self.args.dp_enabled and self.ref_model is not None:  # every DP step: also a reference cast since it was built
+            check_full_precision(self.ref_model, "the reference model (ref_model=)")
         if self.ref_model is not None:
             logits = self.ref_model(**kw, use_cache=False).logits
         else:
             policy = self.accelerator.unwrap_model(model)
             with policy.disable_adapter():
                 logits = policy(**kw, use_cache=False).logits
-        if self.args.dp_enabled:  # in a DP step, as the policy's (hf_dp.run.step): no autocast
-            if self.ref_model is not None:
-                check_full_precision(self.ref_model, "the reference model (ref_model=)")
+        if self.args.dp_enabled:  # no autocast, as for the policy's output (hf_dp.run.step)
             check_output_precision(logits, "the reference model")
         return per_token_logps(logits, inputs["labels"], inputs.get("attention_mask"))
 

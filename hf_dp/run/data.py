@@ -4,6 +4,8 @@
   drawn by :class:`~hf_dp.privacy.sampler.PoissonBatchSampler`; an empty Poisson micro-batch becomes a placeholder
   row marked with :data:`EMPTY_KEY` that contributes nothing.
 * :func:`check_eval_is_not_train`: under DP, an eval set that is or overlaps the training set is refused.
+* :func:`no_progress_bar` / :func:`withheld_messages`: what 🤗 Datasets and TRL would print about private rows while
+  they are prepared, kept off the console.
 * :func:`refuse_sharding`: under DP, FSDP and DeepSpeed are refused (docs/fsdp.md).
 * :func:`example_lengths`: each training example's token count, for ``--train_sampling_strategy group_by_length``.
 """
@@ -44,6 +46,26 @@ def no_progress_bar():
     finally:
         if not was_off:
             datasets.enable_progress_bars()
+
+
+@contextlib.contextmanager
+def withheld_messages(log, args):
+    """Under DP, around TRL's preparation of private data: every record of ``log`` (a TRL trainer module's logger,
+    whose messages may quote a row's text) dropped, with the preparation in this process (``args.dataset_num_proc``
+    None meanwhile: a worker process would log outside the filter). The caller logs one line that is the same whatever
+    was dropped — whether anything was is a fact about the data."""
+    log = getattr(log, "logger", log)  # accelerate's adapter around a logging.Logger
+    num_proc, args.dataset_num_proc = args.dataset_num_proc, None
+    log.addFilter(_drop_record)
+    try:
+        yield
+    finally:
+        log.removeFilter(_drop_record)
+        args.dataset_num_proc = num_proc
+
+
+def _drop_record(record) -> bool:
+    return False
 
 
 class TaggedRows(torch.utils.data.Dataset):

@@ -33,7 +33,7 @@ from hf_dp.flags import length_warning_handled, quiet_length_warning
 from hf_dp.hub import write_privacy_artifacts
 from hf_dp.hub.describe import CARD_SETTINGS, card_fields
 from hf_dp.models.precision import model_init_kwargs
-from hf_dp.run.data import check_eval_is_not_train, no_progress_bar
+from hf_dp.run.data import check_eval_is_not_train, no_progress_bar, withheld_messages
 from hf_dp.sft.config import DPSFTConfig, enforce_sft, resolve_loss_scope, scored_tokens
 from hf_dp.trainer import DPTrainer
 
@@ -57,28 +57,17 @@ def _first_row(dataset):
 @contextlib.contextmanager
 def withheld_trl_messages(args, dataset_name: str):
     """Under DP, TRL's SFT messages while ``dataset_name`` is prepared are dropped — its prompt-prefix warning quotes
-    the end of a private prompt, and whether it appears at all is a fact about the data — with the preparation in this
-    process (a worker would log outside the filter), and one line that is the same whatever TRL said."""
+    the end of a private prompt, and whether it appears at all is a fact about the data
+    (:func:`hf_dp.run.data.withheld_messages`) — and one line is logged that is the same whatever TRL said."""
     if not args.dp_enabled:
         yield
         return
     from trl.trainer import sft_trainer
 
-    log = getattr(sft_trainer.logger, "logger", sft_trainer.logger)  # accelerate's adapter around a logging.Logger
-    num_proc, args.dataset_num_proc = args.dataset_num_proc, None
-    log.addFilter(_drop)
-    try:
+    with withheld_messages(sft_trainer.logger, args):
         yield
-    finally:
-        log.removeFilter(_drop)
-        args.dataset_num_proc = num_proc
     logger.info("hf_dp: TRL's messages while preparing the %s data are withheld under DP (they may quote private text, "
                 "and whether there were any is a fact about the data)", dataset_name)
-
-
-def _drop(record) -> bool:
-    return False
-
 
 class DPSFTTrainer(DPTrainer, SFTTrainer):
     """TRL's ``SFTTrainer`` with differential privacy (see the module docstring). ``args`` must be a
@@ -174,14 +163,15 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
         out.update({k: getattr(self.args, k, None) for k in RECORDED_SETTINGS})
         # None (TRL's default) means "on for prompt-completion rows", and TRL applies it to such rows only (on
         # 'messages' or 'text' data it scores every token): the record says what was in effect
-        completion_only = bool(self.completion_only_loss) and self.data_kind() == "prompt_completion"
+        kind = self.data_kind()
+        completion_only = bool(self.completion_only_loss) and kind == "prompt_completion"
         out["completion_only_loss"] = completion_only
         out["completion_only_loss_source"] = (
             "given, but TRL applies it to prompt-completion rows only" if self.completion_only_loss and not completion_only
             else "given" if getattr(self.args, "completion_only_loss", None) is not None else
             "TRL's default: on for prompt-completion rows" if completion_only else
             "TRL's default: off for data without 'prompt'/'completion' columns")
-        out["data_kind"] = kind = self.data_kind()
+        out["data_kind"] = kind
         out["scored_tokens"] = scored = scored_tokens(self.args, completion_only)
         out["assistant_only_loss_source"] = getattr(self.args, "_hf_dp_assistant_only_source", "given")
         out["chat_template"] = "set" if getattr(self.processing_class, "chat_template", None) else None

@@ -314,7 +314,7 @@ def refuse_eval_overlap(training_args, overlap: bool, what: str = "rows") -> boo
     would carry a metric of private training rows, and a card that said so would tell whether one given row was trained
     on (one bit per row, outside the guarantee). Without DP the run goes on and the card says it is not held out.
     Returns ``overlap``."""
-    if overlap and getattr(training_args, "dp_enabled", not getattr(training_args, "disable_dp", False)):
+    if overlap and training_args.dp_enabled:
         raise RecipeError(f"some validation {what} also occur in the training data: a DP release must not carry a "
                           f"metric of the private training set, nor say whether given {what} were trained on; evaluate "
                           f"on {what} disjoint from the training data (or train without --do_eval)")
