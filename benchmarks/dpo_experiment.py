@@ -32,6 +32,9 @@ property is a movie review's sentiment, which held-out pairs can score:
    Each finished run appends one JSON line to ``benchmarks/results/dpo_experiment.jsonl`` (the metrics, ε, σ, steps,
    B, N, wall seconds, the exact command, the commit, the starting model's fingerprint, TRL's own evaluation numbers
    from privacy.json beside ours).
+   Ablations: ``--noise_multiplier S`` runs the DP runs at σ = S instead of ε = 3 (with a tiny S and a large
+   ``--per_sample_max_grad_norm`` in ``--extra``: what the noise and the clipping each cost); ``--trajectory N`` saves
+   a checkpoint every N steps and scores each (one row per checkpoint, ``"checkpoint": K``; the report leaves them out).
 3. ``--report``: per run the seeds, their mean, and for a DP run the share of the non-private gain it closes,
    (acc_DP − 0.5)/(acc_nonprivate − 0.5) per seed (``reward_row`` against ``reward_nonprivate``).
 
@@ -304,10 +307,15 @@ def run(a) -> None:
                 out_dir = work / (f"{a.split}_{name}" + (f"_{a.tag}" if a.tag else "") + f"_s{seed}")
                 shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run (recipes refuse another run's checkpoints)
                 extra = list(flags)
+                if a.noise_multiplier is not None and "--epsilon" in extra:  # a fixed σ instead of ε = 3 (ablations)
+                    i = extra.index("--epsilon")
+                    extra[i: i + 2] = ["--noise_multiplier", f"{a.noise_multiplier:g}"]
                 if a.smoke:  # DP: q = 1 (σ calibrated in milliseconds), the logical batch is every unit; 4 pairs else
                     units = len({r["user_id"] for r in train_rows}) if "--privacy_unit_column" in flags else len(train_rows)
                     extra += ["--per_device_train_batch_size", str(units if "--epsilon" in flags else 4),
                               "--gradient_accumulation_steps", "1"]
+                if a.trajectory and "--reward_model" not in flags:  # a checkpoint every N steps, scored below
+                    extra += ["--save_steps", str(a.trajectory)]
                 cmd = [sys.executable, str(REPO / "recipes" / "dpo.py"), "--model_name_or_path", str(a.pretrained),
                        "--train_file", str(train_file), "--validation_file", str(dev_file),
                        "--output_dir", str(out_dir), "--seed", str(seed), "--max_length", str(MAX_LENGTH),
@@ -340,6 +348,8 @@ def run(a) -> None:
                            trl_logp_chosen=ev.get("eval_logps/chosen"), trl_logp_rejected=ev.get("eval_logps/rejected"))
                 cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
                 policy = cls.from_pretrained(release)
+                if a.trajectory and not reward:
+                    trajectory(a, out_dir, row, start, tok, pairs, reference_logps)
             t1 = time.time()
             if "--reward_model" in (flags or []):
                 row.update(evaluate_reward(policy, tok, pairs))
@@ -348,6 +358,26 @@ def run(a) -> None:
             row["eval_s"] = round(time.time() - t1, 1)
             _append(a.out, row)
             print(json.dumps(row), flush=True)
+
+
+def trajectory(a, out_dir: Path, row: dict, start, tok, pairs, cache: dict) -> None:
+    """Score each ``checkpoint-K`` of a run saved with ``--trajectory`` (its LoRA adapter on the starting model,
+    merged; a checkpoint of full weights as it is) on the held-out pairs: one row per checkpoint, ``"checkpoint": K``
+    (the report leaves them out; the last row of the run is its release)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    for ck in sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1])):
+        if (ck / "adapter_config.json").is_file():
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(a.pretrained), ck).merge_and_unload()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(ck)
+        ev = evaluate_dpo(model, start, tok, pairs, row["beta"], cache=cache)
+        point = {k: row[k] for k in ("phase", "run", "seed", "split", "tag", "smoke", "pretrained", "commit",
+                                     "script_command", "sigma", "steps", "expected_batch_size")}
+        _append(a.out, {**point, "checkpoint": int(ck.name.rsplit("-", 1)[1]), **ev})
+        print(json.dumps({"checkpoint": ck.name, "accuracy": ev["accuracy"], "margin": ev["margin"]}),
+              flush=True)
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -363,7 +393,7 @@ def _sig(v) -> str:
 
 def report(path, split: str | None = None) -> None:
     rows = [r for r in load_jsonl(path) if r.get("phase") == "run" and r.get("returncode") == 0
-            and r.get("accuracy") is not None]
+            and r.get("accuracy") is not None and r.get("checkpoint") is None]
     latest = {}  # the latest row of each (split, tag, smoke, run, seed)
     for r in rows:
         latest[(r["split"], r.get("tag") or "", bool(r.get("smoke")), r["run"], r["seed"])] = r
@@ -421,6 +451,10 @@ def main(argv=None) -> None:
     ap.add_argument("--dev_pairs", type=int, default=428, help="held-out pairs from SST-2 dev (428: all of them)")
     ap.add_argument("--min_words", type=int, default=8, help="SST-2 train rows shorter than this are left out")
     ap.add_argument("--beta", type=float, default=0.1, help="DPO's β (TRL's default)")
+    ap.add_argument("--trajectory", type=int, default=0, metavar="N",
+                    help="save a checkpoint every N steps and score each on the held-out pairs (DPO runs)")
+    ap.add_argument("--noise_multiplier", type=float, default=None,
+                    help="DP runs at this σ instead of ε = 3 (ablations: what the noise costs, what clipping costs)")
     a = ap.parse_args(argv)
 
     def smoke(a):

@@ -447,6 +447,16 @@ def test_smoke_dpo_experiment(tmp_path, monkeypatch):
     assert "recipes/dpo.py --model_name_or_path" in rows["row"]["command"] and str(REPO) not in rows["row"]["command"]
     text = _main(exp, ["--report", "--out", str(out)])
     assert "| start | 0.500 |" in text and "| reward_row |" in text and "gain closed" in text
+    # the ablations: a fixed σ instead of ε = 3, and the checkpoints scored (the last one is the release)
+    _main(exp, ["run", "--runs", "row", "--seeds", "0", "--tag", "abl", "--noise_multiplier", "0.5",
+                "--trajectory", "1", *common])
+    abl = [r for r in exp.load_jsonl(out) if r.get("tag") == "abl"]
+    (ck,), (final,) = [r for r in abl if "checkpoint" in r], [r for r in abl if "checkpoint" not in r]
+    assert final["returncode"] == 0 and final["sigma"] == 0.5 and "--noise_multiplier 0.5" in final["command"]
+    assert "--epsilon" not in final["command"] and final["epsilon"] > 3
+    assert ck["checkpoint"] == final["steps"] == 1 and ck["accuracy"] == final["accuracy"]
+    assert ck["margin"] == pytest.approx(final["margin"], abs=1e-6)
+    assert _main(exp, ["--report", "--out", str(out)]).count("| row |") == 2  # the checkpoint is not a run
     # the sanity check: trained on the held-out pairs' chosen answers (prompt + answer, answer tokens scored)
     from transformers import AutoModelForCausalLM
 
