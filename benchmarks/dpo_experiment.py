@@ -13,8 +13,8 @@ property is a movie review's sentiment, which held-out pairs can score:
    SST-2 dev, ``dev.jsonl`` (every negative sentence paired with a positive one: 428 pairs). The tune split's rows are
    SST-2 phrases, some of them parts of the same review sentence: it chooses defaults, it reports nothing.
 2. ``run --runs start,nonprivate,row,user,reward_nonprivate,reward_row --seeds 0,1,2 --split dev|tune``: each run but
-   ``start`` is ``recipes/dpo.py`` as a subprocess with its defaults (LoRA, dp_adamw at lr 5e-4, B ≈ N/16 units,
-   2 epochs, C = 0.1, β = 0.1; ``--max_length 128``, the model's positions): ``nonprivate`` = ``--disable_dp --optim
+   ``start`` is ``recipes/dpo.py`` as a subprocess with its defaults (LoRA, dp_adamw at lr 5e-4, B ≈ N/125 units,
+   1 epoch at row level and 2 at user level, C = 0.1, β = 0.1; the reward model: B ≈ N/16, 2 epochs; ``--max_length 128``, the model's positions): ``nonprivate`` = ``--disable_dp --optim
    adamw_torch``, ``row`` = ε = 3 with one pair per unit, ``user`` = ε = 3 with ``--privacy_unit_column user_id``,
    ``reward_*`` the recipe's ``--reward_model`` mode (TRL's RewardTrainer: a one-output sequence classifier on the same
    model). ``start`` trains nothing: the starting model scored as it is. Each run's release (``<output_dir>/release``,

@@ -127,3 +127,24 @@ def test_the_training_pairs_are_never_called_held_out(files, capsys):
     assert about and not any(re.search(r"\b11\b", ln) for ln in about), about
     card = (files / "out" / "release" / "README.md").read_text()
     assert "Not a held-out evaluation" in card and "not part of the private training set" not in card
+
+
+@pytest.mark.parametrize("extra, epochs", [
+    ((), 1.0),  # DP with one pair per unit: ROW_DP_EPOCHS (RESULTS.md §14)
+    (("--privacy_unit_column", "user_id"), 2.0),  # a unit column keeps clm.py's 2
+    (("--reward_model",), 2.0),
+    (("--disable_dp", "--optim", "adamw_torch"), 2.0),  # the non-private baseline the gain is measured against
+    (("--num_train_epochs", "3"), 3.0),  # what the user gives stays
+    (("--max_steps", "7"), 2.0),  # a step budget replaces the epochs: they are not touched
+])
+def test_row_level_dp_dpo_trains_one_epoch_by_default(files, extra, epochs):
+    from recipes import dpo
+
+    argv = [*LLAMA, "--train_file", str(files / "pairs.jsonl"), "--output_dir", str(files / "out"), *extra]
+    _, _, args = dpo.parse_args(argv)
+    assert args.num_train_epochs == epochs
+    given = "--num_train_epochs" in extra  # the command line beats a caller's preset and the config file
+    assert dpo.parse_args(argv, defaults={"num_train_epochs": 4})[2].num_train_epochs == (3.0 if given else 4)
+    config = files / "c.yaml"
+    config.write_text("num_train_epochs: 5\n")
+    assert dpo.parse_args([*argv, "--config", str(config)])[2].num_train_epochs == (3.0 if given else 5.0)
