@@ -148,3 +148,16 @@ def test_row_level_dp_dpo_trains_one_epoch_by_default(files, extra, epochs):
     config = files / "c.yaml"
     config.write_text("num_train_epochs: 5\n")
     assert dpo.parse_args([*argv, "--config", str(config)])[2].num_train_epochs == (3.0 if given else 5.0)
+
+
+def test_the_one_epoch_default_is_what_the_accountant_counts(files, capsys):
+    """Row-level DP DPO without --num_train_epochs / --max_steps: 1 epoch planned, calibrated and trained (32 pairs
+    at B = 8: 4 steps, where 2 epochs would be 8)."""
+    from recipes import dpo
+
+    assert dpo.main([*LLAMA, "--tokenizer_name", str(files / "tok"), "--train_file", str(files / "pairs.jsonl"),
+                     "--output_dir", str(files / "out"), "--per_device_train_batch_size", "8", "--max_length", "48",
+                     "--epsilon", "3", "--use_cpu", "true", "--report_to", "none", "--disable_tqdm", "true"]) == 0
+    report = json.loads((files / "out" / "release" / "privacy.json").read_text())
+    assert report["steps"] == 4 and report["dataset_size"] == 32 and report["expected_batch_size"] == 8
+    assert 0 < report["epsilon"] <= 3 + 1e-6
