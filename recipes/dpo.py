@@ -31,8 +31,9 @@ What the recipe decides (docs/dpo.md):
   flag or loss type DP refuses, the training file as ``--validation_file`` or the training split as
   ``--dataset_test_split``).
 * **After training**: on the validation pairs (not private), the share of pairs whose implicit reward (DPO) or reward
-  (``--reward_model``) prefers the chosen answer, and the mean margin, printed; validation pairs that repeat training
-  pairs are not called held-out (one warning, the card says so, no count). ``<output_dir>/release`` holds the
+  (``--reward_model``) prefers the chosen answer, and the mean margin, printed. Validation pairs that score a sequence
+  a training pair scores (:func:`pairs_in_training`) are refused under DP before any model is loaded; without DP they
+  are not called held-out (one warning, the card says so, no count). ``<output_dir>/release`` holds the
   model (LoRA merged), the tokenizer, ``privacy.json`` and the card.
 """
 
@@ -62,7 +63,7 @@ from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
-from recipes.common.run import (check_privacy_settings, eval_rows_in_training, refuse_eval_overlap, model_sources,  # noqa: E402
+from recipes.common.run import (check_privacy_settings, comparable, refuse_eval_overlap, model_sources,  # noqa: E402
                                 push_folder, release_is_the_product, resume_argument, save_release)
 from recipes.common.summary import summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
@@ -190,6 +191,24 @@ def format_help(parser, peek) -> str:
 # ----------------------------------------------------------------------------------------------- data
 
 
+def _scored(rows) -> set[str]:
+    """The sequences a DPO policy or a reward model scores in these pairs: (prompt, chosen) and (prompt, rejected)
+    (the answer alone where the prompt is inside it), each as :func:`recipes.common.run.comparable` text."""
+    import json
+
+    cols = rows.column_names
+    prompts = rows["prompt"] if "prompt" in cols else [None] * len(rows)
+    return {json.dumps(comparable([p, a]), sort_keys=True, default=str)
+            for col in ("chosen", "rejected") if col in cols for p, a in zip(prompts, rows[col])}
+
+
+def pairs_in_training(train, dev) -> bool:
+    """Whether a validation pair scores a sequence a training pair scores (its prompt with its chosen or its rejected
+    answer, up to case, spacing and Unicode form): its preference accuracy and margin would then measure a trained
+    sequence, so the evaluation is not held out. Only whether (a count is private)."""
+    return bool(_scored(train) & _scored(dev))
+
+
 def _check_columns(ds, what: str) -> str:
     cols = set(ds.column_names)
     if not {"chosen", "rejected"} <= cols:
@@ -244,8 +263,7 @@ def run(data_args: DpoScriptArguments, model_args: DpoModelArguments, args) -> d
     resume = resume_argument(args, model_sources(model_args))
     n_units = count_trl_units(train, args)
     check_privacy_settings(args, n_units)  # δ < 1/N, B ≤ N, σ calibratable: before the model and TRL's preparation
-    overlap = refuse_eval_overlap(
-        args, dev is not None and eval_rows_in_training(train, dev, ("prompt", "chosen", "rejected")), "pairs")
+    overlap = refuse_eval_overlap(args, dev is not None and pairs_in_training(train, dev), "pairs")
     clm_args, config, tokenizer, path = load_trl_config_and_tokenizer(model_args, args)
     if kind == "conversational" and getattr(tokenizer, "chat_template", None) is None:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
@@ -273,7 +291,7 @@ def run(data_args: DpoScriptArguments, model_args: DpoModelArguments, args) -> d
     trainer.dataset_name = None if data_args.train_file else data_args.dataset_name
     trainer.data_description = (f"{kind} preference pairs from {'local files' if data_args.train_file else 'the dataset'}"
                                 f" (columns {', '.join(f'`{c}`' for c in train.column_names)})")
-    # without DP an evaluation that repeats training pairs is not called held-out (the card says so); how many is not
+    # without DP an evaluation that scores trained sequences is not called held-out (the card says so); how many is not
     # said; under DP it was refused before the model was loaded
     trainer.eval_overlap = overlap
     if overlap:

@@ -161,3 +161,25 @@ def test_the_one_epoch_default_is_what_the_accountant_counts(files, capsys):
     report = json.loads((files / "out" / "release" / "privacy.json").read_text())
     assert report["steps"] == 4 and report["dataset_size"] == 32 and report["expected_batch_size"] == 8
     assert 0 < report["epsilon"] <= 3 + 1e-6
+
+
+@pytest.mark.parametrize("val, overlap", [
+    ({"prompt": "A review:", "chosen": " great fun", "rejected": " a bore"}, True),  # the pair itself
+    ({"prompt": "a  REVIEW:", "chosen": " Great fun\n", "rejected": " a bore"}, True),  # in other case and spacing
+    ({"prompt": "a review:", "chosen": " great fun", "rejected": " dull"}, True),  # a trained (prompt, chosen) sequence
+    ({"prompt": "a review:", "chosen": " lovely", "rejected": " great fun"}, True),  # trained as chosen, here rejected
+    ({"prompt": "a review:", "chosen": " lovely", "rejected": " dull"}, False),
+    ({"prompt": "a film:", "chosen": " great fun", "rejected": " dull"}, False),  # another prompt: another sequence
+])
+def test_a_validation_pair_that_scores_a_trained_sequence_is_not_held_out(val, overlap):
+    """The check compared whole pairs, exactly: a validation pair that shared its prompt and one answer with a training
+    pair (or repeated one in other case) passed as held out, and its accuracy and margin measured a trained sequence."""
+    from datasets import Dataset
+
+    from recipes.dpo import pairs_in_training
+
+    train = Dataset.from_list([{"prompt": "a review:", "chosen": " great fun", "rejected": " a bore"},
+                               {"prompt": "a review:", "chosen": " fine", "rejected": " poor"}])
+    assert pairs_in_training(train, Dataset.from_list([val])) is overlap
+    inside = Dataset.from_list([{"chosen": "a review: great fun", "rejected": "a review: a bore"}])  # prompt inside
+    assert pairs_in_training(inside, Dataset.from_list([{"chosen": "A review: great fun", "rejected": "x"}]))

@@ -204,6 +204,31 @@ def test_an_evaluation_on_training_rows_is_refused_under_dp_and_named_without(fi
     assert "Not a held-out evaluation" in card.body and "held-out validation data, which is not part" not in card.body
 
 
+@pytest.mark.parametrize("copy", [
+    lambda t: t.upper(),  # case
+    lambda t: "  " + t.replace(" ", "  ") + " \n",  # spacing and line endings
+    lambda t: t.replace("e", "\uff45"),  # a full-width letter: the same text in Unicode's NFKC form
+])
+def test_a_validation_copy_of_a_training_row_that_differs_in_case_or_spacing_is_still_found(copy):
+    """The overlap check compared exact strings: a validation copy of a training row in other case, spacing or
+    Unicode form passed as held out, and a DP release carried a metric of a training row. Rows and messages (DPO pairs:
+    tests/test_dpo_recipe.py)."""
+    from datasets import Dataset
+
+    from recipes.common.run import eval_rows_in_training
+
+    rows = {"sentence": ["the film is a quiet triumph", "nothing here works at all"], "label": [1, 0]}
+    train = Dataset.from_dict(rows)
+    assert eval_rows_in_training(train, Dataset.from_dict({"sentence": [copy(rows["sentence"][1])], "label": [0]}),
+                                 ["sentence"])
+    assert not eval_rows_in_training(train, Dataset.from_dict({"sentence": ["an other film entirely"], "label": [0]}),
+                                     ["sentence"])
+    chats = Dataset.from_list([{"messages": [{"role": "user", "content": "hi there"},
+                                             {"role": "assistant", "content": "hello to you"}]}])
+    held = Dataset.from_list([{"messages": [{"role": "user", "content": copy("hi there")},
+                                            {"role": "assistant", "content": copy("hello to you")}]}])
+    assert eval_rows_in_training(chats, held, ["messages"])
+
 def test_a_glue_regression_card_says_its_loss_is_the_mse(files, tmp_path):
     """An STS-B-like run (one output): its eval loss is the MSE, never "cross-entropy of the predicted
     probabilities"; the model-index has the correlations, the task in lower case."""

@@ -296,17 +296,33 @@ def data_description(columns: Iterable[str], what: str, *, train_file: Optional[
     return f"{source}: {what}" + (f" (columns {cols})" if cols else "")
 
 
+def comparable(value):
+    """A row's text as the overlap check compares it: Unicode NFKC, case-folded, runs of whitespace as one space (in
+    strings nested in lists and dicts too: conversational messages), so that a copy that differs only in case, spacing
+    or line endings is still found."""
+    import unicodedata
+
+    if isinstance(value, str):
+        return " ".join(unicodedata.normalize("NFKC", value).casefold().split())
+    if isinstance(value, dict):
+        return {k: comparable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [comparable(v) for v in value]
+    return value
+
+
 def eval_rows_in_training(train, validation, columns: Iterable[str]) -> bool:
     """Whether any validation row's ``columns`` (the text the model reads: sentences, messages, prompt/completion) equal
-    a training row's: then the evaluation is not held out and the card says so (``eval_overlap``). Only whether — how
-    many is a count of private training rows."""
+    a training row's, up to case, spacing and Unicode form (:func:`comparable`): then the evaluation is not held out
+    and the card says so (``eval_overlap``). Only whether — how many is a count of private training rows."""
     import json
 
     cols = [c for c in columns if c in getattr(train, "column_names", ()) and c in getattr(validation, "column_names", ())]
     if not cols or validation is None:
         return False
-    seen = {json.dumps(row, sort_keys=True, default=str) for row in train.select_columns(cols)}
-    return any(json.dumps(row, sort_keys=True, default=str) in seen for row in validation.select_columns(cols))
+    key = lambda row: json.dumps(comparable(row), sort_keys=True, default=str)  # noqa: E731
+    seen = {key(row) for row in train.select_columns(cols)}
+    return any(key(row) in seen for row in validation.select_columns(cols))
 
 
 def refuse_eval_overlap(training_args, overlap: bool, what: str = "rows") -> bool:
