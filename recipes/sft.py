@@ -67,8 +67,9 @@ from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
-from recipes.common.run import (check_privacy_settings, data_description, eval_rows_in_training, refuse_eval_overlap,  # noqa: E402
-                                model_sources, push_folder, release_is_the_product, resume_argument, save_release)
+from recipes.common.run import (check_privacy_settings, comparable, data_description, eval_rows_in_training,  # noqa: E402
+                                model_sources, push_folder, refuse_eval_overlap, release_is_the_product,
+                                resume_argument, save_release)
 from recipes.common.run import main as run_main  # noqa: E402
 from recipes.common.summary import planner_expectation, summarize  # noqa: E402
 from recipes.glue_support.tasks import DataLoadingError  # noqa: E402
@@ -259,8 +260,8 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
     # DPTrainer counts the prepared set)
     n_units = count_trl_units(train, args)
     check_privacy_settings(args, n_units)  # δ < 1/N, B ≤ N, σ calibratable: before the model and TRL's preparation
-    overlap = refuse_eval_overlap(args, dev is not None and eval_rows_in_training(
-        train, dev, ("messages", "prompt", "completion", args.dataset_text_field)))
+    overlap = refuse_eval_overlap(args, dev is not None and (eval_rows_in_training(
+        train, dev, ("messages", "prompt", "completion", args.dataset_text_field)) or turns_in_training(train, dev)))
     clm_args, config, tokenizer, path = load_trl_config_and_tokenizer(model_args, args)
     from trl.data_utils import is_conversational
 
@@ -320,6 +321,28 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
                         expectation=planner_expectation(trainer))
     summary["metric_name"] = "eval_loss"
     return summary
+
+
+def _scored_turns(rows) -> set[str]:
+    """Each assistant turn of each conversation (``messages``) with every message before it, as
+    :func:`recipes.common.run.comparable` text: the sequences SFT scores."""
+    import json
+
+    out: set[str] = set()
+    for messages in rows["messages"]:
+        for i, m in enumerate(messages or []):
+            if isinstance(m, dict) and m.get("role") == "assistant":
+                out.add(json.dumps(comparable(messages[: i + 1]), sort_keys=True, default=str))
+    return out
+
+
+def turns_in_training(train, dev) -> bool:
+    """Whether a validation conversation scores an assistant turn, with the same messages before it, that a training
+    conversation scores (one is a prefix of the other, say): its loss would measure a trained turn, so the evaluation
+    is not held out. Only whether (a count is private)."""
+    if "messages" not in train.column_names or "messages" not in dev.column_names:
+        return False
+    return bool(_scored_turns(train) & _scored_turns(dev))
 
 
 def _check_evaluate_only(args, dev) -> None:

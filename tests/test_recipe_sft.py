@@ -131,3 +131,26 @@ def test_two_gloo_processes_run_dp_sft_over_user_units(files):
     privacy = json.loads((out / "release" / "privacy.json").read_text())
     assert privacy["privacy_unit"]["num_units"] == 8 and privacy["steps"] == 2
     assert privacy["sample_rate"] == pytest.approx(2 * 2 / 8)  # B = 2 per device x 2 processes, over N = 8 users
+
+
+@pytest.mark.parametrize("val, overlap", [
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there"}], True),  # a prefix, in other case
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+      {"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"},
+      {"role": "user", "content": "wait"}, {"role": "assistant", "content": "yes?"}], True),  # extends a training one
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "good day"}], False),  # another answer
+    ([{"role": "user", "content": "bye"}, {"role": "assistant", "content": "see you"}], False),  # another context
+])
+def test_a_validation_conversation_that_scores_a_trained_turn_is_not_held_out(val, overlap):
+    """The check compared whole conversations: one that was a prefix (or an extension) of a training conversation
+    passed as held out, and its loss measured trained assistant turns."""
+    from datasets import Dataset
+
+    from recipes.sft import turns_in_training
+
+    train = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello there"},
+                                             {"role": "user", "content": "bye"},
+                                             {"role": "assistant", "content": "see you"}]}])
+    assert turns_in_training(train, Dataset.from_list([{"messages": val}])) is overlap
+    assert not turns_in_training(train, Dataset.from_list([{"prompt": "hi", "completion": " hello there"}]))
