@@ -58,12 +58,12 @@ from recipes.clm_support import verdict_scope  # noqa: E402
 from recipes.clm_support.trl import (TrlModelArguments, TrlScriptArguments, count_trl_units,  # noqa: E402
                                      load_trl_config_and_tokenizer, load_trl_data, parse_trl_args, trl_parser)
 from recipes.clm_support import build_model as build_causal_lm  # noqa: E402
-from recipes.common.args import RecipeError, read_config  # noqa: E402
+from recipes.common.args import ARGS_FILE_SUFFIXES, RecipeError, read_config  # noqa: E402
 from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
-from recipes.common.run import (check_privacy_settings, comparable, refuse_eval_overlap, model_sources,  # noqa: E402
+from recipes.common.run import (check_privacy_settings, fingerprint, refuse_eval_overlap, model_sources,  # noqa: E402
                                 push_folder, release_is_the_product, resume_argument, save_release)
 from recipes.common.summary import summarize  # noqa: E402
 from recipes.common.run import main as run_main  # noqa: E402
@@ -122,6 +122,10 @@ def _reward_mode(argv: list[str]) -> bool:
             return a.split("=", 1)[1].lower() not in ("false", "0", "no")
         if a == "--config" and i + 1 < len(argv):
             return bool(read_config(argv[i + 1]).get("reward_model", False))
+        if a.startswith("--config="):
+            return bool(read_config(a.split("=", 1)[1]).get("reward_model", False))
+    if len(argv) == 1 and argv[0].lower().endswith(ARGS_FILE_SUFFIXES) and not argv[0].startswith("-"):
+        return bool(read_config(argv[0]).get("reward_model", False))  # `dpo.py args.yaml`: the file is the arguments
     return False
 
 
@@ -147,14 +151,17 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
     """Parse ``argv``: recipe defaults < ``defaults`` < YAML ``--config`` < command line (recipes.common.args)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     reward = _reward_mode(argv)
-    data_args, model_args, args = parse_trl_args(
-        argv, defaults, parser=make_parser(reward), protocol_defaults=PROTOCOL_DEFAULTS,
-        optimizer_defaults=OPTIMIZER_DEFAULTS, run_name=_run_name, format_help=format_help)
-    given = args._hf_dp_explicit | set(defaults or {})
-    if (not reward and args.dp_enabled and not args.privacy_unit_column
-            and not {"num_train_epochs", "max_steps"} & given):
-        args.num_train_epochs = ROW_DP_EPOCHS
-    return data_args, model_args, args
+    return parse_trl_args(argv, defaults, parser=make_parser(reward), protocol_defaults=PROTOCOL_DEFAULTS,
+                          optimizer_defaults=OPTIMIZER_DEFAULTS, run_name=_run_name, format_help=format_help,
+                          command_defaults=_command_defaults)
+
+
+def _command_defaults(peek, explicit: set) -> dict[str, Any]:
+    """:data:`ROW_DP_EPOCHS` for DP DPO with one pair per unit, unless a step budget (``--max_steps`` > 0) is given."""
+    if (getattr(peek, "reward_model", False) or getattr(peek, "disable_dp", False)
+            or getattr(peek, "privacy_unit_column", None) or getattr(peek, "max_steps", -1) > 0):
+        return {}
+    return {"num_train_epochs": ROW_DP_EPOCHS}
 
 
 def format_help(parser, peek) -> str:
@@ -191,15 +198,23 @@ def format_help(parser, peek) -> str:
 # ----------------------------------------------------------------------------------------------- data
 
 
-def _scored(rows) -> set[str]:
-    """The sequences a DPO policy or a reward model scores in these pairs: (prompt, chosen) and (prompt, rejected)
-    (the answer alone where the prompt is inside it), each as :func:`recipes.common.run.comparable` text."""
-    import json
-
+def _scored(rows) -> set[bytes]:
+    """The sequences a DPO policy or a reward model scores in these pairs — prompt + chosen and prompt + rejected, as
+    TRL joins them (text, or messages; the answer alone where the prompt is inside it) — each a digest of its
+    :func:`recipes.common.run.comparable` form, so that a pair with its prompt inside its answers and the same pair with
+    a prompt column are one."""
     cols = rows.column_names
     prompts = rows["prompt"] if "prompt" in cols else [None] * len(rows)
-    return {json.dumps(comparable([p, a]), sort_keys=True, default=str)
-            for col in ("chosen", "rejected") if col in cols for p, a in zip(prompts, rows[col])}
+    return {fingerprint(_joined(p, a)) for col in ("chosen", "rejected") if col in cols
+            for p, a in zip(prompts, rows[col])}
+
+
+def _joined(prompt, answer):
+    if prompt is None:
+        return answer
+    if isinstance(prompt, list) and isinstance(answer, list):
+        return prompt + answer
+    return f"{prompt}{answer}" if isinstance(prompt, str) and isinstance(answer, str) else [prompt, answer]
 
 
 def pairs_in_training(train, dev) -> bool:

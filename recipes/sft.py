@@ -67,7 +67,7 @@ from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback, unit_loss_line  # noqa: E402
 from recipes.common.model import base_model_id  # noqa: E402
-from recipes.common.run import (check_privacy_settings, comparable, data_description, eval_rows_in_training,  # noqa: E402
+from recipes.common.run import (check_privacy_settings, data_description, eval_rows_in_training, fingerprint,  # noqa: E402
                                 model_sources, push_folder, refuse_eval_overlap, release_is_the_product,
                                 resume_argument, save_release)
 from recipes.common.run import main as run_main  # noqa: E402
@@ -323,25 +323,38 @@ def run(data_args: SftScriptArguments, model_args: SftModelArguments, args) -> d
     return summary
 
 
-def _scored_turns(rows) -> set[str]:
-    """Each assistant turn of each conversation (``messages``) with every message before it, as
-    :func:`recipes.common.run.comparable` text: the sequences SFT scores."""
-    import json
+def _conversations(rows):
+    """Each row as the conversation SFT scores: ``messages``, or a conversational ``prompt`` + ``completion`` joined
+    (TRL's prompt-completion form); rows of plain text yield nothing (the whole-row check covers them)."""
+    cols = rows.column_names
+    if "messages" in cols:
+        yield from (m for m in rows["messages"] if isinstance(m, list))
+    if "prompt" in cols and "completion" in cols:
+        for p, c in zip(rows["prompt"], rows["completion"]):
+            if isinstance(p, list) and isinstance(c, list):
+                yield p + c
 
-    out: set[str] = set()
-    for messages in rows["messages"]:
-        for i, m in enumerate(messages or []):
+
+def _scored_turns(rows) -> set[bytes]:
+    """Each assistant turn of each conversation with every message before it — the sequences SFT scores — as a running
+    digest of the messages' :func:`recipes.common.run.comparable` form (32 bytes a turn, linear in the text)."""
+    import hashlib
+
+    out: set[bytes] = set()
+    for messages in _conversations(rows):
+        h = hashlib.sha256()
+        for m in messages:
+            key = fingerprint(m, h)
             if isinstance(m, dict) and m.get("role") == "assistant":
-                out.add(json.dumps(comparable(messages[: i + 1]), sort_keys=True, default=str))
+                out.add(key)
     return out
 
 
 def turns_in_training(train, dev) -> bool:
     """Whether a validation conversation scores an assistant turn, with the same messages before it, that a training
-    conversation scores (one is a prefix of the other, say): its loss would measure a trained turn, so the evaluation
-    is not held out. Only whether (a count is private)."""
-    if "messages" not in train.column_names or "messages" not in dev.column_names:
-        return False
+    conversation scores (one is a prefix of the other, or one is in ``messages`` form and the other prompt +
+    completion): its loss would measure a trained turn, so the evaluation is not held out. Only whether (a count is
+    private)."""
     return bool(_scored_turns(train) & _scored_turns(dev))
 
 

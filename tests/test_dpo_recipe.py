@@ -143,6 +143,10 @@ def test_row_level_dp_dpo_trains_one_epoch_by_default(files, extra, epochs):
     argv = [*LLAMA, "--train_file", str(files / "pairs.jsonl"), "--output_dir", str(files / "out"), *extra]
     _, _, args = dpo.parse_args(argv)
     assert args.num_train_epochs == epochs
+    if "--num_train_epochs" not in extra:  # --help shows the default this command line will run
+        shown = re.search(r"--num_train_epochs\b.*?\(default: ([\d.]+)\)", dpo.format_help(*_help_parts(dpo, argv)),
+                          re.S)
+        assert float(shown.group(1)) == epochs
     given = "--num_train_epochs" in extra  # the command line beats a caller's preset and the config file
     assert dpo.parse_args(argv, defaults={"num_train_epochs": 4})[2].num_train_epochs == (3.0 if given else 4)
     config = files / "c.yaml"
@@ -183,3 +187,42 @@ def test_a_validation_pair_that_scores_a_trained_sequence_is_not_held_out(val, o
     assert pairs_in_training(train, Dataset.from_list([val])) is overlap
     inside = Dataset.from_list([{"chosen": "a review: great fun", "rejected": "a review: a bore"}])  # prompt inside
     assert pairs_in_training(inside, Dataset.from_list([{"chosen": "A review: great fun", "rejected": "x"}]))
+    # one pair in the two forms TRL reads (the prompt inside the answers, or a column of its own): text and messages
+    assert pairs_in_training(train, inside) and pairs_in_training(inside, train)
+    user, yes, no = ({"role": r, "content": c} for r, c in (("user", "hi"), ("assistant", "hello"), ("assistant", "go")))
+    split = Dataset.from_list([{"prompt": [user], "chosen": [yes], "rejected": [no]}])
+    joined = Dataset.from_list([{"chosen": [user, yes], "rejected": [user, no]}])
+    assert pairs_in_training(split, joined) and pairs_in_training(joined, split)
+    assert not pairs_in_training(split, Dataset.from_list([{"chosen": [yes], "rejected": [no]}]))  # no prompt: other
+
+
+def _help_parts(dpo, argv):
+    """The parser and the parsed flags --help formats for ``argv`` (after the recipe's defaults for this command line)."""
+    parser = dpo.make_parser(dpo._reward_mode(argv))
+    captured = {}
+
+    def grab(p, peek):
+        captured["parts"] = (p, peek)
+        return ""
+
+    with pytest.raises(SystemExit):
+        from recipes.clm_support.trl import parse_trl_args
+
+        parse_trl_args([*argv, "--help"], None, parser=parser, protocol_defaults=dpo.PROTOCOL_DEFAULTS,
+                       optimizer_defaults=dpo.OPTIMIZER_DEFAULTS, run_name=dpo._run_name, format_help=grab,
+                       command_defaults=dpo._command_defaults)
+    return captured["parts"]
+
+
+@pytest.mark.parametrize("form", ["--config", "--config=", "file alone"])
+def test_a_reward_model_set_in_the_config_file_keeps_two_epochs(files, form):
+    """``reward_model: true`` in the YAML file, given as ``--config FILE``, ``--config=FILE`` or as the only argument:
+    the reward model's config class and its 2 epochs (the last two forms were read as DPO: 1 epoch)."""
+    from recipes import dpo
+
+    config = files / "rm.yaml"
+    config.write_text(f"reward_model: true\nepsilon: 3\ntrain_file: {files / 'pairs.jsonl'}\n"
+                      f"output_dir: {files / 'out'}\nmodel_type: llama\n")
+    argv = {"--config": ["--config", str(config)], "--config=": [f"--config={config}"], "file alone": [str(config)]}[form]
+    data_args, _, args = dpo.parse_args(argv)
+    assert data_args.reward_model and type(args).__name__ == "DPRewardConfig" and args.num_train_epochs == 2.0

@@ -154,3 +154,6 @@ def test_a_validation_conversation_that_scores_a_trained_turn_is_not_held_out(va
                                              {"role": "assistant", "content": "see you"}]}])
     assert turns_in_training(train, Dataset.from_list([{"messages": val}])) is overlap
     assert not turns_in_training(train, Dataset.from_list([{"prompt": "hi", "completion": " hello there"}]))
+    # the same turns in TRL's prompt-completion form (the messages before the last assistant turn as the prompt)
+    as_pc = Dataset.from_list([{"prompt": val[:-1], "completion": val[-1:]}])
+    assert turns_in_training(train, as_pc) is overlap and turns_in_training(as_pc, train) is overlap

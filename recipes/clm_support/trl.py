@@ -56,14 +56,14 @@ def trl_parser(data_arguments, model_arguments, config_class: Callable[[], type]
 
 
 def parse_trl_args(argv: list[str], defaults: Optional[dict[str, Any]], *, parser, protocol_defaults, optimizer_defaults,
-                   run_name, format_help):
+                   run_name, format_help, command_defaults=None):
     """:func:`recipes.common.args.parse_layered` without the frozen-prefix cache by default (LoRA; a unit column, which
     the cache does not keep); an argparse usage error is one line; ``--use_peft`` = ``--trainable lora``."""
     try:
         data_args, model_args, args = parse_layered(
             argv, defaults, parser=parser, protocol_defaults=protocol_defaults,
             optimizer_defaults=optimizer_defaults, run_name=run_name, format_help=format_help,
-            cache_frozen_by_default=False)
+            cache_frozen_by_default=False, command_defaults=command_defaults)
     except SystemExit as exc:  # argparse's own usage errors were printed already
         if exc.code:
             raise RecipeError("the command line could not be parsed (see the usage line above)") from None

@@ -173,6 +173,7 @@ def parse_layered(
     cache_frozen_by_default: bool = True,
     planned_lr: Optional[dict[str, float]] = None,
     unit_optimizer_defaults: Optional[dict[str, dict[str, Any]]] = None,
+    command_defaults: Optional[Callable[[Any, set], dict[str, Any]]] = None,
 ):
     """Parse ``argv`` (``sys.argv[1:]`` if None) with ``parser`` (an ``HfArgumentParser`` whose last dataclass is
     ``DPTrainingArguments``): ``protocol_defaults`` < ``defaults`` < YAML ``--config`` < command line, then the
@@ -236,6 +237,11 @@ def parse_layered(
         chosen.update((unit_optimizer_defaults or {}).get(family, {}))
     for key, value in chosen.items():
         if key not in explicit:
+            parser.set_defaults(**{key: value})
+    # a recipe's defaults that depend on this command line (recipes/dpo.py: 1 epoch for DP DPO with one pair per unit),
+    # below what the user, a caller's preset and the config file give; --help shows them
+    for key, value in (command_defaults(peek, explicit) if command_defaults else {}).items():
+        if key not in explicit and key not in (defaults or {}):
             parser.set_defaults(**{key: value})
     # the frozen prefix is cached when it can be (last_block, last_k:K, head: hf_dp.models.suffix_blocks): the same
     # per-example gradients, minutes instead of an hour on CPU (benchmarks/RESULTS.md §3); the prefix then runs once in

@@ -311,18 +311,26 @@ def comparable(value):
     return value
 
 
+def fingerprint(value, digest=None) -> bytes:
+    """A 32-byte digest of ``value``'s :func:`comparable` form (JSON, keys sorted): what the overlap checks keep of each
+    row, whatever its length. ``digest``: a running ``hashlib.sha256`` to feed (and return a copy's digest of)."""
+    import hashlib
+    import json
+
+    h = digest if digest is not None else hashlib.sha256()
+    h.update(json.dumps(comparable(value), sort_keys=True, default=str).encode())
+    return h.copy().digest()
+
+
 def eval_rows_in_training(train, validation, columns: Iterable[str]) -> bool:
     """Whether any validation row's ``columns`` (the text the model reads: sentences, messages, prompt/completion) equal
     a training row's, up to case, spacing and Unicode form (:func:`comparable`): then the evaluation is not held out
     and the card says so (``eval_overlap``). Only whether — how many is a count of private training rows."""
-    import json
-
     cols = [c for c in columns if c in getattr(train, "column_names", ()) and c in getattr(validation, "column_names", ())]
     if not cols or validation is None:
         return False
-    key = lambda row: json.dumps(comparable(row), sort_keys=True, default=str)  # noqa: E731
-    seen = {key(row) for row in train.select_columns(cols)}
-    return any(key(row) in seen for row in validation.select_columns(cols))
+    seen = {fingerprint(row) for row in train.select_columns(cols)}
+    return any(fingerprint(row) in seen for row in validation.select_columns(cols))
 
 
 def refuse_eval_overlap(training_args, overlap: bool, what: str = "rows") -> bool:
