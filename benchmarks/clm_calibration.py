@@ -48,7 +48,8 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
     of the DP run's pretrained model on that split. Smoke runs and failed runs are left out; so is a DP run whose
     pretrained model has no run ``none`` on the split, and a run with correlated noise (``--noise_mechanism
     banded_sqrt``, RESULTS §13): the verdict's noise walk is calibrated on independent noise; and a run with other LoRA
-    adapters than the recipes' (:data:`LORA_FLAGS`, RESULTS §10e): the verdict says none for those."""
+    adapters than the recipes' (:data:`LORA_FLAGS`, RESULTS §10e): the verdict says none for those; and an ablation at
+    a fixed σ (``--noise_multiplier``, RESULTS §10e: no noise) instead of a target ε."""
     def group(r):
         split = r.get("split") or "dev"  # another corpus's splits are its own texts (not SST-2's little-gain ones)
         return r.get("pretrained") or "legacy", split if r.get("corpus", "sst2") == "sst2" else f"{r['corpus']}:{split}"
@@ -66,6 +67,7 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
     dp = {folder_of(r): r for r in ok
           if r.get("noise_multiplier") is not None
           and (_flag(r["command"], "--noise_mechanism") or "independent") == "independent"
+          and _flag(r["command"], "--noise_multiplier") is None
           and not any(_flag(r["command"], f) is not None for f in LORA_FLAGS)}
     scored = [(r, group(r)) for r in dp.values()]
     # the non-private fine-tuning of a group (the latest; the gain a DP run's share is of): run "nonprivate", or its
