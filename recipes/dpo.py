@@ -58,7 +58,7 @@ from recipes.clm_support import verdict_scope  # noqa: E402
 from recipes.clm_support.trl import (TrlModelArguments, TrlScriptArguments, count_trl_units,  # noqa: E402
                                      load_trl_config_and_tokenizer, load_trl_data, parse_trl_args, trl_parser)
 from recipes.clm_support import build_model as build_causal_lm  # noqa: E402
-from recipes.common.args import ARGS_FILE_SUFFIXES, RecipeError, read_config  # noqa: E402
+from recipes.common.args import RecipeError, args_file_argv, extract_config, read_config  # noqa: E402
 from recipes.common.help import effective_notes  # noqa: E402
 from recipes.common.help import format_help as _format_help  # noqa: E402
 from recipes.common.logs import time_left_callback  # noqa: E402
@@ -113,20 +113,16 @@ class DpoModelArguments(TrlModelArguments):
 
 
 def _reward_mode(argv: list[str]) -> bool:
-    """``--reward_model`` on the command line (or in the ``--config`` file): it chooses the config class."""
+    """``--reward_model`` on the command line, else in the config file (``--config FILE``, ``--config=FILE`` or the
+    file alone): it chooses the config class."""
+    config, argv = extract_config(args_file_argv(argv))
     for i, a in enumerate(argv):
         if a == "--reward_model":
             nxt = argv[i + 1] if i + 1 < len(argv) else ""
             return nxt.lower() not in ("false", "0", "no")
         if a.startswith("--reward_model="):
             return a.split("=", 1)[1].lower() not in ("false", "0", "no")
-        if a == "--config" and i + 1 < len(argv):
-            return bool(read_config(argv[i + 1]).get("reward_model", False))
-        if a.startswith("--config="):
-            return bool(read_config(a.split("=", 1)[1]).get("reward_model", False))
-    if len(argv) == 1 and argv[0].lower().endswith(ARGS_FILE_SUFFIXES) and not argv[0].startswith("-"):
-        return bool(read_config(argv[0]).get("reward_model", False))  # `dpo.py args.yaml`: the file is the arguments
-    return False
+    return bool(config and read_config(config).get("reward_model", False))
 
 
 def _config_class(reward: bool):
@@ -156,7 +152,7 @@ def parse_args(argv: Optional[list[str]] = None, defaults: Optional[dict[str, An
                           command_defaults=_command_defaults)
 
 
-def _command_defaults(peek, explicit: set) -> dict[str, Any]:
+def _command_defaults(peek) -> dict[str, Any]:
     """:data:`ROW_DP_EPOCHS` for DP DPO with one pair per unit, unless a step budget (``--max_steps`` > 0) is given."""
     if (getattr(peek, "reward_model", False) or getattr(peek, "disable_dp", False)
             or getattr(peek, "privacy_unit_column", None) or getattr(peek, "max_steps", -1) > 0):

@@ -24,6 +24,13 @@ class RecipeError(ValueError):
     """A user-facing configuration problem: printed without a traceback, exit code 2."""
 
 
+def args_file_argv(argv: list[str]) -> list[str]:
+    """run_glue's ``python run_glue.py args.json``: a lone .json/.yaml argument is the arguments (``--config FILE``)."""
+    if len(argv) == 1 and argv[0].lower().endswith(ARGS_FILE_SUFFIXES) and not argv[0].startswith("-"):
+        return ["--config", argv[0]]
+    return argv
+
+
 def extract_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
     """Remove ``--config FILE`` / ``--config=FILE`` from argv (argparse would read it as --config_name)."""
     out, path, i = [], None, 0
@@ -173,7 +180,7 @@ def parse_layered(
     cache_frozen_by_default: bool = True,
     planned_lr: Optional[dict[str, float]] = None,
     unit_optimizer_defaults: Optional[dict[str, dict[str, Any]]] = None,
-    command_defaults: Optional[Callable[[Any, set], dict[str, Any]]] = None,
+    command_defaults: Optional[Callable[[Any], dict[str, Any]]] = None,
 ):
     """Parse ``argv`` (``sys.argv[1:]`` if None) with ``parser`` (an ``HfArgumentParser`` whose last dataclass is
     ``DPTrainingArguments``): ``protocol_defaults`` < ``defaults`` < YAML ``--config`` < command line, then the
@@ -185,8 +192,7 @@ def parse_layered(
     other default, e.g. the schedule) when ``--privacy_unit_column`` is given, for the keys the user did not set.
     Returns the parsed dataclasses."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].lower().endswith(ARGS_FILE_SUFFIXES) and not argv[0].startswith("-"):
-        argv = ["--config", argv[0]]  # run_glue's `python run_glue.py args.json`: the file's values are the arguments
+    argv = args_file_argv(argv)
     want_help = any(a in ("-h", "--help", "--help-all") for a in argv)
     parser._hf_dp_help_all = "--help-all" in argv  # --help shows the recipe's flags; --help-all every HF flag too
     argv = [a for a in argv if a not in ("-h", "--help", "--help-all")]
@@ -240,7 +246,7 @@ def parse_layered(
             parser.set_defaults(**{key: value})
     # a recipe's defaults that depend on this command line (recipes/dpo.py: 1 epoch for DP DPO with one pair per unit),
     # below what the user, a caller's preset and the config file give; --help shows them
-    for key, value in (command_defaults(peek, explicit) if command_defaults else {}).items():
+    for key, value in (command_defaults(peek) if command_defaults else {}).items():
         if key not in explicit and key not in (defaults or {}):
             parser.set_defaults(**{key: value})
     # the frozen prefix is cached when it can be (last_block, last_k:K, head: hf_dp.models.suffix_blocks): the same
