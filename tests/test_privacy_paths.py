@@ -216,6 +216,42 @@ def test_resume_on_other_data_of_the_same_size_is_refused(tok, ds, collator, tmp
     assert ok.state.global_step == 4
 
 
+
+def test_resume_on_the_same_data_under_another_datasets_fingerprint(tok, ds, collator, tmp_path):
+    """🤗 Datasets' own fingerprint (random for a transform it cannot hash, e.g. TRL's DPO preparation in every process)
+    is not the data: the same rows under another ``_fingerprint`` resume; another label order does not."""
+    out = tmp_path / "run"
+    _trainer(_args(out, max_steps=2, save_strategy="steps", save_steps=2), ds, collator).train()
+    same = ds.map(lambda row: row, new_fingerprint="0123456789abcdef")
+    assert same._fingerprint != ds._fingerprint and same[:] == ds[:]
+    ok = _trainer(_args(tmp_path / "c", max_steps=4), same, collator)
+    ok.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert ok.state.global_step == 4
+    changed = ds.map(lambda row: {"labels": 1 - row["labels"]}, new_fingerprint="fedcba9876543210")
+    with pytest.raises(ValueError, match="training data differ"):
+        _trainer(_args(tmp_path / "d", max_steps=4), changed, collator).train(
+            resume_from_checkpoint=str(out / "checkpoint-2"))
+
+
+def test_a_checkpoint_marked_with_the_earlier_fingerprint_still_resumes(tok, ds, collator, tmp_path):
+    """Markers written before the fingerprint left out 🤗 Datasets' metadata hold the hash of the Arrow stream with it."""
+    from hf_dp.run import checkpointing
+
+    out = tmp_path / "run"
+    _trainer(_args(out, max_steps=2, save_strategy="steps", save_steps=2), ds, collator).train()
+    marker = checkpointing.read_marker(str(out / "checkpoint-2"))
+    legacy = checkpointing.dataset_fingerprint(ds, legacy=True)
+    assert legacy != marker["train_data"]["sha256"]
+    marker["train_data"]["sha256"] = legacy
+    checkpointing.write_marker(str(out / "checkpoint-2"), marker)
+    ok = _trainer(_args(tmp_path / "c", max_steps=4), ds, collator)
+    ok.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert ok.state.global_step == 4
+    other = make_pair_dataset(tok, n=128, seed=5)
+    with pytest.raises(ValueError, match="training data differ"):
+        _trainer(_args(tmp_path / "d", max_steps=4), other, collator).train(
+            resume_from_checkpoint=str(out / "checkpoint-2"))
+
 # ---------------------------------------------------------------------------------------------------
 # steps an interrupted run took past the checkpoint stay counted; a target ε is never exceeded
 # ---------------------------------------------------------------------------------------------------

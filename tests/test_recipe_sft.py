@@ -157,3 +157,15 @@ def test_a_validation_conversation_that_scores_a_trained_turn_is_not_held_out(va
     # the same turns in TRL's prompt-completion form (the messages before the last assistant turn as the prompt)
     as_pc = Dataset.from_list([{"prompt": val[:-1], "completion": val[-1:]}])
     assert turns_in_training(train, as_pc) is overlap and turns_in_training(as_pc, train) is overlap
+
+
+def test_a_dp_sft_run_resumes_from_its_checkpoint(files, capsys):
+    """A DP SFT run resumes from its checkpoint (the data check passes on the same conversations, as DPO's must too)."""
+    common = ("--privacy_unit_column", "user_id", "--noise_multiplier", "1.0", "--save_strategy", "steps",
+              "--save_steps", "2")
+    assert _run(files, *common) == 0  # 2 steps, a checkpoint at 2
+    capsys.readouterr()
+    assert _run(files, *common, "--max_steps", "4", "--resume_from_checkpoint", str(files / "out" / "checkpoint-2")) == 0
+    captured = capsys.readouterr()
+    assert "training data differ" not in captured.out + captured.err
+    assert json.loads((files / "out" / "release" / "privacy.json").read_text())["steps"] == 4

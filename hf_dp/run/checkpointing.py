@@ -274,12 +274,16 @@ def save_around(output_dir: str, dp, args, state, accelerator, record_spent, dat
 # ---------------------------------------------------------------------------------------------------
 # the training data a checkpoint was trained on
 # ---------------------------------------------------------------------------------------------------
-def dataset_fingerprint(dataset) -> str:
+def dataset_fingerprint(dataset, legacy: bool = False) -> str:
     """SHA-256 of a training set's content, to refuse resuming on other data of the same size.
 
-    A ``datasets.Dataset`` is hashed as the Arrow IPC stream of its rows (indices applied), any other
-    sized dataset row by row (tensors and arrays by dtype, shape and bytes). The hash is a function of
-    the private data: it is written only into checkpoint markers, which are not a release (never pushed).
+    A ``datasets.Dataset`` is hashed as its features (types and label names) and the Arrow IPC stream of its rows
+    (indices applied) without the schema's metadata: 🤗 Datasets writes its own ``fingerprint`` there, which is random
+    for a transform it cannot hash (TRL's DPO preparation gets a new one in every process), so the same rows must not
+    hash apart. ``legacy``: the hash of checkpoint markers written before, the stream with that metadata (kept only to
+    resume them: :func:`matches_training_data`). Any other sized dataset is hashed row by row (tensors and arrays by
+    dtype, shape and bytes). The hash is a function of the private data: it is written only into checkpoint markers,
+    which are not a release (never pushed).
     """
     h = hashlib.sha256()
     try:
@@ -289,9 +293,15 @@ def dataset_fingerprint(dataset) -> str:
         datasets = None
     if datasets is not None and isinstance(dataset, datasets.Dataset):
         table = dataset.with_format("arrow")[0 : len(dataset)] if len(dataset) else dataset.data.table.slice(0, 0)
+        table = table.combine_chunks()
+        if not legacy:
+            h.update(b"features:")
+            h.update(json.dumps(dataset.features.to_dict(), sort_keys=True, default=str).encode())
+            schema = pa.schema([field.remove_metadata() for field in table.schema])
+            table = pa.Table.from_arrays(table.columns, schema=schema)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table.combine_chunks())
+            writer.write_table(table)
         h.update(b"arrow:")
         h.update(sink.getvalue())
         return h.hexdigest()
@@ -300,6 +310,17 @@ def dataset_fingerprint(dataset) -> str:
         _update_hash(h, dataset[i])
     return h.hexdigest()
 
+
+
+def matches_training_data(saved: dict, now: dict, dataset) -> bool:
+    """Whether a checkpoint marker's ``train_data`` (``saved``: N and the fingerprint) describes the training data
+    ``now`` (the same, of ``dataset``): the fingerprint of :func:`dataset_fingerprint`, or for a marker written before
+    it left 🤗 Datasets' metadata out, the earlier hash (``legacy``) of the same ``dataset``."""
+    if saved == now:
+        return True
+    if dataset is None or saved.get("num_samples") != now.get("num_samples"):
+        return False
+    return saved.get("sha256") == dataset_fingerprint(dataset, legacy=True)
 
 def _update_hash(h, obj) -> None:
     import numpy as np

@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 from hf_dp.run.checkpointing import (
     RESUME_PREFIX,
     list_checkpoints,
+    matches_training_data,
     read_marker,
     same_mechanism,
     write_json_atomic,
@@ -271,6 +272,12 @@ def _choose_stream_tag(ledger, args, checkpoint: str, own_id: str | None, clean:
         ledger.meta["stream_tag"] = f"{own_id if own_id is not None else secrets.token_hex(8)}@{ledger.steps}"
 
 
+def _training_data(dp):
+    """The training set as given to the trainer (before any caching), if it is still in memory."""
+    data = getattr(dp.lineage, "data", None)
+    return data.dataset() if data is not None else None
+
+
 def reconcile_resumed_ledger(dp, args, checkpoint: str, taken_here: int, global_step: int, data_info, epsilon) -> None:
     """After ``DPTrainer`` loaded ``checkpoint``'s optimizer state (and with it the ledger ``dp.ledger``) at HF's
     ``global_step``: refuse a checkpoint whose ledger does not match its marker or whose training data differ
@@ -287,7 +294,7 @@ def reconcile_resumed_ledger(dp, args, checkpoint: str, taken_here: int, global_
             "optimizer.pt saved (save_only_model must be False)?"
         )
     saved_data = marker.get("train_data")
-    if saved_data is not None and saved_data != data_info():
+    if saved_data is not None and not matches_training_data(saved_data, data_info(), _training_data(dp)):
         raise ValueError(
             f"refusing to resume from {checkpoint}: the training data differ from the data it was trained on "
             f"(checkpoint: {saved_data.get('num_samples')} examples, fingerprint {str(saved_data.get('sha256'))[:12]}…; "
