@@ -36,7 +36,10 @@ def _legacy_trainable(row: dict, config: str) -> int:
 
 #: flags that give LoRA other adapters than the recipes' (hf_dp.plan.lm_verdict.CALIBRATED_LORA on PEFT's default
 #: modules): runs with them are left out of the calibration, and the planner gives no verdict for such adapters
-LORA_FLAGS = ("--lora_r", "--lora_alpha", "--lora_target_modules")
+LORA_FLAGS = ("--lora_r", "--lora_alpha", "--lora_target_modules", "--lora_freeze_a")
+#: flags that change the update rule's response to noise (Adam's ε at the noise's scale, RESULTS §10e): the verdict's
+#: noise walk is calibrated on the rules' defaults, so runs with them are left out too
+RULE_FLAGS = ("--adam_epsilon",)
 
 
 def lm_calibration_rows(rows: list[dict]) -> list[dict]:
@@ -48,8 +51,9 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
     of the DP run's pretrained model on that split. Smoke runs and failed runs are left out; so is a DP run whose
     pretrained model has no run ``none`` on the split, and a run with correlated noise (``--noise_mechanism
     banded_sqrt``, RESULTS §13): the verdict's noise walk is calibrated on independent noise; and a run with other LoRA
-    adapters than the recipes' (:data:`LORA_FLAGS`, RESULTS §10e): the verdict says none for those; and an ablation at
-    a fixed σ (``--noise_multiplier``, RESULTS §10e: no noise) instead of a target ε."""
+    adapters than the recipes' (:data:`LORA_FLAGS`, RESULTS §10e): the verdict says none for those (``--lora_freeze_a``: an experimental
+    switch of RESULTS §10e that froze LoRA's A matrices, not kept in the code); one with another update-rule setting
+    (:data:`RULE_FLAGS`); and an ablation at a fixed σ (``--noise_multiplier``, RESULTS §10e: no noise) instead of a target ε."""
     def group(r):
         split = r.get("split") or "dev"  # another corpus's splits are its own texts (not SST-2's little-gain ones)
         return r.get("pretrained") or "legacy", split if r.get("corpus", "sst2") == "sst2" else f"{r['corpus']}:{split}"
@@ -68,7 +72,7 @@ def lm_calibration_rows(rows: list[dict]) -> list[dict]:
           if r.get("noise_multiplier") is not None
           and (_flag(r["command"], "--noise_mechanism") or "independent") == "independent"
           and _flag(r["command"], "--noise_multiplier") is None
-          and not any(_flag(r["command"], f) is not None for f in LORA_FLAGS)}
+          and not any(_flag(r["command"], f) is not None for f in LORA_FLAGS + RULE_FLAGS)}
     scored = [(r, group(r)) for r in dp.values()]
     # the non-private fine-tuning of a group (the latest; the gain a DP run's share is of): run "nonprivate", or its
     # release scored on another split's text
