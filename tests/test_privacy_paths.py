@@ -464,3 +464,22 @@ def test_a_logical_batch_cut_by_an_epoch_stop_is_dropped(dp_seed, ds, collator, 
     assert any(seen["cut"])  # the first micro-batch's clipped sum was pending when the epoch stopped
     assert not any(seen["next"]), "the cut logical batch's clipped sum was carried into the next epoch's step"
     assert trainer.ledger.steps == trainer.state.global_step > 0
+
+
+def test_a_transformed_or_narrowed_copy_of_the_data_is_other_data(tok, ds, collator, tmp_path):
+    """The fingerprint hashed the raw Arrow rows: ``with_transform`` (the trainer reads the transformed rows) or a column
+    selection kept the checkpoint's fingerprint, and a resume on the transformed data went ahead."""
+    from hf_dp.run.checkpointing import dataset_fingerprint
+
+    flipped = ds.with_transform(lambda batch: {**batch, "labels": [1 - y for y in batch["labels"]]})
+    assert flipped[0]["labels"] != ds[0]["labels"]
+    narrowed = ds.with_format(columns=["input_ids", "labels"])
+    prints = {dataset_fingerprint(d) for d in (ds, flipped, narrowed)}
+    assert len(prints) == 3
+    same = ds.with_transform(lambda batch: batch)  # the same rows as read: the same content, another format
+    assert dataset_fingerprint(same) == dataset_fingerprint(ds.with_transform(lambda batch: dict(batch)))
+    out = tmp_path / "run"
+    _trainer(_args(out, max_steps=2, save_strategy="steps", save_steps=2), ds, collator).train()
+    with pytest.raises(ValueError, match="training data differ"):
+        _trainer(_args(tmp_path / "d", max_steps=4), flipped, collator).train(
+            resume_from_checkpoint=str(out / "checkpoint-2"))

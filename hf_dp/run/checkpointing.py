@@ -281,9 +281,10 @@ def dataset_fingerprint(dataset, legacy: bool = False) -> str:
     (indices applied) without the schema's metadata: 🤗 Datasets writes its own ``fingerprint`` there, which is random
     for a transform it cannot hash (TRL's DPO preparation gets a new one in every process), so the same rows must not
     hash apart. ``legacy``: the hash of checkpoint markers written before, the stream with that metadata (kept only to
-    resume them: :func:`matches_training_data`). Any other sized dataset is hashed row by row (tensors and arrays by
-    dtype, shape and bytes). The hash is a function of the private data: it is written only into checkpoint markers,
-    which are not a release (never pushed).
+    resume them: :func:`matches_training_data`). Under a transform or a column selection (``with_transform``,
+    ``set_format(columns=...)``) the rows are hashed as the trainer reads them, with the format; any other sized
+    dataset is hashed row by row too (tensors and arrays by dtype, shape and bytes). The hash is a function of the
+    private data: it is written only into checkpoint markers, which are not a release (never pushed).
     """
     h = hashlib.sha256()
     try:
@@ -291,7 +292,11 @@ def dataset_fingerprint(dataset, legacy: bool = False) -> str:
         import pyarrow as pa
     except ImportError:  # pragma: no cover - both are dependencies
         datasets = None
-    if datasets is not None and isinstance(dataset, datasets.Dataset):
+    if datasets is not None and isinstance(dataset, datasets.Dataset) and not legacy and _reads_other_rows(dataset):
+        h.update(b"format:")  # a transform or a column selection: what the trainer reads is the formatted rows
+        h.update(json.dumps([dataset.format.get(k) for k in ("type", "columns", "output_all_columns")],
+                            default=str).encode())
+    elif datasets is not None and isinstance(dataset, datasets.Dataset):
         table = dataset.with_format("arrow")[0 : len(dataset)] if len(dataset) else dataset.data.table.slice(0, 0)
         table = table.combine_chunks()
         if not legacy:
@@ -311,6 +316,14 @@ def dataset_fingerprint(dataset, legacy: bool = False) -> str:
     return h.hexdigest()
 
 
+def _reads_other_rows(dataset) -> bool:
+    """Whether a 🤗 Datasets dataset's format gives its reader other rows than its Arrow table holds: a transform
+    (``with_transform`` / ``set_transform``) or a selection of columns. Its fingerprint is then of the rows as read."""
+    fmt = dataset.format
+    columns = fmt.get("columns")
+    narrowed = columns is not None and not fmt.get("output_all_columns") and set(columns) != set(dataset.column_names)
+    return fmt.get("type") == "custom" or narrowed
+
 
 def matches_training_data(saved: dict, now: dict, dataset) -> bool:
     """Whether a checkpoint marker's ``train_data`` (``saved``: N and the fingerprint) describes the training data
@@ -320,6 +333,12 @@ def matches_training_data(saved: dict, now: dict, dataset) -> bool:
         return True
     if dataset is None or saved.get("num_samples") != now.get("num_samples"):
         return False
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - a dependency
+        return False
+    if not isinstance(dataset, datasets.Dataset) or _reads_other_rows(dataset):
+        return False  # hashed row by row: the earlier hash of the raw table does not describe what is read
     return saved.get("sha256") == dataset_fingerprint(dataset, legacy=True)
 
 def _update_hash(h, obj) -> None:
