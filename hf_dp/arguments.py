@@ -180,6 +180,16 @@ class DPTrainingArguments(TrainingArguments):
             "maximum, e.g. Llama's, costs each clipped example a little of C: set it to your truncation length)."
         },
     )
+    lm_loss_weighting: str = field(
+        default="sequence",
+        metadata={
+            "help": "A causal LM's per-example loss: sequence (each sequence's mean over its tokens: every sequence "
+            "weighs the same) or token (each sequence's token sum divided by the public --dp_max_length: every token "
+            "weighs the same, as in the non-private loss, so a short sequence weighs less). Each is a function of the "
+            "example alone, clipped to C as any loss.",
+            "choices": ["sequence", "token"],
+        },
+    )
     public_dataset_size: int | None = field(
         default=None,
         metadata={
@@ -328,6 +338,8 @@ class DPTrainingArguments(TrainingArguments):
         if m is not None and self.audit_kind == "gradient" and self.fsdp:  # the same sentence as hf_dp.audit.canaries
             raise ValueError("--audit_kind gradient is not supported with --fsdp: the canaries' gradients would be added "
                              "to sharded sums; use --audit_kind input")
+        if self.lm_loss_weighting not in ("sequence", "token"):
+            raise ValueError(f"--lm_loss_weighting must be sequence or token, got {self.lm_loss_weighting!r}")
         if self.dp_max_length is not None and (isinstance(self.dp_max_length, bool) or int(self.dp_max_length) != self.dp_max_length or self.dp_max_length < 1):
             raise ValueError(f"--dp_max_length must be a whole number >= 1, got {self.dp_max_length!r}")
         n = self.public_dataset_size

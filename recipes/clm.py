@@ -83,7 +83,9 @@ TASK = "causal language modeling"
 # Recipe defaults (recipes/README.md, "Causal language modelling"; chosen on a public tune split, benchmarks/RESULTS.md
 # §10b): LoRA adapters, dp_adamw at lr 5e-4 constant (with --privacy_unit_column 2e-3 decaying linearly:
 # UNIT_OPTIMIZER_DEFAULTS, §10e), a logical batch of about N/16 units (:func:`lm_batch_plan`: 16 per device × the
-# accumulation that makes it), 2 epochs (≈ 32 steps), ε = 3, δ = 1e-5 (must be < 1/N), C = 0.1.
+# accumulation that makes it), 2 epochs (≈ 32 steps), ε = 3, δ = 1e-5 (must be < 1/N), C = 0.1, and each block's loss
+# its token sum over the block size (--lm_loss_weighting token: every token weighs the same, as in the non-private
+# loss; §10f).
 PROTOCOL_DEFAULTS: dict[str, Any] = {
     "per_device_train_batch_size": 16,
     "per_device_eval_batch_size": 16,
@@ -93,6 +95,7 @@ PROTOCOL_DEFAULTS: dict[str, Any] = {
     "epsilon": 3.0,
     "delta": 1e-5,
     "per_sample_max_grad_norm": 0.1,
+    "lm_loss_weighting": "token",
     "accountant": "prv",
     "trainable": "lora",
     "lr_scheduler_type": "constant",

@@ -115,6 +115,50 @@ def test_a_left_padded_row_gets_the_loss_of_the_same_row_unpadded(tmp_path, tok,
     torch.testing.assert_close((both - long_alone) * b, alone * b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_token_weighting_divides_each_sequences_token_sum_by_the_public_length(tmp_path, tok, side):
+    """--lm_loss_weighting token: each sequence's loss is its token sum over --dp_max_length (so a short sequence
+    weighs less, every token the same, as the model's own loss over a batch), never over a count of the micro-batch:
+    a row's loss does not depend on the rows beside it."""
+    data = lm_data(tok)
+    tr = make(tmp_path, tok, gpt2(tok), data, side=side, clipping="hooks", lm_loss_weighting="token", dp_max_length=48)
+    assert tr.dp.loss_token_norm == 48
+    model = tr.model
+    model.eval()
+    for i in (0, 5):
+        batch = collator(tok, side)([{"input_ids": data[i]["input_ids"]}])
+        scored = int((batch["labels"][:, 1:] != -100).sum())
+        own_sum = model(**batch).loss * scored  # the model's own mean times the scored tokens
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        ours = per_example_loss(logits, batch["labels"], model.config, tr.objective, batch["attention_mask"],
+                                token_norm=tr.dp.loss_token_norm)
+        torch.testing.assert_close(ours, own_sum.reshape(1) / 48, rtol=1e-6, atol=1e-6)
+    tr.model.train()
+    tr.dp.contract.probe = True  # compute_loss without the engine
+    short, long_ = {"input_ids": data[0]["input_ids"][:5]}, {"input_ids": data[1]["input_ids"] + [7] * 20}
+    loss = lambda rows: tr.compute_loss(tr.model, tr._prepare_inputs(dict(collator(tok, side)(rows))))  # noqa: E731
+    torch.testing.assert_close(loss([short, long_]) - loss([long_]), loss([short]), rtol=1e-5, atol=1e-6)
+
+
+def test_token_weighting_is_refused_where_it_would_mean_nothing(tmp_path, tok):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_dp.dpo import DPDPOConfig
+    from hf_dp.sft import DPSFTConfig
+
+    cls = BertForSequenceClassification(BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=32))
+    rows = Dataset.from_dict({"input_ids": [[2, 5, 3]] * 32, "attention_mask": [[1, 1, 1]] * 32, "labels": [0, 1] * 16})
+    with pytest.raises(ValueError, match="one label per example"):
+        DPTrainer(model=cls, args=dp_args(tmp_path / "c", noise_multiplier=1.0, epsilon=None, max_steps=1,
+                                          trainable="all", lm_loss_weighting="token"), train_dataset=rows)
+    for config in (DPSFTConfig, DPDPOConfig):
+        with pytest.raises(ValueError, match="lm_loss_weighting token is DPTrainer's causal-LM loss"):
+            config(output_dir=str(tmp_path / "x"), epsilon=3.0, use_cpu=True, lm_loss_weighting="token")
+    with pytest.raises(ValueError, match="sequence or token"):
+        dp_args(tmp_path / "d", lm_loss_weighting="tokens")
+
+
 # ---------------------------------------------------------------------------------------------------
 # unit-level sensitivity through DPTrainer
 # ---------------------------------------------------------------------------------------------------
@@ -137,13 +181,14 @@ def tok_of(tr):
     return tr.data_collator.tokenizer
 
 
+@pytest.mark.parametrize("weighting", ["sequence", "token"])
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("engine", ENGINES)
-def test_removing_one_unit_moves_the_clipped_sum_by_at_most_c(tmp_path, tok, engine, side):
+def test_removing_one_unit_moves_the_clipped_sum_by_at_most_c(tmp_path, tok, engine, side, weighting):
     data = lm_data(tok, users=lambda i: i // 3)
     c = 0.01  # every unit's gradient is clipped
     tr = make(tmp_path, tok, gpt2(tok), data, side=side, clipping=engine, per_sample_max_grad_norm=c,
-              privacy_unit_column="user_id")
+              privacy_unit_column="user_id", lm_loss_weighting=weighting)
     assert tr.clipping == ("hooks" if engine == "hooks" else engine) or engine != "hooks"
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(5, len(tok), (n,), generator=g).tolist() for n in (3, 40, 7, 2, 25, 12)]

@@ -184,6 +184,9 @@ class DPDPOConfig(DPTrainingArguments, DPOConfig):
     def __post_init__(self):
         if not self.disable_dp:
             enforce_dpo(self)
+        if self.lm_loss_weighting != "sequence":
+            raise ValueError("--lm_loss_weighting token is DPTrainer's causal-LM loss (recipes/clm.py); a DPO pair's loss is TRL's per-pair formula: "
+                             "drop the flag")
         super().__post_init__()
 
 
@@ -194,6 +197,9 @@ class DPRewardConfig(DPTrainingArguments, RewardConfig):
     def __post_init__(self):
         if not self.disable_dp:
             enforce_reward(self)
+        if self.lm_loss_weighting != "sequence":
+            raise ValueError("--lm_loss_weighting token is DPTrainer's causal-LM loss (recipes/clm.py); a reward pair's loss is one margin per pair: "
+                             "drop the flag")
         super().__post_init__()
 
 

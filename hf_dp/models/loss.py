@@ -95,9 +95,13 @@ def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return _TokenCrossEntropy.apply(logits.contiguous(), target)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, config=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, config=None, attention_mask: torch.Tensor | None = None,
+                   token_norm: int | None = None) -> torch.Tensor:
     """``[B]``: each sequence's mean next-token cross-entropy over its scored tokens (label ≠ -100 after the shift),
-    0 for a sequence with none. The shift is the model's own (transformers' ``ForCausalLMLoss``).
+    0 for a sequence with none. The shift is the model's own (transformers' ``ForCausalLMLoss``). ``token_norm``
+    (``--lm_loss_weighting token``): each sequence's token sum divided by this public constant instead (the run's
+    ``--dp_max_length``), never by a count of the micro-batch — so every token weighs the same, as in the model's own
+    loss over a batch, and the loss is still a function of the sequence alone.
 
     With ``attention_mask``, only real tokens predict and are predicted: under left padding the model's own loss
     also scores the last pad position against the row's first token, and a collator that copies ``input_ids`` into
@@ -111,6 +115,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, config=None, atte
         shift = shift.masked_fill(real.logical_not() | target_real.logical_not(), IGNORE_INDEX)
     B, T = shift.shape
     tokens = token_cross_entropy(logits.reshape(B * T, logits.shape[-1]), shift.reshape(-1)).view(B, T)
+    if token_norm is not None:
+        return tokens.sum(1) / float(token_norm)
     scored = (shift != IGNORE_INDEX).sum(1)
     return tokens.sum(1) / scored.clamp_min(1).to(tokens.dtype)
 
@@ -204,12 +210,12 @@ def objective_for(model) -> Objective | None:
 
 
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, config, objective: Objective | None = None,
-                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B]`` per-example losses under ``objective`` (default: sequence classification); ``attention_mask`` is read by
-    objectives with per-token labels (see :func:`causal_lm_loss`)."""
+                     attention_mask: torch.Tensor | None = None, token_norm: int | None = None) -> torch.Tensor:
+    """``[B]`` per-example losses under ``objective`` (default: sequence classification); ``attention_mask`` and
+    ``token_norm`` are read by objectives with per-token labels (see :func:`causal_lm_loss`)."""
     obj = objective or OBJECTIVES["sequence_classification"]
     if obj.token_labels:
-        return obj.per_example(logits, labels, config, attention_mask=attention_mask)
+        return obj.per_example(logits, labels, config, attention_mask=attention_mask, token_norm=token_norm)
     return obj.per_example(logits, labels, config)
 
 

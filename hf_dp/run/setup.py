@@ -118,6 +118,7 @@ def setup_privacy(dp, args, model, train_dataset, fingerprint_source, objective,
     dp.clipping = choose_clipping(args, model, fsdp, deepspeed)  # the engine's name (hf_dp.clipping.engines)
     dp.fsdp = bool(fsdp)  # FSDP2 under DP (hf_dp.clipping.sharding)
     dp.bounds = token_bounds(model, args, spec, world, units=dp.units.rows is not None)
+    dp.loss_token_norm = loss_token_norm(args, objective, dp.bounds)
     check_row_lengths(train_dataset, dp.bounds.max_length, args.length_column_name)
     # --audit_kind gradient: the engine hands each drawn canary's gradient to the privatizer's clipping
     if dp.fsdp and dp.clipping == "ghost":  # its clipped sums reduce-scattered into the shards
@@ -286,6 +287,17 @@ def token_bounds(model, args, spec, world: int, units: bool = False) -> TokenBou
     length = args.dp_max_length or getattr(args, "max_length", None)
     return TokenBounds.for_model(model, length if isinstance(length, int) and length > 0 else None, rows,
                                  micro_batches=args.gradient_accumulation_steps * max(1, world))
+
+
+def loss_token_norm(args, objective, bounds) -> int | None:
+    """``--lm_loss_weighting token``: the public length each sequence's token sum is divided by (the run's
+    ``--dp_max_length``, else the bound :func:`token_bounds` chose), for a causal LM; refused for another head."""
+    if getattr(args, "lm_loss_weighting", "sequence") != "token":
+        return None
+    if objective is None or not objective.token_labels:
+        raise ValueError("--lm_loss_weighting token weighs a causal LM's tokens; this model's loss has one label per "
+                         "example: drop the flag")
+    return int(bounds.max_length)
 
 
 def check_row_lengths(dataset, max_length: int, length_column_name: str = "length") -> None:

@@ -118,6 +118,7 @@ class PrivacyState:
     engine: Any = None  # hf_dp.clipping.engines.ClippingEngine
     clipping: str | None = None  # the engine's name (ghost, ghost_two_pass, hooks)
     bounds: Any = None  # hf_dp.clipping.common.TokenBounds: the run's public token bounds
+    loss_token_norm: int | None = None  # --lm_loss_weighting token: the public length a sequence's token sum is divided by
     randomness: str | None = None  # hf_dp.privacy.randomness: entropy, csprng or seeded
     noise_seed: int | None = None  # --dp_seed (None: not seeded)
     run_id: str | None = None  # a random public id of this run (a resume is a new run)

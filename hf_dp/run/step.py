@@ -129,7 +129,8 @@ def private_loss(dp, model, inputs: dict, objective, config, world_size: int, au
         outputs = model(**inputs)
     check_output_precision(outputs.logits)  # and no autocast the weights do not show
     contract.check_logits(outputs.logits, labels, objective)
-    losses = per_example_loss(outputs.logits, labels, config, objective, inputs.get("attention_mask"))
+    losses = per_example_loss(outputs.logits, labels, config, objective, inputs.get("attention_mask"),
+                              token_norm=dp.loss_token_norm)
     if audit_losses is not None:  # a gradient canary's loss is 0 (its gradient: the engine's wrapper)
         losses = audit_losses(losses, empty)
     dp.step.empty = empty

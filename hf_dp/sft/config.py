@@ -121,6 +121,9 @@ class DPSFTConfig(DPTrainingArguments, SFTConfig):
     def __post_init__(self):
         if not self.disable_dp:
             enforce_sft(self)
+        if self.lm_loss_weighting != "sequence":
+            raise ValueError("--lm_loss_weighting token is DPTrainer's causal-LM loss (recipes/clm.py); an SFT conversation's loss is the mean over its scored tokens (docs/sft.md): "
+                             "drop the flag")
         super().__post_init__()
 
 
