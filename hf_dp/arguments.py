@@ -357,3 +357,11 @@ class DPTrainingArguments(TrainingArguments):
                 raise ValueError(f"--noise_bands {bands} with --dataloader_num_workers {self.dataloader_num_workers}: "
                                  "worker processes draw batches ahead of the steps, and cyclic Poisson sampling must "
                                  "draw each step's batch from that step's partition; use --dataloader_num_workers 0")
+
+
+def refuse_token_weighting(args, why: str) -> None:
+    """A trainer whose per-example loss is its own (SFT, DPO, reward pairs: ``why``) refuses ``--lm_loss_weighting
+    token``, DPTrainer's causal-LM loss; run by the configs and again by the trainers (the config may have changed)."""
+    if getattr(args, "lm_loss_weighting", "sequence") != "sequence":
+        raise ValueError(f"--lm_loss_weighting token is DPTrainer's causal-LM loss (recipes/clm.py); {why}: drop the "
+                         "flag")

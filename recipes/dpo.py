@@ -77,7 +77,7 @@ DEFAULT_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{
                          "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
 # clm.py's defaults for LoRA on a causal LM (chosen on plain text, benchmarks/RESULTS.md §10b), with DPO's own batch
-PROTOCOL_DEFAULTS: dict[str, Any] = dict(CLM_PROTOCOL_DEFAULTS)
+PROTOCOL_DEFAULTS: dict[str, Any] = {k: v for k, v in CLM_PROTOCOL_DEFAULTS.items() if k != "lm_loss_weighting"}  # TRL's own loss
 #: DPO's default logical batch without a batch flag: ≈ N/125 units (16 per device at least: q ≈ 1/125; 2 epochs ≈
 #: 250 steps), chosen on the tune split of benchmarks/dpo_experiment.py (RESULTS.md §14): clm.py's N/16 gave
 #: 32 steps, after which DPO had barely moved the model even at ε = 50; 250 steps at lr 5e-4 scored best of the plans

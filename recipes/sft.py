@@ -88,7 +88,7 @@ DEFAULT_CHAT_TEMPLATE = (
 # Recipe defaults: recipes/clm.py's for LoRA on a causal LM (benchmarks/RESULTS.md §10b) — LoRA, constant schedule,
 # C = 0.1, 2 epochs, ε = 3, δ = 1e-5, without a batch flag a logical batch of ≈ N/16 units (clm.lm_batch_plan) — but
 # dp_adamw / dp_adam at lr 2e-3, chosen on a public tune split of conversations (RESULTS §10d)
-PROTOCOL_DEFAULTS: dict[str, Any] = dict(CLM_PROTOCOL_DEFAULTS)
+PROTOCOL_DEFAULTS: dict[str, Any] = {k: v for k, v in CLM_PROTOCOL_DEFAULTS.items() if k != "lm_loss_weighting"}  # TRL's own loss
 #: the Adam-type rules' learning rate for conversations (RESULTS §10d: on the tune split of QNLI conversations 2e-3 kept
 #: 64 % (one conversation per unit) and 48 % (per user) of the non-private gain, clm.py's 5e-4 37 % and 19 %; 4e-3
 #: kept more there, but its noise walk is past the threshold where every measured run on text close to the

@@ -159,6 +159,34 @@ def test_token_weighting_is_refused_where_it_would_mean_nothing(tmp_path, tok):
         dp_args(tmp_path / "d", lm_loss_weighting="tokens")
 
 
+def test_the_weighting_is_recorded_fixed_at_construction_and_kept_across_a_resume(tmp_path, tok):
+    """Review of --lm_loss_weighting: the release says which loss trained it; a change after the trainer is built, a
+    resume under the other weighting (recipes/clm.py's default changed) and a mutated SFT / DPO / reward config are
+    refused."""
+    from hf_dp.dpo.config import enforce_dpo, enforce_reward
+    from hf_dp.sft.config import enforce_sft
+
+    data = lm_data(tok)
+    out = tmp_path / "out"  # make()'s output_dir
+    first = make(tmp_path, tok, gpt2(tok), data, clipping="hooks", lm_loss_weighting="token", dp_max_length=40,
+                 save_strategy="steps", save_steps=2)
+    first.train()
+    report = first.privacy_report()
+    assert report["lm_loss_weighting"] == {"weighting": "token", "token_norm": 40}
+    other = make(tmp_path / "b", tok, gpt2(tok), data, clipping="hooks", max_steps=4, dp_max_length=40)
+    with pytest.raises(ValueError, match="trained with --lm_loss_weighting token and this run asks for sequence"):
+        other.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    changed = make(tmp_path / "c", tok, gpt2(tok), data, clipping="hooks")
+    changed.args.lm_loss_weighting = "token"
+    with pytest.raises(ValueError, match="lm_loss_weighting"):
+        changed.train()
+    args = dp_args(tmp_path / "x", lm_loss_weighting="sequence")
+    args.lm_loss_weighting = "token"  # set after the config was built: the trainers run these checks again
+    for enforce in (enforce_sft, enforce_dpo, enforce_reward):
+        with pytest.raises(ValueError, match="lm_loss_weighting token is DPTrainer's causal-LM loss"):
+            enforce(args)
+
+
 # ---------------------------------------------------------------------------------------------------
 # unit-level sensitivity through DPTrainer
 # ---------------------------------------------------------------------------------------------------

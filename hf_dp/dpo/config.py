@@ -22,7 +22,7 @@ try:
 except ImportError as exc:  # the sft extra is not installed
     raise ImportError('hf_dp.dpo needs TRL: pip install -e ".[sft]" (or pip install "trl>=1.16,<2")') from exc
 
-from hf_dp.arguments import DPTrainingArguments
+from hf_dp.arguments import DPTrainingArguments, refuse_token_weighting
 from hf_dp.flags import (ADJUSTED, CHAT_TEMPLATE_PATH_RULES, REFUSED, SAFE, STATUS_TEXT, Rule, config_fields,
                          enforce_config)
 
@@ -170,10 +170,12 @@ def enforce(args, registry: dict, config_cls, what: str) -> None:
 
 
 def enforce_dpo(args) -> None:
+    refuse_token_weighting(args, "a DPO pair's loss is TRL's per-pair formula")
     enforce(args, DPO_FLAGS, DPOConfig, "DPOConfig")
 
 
 def enforce_reward(args) -> None:
+    refuse_token_weighting(args, "a reward pair's loss is one margin per pair")
     enforce(args, REWARD_FLAGS, RewardConfig, "RewardConfig")
 
 
@@ -184,9 +186,6 @@ class DPDPOConfig(DPTrainingArguments, DPOConfig):
     def __post_init__(self):
         if not self.disable_dp:
             enforce_dpo(self)
-        if self.lm_loss_weighting != "sequence":
-            raise ValueError("--lm_loss_weighting token is DPTrainer's causal-LM loss (recipes/clm.py); a DPO pair's loss is TRL's per-pair formula: "
-                             "drop the flag")
         super().__post_init__()
 
 
@@ -197,9 +196,6 @@ class DPRewardConfig(DPTrainingArguments, RewardConfig):
     def __post_init__(self):
         if not self.disable_dp:
             enforce_reward(self)
-        if self.lm_loss_weighting != "sequence":
-            raise ValueError("--lm_loss_weighting token is DPTrainer's causal-LM loss (recipes/clm.py); a reward pair's loss is one margin per pair: "
-                             "drop the flag")
         super().__post_init__()
 
 

@@ -86,6 +86,11 @@ def privacy_report(mechanism, ledger, run: RunFacts, *, epsilon: float) -> dict:
         "hf_dp_version": __version__,
         "differential_privacy": True,
         "objective": run.objective,
+        # a causal LM's per-example loss: each sequence's mean over its tokens, or its token sum over the public length
+        "lm_loss_weighting": (None if run.objective != "causal_lm" else
+                              {"weighting": getattr(args, "lm_loss_weighting", "sequence"),
+                               "token_norm": run.bounds.max_length if run.bounds is not None and getattr(
+                                   args, "lm_loss_weighting", "sequence") == "token" else None}),
         "epsilon": epsilon,
         **described,
         "steps": ledger.steps,

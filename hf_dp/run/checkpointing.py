@@ -235,7 +235,7 @@ def checkpoint_info(dp, args, global_step: int, data_info, epsilon, fsdp: bool =
     if args.dp_enabled:
         info.update(
             ledger_steps=dp.ledger.steps, epsilon=epsilon(), privacy_spec=dp.spec.as_dict(),
-            train_data=data_info(), run_id=dp.run_id,
+            train_data=data_info(), run_id=dp.run_id, lm_loss_weighting=getattr(args, "lm_loss_weighting", "sequence"),
         )
     return info
 

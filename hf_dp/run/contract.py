@@ -320,7 +320,7 @@ def _check_length(batch, max_length: int | None, i: int) -> None:
     mask, ids = batch.get("attention_mask"), batch.get("input_ids")
     masked = torch.is_tensor(mask) and mask.dim() == 2 and mask.numel() > 0
     if masked:
-        longest = int(mask.sum(-1).max())
+        longest = int((mask != 0).sum(-1).max())  # any non-zero mask value is a real token to the model and the loss
     elif torch.is_tensor(ids) and ids.dim() == 2:
         longest = int(ids.shape[1])  # without a mask the model attends to every position, padding included
     else:
@@ -358,7 +358,7 @@ MECHANISM_ARGS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "epsilon", "noise_multiplier", "delta",
     "per_sample_max_grad_norm", "accountant", "max_steps", "num_train_epochs", "clipping", "trainable", "optim",
     "secure_rng", "dp_seed", "cache_frozen_features", "disable_dp", "privacy_unit_column", "max_rows_per_unit",
-    "public_dataset_size", "noise_mechanism", "noise_bands",
+    "public_dataset_size", "noise_mechanism", "noise_bands", "lm_loss_weighting",
 )
 
 

@@ -501,7 +501,7 @@ def split_to_bounds(inputs: dict, bounds, fsdp: bool = False) -> list:
     length = int(ids.shape[1]) if ids.dim() > 1 else max(
         [int(v.shape[1]) for v in inputs.values() if torch.is_tensor(v) and v.dim() > 1 and v.shape[0] == rows] or [1])
     mask = inputs.get("attention_mask")
-    real = int(mask.sum(-1).max()) if torch.is_tensor(mask) and mask.dim() == 2 and mask.numel() else length
+    real = int((mask != 0).sum(-1).max()) if torch.is_tensor(mask) and mask.dim() == 2 and mask.numel() else length
     if real > bounds.max_length:  # (padding beyond it, e.g. pad_to_multiple_of, adds only exact zeros to the sums)
         raise ValueError(f"a training row of {real} tokens exceeds the run's public --dp_max_length "
                          f"{bounds.max_length}: truncate the rows to it, or raise --dp_max_length")

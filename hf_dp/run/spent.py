@@ -301,6 +301,12 @@ def reconcile_resumed_ledger(dp, args, checkpoint: str, taken_here: int, global_
             f"now: {data_info()['num_samples']} examples, fingerprint "
             f"{data_info()['sha256'][:12]}…). Resume with the same training set or start a new run."
         )
+    trained, asked = marker.get("lm_loss_weighting", "sequence"), getattr(args, "lm_loss_weighting", "sequence")
+    if trained != asked:  # markers written before the flag: every run was sequence-weighted
+        raise ValueError(
+            f"refusing to resume from {checkpoint}: it was trained with --lm_loss_weighting {trained} and this run asks "
+            f"for {asked} (recipes/clm.py's default became token); resume with --lm_loss_weighting {trained} or start "
+            "a new run")
     dp.lineage.resumed_ledger_steps = steps
     # Steps taken past this checkpoint (by an interrupted run, as recorded in output_dir, or by this
     # trainer) were computed with randomness that is gone; the steps resumed now draw fresh batches

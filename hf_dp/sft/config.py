@@ -24,7 +24,7 @@ try:
 except ImportError as exc:  # the sft extra is not installed
     raise ImportError('hf_dp.sft needs TRL: pip install -e ".[sft]" (or pip install "trl>=1.16,<2")') from exc
 
-from hf_dp.arguments import DPTrainingArguments
+from hf_dp.arguments import DPTrainingArguments, refuse_token_weighting
 from hf_dp.flags import (ADJUSTED, CHAT_TEMPLATE_PATH_RULES, REFUSED, SAFE, STATUS_TEXT, Rule, config_fields,
                          enforce_config)
 
@@ -95,6 +95,7 @@ def sft_fields() -> list[str]:
 def enforce_sft(args) -> None:
     """Raise the first refusal of :data:`SFT_FLAGS` (raw values); a field of a newer TRL that is not classified is
     refused when it differs from its default."""
+    refuse_token_weighting(args, "an SFT conversation's loss is the mean over its scored tokens (docs/sft.md)")
     enforce_config(args, SFT_FLAGS, SFTConfig, "an SFTConfig", "hf_dp/sft/config.py")
 
 
@@ -121,9 +122,6 @@ class DPSFTConfig(DPTrainingArguments, SFTConfig):
     def __post_init__(self):
         if not self.disable_dp:
             enforce_sft(self)
-        if self.lm_loss_weighting != "sequence":
-            raise ValueError("--lm_loss_weighting token is DPTrainer's causal-LM loss (recipes/clm.py); an SFT conversation's loss is the mean over its scored tokens (docs/sft.md): "
-                             "drop the flag")
         super().__post_init__()
 
 

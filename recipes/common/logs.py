@@ -132,6 +132,12 @@ def time_left_callback():
     return TrainingTimeLeft()
 
 
+def _row_loss(training_args) -> str:
+    if getattr(training_args, "lm_loss_weighting", "sequence") == "token":
+        return f"token sum over the block size {training_args.dp_max_length}"
+    return "mean over its scored tokens"
+
+
 def unit_loss_line(training_args, row: str, rows: str) -> Optional[str]:
     """Under ``--privacy_unit_column`` the training loss DPTrainer logs is per *unit*: each drawn unit's loss is the sum
     of its rows' losses (what is clipped and trained on), and the logged ``loss`` is their sum over the step divided by
@@ -143,6 +149,6 @@ def unit_loss_line(training_args, row: str, rows: str) -> Optional[str]:
     if not training_args.dp_enabled or column is None:
         return None
     return (f"training loss: with --privacy_unit_column {column} the logged 'loss' is per unit, not per {row}: each "
-            f"drawn unit's loss is the sum of its {rows}' losses (each {row}'s mean over its scored tokens; that sum is "
+            f"drawn unit's loss is the sum of its {rows}' losses (each {row}'s {_row_loss(training_args)}; that sum is "
             f"what is clipped to C and trained on), averaged over the step's expected B units — so it is about "
             f"({rows} per unit) × the per-{row} loss, while eval_loss is a mean per token of held-out {rows}")
