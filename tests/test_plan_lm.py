@@ -131,7 +131,7 @@ def test_the_expected_share_reads_the_schedules_mean_learning_rate():
     assert f"≈ {ls.predicted_share(s):.0%} of the non-private LoRA gain" in linear
     constant = ls.share_sentence(**plan, learning_rate=1e-3)
     assert constant.split(": expected")[1].split("; a ")[0] == linear.split(": expected")[1].split("; a ")[0]
-    assert "a learning rate of 0.0011 would move it" in constant and "a peak learning rate of 0.0022" in linear
+    assert "a learning rate of 0.001 would move it" in constant and "a peak learning rate of 0.0021" in linear
     assert ls.share_sentence(**plan, learning_rate=2e-3, schedule="polynomial") is None
     block, _ = run_block(n=1272, batch_size=80, steps=32, sigma=0.973, delta=1e-5, accountant="prv",
                          max_grad_norm=0.1, params=16384, causal_lm=True, optim="dp_adamw", learning_rate=2e-3,
