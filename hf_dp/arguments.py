@@ -183,10 +183,7 @@ class DPTrainingArguments(TrainingArguments):
     lm_loss_weighting: str = field(
         default="sequence",
         metadata={
-            "help": "A causal LM's per-example loss: sequence (each sequence's mean over its tokens: every sequence "
-            "weighs the same) or token (each sequence's token sum divided by the public --dp_max_length: every token "
-            "weighs the same, as in the non-private loss, so a short sequence weighs less). Each is a function of the "
-            "example alone, clipped to C as any loss.",
+            "help": "Causal LM loss: token mean, or token sum / --dp_max_length.",
             "choices": ["sequence", "token"],
         },
     )

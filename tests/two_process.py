@@ -88,10 +88,23 @@ def env() -> dict[str, str]:
     return e
 
 
+#: the abort of a gloo worker thread torn down while joinable (C++ ``std::terminate``, exit code -6), seen now and then
+#: in the FSDP2 sensitivity job on this machine (twice in CI, each time passing when run again): not a result of the
+#: code under test, so the launch is repeated once on it — a second abort fails the test
+NATIVE_ABORT = "terminate called without an active exception"
+
+
 def launch(tmp_path: str | os.PathLike, body: str, timeout: int = 240) -> None:
     """Run :data:`PREAMBLE` + ``body`` as a 2-process gloo job (torchrun) in ``tmp_path``; fail on error or timeout
-    (skip where gloo is unusable)."""
-    tmp_path = Path(tmp_path)
+    (skip where gloo is unusable); once more on :data:`NATIVE_ABORT`."""
+    for attempt in (1, 2):
+        stderr = _launch_once(Path(tmp_path), body, timeout, final=attempt == 2)
+        if stderr is None:
+            return
+
+
+def _launch_once(tmp_path: Path, body: str, timeout: int, final: bool) -> str | None:
+    """One launch: None on success, the stderr of a native abort to retry (unless ``final``); fails otherwise."""
     script = tmp_path / "worker.py"
     script.write_text(PREAMBLE + textwrap.dedent(body) + FOOTER)
     # a process group of its own (start_new_session), so that on a timeout the launcher *and* its workers (this test's
@@ -108,7 +121,10 @@ def launch(tmp_path: str | os.PathLike, body: str, timeout: int = 240) -> None:
         low = stderr.lower()
         if "gloo" in low and ("not available" in low or "unsupported" in low):
             pytest.skip("gloo backend unusable here")
+        if NATIVE_ABORT in stderr and not final:
+            return stderr
         pytest.fail(f"torchrun failed ({proc.returncode}):\n{stderr[-6000:]}")
+    return None
 
 
 def in_sequence(**bodies: str) -> str:
