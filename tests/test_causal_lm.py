@@ -235,6 +235,23 @@ def test_removing_one_unit_moves_the_clipped_sum_by_at_most_c(tmp_path, tok, eng
     assert float(one_unit.norm()) <= c * (1 + 1e-4) < float(two_units.norm())
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_token_weighting_under_many_copies_of_a_short_row_and_one_long_row(tmp_path, tok, engine):
+    """The batch an attacker would pick: 24 copies of a 2-token row beside one row of the bound's length. Adding or
+    removing the long row moves the clipped sum by at most C, and each copy's contribution is what it is alone."""
+    data = lm_data(tok, users=lambda i: i)
+    c = 0.01
+    tr = make(tmp_path, tok, gpt2(tok), data, clipping=engine, per_sample_max_grad_norm=c, privacy_unit_column="user_id",
+              lm_loss_weighting="token", dp_max_length=48)
+    short, long_ = [7, 9], list(torch.randint(5, len(tok), (48,), generator=torch.Generator().manual_seed(3)).tolist())
+    crowd = [short] * 24
+    with_long = _clipped_sum(tr, crowd + [long_], [f"u{i}" for i in range(25)])
+    without = _clipped_sum(tr, crowd, [f"u{i}" for i in range(24)])
+    assert float((with_long - without).norm()) <= c * (1 + 1e-4)
+    alone = _clipped_sum(tr, [short], ["u0"])
+    torch.testing.assert_close(without, 24 * alone, rtol=1e-4, atol=1e-7)
+
+
 # ---------------------------------------------------------------------------------------------------
 # sampling and accounting over units
 # ---------------------------------------------------------------------------------------------------

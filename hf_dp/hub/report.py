@@ -51,6 +51,16 @@ class RunFacts:
             audit=dp.audit_record)
 
 
+def _lm_loss_weighting(args, run: RunFacts) -> dict | None:
+    """A causal LM's per-example loss (``--lm_loss_weighting``): the weighting, and under ``token`` the public length
+    each sequence's token sum was divided by (the run's token bound); None for another head."""
+    if run.objective != "causal_lm":
+        return None
+    weighting = getattr(args, "lm_loss_weighting", "sequence")
+    token = weighting == "token" and run.bounds is not None
+    return {"weighting": weighting, "token_norm": int(run.bounds.max_length) if token else None}
+
+
 def _schedule(args, hyper: dict) -> dict:
     hyper["weight_decay"] = args.weight_decay
     hyper["lr"] = args.learning_rate
@@ -87,10 +97,7 @@ def privacy_report(mechanism, ledger, run: RunFacts, *, epsilon: float) -> dict:
         "differential_privacy": True,
         "objective": run.objective,
         # a causal LM's per-example loss: each sequence's mean over its tokens, or its token sum over the public length
-        "lm_loss_weighting": (None if run.objective != "causal_lm" else
-                              {"weighting": getattr(args, "lm_loss_weighting", "sequence"),
-                               "token_norm": run.bounds.max_length if run.bounds is not None and getattr(
-                                   args, "lm_loss_weighting", "sequence") == "token" else None}),
+        "lm_loss_weighting": _lm_loss_weighting(args, run),
         "epsilon": epsilon,
         **described,
         "steps": ledger.steps,

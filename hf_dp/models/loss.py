@@ -214,10 +214,9 @@ def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, config, objecti
     """``[B]`` per-example losses under ``objective`` (default: sequence classification); ``attention_mask`` and
     ``token_norm`` are read by objectives with per-token labels (see :func:`causal_lm_loss`)."""
     obj = objective or OBJECTIVES["sequence_classification"]
-    if obj.token_labels and token_norm is not None:
-        return obj.per_example(logits, labels, config, attention_mask=attention_mask, token_norm=token_norm)
-    if obj.token_labels:  # a per-token objective of its own (DPO's pairs) takes no token_norm: refused for it
-        return obj.per_example(logits, labels, config, attention_mask=attention_mask)
+    if obj.token_labels:  # token_norm only when set: a per-token objective of its own (DPO's pairs) takes none
+        extra = {} if token_norm is None else {"token_norm": token_norm}
+        return obj.per_example(logits, labels, config, attention_mask=attention_mask, **extra)
     return obj.per_example(logits, labels, config)
 
 

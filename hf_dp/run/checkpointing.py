@@ -341,6 +341,7 @@ def matches_training_data(saved: dict, now: dict, dataset) -> bool:
         return False  # hashed row by row: the earlier hash of the raw table does not describe what is read
     return saved.get("sha256") == dataset_fingerprint(dataset, legacy=True)
 
+
 def _update_hash(h, obj) -> None:
     import numpy as np
     import torch
